@@ -1,0 +1,1 @@
+"""Model architectures; ``registry`` maps config.json ``architectures`` to classes."""

@@ -1,0 +1,148 @@
+"""DeepSeek-V4-Flash in plain PyTorch (model_spec.md §1.2-§2; V4 variant of each block).
+
+Module and parameter names follow the official checkpoint layout (``embed``,
+``layers.{i}.attn.wq_a``, ``layers.{i}.hc_attn_fn``, ``head``, ...) so weights load by name.
+The model is a pure function of ``(input_ids, positions, ForwardBatch)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from deepinfer.config import CSA, HCA, DeepseekV4Config
+from deepinfer.models.forward_batch import ForwardBatch, LayerCache, SequenceCache
+from deepinfer.models.layers.attention import Attention
+from deepinfer.models.layers.mhc import hc_collapse, hc_expand, hc_head_collapse, hc_mixes
+from deepinfer.models.layers.moe import MoE
+from deepinfer.models.layers.norms import RMSNorm
+from deepinfer.models.layers.rope import Rotary
+
+
+@dataclass(frozen=True)
+class LayerCacheSpec:
+    """What one layer keeps per sequence; the cache manager allocates from this alone."""
+
+    kind: str  # "sliding" | "csa" | "hca"
+    window: int  # K=V vectors of the sliding window (the last window-1 plus the current)
+    kv_dim: int
+    ratio: int  # one compressed entry per `ratio` tokens (0: none)
+    index_dim: int  # indexer key width (0: no indexer)
+
+
+class Block(nn.Module):
+    """Attention and MoE, each wrapped in an mHC site (V4: ``pre`` used at its own site)."""
+
+    def __init__(self, cfg: DeepseekV4Config, layer: int, main_rope: Rotary, compress_rope: Rotary) -> None:
+        super().__init__()
+        n, h = cfg.hc_mult, cfg.hidden_size
+        mix = (2 + n) * n
+        self.cfg = cfg
+        self.attn_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer, main_rope, compress_rope)
+        self.ffn = MoE(cfg, layer)
+        for site in ("attn", "ffn"):
+            self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.zeros(mix, n * h, dtype=torch.float32)))
+            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
+            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
+
+    def _mixes(self, streams: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        return hc_mixes(
+            streams,
+            getattr(self, f"hc_{site}_fn"),
+            getattr(self, f"hc_{site}_base"),
+            getattr(self, f"hc_{site}_scale"),
+            sinkhorn_iters=c.hc_sinkhorn_iters,
+            hc_eps=c.hc_eps,
+            norm_eps=c.rms_norm_eps,
+        )
+
+    def forward(
+        self, streams: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, cache: LayerCache
+    ) -> torch.Tensor:
+        pre, post, comb = self._mixes(streams, "attn")
+        y = self.attn(self.attn_norm(hc_collapse(streams, pre)), positions, cache)
+        streams = hc_expand(y, streams, post, comb)
+        pre, post, comb = self._mixes(streams, "ffn")
+        y = self.ffn(self.ffn_norm(hc_collapse(streams, pre)), input_ids)
+        return hc_expand(y, streams, post, comb)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """The V4-Flash backbone + head. ``model(input_ids)`` returns full logits (no cache)."""
+
+    # Parameters the reference keeps in fp32 whatever the compute dtype (model_spec.md §2.10).
+    FP32_PARAM_MARKERS = ("norm.weight", "hc_", "attn_sink", ".ape", "gate.bias")
+
+    def __init__(self, cfg: DeepseekV4Config) -> None:
+        super().__init__()
+        self.config = cfg
+        rd = cfg.qk_rope_head_dim
+        main_rope = Rotary(rd, cfg.rope_theta, None)
+        compress_rope = Rotary(rd, cfg.compress_rope_theta, cfg.yarn)
+        n, h = cfg.hc_mult, cfg.hidden_size
+        self.embed = nn.Embedding(cfg.vocab_size, h)
+        self.layers = nn.ModuleList(
+            Block(cfg, i, main_rope, compress_rope) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.head = nn.Linear(h, cfg.vocab_size, bias=False)
+        self.hc_head_fn = nn.Parameter(torch.zeros(n, n * h, dtype=torch.float32))
+        self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
+        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+
+    def cache_spec(self) -> list[LayerCacheSpec]:
+        cfg = self.config
+        specs = []
+        for i, kind in enumerate(cfg.layer_kinds):
+            index_dim = cfg.index_head_dim if kind == CSA else 0
+            ratio = cfg.ratio(i) if kind in (CSA, HCA) else 0
+            specs.append(LayerCacheSpec(kind, cfg.sliding_window, cfg.head_dim, ratio, index_dim))
+        return specs
+
+    def new_cache(self) -> SequenceCache:
+        return SequenceCache.empty(len(self.layers))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        batch: ForwardBatch | None = None,
+    ) -> torch.Tensor:
+        """input_ids [B, S] -> fp32 logits [B, S, V] (or [B, 1, V] with ``last_logits_only``).
+
+        Without ``batch`` this is a one-shot forward from position 0 with a throwaway cache.
+        With ``batch``, the chunk continues the sequences held in ``batch.cache``.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        b, s = input_ids.shape
+        cache = batch.cache if batch is not None else self.new_cache()
+        expected = cache.num_tokens + torch.arange(s, device=input_ids.device)
+        if positions is None:
+            positions = expected.expand(b, s)
+        elif positions.shape != (b, s) or not torch.equal(positions, expected.expand(b, s)):
+            raise ValueError(
+                f"positions must continue the cached sequence: expected {cache.num_tokens}..{cache.num_tokens + s - 1}"
+                " for every row (this contiguous cache advances all rows in lockstep)"
+            )
+        h = self.embed(input_ids)
+        streams = h.unsqueeze(2).expand(b, s, self.config.hc_mult, h.shape[-1]).contiguous()
+        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
+            streams = layer(streams, positions, input_ids, layer_cache)
+        cache.num_tokens += s
+        if batch is not None and batch.last_logits_only:
+            streams = streams[:, -1:]
+        x = hc_head_collapse(
+            streams,
+            self.hc_head_fn,
+            self.hc_head_base,
+            self.hc_head_scale,
+            hc_eps=self.config.hc_eps,
+            norm_eps=self.config.rms_norm_eps,
+        )
+        return self.head(self.norm(x)).float()

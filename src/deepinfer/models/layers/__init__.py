@@ -1,0 +1,1 @@
+"""Building blocks shared by the model files: norms, RoPE, mHC, attention, compressor, MoE."""

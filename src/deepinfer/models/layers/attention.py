@@ -1,0 +1,128 @@
+"""V4 attention: shared K=V latent, sliding window + compressed entries, per-head sinks
+(model_spec.md §2.3).
+
+This is the readable reference path: dense scores with boolean masks. The fused sparse
+kernel (compile passes, Triton) must agree with it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.config import CSA, HCA, DeepseekV4Config
+from deepinfer.models.forward_batch import LayerCache
+from deepinfer.models.layers.compressor import Compressor
+from deepinfer.models.layers.indexer import Indexer
+from deepinfer.models.layers.norms import RMSNorm, unweighted_rms_norm
+from deepinfer.models.layers.rope import Rotary, apply_rope
+
+
+def attention_with_sink(
+    q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sink: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Softmax attention where each head also has a sink logit that absorbs mass.
+
+    q [B, S, H, D], kv [B, L, D] (K = V), visible [B, S, L] bool, sink [H] -> [B, S, H, D].
+    """
+    scores = torch.einsum("bshd,bld->bhsl", q, kv) * scale
+    scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
+    sinks = sink.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    logits = torch.cat([scores, sinks], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1].to(kv.dtype)
+    return torch.einsum("bhsl,bld->bshd", probs, kv)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, layer: int, main_rope: Rotary, compress_rope: Rotary) -> None:
+        super().__init__()
+        self.kind = cfg.layer_kinds[layer]
+        self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.window = cfg.sliding_window
+        self.o_groups, self.o_rank = cfg.o_groups, cfg.o_lora_rank
+        self.eps = cfg.rms_norm_eps
+        self.rotary = main_rope if self.kind not in (CSA, HCA) else compress_rope
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.wq_a = nn.Linear(h, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * d, bias=False)
+        self.wkv = nn.Linear(h, d, bias=False)
+        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.wo_a = nn.Linear(self.n_heads * d // self.o_groups, self.o_groups * self.o_rank, bias=False)
+        self.wo_b = nn.Linear(self.o_groups * self.o_rank, h, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        self.ratio = cfg.ratio(layer)
+        self.compressor: Compressor | None = None
+        self.indexer: Indexer | None = None
+        if self.kind in (CSA, HCA):
+            overlap = self.kind == CSA
+            self.compressor = Compressor(h, d, self.ratio, overlap, cfg.rms_norm_eps, compress_rope)
+        if self.kind == CSA:
+            self.indexer = Indexer(
+                h,
+                cfg.q_lora_rank,
+                cfg.index_n_heads,
+                cfg.index_head_dim,
+                cfg.index_topk,
+                self.ratio,
+                cfg.rms_norm_eps,
+                compress_rope,
+            )
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        b, s, _ = x.shape
+        cos, sin = self.rotary(positions)  # [B, S, rd/2]
+        q_residual = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_residual).view(b, s, self.n_heads, self.head_dim)
+        q = apply_rope(unweighted_rms_norm(q, self.eps), cos.unsqueeze(2), sin.unsqueeze(2))
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [B, S, D]
+
+        keys, visible = self._window(kv, positions, cache)
+        if self.compressor is not None:
+            entries = self.compressor(x, cache.compressor)  # [B, T, D]
+            if self.indexer is not None:
+                picks = self.indexer(x, q_residual, positions, cos, sin, cache.indexer)
+                chosen = self._mask_from_picks(picks, entries.shape[1])
+            else:
+                chosen = self._causal_entries(positions, entries.shape[1])
+            keys = torch.cat([keys, entries], dim=1)
+            visible = torch.cat([visible, chosen], dim=-1)
+
+        out = attention_with_sink(q, keys, visible, self.attn_sink, self.head_dim**-0.5)
+        out = apply_rope(out, cos.unsqueeze(2), -sin.unsqueeze(2))
+        return self.wo_b(self._grouped_output(out))
+
+    def _window(
+        self, kv: torch.Tensor, positions: torch.Tensor, cache: LayerCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys = cached last ``window-1`` vectors + this chunk; query p sees (p-window, p]."""
+        b, s, _ = kv.shape
+        past = cache.window if cache.window is not None else kv.new_zeros(b, 0, kv.shape[-1])
+        keys = torch.cat([past, kv], dim=1)
+        cache.window = keys[:, keys.shape[1] - min(keys.shape[1], self.window - 1) :]
+        start = positions[:, :1] - past.shape[1]
+        key_pos = start + torch.arange(keys.shape[1], device=kv.device)  # [B, L]
+        qp, kp = positions.unsqueeze(-1), key_pos.unsqueeze(1)
+        visible = (kp <= qp) & (kp > qp - self.window)
+        return keys, visible
+
+    def _causal_entries(self, positions: torch.Tensor, t: int) -> torch.Tensor:
+        """HCA: every compressed entry whose group has closed by position p."""
+        visible = (positions + 1) // self.ratio
+        return torch.arange(t, device=positions.device).view(1, 1, -1) < visible.unsqueeze(-1)
+
+    @staticmethod
+    def _mask_from_picks(picks: torch.Tensor, t: int) -> torch.Tensor:
+        """CSA: a boolean mask over entries from the indexer's picks (-1 = nothing)."""
+        b, s, _ = picks.shape
+        mask = torch.zeros(b, s, t + 1, dtype=torch.bool, device=picks.device)
+        mask.scatter_(-1, torch.where(picks >= 0, picks, t), True)
+        return mask[..., :t]
+
+    def _grouped_output(self, out: torch.Tensor) -> torch.Tensor:
+        """Block-diagonal low-rank output: group g of heads -> o_lora_rank, then concat."""
+        b, s = out.shape[:2]
+        grouped = out.reshape(b, s, self.o_groups, -1)
+        w = self.wo_a.weight.view(self.o_groups, self.o_rank, -1)
+        return torch.einsum("bsgd,grd->bsgr", grouped, w).reshape(b, s, -1)

@@ -1,0 +1,64 @@
+"""Interleaved partial RoPE on the trailing channels, with optional YaRN.
+
+V4 rotates *adjacent* channel pairs of the last ``rope_dim`` channels of a vector
+(model_spec.md §2.3). Layers with a compressed branch use ``compress_rope_theta`` with YaRN
+(no mscale); sliding-only layers use ``rope_theta`` without scaling.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from deepinfer.config import YarnParams
+
+
+def rope_inv_freq(rope_dim: int, theta: float, yarn: YarnParams | None) -> torch.Tensor:
+    """One inverse frequency per rotated pair (``rope_dim // 2`` entries), fp32."""
+    exponents = torch.arange(0, rope_dim, 2, dtype=torch.float32, device="cpu") / rope_dim
+    base_freq = 1.0 / (theta**exponents)
+    if yarn is None:
+        return base_freq
+
+    def correction_dim(rotations: float) -> float:
+        orig = yarn.original_max_position_embeddings
+        return rope_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    keep = 1.0 - ramp  # 1 = keep the original frequency, 0 = fully interpolated
+    return base_freq / yarn.factor * (1.0 - keep) + base_freq * keep
+
+
+class Rotary:
+    """Computes ``(cos, sin)`` for absolute positions; tables are made per call, not stored,
+    so the model can be built on the meta device and loaded without materialising buffers."""
+
+    def __init__(self, rope_dim: int, theta: float, yarn: YarnParams | None) -> None:
+        self.rope_dim = rope_dim
+        self._inv_freq = rope_inv_freq(rope_dim, theta, yarn)
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = self._by_device.get(positions.device)
+        if inv is None:
+            inv = self._by_device.setdefault(positions.device, self._inv_freq.to(positions.device))
+        freqs = positions.unsqueeze(-1).float() * inv
+        return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs of the last ``2 * cos.shape[-1]`` channels of ``x`` in fp32.
+
+    ``cos``/``sin`` are ``[..., S, rope_dim/2]`` and broadcast against ``x``'s leading dims;
+    pass ``-sin`` to undo the rotation (the output de-rotation of §2.3 step 6).
+    """
+    rd = cos.shape[-1] * 2
+    nope, rope = x[..., :-rd], x[..., -rd:].float()
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    return torch.cat([nope, rotated.to(x.dtype)], dim=-1)

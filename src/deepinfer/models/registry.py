@@ -1,0 +1,31 @@
+"""``architectures`` in config.json -> (config parser, model class)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from deepinfer.config import deepseek_v4_config_from_dict
+from deepinfer.errors import CheckpointError
+from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+_ARCHITECTURES: dict[str, tuple[Callable[[dict[str, Any]], Any], type[nn.Module]]] = {
+    "DeepseekV4ForCausalLM": (deepseek_v4_config_from_dict, DeepseekV4ForCausalLM),
+}
+
+
+def resolve(raw_config: dict[str, Any]) -> tuple[Any, type[nn.Module]]:
+    """Parse the config and pick the model class, or say which architectures exist."""
+    archs = raw_config.get("architectures") or []
+    model_type = raw_config.get("model_type")
+    if not archs and model_type == "deepseek_v4":
+        archs = ["DeepseekV4ForCausalLM"]
+    for arch in archs:
+        if arch in _ARCHITECTURES:
+            parse, cls = _ARCHITECTURES[arch]
+            return parse(raw_config), cls
+    raise CheckpointError(
+        f"config.json: unsupported architectures {archs or model_type!r}; supported: {sorted(_ARCHITECTURES)}"
+    )
