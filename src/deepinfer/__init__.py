@@ -1,0 +1,18 @@
+"""deepinfer: a PyTorch-native inference engine for DeepSeek-V4-class MoE models."""
+
+from deepinfer.errors import CheckpointError
+from deepinfer.llm import LLM
+from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.weights.loader import load_model
+
+__all__ = [
+    "LLM",
+    "CheckpointError",
+    "CompletionOutput",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "load_model",
+]
+__version__ = "0.1.0"

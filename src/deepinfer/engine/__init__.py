@@ -1,0 +1,1 @@
+"""Request execution. For now a lockstep generator; the scheduler/cache manager replace it."""

@@ -1,0 +1,1 @@
+"""Token sampling from logits."""
