@@ -1,18 +1,20 @@
 """Load a checkpoint directory into a model built on the meta device.
 
-Tensors are read one at a time from memory-mapped safetensors files and assigned in place,
-so peak RAM stays near the size of the loaded model. Every failure names the tensor and the
+Tensors are read one at a time from safetensors files (format by the ``safetensors``
+project; read here with plain file reads, see ``SafetensorsFile``) and assigned in place, so
+peak RAM stays near the size of the loaded model. Every failure names the tensor and the
 file, because a user with a 300 GB checkpoint needs to know which shard is wrong.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import struct
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from deepinfer.errors import CheckpointError
@@ -42,40 +44,99 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
         raise CheckpointError(f"no safetensors weights ({SINGLE_FILE} or {INDEX_FILE}) in {path}")
     names: dict[str, Path] = {}
     for file in files:
-        with _open(file) as f:
-            for name in f.keys():
-                names[name] = file
+        for name in SafetensorsFile(file).entries:
+            names[name] = file
     return names
 
 
-def _open(file: Path):
-    try:
-        return safe_open(str(file), framework="pt", device="cpu")
-    except (SafetensorError, OSError) as exc:
-        raise CheckpointError(f"{file}: unreadable safetensors file (truncated or corrupt?): {exc}") from exc
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
+}
+
+
+class SafetensorsFile:
+    """One ``.safetensors`` file read with plain ``readinto`` calls, not a memory map.
+
+    Pages of a memory map that we copy out of stay in our resident set until the map goes;
+    plain reads keep peak RAM at the tensors we keep (the file stays in the page cache,
+    which is not ours). The header is validated against the file size up front, so a
+    truncated or corrupt file fails before any tensor is read.
+    """
+
+    def __init__(self, file: Path) -> None:
+        self.file = file
+        size = file.stat().st_size
+        try:
+            with open(file, "rb") as f:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                if header_len > size - 8:
+                    raise ValueError(f"header length {header_len} exceeds the file size {size}")
+                header = json.loads(f.read(header_len))
+        except (struct.error, ValueError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{file}: unreadable safetensors file (truncated or corrupt?): {exc}") from exc
+        header.pop("__metadata__", None)
+        self.data_start = 8 + header_len
+        self.entries: dict[str, tuple[torch.dtype, list[int], int, int]] = {}
+        for name, info in header.items():
+            try:
+                dtype = _DTYPES[info["dtype"]]
+                begin, end = info["data_offsets"]
+                shape = [int(d) for d in info["shape"]]
+            except (KeyError, TypeError, ValueError) as exc:
+                raise CheckpointError(f"{file}: corrupt header entry for tensor {name!r}") from exc
+            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            if end - begin != nbytes or self.data_start + end > size:
+                raise CheckpointError(
+                    f"{file}: tensor {name!r} lies outside the file or has the wrong byte size "
+                    "(truncated or corrupt?)"
+                )
+            self.entries[name] = (dtype, shape, begin, end)
+
+    def read(self, name: str) -> torch.Tensor:
+        dtype, shape, begin, end = self.entries[name]
+        out = torch.empty(shape, dtype=dtype)
+        view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        with open(self.file, "rb") as f:
+            f.seek(self.data_start + begin)
+            if f.readinto(view) != end - begin:
+                raise CheckpointError(f"{self.file}: tensor {name!r} is cut short (truncated file?)")
+        return out
 
 
 class _Reader:
-    """Keeps one open handle per shard and reads tensors with clear errors."""
+    """Reads tensors by name across the shards of a checkpoint."""
 
     def __init__(self, names: dict[str, Path]) -> None:
         self.names = names
-        self._handles: dict[Path, Any] = {}
+        self._files: dict[Path, SafetensorsFile] = {}
 
     def file_of(self, name: str) -> Path:
         return self.names[name]
 
+    def _shard(self, file: Path) -> SafetensorsFile:
+        shard = self._files.get(file)
+        if shard is None:
+            shard = self._files.setdefault(file, SafetensorsFile(file))
+        return shard
+
     def get(self, name: str) -> torch.Tensor:
         file = self.names[name]
-        handle = self._handles.get(file)
-        if handle is None:
-            handle = self._handles.setdefault(file, _open(file))
-        try:
-            return handle.get_tensor(name)
-        except (SafetensorError, OSError, RuntimeError) as exc:
-            raise CheckpointError(f"{file}: cannot read tensor {name!r} (truncated or corrupt?): {exc}") from exc
-        except Exception as exc:  # safetensors reports a name missing from a shard this way
-            raise CheckpointError(f"{file}: tensor {name!r} listed in the index is not in the file") from exc
+        shard = self._shard(file)
+        if name not in shard.entries:
+            raise CheckpointError(f"{file}: tensor {name!r} listed in the index is not in the file")
+        return shard.read(name)
 
 
 def _fp8_block(quant: dict[str, Any] | None) -> tuple[int, int]:

@@ -1,0 +1,50 @@
+"""Shared tiny checkpoints, built once per test session (no network)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer.testing import make_tiny_checkpoint
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def v4_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Released V4 config format: sliding, CSA(4, unsaturated top-k), HCA(128), hash MoE."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("v4"), arch="deepseek_v4", seed=0)
+
+
+@pytest.fixture(scope="session")
+def v4_short_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """HF config spelling, HCA groups of 8, sharded into 3 files with an index json."""
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("v4short"), arch="deepseek_v4_short_groups", seed=1, shards=3
+    )
+
+
+@pytest.fixture(scope="session")
+def v4_fp8_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """fp8 e4m3 block-scaled linears + fp4 e2m1 routed experts, as released."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("v4fp8"), arch="deepseek_v4", seed=2, quant="fp8")
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """Loads a checkpoint with transformers' independent DeepseekV4ForCausalLM."""
+    from transformers import DeepseekV4ForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+
+    def load(path: Path) -> torch.nn.Module:
+        model, info = DeepseekV4ForCausalLM.from_pretrained(
+            str(path), dtype=torch.float32, output_loading_info=True
+        )
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
+        return model.eval()
+
+    return load

@@ -1,0 +1,57 @@
+"""Chunked prefill at odd split points followed by decode equals the one-shot forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer import load_model
+from deepinfer.models.forward_batch import ForwardBatch
+
+TOL = 1e-4
+
+
+def _incremental(model, ids: torch.Tensor, splits: list[int], decode_steps: int) -> torch.Tensor:
+    batch = ForwardBatch(model.new_cache())
+    prefill_end = ids.shape[1] - decode_steps
+    outs, prev = [], 0
+    for cut in [*splits, prefill_end]:
+        outs.append(model(ids[:, prev:cut], batch=batch))
+        prev = cut
+    for t in range(prefill_end, ids.shape[1]):
+        outs.append(model(ids[:, t : t + 1], batch=batch))
+    assert batch.cache.num_tokens == ids.shape[1]
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("splits", [[1], [3, 5], [7, 9, 21], [13, 14, 15, 16, 33]])
+@pytest.mark.parametrize("fixture", ["v4_ckpt", "v4_short_ckpt"])
+def test_chunked_prefill_then_decode_matches_one_shot(request, fixture, splits):
+    model = load_model(request.getfixturevalue(fixture))
+    ids = torch.randint(0, model.config.vocab_size, (2, 52), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = model(ids)
+        got = _incremental(model, ids, splits, decode_steps=12)
+    assert (got - full).abs().max().item() <= TOL
+
+
+def test_decode_past_hca_group_boundary(v4_ckpt):
+    """Decode steps that close ratio-128 groups (positions 127 and 255) agree with one shot."""
+    model = load_model(v4_ckpt)
+    ids = torch.randint(0, model.config.vocab_size, (1, 262), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        full = model(ids)
+        batch = ForwardBatch(model.new_cache())
+        outs = [model(ids[:, :120], batch=batch)]
+        outs += [model(ids[:, t : t + 1], batch=batch) for t in range(120, 140)]
+        outs.append(model(ids[:, 140:250], batch=batch))
+        outs += [model(ids[:, t : t + 1], batch=batch) for t in range(250, 262)]
+    assert (torch.cat(outs, 1) - full).abs().max().item() <= TOL
+
+
+def test_positions_must_continue_the_cache(v4_ckpt):
+    model = load_model(v4_ckpt)
+    batch = ForwardBatch(model.new_cache())
+    model(torch.tensor([[1, 2, 3]]), batch=batch)
+    with pytest.raises(ValueError, match="positions must continue"):
+        model(torch.tensor([[4]]), positions=torch.tensor([[7]]), batch=batch)
