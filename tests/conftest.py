@@ -39,6 +39,7 @@ def hf_reference():
     from transformers.utils import logging
 
     logging.set_verbosity_error()
+    logging.disable_progress_bar()
 
     def load(path: Path) -> torch.nn.Module:
         model, info = DeepseekV4ForCausalLM.from_pretrained(

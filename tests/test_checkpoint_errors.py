@@ -35,7 +35,9 @@ def test_missing_tensor_is_named(ckpt):
 
 def test_unexpected_tensor_is_named(ckpt):
     _edit(ckpt, lambda s: s.update({"layers.0.attn.bogus.weight": torch.zeros(2)}))
-    with pytest.raises(CheckpointError, match=r"unexpected.*layers\.0\.attn\.bogus\.weight.*model\.safetensors"):
+    with pytest.raises(
+        CheckpointError, match=r"unexpected.*layers\.0\.attn\.bogus\.weight.*model\.safetensors"
+    ):
         load_model(ckpt)
 
 
@@ -54,14 +56,24 @@ def test_wrong_dtype_is_named(ckpt):
     _edit(ckpt, lambda s: s.update({"norm.weight": torch.ones(64, dtype=torch.int32)}))
     with pytest.raises(CheckpointError, match=r"norm\.weight.*dtype torch\.int32"):
         load_model(ckpt)
-    _edit(ckpt, lambda s: s.update({"norm.weight": torch.ones(64), "layers.0.ffn.gate.tid2eid": torch.zeros(258, 2)}))
+    _edit(
+        ckpt,
+        lambda s: s.update({"norm.weight": torch.ones(64), "layers.0.ffn.gate.tid2eid": torch.zeros(258, 2)}),
+    )
     with pytest.raises(CheckpointError, match=r"tid2eid.*integer"):
         load_model(ckpt)
 
 
 def test_fp8_weight_without_scale(ckpt):
-    _edit(ckpt, lambda s: s.update({"layers.1.attn.wq_a.weight": s["layers.1.attn.wq_a.weight"].to(torch.float8_e4m3fn)}))
-    with pytest.raises(CheckpointError, match=r"layers\.1\.attn\.wq_a\.weight.*no 'layers\.1\.attn\.wq_a\.scale'"):
+    _edit(
+        ckpt,
+        lambda s: s.update(
+            {"layers.1.attn.wq_a.weight": s["layers.1.attn.wq_a.weight"].to(torch.float8_e4m3fn)}
+        ),
+    )
+    with pytest.raises(
+        CheckpointError, match=r"layers\.1\.attn\.wq_a\.weight.*no 'layers\.1\.attn\.wq_a\.scale'"
+    ):
         load_model(ckpt)
 
 
@@ -125,7 +137,9 @@ def test_missing_shard_named_by_index(v4_short_ckpt, tmp_path):
 def test_missing_directory_and_no_weights(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         load_model(tmp_path / "nope")
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV4ForCausalLM"], "compress_ratios": [0] * 43}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["DeepseekV4ForCausalLM"], "compress_ratios": [0] * 43})
+    )
     with pytest.raises(CheckpointError, match="no safetensors weights"):
         load_model(tmp_path)
 

@@ -32,6 +32,10 @@ def test_peak_ram_while_loading(tmp_path):
     size_kib = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1024
     assert size_kib > 100 * 1024  # big enough that the interpreter's own noise is small
     warm = make_tiny_checkpoint(tmp_path / "warm", tokenizer=False)
-    out = subprocess.run([sys.executable, "-c", _MEASURE, str(path), str(warm)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(path), str(warm)], capture_output=True, text=True, check=True
+    )
     before, peak = (int(x) for x in out.stdout.split())
-    assert (peak - before) < 1.3 * size_kib, f"loading took {(peak - before) / size_kib:.2f}x the checkpoint size"
+    assert (peak - before) < 1.3 * size_kib, (
+        f"loading took {(peak - before) / size_kib:.2f}x the checkpoint size"
+    )

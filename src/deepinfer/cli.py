@@ -16,7 +16,9 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     quant = None if args.quant == "none" else args.quant
-    path = make_tiny_checkpoint(args.path, arch=args.arch, seed=args.seed, dtype=dtype, quant=quant, shards=args.shards)
+    path = make_tiny_checkpoint(
+        args.path, arch=args.arch, seed=args.seed, dtype=dtype, quant=quant, shards=args.shards
+    )
     print(f"wrote tiny {args.arch} checkpoint to {path}")
     return 0
 

@@ -84,10 +84,6 @@ class DeepseekV4Config:
         kind = self.layer_kinds[layer]
         return {SLIDING: 0, CSA: self.csa_ratio, HCA: self.hca_ratio}[kind]
 
-    @property
-    def num_index_heads(self) -> int:
-        return self.index_n_heads
-
     def validate(self) -> None:
         n = self.num_hidden_layers
         if len(self.layer_kinds) != n:
@@ -130,7 +126,9 @@ def deepseek_v4_config_from_dict(raw: dict[str, Any]) -> DeepseekV4Config:
 
     rates = dict(raw.get("compress_rates") or {})
     cfg.csa_ratio = int(raw.get("compress_rate_csa", rates.get("compressed_sparse_attention", cfg.csa_ratio)))
-    cfg.hca_ratio = int(raw.get("compress_rate_hca", rates.get("heavily_compressed_attention", cfg.hca_ratio)))
+    cfg.hca_ratio = int(
+        raw.get("compress_rate_hca", rates.get("heavily_compressed_attention", cfg.hca_ratio))
+    )
 
     if raw.get("layer_types") is not None:
         try:

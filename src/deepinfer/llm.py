@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from deepinfer.engine.lockstep import RowState, lockstep_generate
+from deepinfer.engine.lockstep import RowState, lockstep_generate, run_to_completion
 from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.weights.loader import load_model
@@ -77,7 +77,9 @@ class LLM:
             if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
                 return [list(prompts)]
             return list(prompts)
-        raise ValueError(f"prompts must be str, list[int], dict or a list of those, got {type(prompts).__name__}")
+        raise ValueError(
+            f"prompts must be str, list[int], dict or a list of those, got {type(prompts).__name__}"
+        )
 
     def _prompt_ids(self, prompt: PromptType, index: int) -> tuple[str | None, list[int]]:
         where = f"prompts[{index}]"
@@ -103,7 +105,9 @@ class LLM:
             raise ValueError(f"{where}: prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
         return text, list(ids)
 
-    def _params_list(self, params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    def _params_list(
+        self, params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    ) -> list[SamplingParams]:
         if params is None:
             return [SamplingParams() for _ in range(n)]
         if isinstance(params, SamplingParams):
@@ -141,15 +145,15 @@ class LLM:
 
             progress = tqdm(total=len(items), desc="generate")
         for members in batches:
-            rows: list[RowState] = []
-            for rows in lockstep_generate(
-                self.model,
-                [parsed[i][1] for i in members],
-                [params[i] for i in members],
-                self.eos_token_ids,
-                self.max_model_len,
-            ):
-                pass
+            rows = run_to_completion(
+                lockstep_generate(
+                    self.model,
+                    [parsed[i][1] for i in members],
+                    [params[i] for i in members],
+                    self.eos_token_ids,
+                    self.max_model_len,
+                )
+            )
             for i, row in zip(members, rows, strict=True):
                 text, ids = parsed[i]
                 results[i] = self._request_output(request_ids[i], text, ids, row, finished=True)
@@ -159,7 +163,9 @@ class LLM:
             progress.close()
         return [r for r in results if r is not None]
 
-    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt: PromptType, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
         """Yield one ``RequestOutput`` per new token holding only that step's delta
         (new token ids and the newly decodable text); the last one has ``finished=True``."""
         text, ids = self._prompt_ids(prompt, 0)

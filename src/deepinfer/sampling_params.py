@@ -45,7 +45,9 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, list | tuple) or not all(
             _is_int(t) and t >= 0 for t in self.stop_token_ids
         ):
-            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+            raise ValueError(
+                f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}"
+            )
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")

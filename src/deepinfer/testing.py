@@ -139,9 +139,7 @@ def random_state_dict(raw_config: dict[str, Any], seed: int) -> dict[str, torch.
     return state
 
 
-def quantize_state_dict(
-    state: dict[str, torch.Tensor], block: tuple[int, int]
-) -> dict[str, torch.Tensor]:
+def quantize_state_dict(state: dict[str, torch.Tensor], block: tuple[int, int]) -> dict[str, torch.Tensor]:
     """fp8 e4m3 block-scaled attention/shared-expert linears, fp4 routed experts, bf16 rest."""
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():

@@ -84,6 +84,14 @@ def lockstep_generate(
             tokens = torch.tensor(next_ids, dtype=torch.long, device=device).unsqueeze(1)
 
 
+def run_to_completion(steps: Iterator[list[RowState]]) -> list[RowState]:
+    """Drain a :func:`lockstep_generate` iterator and return the final row states."""
+    rows: list[RowState] = []
+    for rows in steps:  # noqa: B007 - only the last yield matters
+        pass
+    return rows
+
+
 def _finish_reason(
     row: RowState, token: int, eos_token_ids: list[int], length: int, max_model_len: int
 ) -> str | None:

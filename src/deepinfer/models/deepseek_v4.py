@@ -45,7 +45,9 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer, main_rope, compress_rope)
         self.ffn = MoE(cfg, layer)
         for site in ("attn", "ffn"):
-            self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.zeros(mix, n * h, dtype=torch.float32)))
+            self.register_parameter(
+                f"hc_{site}_fn", nn.Parameter(torch.zeros(mix, n * h, dtype=torch.float32))
+            )
             self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
 

@@ -85,7 +85,9 @@ class SafetensorsFile:
                     raise ValueError(f"header length {header_len} exceeds the file size {size}")
                 header = json.loads(f.read(header_len))
         except (struct.error, ValueError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{file}: unreadable safetensors file (truncated or corrupt?): {exc}") from exc
+            raise CheckpointError(
+                f"{file}: unreadable safetensors file (truncated or corrupt?): {exc}"
+            ) from exc
         header.pop("__metadata__", None)
         self.data_start = 8 + header_len
         self.entries: dict[str, tuple[torch.dtype, list[int], int, int]] = {}
@@ -201,9 +203,7 @@ def load_weights(model: nn.Module, path: Path, dtype: torch.dtype, device: torch
         else:
             tensor = tensor.to(device=device, dtype=slot.dtype)
         _assign(model, name, tensor)
-    unexpected = sorted(
-        n for n in reader.names if n not in consumed and not n.startswith(IGNORED_PREFIXES)
-    )
+    unexpected = sorted(n for n in reader.names if n not in consumed and not n.startswith(IGNORED_PREFIXES))
     if unexpected:
         shown = ", ".join(f"{n!r} ({reader.file_of(n).name})" for n in unexpected[:5])
         raise CheckpointError(

@@ -46,7 +46,9 @@ def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
 
 
-def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def hc_expand(
+    y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
     """``out[c'] = post_c' * y + sum_c comb[c, c'] * R_c`` (sum over comb's first index)."""
     dtype = residual.dtype
     mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), residual)
@@ -54,7 +56,13 @@ def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
 
 
 def hc_head_collapse(
-    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, hc_eps: float, norm_eps: float
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    hc_eps: float,
+    norm_eps: float,
 ) -> torch.Tensor:
     """V4's final collapse (``hc_head``): a sigmoid-only ``pre`` mix, no Sinkhorn."""
     b, s = streams.shape[:2]

@@ -1,0 +1,55 @@
+"""The command line and the README's main example run end to end."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from deepinfer.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_make_tiny_then_generate(tmp_path, capsys):
+    assert main(["make-tiny", str(tmp_path / "ck"), "--quant", "fp8", "--shards", "2"]) == 0
+    assert (tmp_path / "ck" / "model.safetensors.index.json").is_file()
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tmp_path / "ck"),
+                "--prompt",
+                "hi",
+                "--prompt",
+                "there",
+                "--max-tokens",
+                "5",
+                "--ignore-eos",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert out.count("tokens:") == 2 and "tokens/s" in out
+
+
+def test_generate_reports_bad_input(tmp_path, capsys):
+    main(["make-tiny", str(tmp_path / "ck")])
+    assert main(["generate", "--model", str(tmp_path / "ck"), "--prompt", "x", "--top-p", "2"]) == 2
+    assert "top_p" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "x"]) == 2
+
+
+def test_offline_inference_example(tmp_path):
+    ck = tmp_path / "example-ck"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "offline_inference.py"), str(ck)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    assert (ck / "config.json").is_file()
+    assert "tokens/s" in run.stdout and run.stdout.count("token ids:") == 3

@@ -1,0 +1,141 @@
+"""The user-facing LLM API: prompt forms, stop rules, batching, streaming, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.testing import EOS_ID
+
+
+@pytest.fixture(scope="module")
+def llm(v4_ckpt) -> LLM:
+    return LLM(v4_ckpt)
+
+
+def test_prompt_forms_give_the_same_greedy_output(llm):
+    ids = llm.tokenizer("hello").input_ids
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(["hello", ids, {"prompt_token_ids": ids}], params)
+    assert [o.prompt_token_ids for o in outs] == [ids] * 3
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids
+    assert outs[0].prompt == "hello" and outs[0].finished
+    single = llm.generate(ids, params)
+    assert len(single) == 1 and single[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    assert outs[0].outputs[0].text == llm.tokenizer.decode(outs[0].outputs[0].token_ids)
+
+
+def test_batched_rows_equal_each_request_alone(llm):
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, 258, (7,), generator=gen).tolist() for _ in range(5)]
+    params = [
+        SamplingParams(max_tokens=8, temperature=t, seed=i, ignore_eos=True)
+        for i, t in enumerate([0, 0.8, 1, 0, 1.2])
+    ]
+    together = llm.generate(prompts, params)
+    alone = [llm.generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
+    for a, b in zip(together, alone, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_max_tokens_and_stop_token_ids(llm):
+    prompt = [5, 6, 7]
+    free = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    assert len(free.token_ids) == 12 and free.finish_reason == "length"
+    stop_at = free.token_ids[4]
+    first = free.token_ids.index(stop_at)
+    stopped = llm.generate(
+        prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_at])
+    )[0].outputs[0]
+    assert stopped.token_ids == free.token_ids[: first + 1] and stopped.finish_reason == "stop"
+
+
+def test_eos_stops_unless_ignored(llm, monkeypatch):
+    prompt = [9, 10, 11]
+    free = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    monkeypatch.setattr(llm, "eos_token_ids", [free.token_ids[2]])
+    out = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == free.token_ids[2]
+    kept = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    assert kept.token_ids == free.token_ids
+    assert EOS_ID in llm.model.config.eos_token_id
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(llm):
+    p = [20, 21, 22]
+    a = llm.generate(p, SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True))[0]
+    b = llm.generate(p, SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True))[0]
+    c = llm.generate(p, SamplingParams(max_tokens=16, temperature=1.0, seed=4, ignore_eos=True))[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids != c.outputs[0].token_ids
+
+
+def test_logprobs_are_reported(llm):
+    out = llm.generate([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True))[
+        0
+    ]
+    comp = out.outputs[0]
+    assert len(comp.logprobs) == 4
+    for token, entry in zip(comp.token_ids, comp.logprobs, strict=True):
+        assert entry[token].rank == 1 and len(entry) == 3  # greedy pick is the top-1
+    assert comp.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs, strict=True))
+    )
+
+
+def test_stream_deltas_add_up_to_generate(llm):
+    params = SamplingParams(max_tokens=9, temperature=0.9, seed=5, ignore_eos=True)
+    whole = llm.generate("stream me", params)[0].outputs[0]
+    deltas = list(llm.stream("stream me", params))
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert sum((d.outputs[0].token_ids for d in deltas), []) == whole.token_ids
+    assert "".join(d.outputs[0].text for d in deltas) == whole.text
+    assert deltas[-1].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "prompts,match",
+    [
+        ([], "prompts must not be empty"),
+        ([[1, 2], [3, 999]], r"prompts\[1\].*999"),
+        ([[1, 2], []], r"prompts\[1\]"),
+        ({"tokens": [1]}, "prompt_token_ids"),
+        (3.5, "prompts must be"),
+        ([[1, -1]], r"prompts\[0\].*-1"),
+    ],
+)
+def test_bad_prompts_raise_before_any_work(llm, prompts, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompts, SamplingParams(max_tokens=2))
+    # the engine is still usable afterwards
+    assert llm.generate([1, 2], SamplingParams(max_tokens=2, temperature=0))[0].finished
+
+
+def test_prompt_longer_than_max_model_len(v4_ckpt):
+    small = LLM(v4_ckpt, max_model_len=16)
+    with pytest.raises(ValueError, match="max_model_len"):
+        small.generate([[1] * 16])
+    out = small.generate([[1] * 10], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[
+        0
+    ].outputs[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+
+
+def test_sampling_params_list_must_match(llm):
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate([[1], [2]], [SamplingParams()])
+
+
+def test_bad_engine_arguments(v4_ckpt):
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(v4_ckpt, dtype="int8")
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        LLM(v4_ckpt, max_num_seqs=0)
+
+
+def test_bfloat16_runs_and_stays_close(v4_ckpt):
+    ids = torch.randint(2, 258, (1, 20), generator=torch.Generator().manual_seed(0))
+    fp32 = LLM(v4_ckpt).model(ids)
+    bf16 = LLM(v4_ckpt, dtype="bfloat16").model(ids)
+    assert bf16.dtype == torch.float32 and torch.isfinite(bf16).all()
+    assert (bf16 - fp32).abs().max() < 0.25 * fp32.abs().max()
