@@ -79,6 +79,8 @@ class DeepseekV4Config:
     tie_word_embeddings: bool = False
     quantization: dict[str, Any] | None = None
     architecture: str = "DeepseekV4ForCausalLM"
+    # Runtime choice, not read from config.json: apply the QAT fake-quant steps.
+    fake_quant: bool = False
 
     def ratio(self, layer: int) -> int:
         kind = self.layer_kinds[layer]

@@ -44,11 +44,12 @@ class LLM:
         device: str | torch.device = "cpu",
         max_num_seqs: int = 8,
         max_model_len: int | None = None,
+        fake_quant: bool = False,
     ) -> None:
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
         self.path = Path(model)
-        self.model = load_model(self.path, dtype=parse_dtype(dtype), device=device)
+        self.model = load_model(self.path, dtype=parse_dtype(dtype), device=device, fake_quant=fake_quant)
         cfg = self.model.config
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         if not isinstance(self.max_model_len, int) or self.max_model_len < 2:

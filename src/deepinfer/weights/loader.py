@@ -222,11 +222,16 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    fake_quant: bool = False,
 ) -> nn.Module:
     """Build the architecture named in ``config.json`` and load its weights.
 
     Returns an ``nn.Module`` in eval mode; ``model(input_ids)`` gives full fp32 logits.
+    ``fake_quant=True`` applies the QAT activation rounding of the released models
+    (off by default, like transformers 5.24).
     """
     from deepinfer.config import load_config_json
 
@@ -235,6 +240,7 @@ def load_model(
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     raw = load_config_json(path)
     cfg, cls = resolve(raw)
+    cfg.fake_quant = fake_quant
     with torch.device("meta"):
         model = cls(cfg)
     load_weights(model, path, dtype, torch.device(device), raw.get("quantization_config"))

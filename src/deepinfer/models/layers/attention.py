@@ -13,6 +13,7 @@ from torch import nn
 from deepinfer.config import CSA, HCA, DeepseekV4Config
 from deepinfer.models.forward_batch import LayerCache
 from deepinfer.models.layers.compressor import Compressor
+from deepinfer.models.layers.fake_quant import fake_quant_fp4_e4m3_scale, fake_quant_fp8_pow2
 from deepinfer.models.layers.indexer import Indexer
 from deepinfer.models.layers.norms import RMSNorm, unweighted_rms_norm
 from deepinfer.models.layers.rope import Rotary, apply_rope
@@ -52,12 +53,14 @@ class Attention(nn.Module):
         self.wo_a = nn.Linear(self.n_heads * d // self.o_groups, self.o_groups * self.o_rank, bias=False)
         self.wo_b = nn.Linear(self.o_groups * self.o_rank, h, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        self.fake_quant = cfg.fake_quant
         self.ratio = cfg.ratio(layer)
         self.compressor: Compressor | None = None
         self.indexer: Indexer | None = None
         if self.kind in (CSA, HCA):
             overlap = self.kind == CSA
-            self.compressor = Compressor(h, d, self.ratio, overlap, cfg.rms_norm_eps, compress_rope)
+            quantize = fake_quant_fp4_e4m3_scale if cfg.fake_quant else None
+            self.compressor = Compressor(h, d, self.ratio, overlap, cfg.rms_norm_eps, compress_rope, quantize)
         if self.kind == CSA:
             self.indexer = Indexer(
                 h,
@@ -68,6 +71,7 @@ class Attention(nn.Module):
                 self.ratio,
                 cfg.rms_norm_eps,
                 compress_rope,
+                cfg.fake_quant,
             )
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache) -> torch.Tensor:
@@ -77,6 +81,8 @@ class Attention(nn.Module):
         q = self.wq_b(q_residual).view(b, s, self.n_heads, self.head_dim)
         q = apply_rope(unweighted_rms_norm(q, self.eps), cos.unsqueeze(2), sin.unsqueeze(2))
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [B, S, D]
+        if self.fake_quant:
+            kv = fake_quant_fp8_pow2(kv)
 
         keys, visible = self._window(kv, positions, cache)
         if self.compressor is not None:

@@ -9,6 +9,8 @@ entry ``w`` pools the previous window's first half with window ``w``'s second ha
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -19,7 +21,14 @@ from deepinfer.models.layers.rope import Rotary, apply_rope
 
 class Compressor(nn.Module):
     def __init__(
-        self, hidden: int, out_dim: int, ratio: int, overlap: bool, eps: float, rotary: Rotary
+        self,
+        hidden: int,
+        out_dim: int,
+        ratio: int,
+        overlap: bool,
+        eps: float,
+        rotary: Rotary,
+        quantize: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         width = out_dim * (2 if overlap else 1)
@@ -29,6 +38,7 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
         self.norm = RMSNorm(out_dim, eps)
         self.rotary = rotary
+        self.quantize = quantize  # QAT fake-quant of emitted entries (None: off)
 
     def forward(self, x: torch.Tensor, state: CompressorState) -> torch.Tensor:
         """Consume ``x`` [B, S, d]; return all entries emitted so far [B, T, out_dim]."""
@@ -56,6 +66,8 @@ class Compressor(nn.Module):
         positions = torch.arange(n_win, device=x.device) * r + first
         cos, sin = self.rotary(positions)
         pooled = apply_rope(pooled, cos, sin)
+        if self.quantize is not None:
+            pooled = self.quantize(pooled)
         state.entries = pooled if state.entries is None else torch.cat([state.entries, pooled], dim=1)
         state.emitted += n_win
         return state.entries

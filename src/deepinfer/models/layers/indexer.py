@@ -12,6 +12,7 @@ from torch import nn
 
 from deepinfer.models.forward_batch import CompressorState
 from deepinfer.models.layers.compressor import Compressor
+from deepinfer.models.layers.fake_quant import fake_quant_fp4_pow2
 from deepinfer.models.layers.rope import Rotary, apply_rope
 
 
@@ -26,12 +27,14 @@ class Indexer(nn.Module):
         ratio: int,
         eps: float,
         rotary: Rotary,
+        fake_quant: bool = False,
     ) -> None:
         super().__init__()
         self.n_heads, self.head_dim, self.topk, self.ratio = n_heads, head_dim, topk, ratio
         self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
         self.weights_proj = nn.Linear(hidden, n_heads, bias=False)
-        self.compressor = Compressor(hidden, head_dim, ratio, overlap=True, eps=eps, rotary=rotary)
+        self.quantize = fake_quant_fp4_pow2 if fake_quant else None
+        self.compressor = Compressor(hidden, head_dim, ratio, True, eps, rotary, quantize=self.quantize)
 
     def forward(
         self,
@@ -50,6 +53,8 @@ class Indexer(nn.Module):
             return torch.empty(b, s, 0, dtype=torch.long, device=x.device)
         q = self.wq_b(q_residual).view(b, s, self.n_heads, self.head_dim)
         q = apply_rope(q, cos.unsqueeze(2), sin.unsqueeze(2))
+        if self.quantize is not None:
+            q = self.quantize(q)
         scores = torch.einsum("bshd,btd->bsht", q.float(), keys.float()).relu() * self.head_dim**-0.5
         weights = self.weights_proj(x).float() * self.n_heads**-0.5
         index_scores = (scores * weights.unsqueeze(-1)).sum(dim=2)  # [B, S, T]

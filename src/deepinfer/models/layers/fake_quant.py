@@ -1,0 +1,68 @@
+"""QAT fake-quantisation steps baked into the V4 forward (model_spec.md §2.10).
+
+The released models were trained seeing these activations rounded, so a faithful forward
+rounds them too: the window K=V vector to fp8 e4m3 (32-channel blocks, power-of-two scales),
+the compressed latent to fp4 e2m1 (16-channel blocks, e4m3 scales), and the indexer's
+queries and keys to fp4 e2m1 (32-channel blocks, power-of-two scales). Each function returns
+the dequantised values in the input dtype. As in transformers' V4.1 code, a tensor whose last
+dim is not a multiple of the block is left alone.
+
+transformers 5.24's V4 model applies none of these, so they are off by default
+(``load_model(..., fake_quant=True)`` turns them on).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor | None:
+    if x.shape[-1] % block:
+        return None
+    return x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest e2m1 value (ties to the even code, as hardware casts do)."""
+    grid = torch.tensor(_E2M1_GRID, device=x.device)
+    mids = (grid[1:] + grid[:-1]) / 2
+    mag = x.abs().clamp(max=FP4_MAX)
+    idx = torch.bucketize(mag, mids)  # an exact midpoint lands on the lower neighbour
+    tie = mag == mids[idx.clamp(max=len(mids) - 1)]
+    idx = torch.where(tie & (idx % 2 == 1), idx + 1, idx)
+    return torch.copysign(grid[idx], x)
+
+
+def fake_quant_fp8_pow2(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """fp8 e4m3 with one power-of-two scale per block; amax clamped at 1e-4."""
+    g = _blocks(x, block)
+    if g is None:
+        return x
+    amax = g.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+    q = (g / scale).to(torch.float8_e4m3fn).float() * scale
+    return q.reshape(x.shape).to(x.dtype)
+
+
+def fake_quant_fp4_pow2(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """fp4 e2m1 with one power-of-two scale per block (indexer queries and keys)."""
+    g = _blocks(x, block)
+    if g is None:
+        return x
+    amax = g.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / FP4_MAX)))
+    return (_round_e2m1(g / scale) * scale).reshape(x.shape).to(x.dtype)
+
+
+def fake_quant_fp4_e4m3_scale(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """fp4 e2m1 with one e4m3 scale per block: scale = clamp(amax, 6*2^-9) / 6 in e4m3."""
+    g = _blocks(x, block)
+    if g is None:
+        return x
+    amax = g.abs().amax(dim=-1, keepdim=True).clamp(min=FP4_MAX * 2**-9)
+    scale = (amax / FP4_MAX).to(torch.float8_e4m3fn).float()
+    return (_round_e2m1(g / scale) * scale).reshape(x.shape).to(x.dtype)

@@ -1,0 +1,77 @@
+"""QAT fake-quant: formats, idempotence, bounded error, and wiring into the forward."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer import load_model
+from deepinfer.models.forward_batch import ForwardBatch
+from deepinfer.models.layers.fake_quant import (
+    fake_quant_fp4_e4m3_scale,
+    fake_quant_fp4_pow2,
+    fake_quant_fp8_pow2,
+)
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def test_fp8_pow2_is_idempotent_and_close():
+    x = torch.randn(3, 5, 64) * 3
+    q = fake_quant_fp8_pow2(x)
+    assert torch.equal(fake_quant_fp8_pow2(q), q)
+    assert (q - x).abs().max() <= x.abs().max() * 2**-3
+    blocks = q.view(3, 5, 2, 32)
+    amax = x.view(3, 5, 2, 32).abs().amax(-1, keepdim=True)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 448)))
+    assert torch.equal((blocks / scale).to(torch.float8_e4m3fn).float(), blocks / scale)
+
+
+def test_fp4_pow2_values_lie_on_the_scaled_e2m1_grid():
+    x = torch.randn(4, 64)
+    q = fake_quant_fp4_pow2(x)
+    amax = x.view(4, 2, 32).abs().amax(-1, keepdim=True)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 6)))
+    scaled = (q.view(4, 2, 32) / scale).abs()
+    assert torch.isin(scaled, E2M1).all()
+    assert torch.equal(fake_quant_fp4_pow2(q), q)
+    # nearest grid point: error at most half the widest gap (2) times the scale
+    assert ((q - x).view(4, 2, 32).abs() <= scale).all()
+
+
+def test_fp4_e4m3_scale_uses_16_blocks():
+    x = torch.randn(2, 48)
+    q = fake_quant_fp4_e4m3_scale(x)
+    amax = x.view(2, 3, 16).abs().amax(-1, keepdim=True).clamp(min=6 * 2**-9)
+    scale = (amax / 6).to(torch.float8_e4m3fn).float()
+    assert torch.isin((q.view(2, 3, 16) / scale).abs(), E2M1).all()
+
+
+def test_dims_not_divisible_by_the_block_are_left_alone():
+    x = torch.randn(3, 40)
+    assert torch.equal(fake_quant_fp8_pow2(x), x) and torch.equal(fake_quant_fp4_pow2(x), x)
+
+
+def test_fake_quant_is_wired_into_cached_state_and_chunks_agree(v4_ckpt):
+    plain, quant = load_model(v4_ckpt), load_model(v4_ckpt, fake_quant=True)
+    ids = torch.randint(0, 258, (1, 45), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a = plain(ids)
+        batch = ForwardBatch(quant.new_cache())
+        b = quant(ids, batch=batch)
+        assert torch.isfinite(b).all() and (a - b).abs().max() > 1e-3
+        checked = 0
+        for layer in batch.cache.layers:  # what was stored is exactly on the quantised grids
+            assert torch.equal(fake_quant_fp8_pow2(layer.window), layer.window)
+            entries, keys = layer.compressor.entries, layer.indexer.entries
+            if entries is not None and entries.shape[1]:
+                assert torch.equal(fake_quant_fp4_e4m3_scale(entries), entries)
+                checked += 1
+            if keys is not None and keys.shape[1]:
+                assert torch.equal(fake_quant_fp4_pow2(keys), keys)
+                checked += 1
+        assert checked == 4  # two CSA layers, each with compressed entries and indexer keys
+        chunked_batch = ForwardBatch(quant.new_cache())
+        chunked = torch.cat(
+            [quant(ids[:, :13], batch=chunked_batch), quant(ids[:, 13:], batch=chunked_batch)], 1
+        )
+    assert (chunked - b).abs().max() <= 1e-4
