@@ -37,15 +37,19 @@ def _round_e2m1(x: torch.Tensor) -> torch.Tensor:
     return torch.copysign(grid[idx], x)
 
 
+def _pow2_scale(blocks: torch.Tensor, qmax: float) -> torch.Tensor:
+    """Per-block power-of-two (ue8m0) scale; amax clamped at 1e-4 as the reference does."""
+    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4)
+    return torch.exp2(torch.ceil(torch.log2(amax / qmax)))
+
+
 def fake_quant_fp8_pow2(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """fp8 e4m3 with one power-of-two scale per block; amax clamped at 1e-4."""
+    """fp8 e4m3 with one power-of-two scale per block (the window K=V vector)."""
     g = _blocks(x, block)
     if g is None:
         return x
-    amax = g.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
-    q = (g / scale).to(torch.float8_e4m3fn).float() * scale
-    return q.reshape(x.shape).to(x.dtype)
+    scale = _pow2_scale(g, FP8_MAX)
+    return ((g / scale).to(torch.float8_e4m3fn).float() * scale).reshape(x.shape).to(x.dtype)
 
 
 def fake_quant_fp4_pow2(x: torch.Tensor, block: int = 32) -> torch.Tensor:
@@ -53,8 +57,7 @@ def fake_quant_fp4_pow2(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     g = _blocks(x, block)
     if g is None:
         return x
-    amax = g.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / FP4_MAX)))
+    scale = _pow2_scale(g, FP4_MAX)
     return (_round_e2m1(g / scale) * scale).reshape(x.shape).to(x.dtype)
 
 
