@@ -6,21 +6,21 @@ import pytest
 import torch
 
 from deepinfer import load_model
-from deepinfer.models.forward_batch import ForwardBatch
+from deepinfer.engine.session import Session
 
 TOL = 1e-4
 
 
 def _incremental(model, ids: torch.Tensor, splits: list[int], decode_steps: int) -> torch.Tensor:
-    batch = ForwardBatch(model.new_cache())
+    session = Session(model, ids.shape[0], ids.shape[1])
     prefill_end = ids.shape[1] - decode_steps
     outs, prev = [], 0
     for cut in [*splits, prefill_end]:
-        outs.append(model(ids[:, prev:cut], batch=batch))
+        outs.append(session.feed(ids[:, prev:cut]))
         prev = cut
     for t in range(prefill_end, ids.shape[1]):
-        outs.append(model(ids[:, t : t + 1], batch=batch))
-    assert batch.cache.num_tokens == ids.shape[1]
+        outs.append(session.feed(ids[:, t : t + 1]))
+    assert session.num_tokens == ids.shape[1]
     return torch.cat(outs, dim=1)
 
 
@@ -41,17 +41,18 @@ def test_decode_past_hca_group_boundary(v4_ckpt):
     ids = torch.randint(0, model.config.vocab_size, (1, 262), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         full = model(ids)
-        batch = ForwardBatch(model.new_cache())
-        outs = [model(ids[:, :120], batch=batch)]
-        outs += [model(ids[:, t : t + 1], batch=batch) for t in range(120, 140)]
-        outs.append(model(ids[:, 140:250], batch=batch))
-        outs += [model(ids[:, t : t + 1], batch=batch) for t in range(250, 262)]
+        session = Session(model, 1, 262)
+        outs = [session.feed(ids[:, :120])]
+        outs += [session.feed(ids[:, t : t + 1]) for t in range(120, 140)]
+        outs.append(session.feed(ids[:, 140:250]))
+        outs += [session.feed(ids[:, t : t + 1]) for t in range(250, 262)]
     assert (torch.cat(outs, 1) - full).abs().max().item() <= TOL
 
 
-def test_positions_must_continue_the_cache(v4_ckpt):
+def test_session_rejects_wrong_batch_and_overflow(v4_ckpt):
     model = load_model(v4_ckpt)
-    batch = ForwardBatch(model.new_cache())
-    model(torch.tensor([[1, 2, 3]]), batch=batch)
-    with pytest.raises(ValueError, match="positions must continue"):
-        model(torch.tensor([[4]]), positions=torch.tensor([[7]]), batch=batch)
+    session = Session(model, 2, 20)
+    with pytest.raises(ValueError, match="holds 2 sequences"):
+        session.feed(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(ValueError, match="capacity"):
+        session.feed(torch.ones(2, 200, dtype=torch.long))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer import load_model
-from deepinfer.models.forward_batch import ForwardBatch
+from deepinfer.engine.session import Session
 from deepinfer.models.layers.fake_quant import (
     fake_quant_fp4_e4m3_scale,
     fake_quant_fp4_pow2,
@@ -56,22 +56,19 @@ def test_fake_quant_is_wired_into_cached_state_and_chunks_agree(v4_ckpt):
     ids = torch.randint(0, 258, (1, 45), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         a = plain(ids)
-        batch = ForwardBatch(quant.new_cache())
-        b = quant(ids, batch=batch)
+        session = Session(quant, 1, 45)
+        b = session.feed(ids)
         assert torch.isfinite(b).all() and (a - b).abs().max() > 1e-3
         checked = 0
-        for layer in batch.cache.layers:  # what was stored is exactly on the quantised grids
+        for layer in session.pools:  # what was stored is exactly on the quantised grids
             assert torch.equal(fake_quant_fp8_pow2(layer.window), layer.window)
-            entries, keys = layer.compressor.entries, layer.indexer.entries
-            if entries is not None and entries.shape[1]:
-                assert torch.equal(fake_quant_fp4_e4m3_scale(entries), entries)
+            if layer.entries is not None and layer.entries.abs().sum() > 0:
+                assert torch.equal(fake_quant_fp4_e4m3_scale(layer.entries), layer.entries)
                 checked += 1
-            if keys is not None and keys.shape[1]:
-                assert torch.equal(fake_quant_fp4_pow2(keys), keys)
+            if layer.index_keys is not None and layer.index_keys.abs().sum() > 0:
+                assert torch.equal(fake_quant_fp4_pow2(layer.index_keys), layer.index_keys)
                 checked += 1
         assert checked == 4  # two CSA layers, each with compressed entries and indexer keys
-        chunked_batch = ForwardBatch(quant.new_cache())
-        chunked = torch.cat(
-            [quant(ids[:, :13], batch=chunked_batch), quant(ids[:, 13:], batch=chunked_batch)], 1
-        )
+        chunked_session = Session(quant, 1, 45)
+        chunked = torch.cat([chunked_session.feed(ids[:, :13]), chunked_session.feed(ids[:, 13:])], 1)
     assert (chunked - b).abs().max() <= 1e-4

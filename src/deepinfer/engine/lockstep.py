@@ -61,7 +61,7 @@ def lockstep_generate(
     device = next(model.parameters()).device
     rows = [RowState(p) for p in params]
     generators = [make_generator(p, device) for p in params]
-    batch = ForwardBatch(model.new_cache(), last_logits_only=True)
+    batch = XXX
     tokens = torch.tensor(prompts, dtype=torch.long, device=device)
     length = tokens.shape[1]
     with torch.inference_mode():

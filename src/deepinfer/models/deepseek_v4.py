@@ -7,29 +7,17 @@ The model is a pure function of ``(input_ids, positions, ForwardBatch)``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from deepinfer.config import CSA, HCA, DeepseekV4Config
-from deepinfer.models.forward_batch import ForwardBatch, LayerCache, SequenceCache
+from deepinfer.config import CSA, DeepseekV4Config
+from deepinfer.models.cache_spec import LayerCacheSpec
+from deepinfer.models.forward_batch import ForwardBatch, LayerPools
 from deepinfer.models.layers.attention import Attention
 from deepinfer.models.layers.mhc import hc_collapse, hc_expand, hc_head_collapse, hc_mixes
 from deepinfer.models.layers.moe import MoE
 from deepinfer.models.layers.norms import RMSNorm
 from deepinfer.models.layers.rope import Rotary
-
-
-@dataclass(frozen=True)
-class LayerCacheSpec:
-    """What one layer keeps per sequence; the cache manager allocates from this alone."""
-
-    kind: str  # "sliding" | "csa" | "hca"
-    window: int  # K=V vectors of the sliding window (the last window-1 plus the current)
-    kv_dim: int
-    ratio: int  # one compressed entry per `ratio` tokens (0: none)
-    index_dim: int  # indexer key width (0: no indexer)
 
 
 class Block(nn.Module):
@@ -64,10 +52,16 @@ class Block(nn.Module):
         )
 
     def forward(
-        self, streams: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, cache: LayerCache
+        self,
+        streams: torch.Tensor,
+        positions: torch.Tensor,
+        input_ids: torch.Tensor,
+        pools: LayerPools,
+        batch: ForwardBatch,
     ) -> torch.Tensor:
+        """streams [T, n, d] -> [T, n, d]."""
         pre, post, comb = self._mixes(streams, "attn")
-        y = self.attn(self.attn_norm(hc_collapse(streams, pre)), positions, cache)
+        y = self.attn(self.attn_norm(hc_collapse(streams, pre)), positions, pools, batch)
         streams = hc_expand(y, streams, post, comb)
         pre, post, comb = self._mixes(streams, "ffn")
         y = self.ffn(self.ffn_norm(hc_collapse(streams, pre)), input_ids)
@@ -101,13 +95,19 @@ class DeepseekV4ForCausalLM(nn.Module):
         cfg = self.config
         specs = []
         for i, kind in enumerate(cfg.layer_kinds):
-            index_dim = cfg.index_head_dim if kind == CSA else 0
-            ratio = cfg.ratio(i) if kind in (CSA, HCA) else 0
-            specs.append(LayerCacheSpec(kind, cfg.sliding_window, cfg.head_dim, ratio, index_dim))
+            ratio, overlap = cfg.ratio(i), kind == CSA
+            specs.append(
+                LayerCacheSpec(
+                    window=cfg.sliding_window,
+                    kv_dim=cfg.head_dim,
+                    ratio=ratio,
+                    overlap=overlap,
+                    compressor_width=cfg.head_dim * (2 if overlap else 1) if ratio else 0,
+                    index_dim=cfg.index_head_dim if overlap else 0,
+                    index_width=2 * cfg.index_head_dim if overlap else 0,
+                )
+            )
         return specs
-
-    def new_cache(self) -> SequenceCache:
-        return SequenceCache.empty(len(self.layers))
 
     def forward(
         self,
@@ -115,30 +115,26 @@ class DeepseekV4ForCausalLM(nn.Module):
         positions: torch.Tensor | None = None,
         batch: ForwardBatch | None = None,
     ) -> torch.Tensor:
-        """input_ids [B, S] -> fp32 logits [B, S, V] (or [B, 1, V] with ``last_logits_only``).
+        """Two ways in.
 
-        Without ``batch`` this is a one-shot forward from position 0 with a throwaway cache.
-        With ``batch``, the chunk continues the sequences held in ``batch.cache``.
+        ``model(input_ids [B, S])``: every row is a sequence starting at position 0; returns
+        fp32 logits [B, S, V] (a throwaway cache is made; research code needs nothing else).
+
+        ``model(input_ids [T], positions [T], batch)``: one engine step over a flat batch of
+        tokens from many sequences; returns fp32 logits [N, V] for ``batch.logits_idx``.
         """
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
-        b, s = input_ids.shape
-        cache = batch.cache if batch is not None else self.new_cache()
-        expected = cache.num_tokens + torch.arange(s, device=input_ids.device)
-        if positions is None:
-            positions = expected.expand(b, s)
-        elif positions.shape != (b, s) or not torch.equal(positions, expected.expand(b, s)):
-            raise ValueError(
-                f"positions must continue the cached sequence: expected {cache.num_tokens}..{cache.num_tokens + s - 1}"
-                " for every row (this contiguous cache advances all rows in lockstep)"
-            )
+        if batch is None:
+            from deepinfer.engine.session import one_shot_logits
+
+            return one_shot_logits(self, input_ids)
+        if input_ids.dim() != 1 or positions is None or positions.shape != input_ids.shape:
+            raise ValueError("with a ForwardBatch, input_ids and positions must both be flat [T] tensors")
         h = self.embed(input_ids)
-        streams = h.unsqueeze(2).expand(b, s, self.config.hc_mult, h.shape[-1]).contiguous()
-        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
-            streams = layer(streams, positions, input_ids, layer_cache)
-        cache.num_tokens += s
-        if batch is not None and batch.last_logits_only:
-            streams = streams[:, -1:]
+        streams = h.unsqueeze(1).expand(h.shape[0], self.config.hc_mult, h.shape[-1]).contiguous()
+        for layer, pools in zip(self.layers, batch.pools, strict=True):
+            streams = layer(streams, positions, input_ids, pools, batch)
+        if batch.logits_idx is not None:
+            streams = streams[batch.logits_idx]
         x = hc_head_collapse(
             streams,
             self.hc_head_fn,

@@ -1,8 +1,14 @@
 """The explicit cache argument of the model (DESIGN.md §2: no module-level mutable state).
 
-This is the simple contiguous per-sequence cache: every row of a batch shares the same
-start position. The paged cache of the engine core replaces it behind the same
-``ForwardBatch`` argument.
+A step runs a flat batch of T tokens from any number of sequences (decodes and prefill
+chunks mixed). Everything the layers need to find their cache rows is precomputed here as
+index tensors by the model runner, so the layers do only gathers, math and scatters:
+
+- window K=V vectors are paged per token (``window_idx`` reads the last ``window`` positions
+  of each token's sequence, ``window_write`` stores this step's vectors);
+- compressed entries and indexer keys are paged, ``block_size // ratio`` per block;
+- compressor partial groups and the CSA overlap half live in per-sequence slots; a snapshot
+  of the overlap is kept with every full block so a prefix-cache hit restores it exactly.
 """
 
 from __future__ import annotations
@@ -13,42 +19,61 @@ import torch
 
 
 @dataclass
-class CompressorState:
-    """A compressor's running state: the incomplete trailing group, the previous window's
-    overlap half (CSA only), and every compressed entry emitted so far."""
+class CompressorPools:
+    """Physical state of one compressor (a layer's main one, or its indexer's)."""
 
-    buffer_kv: torch.Tensor | None = None
-    buffer_gate: torch.Tensor | None = None
-    overlap_kv: torch.Tensor | None = None
-    overlap_gate: torch.Tensor | None = None
-    entries: torch.Tensor | None = None
-    emitted: int = 0
-
-
-@dataclass
-class LayerCache:
-    """One layer's cache: the last ``window - 1`` K=V vectors plus compressor states."""
-
-    window: torch.Tensor | None = None
-    compressor: CompressorState = field(default_factory=CompressorState)
-    indexer: CompressorState = field(default_factory=CompressorState)
+    buf_kv: torch.Tensor  # [slots * ratio, width]  the incomplete trailing group
+    buf_gate: torch.Tensor
+    ovl_kv: torch.Tensor | None = None  # [slots * ratio, width]  last complete group (CSA)
+    ovl_gate: torch.Tensor | None = None
+    snap_kv: torch.Tensor | None = None  # [blocks * ratio, width]  overlap at each block end
+    snap_gate: torch.Tensor | None = None
 
 
 @dataclass
-class SequenceCache:
-    """Per-layer caches of a batch of sequences that advance in lockstep."""
+class LayerPools:
+    """Physical cache tensors of one layer."""
 
-    layers: list[LayerCache]
-    num_tokens: int = 0
+    window: torch.Tensor  # [blocks * block_size, D]
+    entries: torch.Tensor | None = None  # [blocks * block_size / ratio, D]
+    index_keys: torch.Tensor | None = None  # [blocks * block_size / ratio, index_dim]
+    compressor: CompressorPools | None = None
+    indexer: CompressorPools | None = None
 
-    @classmethod
-    def empty(cls, num_layers: int) -> SequenceCache:
-        return cls(layers=[LayerCache() for _ in range(num_layers)])
+
+@dataclass
+class GroupMeta:
+    """Compressor bookkeeping for one ratio: which rows form each group closed this step.
+
+    Rows are numbered in a "source" = cat(chunk rows [T], buffer rows [src_buf_rows],
+    overlap rows [src_ovl_rows]).
+    """
+
+    src_buf_rows: torch.Tensor  # [K1] rows of the buffer pool read this step
+    src_ovl_rows: torch.Tensor  # [K2] rows of the overlap pool read this step
+    group_rows: torch.Tensor  # [G, r] source rows of each closed group
+    prev_rows: torch.Tensor  # [G, r] source rows of the previous group (-1: none)
+    group_pos: torch.Tensor  # [G] absolute position of each group's first token
+    entry_slot: torch.Tensor  # [G] row of the entry pool receiving each group's entry
+    buf_src: torch.Tensor  # chunk rows that start/extend a trailing partial group ...
+    buf_dst: torch.Tensor  # ... and their buffer-pool rows
+    ovl_src: torch.Tensor  # source rows of each sequence's new last complete group ...
+    ovl_dst: torch.Tensor  # ... and their overlap-pool rows
+    snap_src: torch.Tensor  # source rows of groups that end a block ...
+    snap_dst: torch.Tensor  # ... and their snapshot rows
+    restore_src: torch.Tensor  # snapshot rows to restore into a slot (prefix-cache hit) ...
+    restore_dst: torch.Tensor  # ... and the overlap-pool rows they go to
+    entry_idx: torch.Tensor  # [T, E] entry-pool rows each token may see (clamped)
+    entry_valid: torch.Tensor  # [T, E] bool
 
 
 @dataclass
 class ForwardBatch:
     """Everything besides token ids and positions that one forward step reads or writes."""
 
-    cache: SequenceCache
-    last_logits_only: bool = False
+    pools: list[LayerPools]
+    window_idx: torch.Tensor  # [T, W] window-pool rows (clamped; see window_valid)
+    window_valid: torch.Tensor  # [T, W] bool
+    window_write: torch.Tensor  # [T] window-pool row of each token
+    groups: dict[int, GroupMeta] = field(default_factory=dict)  # by ratio
+    logits_idx: torch.Tensor | None = None  # token rows whose logits are returned (None: all)

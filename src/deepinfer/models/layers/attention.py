@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from deepinfer.config import CSA, HCA, DeepseekV4Config
-from deepinfer.models.forward_batch import LayerCache
+from deepinfer.models.forward_batch import ForwardBatch, LayerPools
 from deepinfer.models.layers.compressor import Compressor
 from deepinfer.models.layers.fake_quant import fake_quant_fp4_e4m3_scale, fake_quant_fp8_pow2
 from deepinfer.models.layers.indexer import Indexer
@@ -24,15 +24,16 @@ def attention_with_sink(
 ) -> torch.Tensor:
     """Softmax attention where each head also has a sink logit that absorbs mass.
 
-    q [B, S, H, D], kv [B, L, D] (K = V), visible [B, S, L] bool, sink [H] -> [B, S, H, D].
+    Per token: q [T, H, D], its own key set kv [T, L, D] (K = V), visible [T, L] bool,
+    sink [H] -> [T, H, D].
     """
-    scores = torch.einsum("bshd,bld->bhsl", q, kv) * scale
+    scores = torch.einsum("thd,tld->thl", q, kv) * scale
     scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
-    sinks = sink.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    sinks = sink.to(scores.dtype).view(1, -1, 1).expand(*scores.shape[:-1], 1)
     logits = torch.cat([scores, sinks], dim=-1)
     logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = torch.softmax(logits, dim=-1)[..., :-1].to(kv.dtype)
-    return torch.einsum("bhsl,bld->bshd", probs, kv)
+    return torch.einsum("thl,tld->thd", probs, kv)
 
 
 class Attention(nn.Module):
@@ -74,61 +75,38 @@ class Attention(nn.Module):
                 cfg.fake_quant,
             )
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache) -> torch.Tensor:
-        b, s, _ = x.shape
-        cos, sin = self.rotary(positions)  # [B, S, rd/2]
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, pools: LayerPools, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """x [T, d] at absolute ``positions`` [T] -> [T, d]; reads and writes ``pools``."""
+        t = x.shape[0]
+        cos, sin = self.rotary(positions)  # [T, rd/2]
         q_residual = self.q_norm(self.wq_a(x))
-        q = self.wq_b(q_residual).view(b, s, self.n_heads, self.head_dim)
-        q = apply_rope(unweighted_rms_norm(q, self.eps), cos.unsqueeze(2), sin.unsqueeze(2))
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [B, S, D]
+        q = self.wq_b(q_residual).view(t, self.n_heads, self.head_dim)
+        q = apply_rope(unweighted_rms_norm(q, self.eps), cos.unsqueeze(1), sin.unsqueeze(1))
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, D]
         if self.fake_quant:
             kv = fake_quant_fp8_pow2(kv)
 
-        keys, visible = self._window(kv, positions, cache)
+        pools.window[batch.window_write] = kv.to(pools.window.dtype)
+        keys = pools.window[batch.window_idx].to(kv.dtype)  # [T, W, D]: (p - window, p]
+        visible = batch.window_valid
         if self.compressor is not None:
-            entries = self.compressor(x, cache.compressor)  # [B, T, D]
+            meta = batch.groups[self.ratio]
+            self.compressor(x, pools.compressor, meta, pools.entries)
             if self.indexer is not None:
-                picks = self.indexer(x, q_residual, positions, cos, sin, cache.indexer)
-                chosen = self._mask_from_picks(picks, entries.shape[1])
+                chosen = self.indexer(x, q_residual, cos, sin, pools, meta)
             else:
-                chosen = self._causal_entries(positions, entries.shape[1])
-            keys = torch.cat([keys, entries], dim=1)
-            visible = torch.cat([visible, chosen], dim=-1)
+                chosen = meta.entry_valid  # HCA: every entry whose group has closed
+            keys = torch.cat([keys, pools.entries[meta.entry_idx].to(kv.dtype)], dim=1)
+            visible = torch.cat([visible, chosen], dim=1)
 
         out = attention_with_sink(q, keys, visible, self.attn_sink, self.head_dim**-0.5)
-        out = apply_rope(out, cos.unsqueeze(2), -sin.unsqueeze(2))
+        out = apply_rope(out, cos.unsqueeze(1), -sin.unsqueeze(1))
         return self.wo_b(self._grouped_output(out))
-
-    def _window(
-        self, kv: torch.Tensor, positions: torch.Tensor, cache: LayerCache
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys = cached last ``window-1`` vectors + this chunk; query p sees (p-window, p]."""
-        b, s, _ = kv.shape
-        past = cache.window if cache.window is not None else kv.new_zeros(b, 0, kv.shape[-1])
-        keys = torch.cat([past, kv], dim=1)
-        cache.window = keys[:, keys.shape[1] - min(keys.shape[1], self.window - 1) :]
-        start = positions[:, :1] - past.shape[1]
-        key_pos = start + torch.arange(keys.shape[1], device=kv.device)  # [B, L]
-        qp, kp = positions.unsqueeze(-1), key_pos.unsqueeze(1)
-        visible = (kp <= qp) & (kp > qp - self.window)
-        return keys, visible
-
-    def _causal_entries(self, positions: torch.Tensor, t: int) -> torch.Tensor:
-        """HCA: every compressed entry whose group has closed by position p."""
-        visible = (positions + 1) // self.ratio
-        return torch.arange(t, device=positions.device).view(1, 1, -1) < visible.unsqueeze(-1)
-
-    @staticmethod
-    def _mask_from_picks(picks: torch.Tensor, t: int) -> torch.Tensor:
-        """CSA: a boolean mask over entries from the indexer's picks (-1 = nothing)."""
-        b, s, _ = picks.shape
-        mask = torch.zeros(b, s, t + 1, dtype=torch.bool, device=picks.device)
-        mask.scatter_(-1, torch.where(picks >= 0, picks, t), True)
-        return mask[..., :t]
 
     def _grouped_output(self, out: torch.Tensor) -> torch.Tensor:
         """Block-diagonal low-rank output: group g of heads -> o_lora_rank, then concat."""
-        b, s = out.shape[:2]
-        grouped = out.reshape(b, s, self.o_groups, -1)
+        grouped = out.reshape(out.shape[0], self.o_groups, -1)
         w = self.wo_a.weight.view(self.o_groups, self.o_rank, -1)
-        return torch.einsum("bsgd,grd->bsgr", grouped, w).reshape(b, s, -1)
+        return torch.einsum("tgd,grd->tgr", grouped, w).reshape(out.shape[0], -1)

@@ -3,8 +3,8 @@
 Every ``ratio`` source tokens become one compressed entry: a per-channel softmax over the
 group's gate scores (plus the learned absolute position bias ``ape``) weights the group's
 projected vectors. With ``overlap`` (the CSA compressor) each token projects two series:
-entry ``w`` pools the previous window's first half with window ``w``'s second half over
-``2 * ratio`` slots. Incomplete groups wait in the state until they fill.
+entry ``w`` pools the previous group's first half with group ``w``'s second half over
+``2 * ratio`` slots. Incomplete groups wait in per-sequence buffers until they fill.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from deepinfer.models.forward_batch import CompressorState
+from deepinfer.models.forward_batch import CompressorPools, GroupMeta
 from deepinfer.models.layers.norms import RMSNorm
 from deepinfer.models.layers.rope import Rotary, apply_rope
 
@@ -32,7 +32,7 @@ class Compressor(nn.Module):
     ) -> None:
         super().__init__()
         width = out_dim * (2 if overlap else 1)
-        self.ratio, self.out_dim, self.overlap = ratio, out_dim, overlap
+        self.ratio, self.out_dim, self.overlap, self.width = ratio, out_dim, overlap, width
         self.wkv = nn.Linear(hidden, width, bias=False)
         self.wgate = nn.Linear(hidden, width, bias=False)
         self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
@@ -40,53 +40,57 @@ class Compressor(nn.Module):
         self.rotary = rotary
         self.quantize = quantize  # QAT fake-quant of emitted entries (None: off)
 
-    def forward(self, x: torch.Tensor, state: CompressorState) -> torch.Tensor:
-        """Consume ``x`` [B, S, d]; return all entries emitted so far [B, T, out_dim]."""
-        b = x.shape[0]
+    def forward(self, x: torch.Tensor, pools: CompressorPools, meta: GroupMeta, out: torch.Tensor) -> None:
+        """Consume this step's tokens ``x`` [T, d]; write closed groups' entries into ``out``."""
         kv, gate = self.wkv(x), self.wgate(x)
-        if state.buffer_kv is not None:
-            kv = torch.cat([state.buffer_kv, kv], dim=1)
-            gate = torch.cat([state.buffer_gate, gate], dim=1)
-        r = self.ratio
-        usable = (kv.shape[1] // r) * r
-        state.buffer_kv, state.buffer_gate = kv[:, usable:], gate[:, usable:]
-        if usable == 0:
-            if state.entries is None:
-                state.entries = x.new_zeros(b, 0, self.out_dim)
-            return state.entries
-
-        n_win = usable // r
-        kv = kv[:, :usable].view(b, n_win, r, -1)
-        gate = gate[:, :usable].view(b, n_win, r, -1) + self.ape
+        if self.overlap and meta.restore_dst.numel():
+            pools.ovl_kv[meta.restore_dst] = pools.snap_kv[meta.restore_src]
+            pools.ovl_gate[meta.restore_dst] = pools.snap_gate[meta.restore_src]
+        src_kv = [kv, pools.buf_kv[meta.src_buf_rows]]
+        src_gate = [gate, pools.buf_gate[meta.src_buf_rows]]
         if self.overlap:
-            kv, gate = self._overlap_slots(kv, gate, state)
-        weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
-        pooled = self.norm((kv * weights).sum(dim=2))
-        first = state.emitted * r
-        positions = torch.arange(n_win, device=x.device) * r + first
-        cos, sin = self.rotary(positions)
-        pooled = apply_rope(pooled, cos, sin)
-        if self.quantize is not None:
-            pooled = self.quantize(pooled)
-        state.entries = pooled if state.entries is None else torch.cat([state.entries, pooled], dim=1)
-        state.emitted += n_win
-        return state.entries
+            src_kv.append(pools.ovl_kv[meta.src_ovl_rows])
+            src_gate.append(pools.ovl_gate[meta.src_ovl_rows])
+        src_kv_t, src_gate_t = torch.cat(src_kv), torch.cat(src_gate).float()
+
+        if meta.group_rows.shape[0]:
+            group_kv = src_kv_t[meta.group_rows]  # [G, r, width]
+            group_gate = src_gate_t[meta.group_rows] + self.ape
+            if self.overlap:
+                group_kv, group_gate = self._overlap_slots(group_kv, group_gate, src_kv_t, src_gate_t, meta)
+            weights = group_gate.softmax(dim=1, dtype=torch.float32).to(group_kv.dtype)
+            pooled = self.norm((group_kv * weights).sum(dim=1))
+            cos, sin = self.rotary(meta.group_pos)
+            pooled = apply_rope(pooled, cos, sin)
+            if self.quantize is not None:
+                pooled = self.quantize(pooled)
+            out[meta.entry_slot] = pooled.to(out.dtype)
+
+        # Read every state row we need before writing any (a slot's rows can be both).
+        new_ovl = (src_kv_t[meta.ovl_src], src_gate_t[meta.ovl_src]) if self.overlap else None
+        new_snap = (src_kv_t[meta.snap_src], src_gate_t[meta.snap_src]) if self.overlap else None
+        pools.buf_kv[meta.buf_dst] = kv[meta.buf_src].to(pools.buf_kv.dtype)
+        pools.buf_gate[meta.buf_dst] = gate[meta.buf_src].to(pools.buf_gate.dtype)
+        if new_ovl is not None and new_snap is not None:
+            pools.ovl_kv[meta.ovl_dst] = new_ovl[0].to(pools.ovl_kv.dtype)
+            pools.ovl_gate[meta.ovl_dst] = new_ovl[1].to(pools.ovl_gate.dtype)
+            pools.snap_kv[meta.snap_dst] = new_snap[0].to(pools.snap_kv.dtype)
+            pools.snap_gate[meta.snap_dst] = new_snap[1].to(pools.snap_gate.dtype)
 
     def _overlap_slots(
-        self, kv: torch.Tensor, gate: torch.Tensor, state: CompressorState
+        self,
+        group_kv: torch.Tensor,
+        group_gate: torch.Tensor,
+        src_kv: torch.Tensor,
+        src_gate: torch.Tensor,
+        meta: GroupMeta,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Lay out ``[prev window's first half ; this window's second half]`` over 2r slots."""
-        b, n_win, r, _ = kv.shape
+        """``[previous group's first half ; this group's second half]`` over 2r slots."""
         d = self.out_dim
-        slots_kv = kv.new_zeros(b, n_win, 2 * r, d)
-        slots_gate = gate.new_full((b, n_win, 2 * r, d), float("-inf"))
-        slots_kv[:, :, r:] = kv[..., d:]
-        slots_gate[:, :, r:] = gate[..., d:]
-        slots_kv[:, 1:, :r] = kv[:, :-1, :, :d]
-        slots_gate[:, 1:, :r] = gate[:, :-1, :, :d]
-        if state.overlap_kv is not None:
-            slots_kv[:, 0, :r] = state.overlap_kv
-            slots_gate[:, 0, :r] = state.overlap_gate
-        state.overlap_kv = kv[:, -1, :, :d].clone()
-        state.overlap_gate = gate[:, -1, :, :d].clone()
+        has_prev = (meta.prev_rows >= 0).unsqueeze(-1)  # [G, r, 1]
+        prev = meta.prev_rows.clamp(min=0)
+        prev_kv = torch.where(has_prev, src_kv[prev][..., :d], 0.0).to(group_kv.dtype)
+        prev_gate = torch.where(has_prev, src_gate[prev][..., :d] + self.ape[:, :d], float("-inf"))
+        slots_kv = torch.cat([prev_kv, group_kv[..., d:]], dim=1)
+        slots_gate = torch.cat([prev_gate, group_gate[..., d:]], dim=1)
         return slots_kv, slots_gate

@@ -2,7 +2,7 @@
 
 V4's indexer owns a small overlapping compressor at ``index_head_dim`` for its keys. A query
 at position p scores visible entry j by ``sum_h w_h * ReLU(q_h . k_j)`` and keeps the
-``index_topk`` best; picks that are not visible (j >= (p+1)//ratio) come back as -1.
+``index_topk`` best visible entries.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.models.forward_batch import CompressorState
+from deepinfer.models.forward_batch import GroupMeta, LayerPools
 from deepinfer.models.layers.compressor import Compressor
 from deepinfer.models.layers.fake_quant import fake_quant_fp4_pow2
 from deepinfer.models.layers.rope import Rotary, apply_rope
@@ -40,26 +40,25 @@ class Indexer(nn.Module):
         self,
         x: torch.Tensor,
         q_residual: torch.Tensor,
-        positions: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        state: CompressorState,
+        pools: LayerPools,
+        meta: GroupMeta,
     ) -> torch.Tensor:
-        """Return top-k compressed-entry indices [B, S, k] (-1 = none)."""
-        b, s, _ = x.shape
-        keys = self.compressor(x, state)  # [B, T, head_dim]
-        t = keys.shape[1]
-        if t == 0:
-            return torch.empty(b, s, 0, dtype=torch.long, device=x.device)
-        q = self.wq_b(q_residual).view(b, s, self.n_heads, self.head_dim)
-        q = apply_rope(q, cos.unsqueeze(2), sin.unsqueeze(2))
+        """Return the chosen-entry mask [T, E] over ``meta.entry_idx``."""
+        self.compressor(x, pools.indexer, meta, pools.index_keys)
+        t, e = meta.entry_idx.shape
+        if e == 0:
+            return meta.entry_valid
+        keys = pools.index_keys[meta.entry_idx]  # [T, E, head_dim]
+        q = self.wq_b(q_residual).view(t, self.n_heads, self.head_dim)
+        q = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
         if self.quantize is not None:
             q = self.quantize(q)
-        scores = torch.einsum("bshd,btd->bsht", q.float(), keys.float()).relu() * self.head_dim**-0.5
+        scores = torch.einsum("thd,ted->the", q.float(), keys.float()).relu() * self.head_dim**-0.5
         weights = self.weights_proj(x).float() * self.n_heads**-0.5
-        index_scores = (scores * weights.unsqueeze(-1)).sum(dim=2)  # [B, S, T]
-        visible = (positions + 1) // self.ratio  # entries j < visible may be read
-        future = torch.arange(t, device=x.device).view(1, 1, -1) >= visible.unsqueeze(-1)
-        index_scores = index_scores.masked_fill(future, float("-inf"))
-        picks = index_scores.topk(min(self.topk, t), dim=-1).indices
-        return torch.where(picks >= visible.unsqueeze(-1), torch.full_like(picks, -1), picks)
+        index_scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [T, E]
+        index_scores = index_scores.masked_fill(~meta.entry_valid, float("-inf"))
+        picks = index_scores.topk(min(self.topk, e), dim=-1).indices
+        chosen = torch.zeros_like(meta.entry_valid)
+        return chosen.scatter(1, picks, meta.entry_valid.gather(1, picks))

@@ -1,6 +1,6 @@
 """Manifold-constrained hyper-connections (mHC), model_spec.md §2.2.
 
-The residual is ``hc_mult`` parallel streams ``[B, S, n, d]``. Each site computes, from the
+The residual is ``hc_mult`` parallel streams ``[..., n, d]``. Each site computes, from the
 streams themselves, a collapse mix ``pre`` (streams -> block input), an expand mix ``post``
 (block output -> streams) and a doubly-stochastic stream mixer ``comb`` (Sinkhorn).
 """
@@ -23,16 +23,16 @@ def hc_mixes(
     hc_eps: float,
     norm_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Return ``(pre [B,S,n], post [B,S,n], comb [B,S,n,n])`` in fp32."""
-    b, s, n, _ = streams.shape
-    flat = unweighted_rms_norm(streams.reshape(b, s, -1).float(), norm_eps)
+    """Return ``(pre [..., n], post [..., n], comb [..., n, n])`` in fp32 for streams [..., n, d]."""
+    n = streams.shape[-2]
+    flat = unweighted_rms_norm(streams.flatten(-2).float(), norm_eps)
     m = F.linear(flat, fn.float())
     pre_w, post_w, comb_w = m.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.float().split([n, n, n * n])
     scale = scale.float()
     pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
     post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-    comb = comb_w.view(b, s, n, n) * scale[2] + comb_b.view(n, n)
+    comb = comb_w.unflatten(-1, (n, n)) * scale[2] + comb_b.view(n, n)
     comb = torch.softmax(comb, dim=-1) + hc_eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
     for _ in range(sinkhorn_iters - 1):  # ends on a column normalisation
@@ -43,7 +43,7 @@ def hc_mixes(
 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """``sum_c pre_c * X_c`` in fp32, cast to the stream dtype."""
-    return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+    return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
 
 
 def hc_expand(
@@ -65,7 +65,6 @@ def hc_head_collapse(
     norm_eps: float,
 ) -> torch.Tensor:
     """V4's final collapse (``hc_head``): a sigmoid-only ``pre`` mix, no Sinkhorn."""
-    b, s = streams.shape[:2]
-    flat = unweighted_rms_norm(streams.reshape(b, s, -1).float(), norm_eps)
+    flat = unweighted_rms_norm(streams.flatten(-2).float(), norm_eps)
     pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
     return hc_collapse(streams, pre)

@@ -1,0 +1,237 @@
+"""Paged cache: physical pools sized from ``model.cache_spec()`` and the per-step index
+tensors (``ForwardBatch``) that tell the layers where each token's rows live.
+
+A block covers ``block_size`` tokens, a multiple of every compression ratio, so each block
+holds whole compressed groups and a block boundary is a group boundary (prefix caching
+needs no partial-group state). Per block and layer: the window K=V vectors of its tokens,
+its compressed entries and indexer keys, and (CSA) a snapshot of the compressor overlap at
+the block's end. Per sequence *slot*: the compressors' partial-group buffers and live overlap.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.models.cache_spec import LayerCacheSpec
+from deepinfer.models.forward_batch import CompressorPools, ForwardBatch, GroupMeta, LayerPools
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Block geometry shared by the cache manager and the batch builder."""
+
+    specs: tuple[LayerCacheSpec, ...]
+    block_size: int
+    window: int
+    ratios: tuple[int, ...]  # distinct compression ratios, ascending
+
+    @classmethod
+    def from_specs(cls, specs: list[LayerCacheSpec], block_size: int) -> CacheLayout:
+        ratios = tuple(sorted({s.ratio for s in specs if s.ratio}))
+        unit = math.lcm(*ratios) if ratios else 1
+        rounded = math.ceil(block_size / unit) * unit
+        windows = {s.window for s in specs}
+        if len(windows) != 1:
+            raise ValueError(f"every layer must share one window size, got {sorted(windows)}")
+        return cls(tuple(specs), rounded, windows.pop(), ratios)
+
+    def block_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes one block costs across all layers (window, entries, keys, snapshots)."""
+        elems = 0
+        for s in self.specs:
+            elems += self.block_size * s.kv_dim
+            if s.ratio:
+                per = self.block_size // s.ratio
+                elems += per * (s.kv_dim + s.index_dim)
+                if s.overlap:
+                    elems += 2 * s.ratio * (s.compressor_width + s.index_width)
+        return elems * torch.empty(0, dtype=dtype).element_size()
+
+    def slot_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes one sequence slot costs (partial-group buffers and live overlap)."""
+        elems = 0
+        for s in self.specs:
+            if s.ratio:
+                copies = 2 if s.overlap else 1
+                elems += copies * 2 * s.ratio * (s.compressor_width + s.index_width)
+        return elems * torch.empty(0, dtype=dtype).element_size()
+
+
+def _compressor_pools(
+    ratio: int, width: int, overlap: bool, num_blocks: int, num_slots: int, dtype: torch.dtype, device
+) -> CompressorPools:
+    def zeros(rows: int) -> torch.Tensor:
+        return torch.zeros(rows, width, dtype=dtype, device=device)
+
+    pools = CompressorPools(buf_kv=zeros(num_slots * ratio), buf_gate=zeros(num_slots * ratio))
+    if overlap:
+        pools.ovl_kv, pools.ovl_gate = zeros(num_slots * ratio), zeros(num_slots * ratio)
+        pools.snap_kv, pools.snap_gate = zeros(num_blocks * ratio), zeros(num_blocks * ratio)
+    return pools
+
+
+def allocate_pools(
+    layout: CacheLayout, num_blocks: int, num_slots: int, dtype: torch.dtype, device: torch.device
+) -> list[LayerPools]:
+    """Zero-filled physical pools for ``num_blocks`` blocks and ``num_slots`` sequences."""
+    pools = []
+    bs = layout.block_size
+    for s in layout.specs:
+        layer = LayerPools(window=torch.zeros(num_blocks * bs, s.kv_dim, dtype=dtype, device=device))
+        if s.ratio:
+            entries = num_blocks * (bs // s.ratio)
+            layer.entries = torch.zeros(entries, s.kv_dim, dtype=dtype, device=device)
+            layer.compressor = _compressor_pools(
+                s.ratio, s.compressor_width, s.overlap, num_blocks, num_slots, dtype, device
+            )
+            if s.index_dim:
+                layer.index_keys = torch.zeros(entries, s.index_dim, dtype=dtype, device=device)
+                layer.indexer = _compressor_pools(
+                    s.ratio, s.index_width, True, num_blocks, num_slots, dtype, device
+                )
+        pools.append(layer)
+    return pools
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's part of a step: which positions run, where its cache lives."""
+
+    block_table: list[int]
+    slot: int
+    start: int  # first position computed this step (tokens before it are cached)
+    num_tokens: int
+    restore_overlap: bool = False  # start follows a prefix-cache hit: restore the snapshot
+    logits_offsets: list[int] = field(default_factory=list)  # chunk offsets needing logits
+
+
+Row = tuple[str, int]  # ("c", chunk row) | ("b", buffer-pool row) | ("o", overlap-pool row)
+
+
+def _group_meta(
+    layout: CacheLayout,
+    chunks: list[SeqChunk],
+    ratio: int,
+    positions: torch.Tensor,
+    token_block: torch.Tensor,
+    device: torch.device,
+) -> GroupMeta:
+    """Compressor bookkeeping for one ratio (see ``GroupMeta``); small per-step Python."""
+    bs, r = layout.block_size, ratio
+    epb = bs // r
+    group_rows: list[list[Row]] = []
+    prev_rows: list[list[Row] | None] = []
+    group_pos, entry_slot = [], []
+    buf_src, buf_dst, ovl_src, ovl_dst = [], [], [], []
+    snap_src, snap_dst, restore_src, restore_dst = [], [], [], []
+    ovl_dst_list: list[int] = []
+    base = 0
+    for c in chunks:
+        s, e = c.start, c.start + c.num_tokens
+        group_start = (s // r) * r
+
+        def row(q: int, c: SeqChunk = c, s: int = s, group_start: int = group_start, base: int = base) -> Row:
+            """Where position q's projections are this step (chunk, buffer or overlap)."""
+            if q >= s:
+                return ("c", base + q - s)
+            return ("b" if q >= group_start else "o", c.slot * r + q % r)
+
+        if c.restore_overlap and s > 0:
+            block = c.block_table[s // bs - 1]
+            restore_src += [block * r + k for k in range(r)]
+            restore_dst += [c.slot * r + k for k in range(r)]
+        for j in range(s // r, e // r):
+            rows = [row(q) for q in range(j * r, (j + 1) * r)]
+            group_rows.append(rows)
+            prev_rows.append([row(q) for q in range((j - 1) * r, j * r)] if j > 0 else None)
+            group_pos.append(j * r)
+            entry_slot.append(c.block_table[j // epb] * epb + j % epb)
+            if ((j + 1) * r) % bs == 0:  # this group ends a block: snapshot the overlap there
+                snap_src += rows
+                snap_dst += [c.block_table[((j + 1) * r - 1) // bs] * r + k for k in range(r)]
+        if e // r > s // r:  # a group closed: it becomes the sequence's overlap
+            ovl_src += group_rows[-1]
+            ovl_dst_list += [c.slot * r + k for k in range(r)]
+        for q in range(max(s, (e // r) * r), e):  # the new trailing partial group
+            buf_src.append(base + q - s)
+            buf_dst.append(c.slot * r + q % r)
+        base += c.num_tokens
+    ovl_dst = ovl_dst_list
+
+    t_total = int(positions.shape[0])
+    all_rows = [x for g in group_rows for x in g] + [x for g in prev_rows if g for x in g]
+    all_rows += ovl_src + snap_src
+    buf_pool = sorted({i for kind, i in all_rows if kind == "b"})
+    ovl_pool = sorted({i for kind, i in all_rows if kind == "o"})
+    offset = {"b": {p: t_total + k for k, p in enumerate(buf_pool)}}
+    offset["o"] = {p: t_total + len(buf_pool) + k for k, p in enumerate(ovl_pool)}
+
+    def resolve(rows: list[Row]) -> list[int]:
+        return [i if kind == "c" else offset[kind][i] for kind, i in rows]
+
+    def long(values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    visible = (positions + 1) // r  # entries each token may read
+    e_max = int(visible.max()) if visible.numel() else 0
+    j = torch.arange(e_max, device=device)
+    block_col = (j // epb).clamp(max=token_block.shape[1] - 1).expand(len(positions), -1)
+    return GroupMeta(
+        src_buf_rows=long(buf_pool),
+        src_ovl_rows=long(ovl_pool),
+        group_rows=long([resolve(g) for g in group_rows]).view(-1, r),
+        prev_rows=long([resolve(g) if g else [-1] * r for g in prev_rows]).view(-1, r),
+        group_pos=long(group_pos),
+        entry_slot=long(entry_slot),
+        buf_src=long(buf_src),
+        buf_dst=long(buf_dst),
+        ovl_src=long(resolve(ovl_src)),
+        ovl_dst=long(ovl_dst),
+        snap_src=long(resolve(snap_src)),
+        snap_dst=long(snap_dst),
+        restore_src=long(restore_src),
+        restore_dst=long(restore_dst),
+        entry_idx=token_block.gather(1, block_col) * epb + j % epb,
+        entry_valid=j.unsqueeze(0) < visible.unsqueeze(1),
+    )
+
+
+def build_forward_batch(
+    layout: CacheLayout, pools: list[LayerPools], chunks: list[SeqChunk], device: torch.device
+) -> tuple[torch.Tensor, ForwardBatch]:
+    """Positions [T] and the ForwardBatch for a step made of ``chunks`` (in token order)."""
+    bs, w = layout.block_size, layout.window
+    positions = torch.cat(
+        [torch.arange(c.start, c.start + c.num_tokens, dtype=torch.long) for c in chunks]
+    ).to(device)
+    max_blocks = max(len(c.block_table) for c in chunks)
+    tables = torch.zeros(len(chunks), max_blocks, dtype=torch.long)
+    for i, c in enumerate(chunks):
+        tables[i, : len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.long)
+    seq_of_token = torch.repeat_interleave(
+        torch.arange(len(chunks)), torch.tensor([c.num_tokens for c in chunks])
+    )
+    token_block = tables[seq_of_token].to(device)  # [T, max_blocks] each token's block table
+
+    def rows_at(q: torch.Tensor) -> torch.Tensor:
+        qc = q.clamp(min=0)
+        return token_block.gather(1, qc // bs) * bs + qc % bs
+
+    window_q = positions.unsqueeze(1) - torch.arange(w, device=device)  # [T, W]
+    logits_idx, base = [], 0
+    for c in chunks:
+        logits_idx += [base + k for k in c.logits_offsets]
+        base += c.num_tokens
+    batch = ForwardBatch(
+        pools=pools,
+        window_idx=rows_at(window_q),
+        window_valid=window_q >= 0,
+        window_write=rows_at(positions.unsqueeze(1)).squeeze(1),
+        logits_idx=torch.tensor(logits_idx, dtype=torch.long, device=device),
+    )
+    for ratio in layout.ratios:
+        batch.groups[ratio] = _group_meta(layout, chunks, ratio, positions, token_block, device)
+    return positions, batch

@@ -1,0 +1,25 @@
+"""What a model keeps per layer; the cache manager allocates from this alone (DESIGN.md §2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LayerCacheSpec:
+    """One layer's cache needs.
+
+    ``window``: K=V vectors of ``kv_dim`` kept per token and read for the last ``window``
+    positions (0: full attention over every position). ``ratio``: one compressed entry per
+    ``ratio`` tokens (0: none), produced from ``compressor_width``-wide projections that wait in
+    a per-sequence buffer; ``overlap``: the compressor also reads the previous group.
+    ``index_dim``: indexer key width (0: no indexer), from an ``index_width`` compressor.
+    """
+
+    window: int
+    kv_dim: int
+    ratio: int = 0
+    overlap: bool = False
+    compressor_width: int = 0
+    index_dim: int = 0
+    index_width: int = 0
