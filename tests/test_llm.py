@@ -54,7 +54,7 @@ def test_max_tokens_and_stop_token_ids(llm):
 def test_eos_stops_unless_ignored(llm, monkeypatch):
     prompt = [9, 10, 11]
     free = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0].outputs[0]
-    monkeypatch.setattr(llm, "eos_token_ids", [free.token_ids[2]])
+    monkeypatch.setattr(llm.engine.output_processor, "eos_token_ids", [free.token_ids[2]])
     out = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0))[0].outputs[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] == free.token_ids[2]
     kept = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0].outputs[0]

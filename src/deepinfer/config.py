@@ -187,3 +187,42 @@ def load_config_json(path: str | Path) -> dict[str, Any]:
         return json.loads(file.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{file}: not valid JSON ({exc})") from exc
+
+
+@dataclass
+class EngineConfig:
+    """Engine knobs (DESIGN.md §6: ``LLM(path, **EngineConfig fields)``)."""
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16  # rounded up to a multiple of every compression ratio
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    cache_memory_bytes: int | None = None  # KV budget; default: a fraction of free memory
+    cache_memory_fraction: float = 0.25
+    num_cache_blocks: int | None = None  # exact block count (overrides the budget); tests
+    enable_prefix_caching: bool = True
+    async_scheduling: bool = True
+    fake_quant: bool = False
+
+    def validate(self) -> None:
+        def need(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+        def positive_int(name: str) -> None:
+            value = getattr(self, name)
+            need(
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, "an integer >= 1"
+            )
+
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            positive_int(name)
+        for name in ("max_model_len", "cache_memory_bytes", "num_cache_blocks"):
+            if getattr(self, name) is not None:
+                positive_int(name)
+        frac = self.cache_memory_fraction
+        need(isinstance(frac, float | int) and 0 < frac <= 1, "cache_memory_fraction", "in (0, 1]")
+        for name in ("enable_prefix_caching", "async_scheduling", "fake_quant"):
+            need(isinstance(getattr(self, name), bool), name, "a bool")

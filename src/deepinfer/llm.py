@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from deepinfer.engine.lockstep import RowState, lockstep_generate, run_to_completion
-from deepinfer.outputs import CompletionOutput, RequestOutput
+from deepinfer.config import EngineConfig
+from deepinfer.engine.engine import Engine
+from deepinfer.engine.request import Request
+from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.weights.loader import load_model
 
@@ -29,36 +32,53 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def engine_config(**kwargs: Any) -> EngineConfig:
+    """EngineConfig from keyword arguments, naming any unknown field."""
+    known = {f.name for f in fields(EngineConfig)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    dtype = kwargs.get("dtype", "float32")
+    if isinstance(dtype, torch.dtype):
+        kwargs["dtype"] = str(dtype).removeprefix("torch.")
+    config = EngineConfig(**kwargs)
+    parse_dtype(config.dtype)
+    config.validate()
+    return config
+
+
 class LLM:
     """Load a checkpoint directory and generate from it.
 
-    ``LLM(path).generate(prompts, SamplingParams(...))`` returns one ``RequestOutput`` per
-    prompt, in order. Prompts may be text (needs a tokenizer in the checkpoint), token ids,
-    ``{"prompt_token_ids": [...]}``, or a list of those.
+    ``LLM(path, **EngineConfig fields).generate(prompts, SamplingParams(...))`` returns one
+    ``RequestOutput`` per prompt, in order. Prompts may be text (needs a tokenizer in the
+    checkpoint), token ids, ``{"prompt_token_ids": [...]}``, or a list of those.
     """
 
-    def __init__(
-        self,
-        model: str | Path,
-        dtype: str | torch.dtype = "float32",
-        device: str | torch.device = "cpu",
-        max_num_seqs: int = 8,
-        max_model_len: int | None = None,
-        fake_quant: bool = False,
-    ) -> None:
-        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+    def __init__(self, model: str | Path, **engine_kwargs: Any) -> None:
+        self.config = engine_config(**engine_kwargs)
         self.path = Path(model)
-        self.model = load_model(self.path, dtype=parse_dtype(dtype), device=device, fake_quant=fake_quant)
-        cfg = self.model.config
-        self.max_model_len = max_model_len or cfg.max_position_embeddings
-        if not isinstance(self.max_model_len, int) or self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
-        self.max_num_seqs = max_num_seqs
-        self.vocab_size = cfg.vocab_size
-        self.eos_token_ids = list(cfg.eos_token_id)
+        self.model = load_model(
+            self.path,
+            dtype=parse_dtype(self.config.dtype),
+            device=self.config.device,
+            fake_quant=self.config.fake_quant,
+        )
         self.tokenizer = self._load_tokenizer()
-        self._request_counter = itertools.count()
+        self.engine = Engine(self.model, self.config, self.tokenizer)
+        self._counter = itertools.count()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.engine.eos_token_ids
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
 
     def _load_tokenizer(self) -> Any:
         if not any((self.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
@@ -87,24 +107,14 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{where} is text but {self.path} has no tokenizer; pass token ids instead")
-            ids = self.tokenizer(prompt).input_ids
-            text: str | None = prompt
-        elif isinstance(prompt, dict):
+            return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise ValueError(f"{where} is a dict without 'prompt_token_ids'")
-            ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
-        elif isinstance(prompt, list | tuple):
-            ids, text = prompt, None
-        else:
-            raise ValueError(f"{where} must be str, list[int] or dict, got {type(prompt).__name__}")
-        if not isinstance(ids, list | tuple) or not ids:
-            raise ValueError(f"{where}: prompt token ids must be a non-empty list of integers")
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"{where}: token id {t!r} is not an integer in [0, {self.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"{where}: prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
-        return text, list(ids)
+            return prompt.get("prompt"), prompt["prompt_token_ids"]
+        if isinstance(prompt, list | tuple):
+            return None, list(prompt)
+        raise ValueError(f"{where} must be str, list[int] or dict, got {type(prompt).__name__}")
 
     def _params_list(
         self, params: SamplingParams | Sequence[SamplingParams] | None, n: int
@@ -118,91 +128,109 @@ class LLM:
             raise ValueError(f"sampling_params must be one SamplingParams or a list of {n} of them")
         return params
 
+    def _add(self, prompt: PromptType, index: int, params: SamplingParams) -> list[Request]:
+        """Queue one prompt (n siblings for n > 1); on a bad prompt nothing is queued."""
+        text, ids = self._prompt_ids(prompt, index)
+        base = str(next(self._counter))
+        child = replace(params, n=1) if params.n > 1 else params
+        added: list[Request] = []
+        try:
+            for i in range(params.n):
+                rid = base if params.n == 1 else f"{base}-{i}"
+                added.append(self.engine.add_request(rid, ids, child, prompt=text, generator_offset=i))
+        except ValueError as exc:
+            for req in added:
+                self.engine.abort(req.request_id)
+                self.engine.pop_finished(req.request_id)
+            raise ValueError(f"prompts[{index}]: {exc}") from exc
+        return added
+
     # ---- generation -----------------------------------------------------------------------
 
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; all inputs are validated before any work starts."""
+        """Generate for every prompt. All inputs are validated before any work starts: a bad
+        prompt raises ValueError naming it, and nothing of the call is queued."""
         items = self._normalize_prompts(prompts)
-        parsed = [self._prompt_ids(p, i) for i, p in enumerate(items)]
         params = self._params_list(sampling_params, len(items))
-        request_ids = [str(next(self._request_counter)) for _ in items]
-        results: list[RequestOutput | None] = [None] * len(items)
-        groups: dict[int, list[int]] = {}
-        for i, (_, ids) in enumerate(parsed):
-            groups.setdefault(len(ids), []).append(i)
-        batches = [
-            members[k : k + self.max_num_seqs]
-            for members in groups.values()
-            for k in range(0, len(members), self.max_num_seqs)
-        ]
+        groups: list[list[Request]] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(items, params, strict=True)):
+                groups.append(self._add(prompt, i, p))
+        except ValueError:
+            for group in groups:
+                for req in group:
+                    self.engine.abort(req.request_id)
+                    self.engine.pop_finished(req.request_id)
+            raise
+        show = len(items) >= 8 if use_tqdm is None else use_tqdm
         progress = None
-        if use_tqdm:
+        if show:
             from tqdm import tqdm
 
-            progress = tqdm(total=len(items), desc="generate")
-        for members in batches:
-            rows = run_to_completion(
-                lockstep_generate(
-                    self.model,
-                    [parsed[i][1] for i in members],
-                    [params[i] for i in members],
-                    self.eos_token_ids,
-                    self.max_model_len,
-                )
-            )
-            for i, row in zip(members, rows, strict=True):
-                text, ids = parsed[i]
-                results[i] = self._request_output(request_ids[i], text, ids, row, finished=True)
-            if progress is not None:
-                progress.update(len(members))
+            progress = tqdm(total=sum(len(g) for g in groups), desc="generate", unit="req")
+        pending = {req.request_id for group in groups for req in group}
+        while pending:
+            for req in self.engine.step():
+                if req.finished and req.request_id in pending:
+                    pending.discard(req.request_id)
+                    if progress is not None:
+                        progress.update(1)
         if progress is not None:
             progress.close()
-        return [r for r in results if r is not None]
+        return [self._merge([self.engine.pop_finished(r.request_id) for r in group]) for group in groups]
+
+    def _merge(self, siblings: list[Request]) -> RequestOutput:
+        out = self.engine.make_output(siblings[0])
+        out.request_id = siblings[0].request_id.rsplit("-", 1)[0] if len(siblings) > 1 else out.request_id
+        for i, req in enumerate(siblings[1:], 1):
+            completion = self.engine.make_output(req).outputs[0]
+            completion.index = i
+            out.outputs.append(completion)
+        return out
 
     def stream(
         self, prompt: PromptType, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
-        """Yield one ``RequestOutput`` per new token holding only that step's delta
-        (new token ids and the newly decodable text); the last one has ``finished=True``."""
-        text, ids = self._prompt_ids(prompt, 0)
-        params = self._params_list(sampling_params, 1)
-        request_id = str(next(self._request_counter))
-        emitted_tokens, emitted_text = 0, ""
-        for (row,) in lockstep_generate(self.model, [ids], params, self.eos_token_ids, self.max_model_len):
-            finished = row.finish_reason is not None
-            full_text = self._decode(row.token_ids)
-            if full_text.endswith("\ufffd") and not finished:
-                new_text = ""  # wait for the rest of a multi-byte character
-            else:
-                new_text, emitted_text = full_text[len(emitted_text) :], full_text
-            delta = RowState(row.params, row.token_ids[emitted_tokens:], finish_reason=row.finish_reason)
-            if row.logprobs is not None:
-                delta.logprobs = row.logprobs[emitted_tokens:]
-            delta.cumulative_logprob = row.cumulative_logprob
-            emitted_tokens = len(row.token_ids)
-            out = self._request_output(request_id, text, ids, delta, finished=finished)
-            out.outputs[0].text = new_text
-            yield out
+        """Yield one ``RequestOutput`` per new token holding only that step's delta (new token
+        ids, logprobs and newly decodable text); the last one has ``finished=True``."""
+        params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError("stream supports n=1 only")
+        (req,) = self._add(prompt, 0, params)
+        sent_tokens, sent_text = 0, ""
+        try:
+            while True:
+                updated = self.engine.step()
+                if req not in updated:
+                    if req.finished:
+                        break
+                    continue
+                out = self.engine.make_output(req)
+                completion = out.outputs[0]
+                text = completion.text
+                if text.endswith("\ufffd") and not req.finished:
+                    new_text = ""  # wait for the rest of a multi-byte character
+                else:
+                    new_text, sent_text = text[len(sent_text) :], text
+                completion.token_ids = completion.token_ids[sent_tokens:]
+                if completion.logprobs is not None:
+                    completion.logprobs = completion.logprobs[sent_tokens:]
+                completion.text = new_text
+                sent_tokens = len(req.output_token_ids)
+                yield out
+                if req.finished:
+                    break
+        finally:
+            if not req.finished:
+                self.engine.abort(req.request_id)
+            while self.engine._inflight is not None and not self.engine.has_unfinished():
+                self.engine.step()
+            self.engine.pop_finished(req.request_id)
 
-    def _decode(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    def _request_output(
-        self, request_id: str, prompt: str | None, prompt_ids: list[int], row: RowState, finished: bool
-    ) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0,
-            text=self._decode(row.token_ids),
-            token_ids=list(row.token_ids),
-            cumulative_logprob=row.cumulative_logprob if row.params.logprobs is not None else None,
-            logprobs=row.logprobs,
-            finish_reason=row.finish_reason,
-        )
-        return RequestOutput(request_id, prompt, prompt_ids, [completion], finished=finished)
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)

@@ -22,7 +22,31 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     # One dict per generated token: token id -> Logprob (sampled token plus the top-N).
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (``time.perf_counter`` seconds) of a request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_generated_tokens: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.finished_time is None or self.first_token_time is None or self.num_generated_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (self.num_generated_tokens - 1)
 
 
 @dataclass
@@ -32,3 +56,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
 
 def _is_int(v: object) -> bool:
@@ -10,50 +12,141 @@ def _is_int(v: object) -> bool:
 
 
 def _is_number(v: object) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
-@dataclass
+def _check(ok: bool, name: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+
+@dataclass(init=False)
 class SamplingParams:
-    """vLLM-compatible subset. ``temperature=0`` is greedy; ``top_k`` of 0 or -1 disables it.
+    """vLLM-compatible sampling settings.
 
-    Raises ``ValueError`` naming the field on any invalid value.
+    ``temperature=0`` is greedy; ``top_k`` of 0 or -1 and ``min_p=0`` disable those filters.
+    Logits are processed in this order: ``logit_bias``, ``min_tokens`` (EOS and stop ids
+    blocked), repetition / presence / frequency penalties, temperature, top-k, top-p, min-p.
+    Reported logprobs are those of the raw model distribution. Any invalid or unknown field
+    raises ``ValueError`` naming it.
     """
 
+    n: int = 1
     max_tokens: int = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
+    stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
 
-    def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_number(self.temperature) or not 0.0 <= self.temperature < float("inf"):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
-            raise ValueError(f"top_k must be -1, 0 (disabled) or an integer >= 1, got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+    def __init__(self, **kwargs: Any) -> None:
+        names = {f.name: f for f in fields(self)}
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise ValueError(f"unknown SamplingParams field(s): {', '.join(unknown)}")
+        for name, f in names.items():
+            if name in kwargs:
+                value = kwargs[name]
+            elif f.default_factory is not MISSING:
+                value = f.default_factory()
+            else:
+                value = f.default
+            setattr(self, name, value)
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
+        _check(
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            "max_tokens",
+            "an integer >= 1",
+            self.max_tokens,
+        )
+        _check(
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            "an integer in [0, max_tokens]",
+            self.min_tokens,
+        )
+        _check(
+            _is_number(self.temperature) and self.temperature >= 0,
+            "temperature",
+            "a finite number >= 0",
+            self.temperature,
+        )
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        _check(
+            _is_int(self.top_k) and (self.top_k >= 1 or self.top_k in (0, -1)),
+            "top_k",
+            "-1, 0 (disabled) or an integer >= 1",
+            self.top_k,
+        )
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        _check(
+            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            "a number > 0",
+            self.repetition_penalty,
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, name, "a number in [-2, 2]", value)
+        if self.logit_bias is None:
+            self.logit_bias = {}
+        _check(
+            isinstance(self.logit_bias, dict)
+            and all(_is_int(k) and k >= 0 and _is_number(v) for k, v in self.logit_bias.items()),
+            "logit_bias",
+            "a dict of token id -> finite number",
+            self.logit_bias,
+        )
+        _check(self.seed is None or _is_int(self.seed), "seed", "an integer or None", self.seed)
+        if self.stop is None:
+            self.stop = []
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(
+            isinstance(self.stop, list | tuple) and all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "a string or a list of non-empty strings",
+            self.stop,
+        )
+        self.stop = list(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        if not isinstance(self.stop_token_ids, list | tuple) or not all(
-            _is_int(t) and t >= 0 for t in self.stop_token_ids
-        ):
-            raise ValueError(
-                f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}"
-            )
+        _check(
+            isinstance(self.stop_token_ids, list | tuple)
+            and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "a list of non-negative integers",
+            self.stop_token_ids,
+        )
         self.stop_token_ids = list(self.stop_token_ids)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, "a bool", getattr(self, name))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and value >= 0), name, "None or an integer >= 0", value)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids named by the request must exist in the model's vocabulary."""
+        for name, ids in (("logit_bias", list(self.logit_bias)), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} names token id {bad[0]} outside the vocabulary [0, {vocab_size})")

@@ -1,44 +1,131 @@
-"""Temperature / top-k / top-p sampling, one request's logits at a time.
+"""Batched sampling: logits processors, then temperature / top-k / top-p / min-p, then one
+draw per row from that request's own ``torch.Generator``.
 
-Each request owns a ``torch.Generator`` (seeded from ``SamplingParams.seed`` when given), so a
-seeded request draws the same tokens whatever else runs beside it.
+A seeded request therefore draws the same tokens whatever else is in the batch: the random
+numbers it consumes depend only on its own generator, never on the batch composition.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from deepinfer.sampling_params import SamplingParams
 
 
-def filtered_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The log-distribution actually sampled from: temperature, then top-k, then top-p."""
-    logits = logits.float() / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the tokens ranked above it already cover top_p
-        drop = (probs.cumsum(-1) - probs) >= params.top_p
-        drop[0] = False
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return logits.log_softmax(-1)
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one request at this step."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_ids: list[int]
+    output_ids: list[int]
+    eos_ids: list[int]
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick the next token from one row of logits [V]."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    probs = filtered_log_probs(logits, params).exp()
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator:
+def make_generator(params: SamplingParams, device: torch.device, offset: int = 0) -> torch.Generator:
+    """A request's generator: seeded (``seed + offset`` for the n-th sibling) or random."""
     gen = torch.Generator(device=device)
     if params.seed is not None:
-        gen.manual_seed(params.seed)
+        gen.manual_seed(params.seed + offset)
     else:
         gen.seed()
     return gen
+
+
+def apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """logit_bias, min_tokens blocking and the three penalties, row by row (fp32 copy)."""
+    out = logits.float().clone()
+    for i, row in enumerate(rows):
+        p = row.params
+        for token, bias in p.logit_bias.items():
+            out[i, token] += bias
+        if len(row.output_ids) < p.min_tokens:
+            blocked = list(p.stop_token_ids) + ([] if p.ignore_eos else list(row.eos_ids))
+            if blocked:
+                out[i, blocked] = float("-inf")
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long)
+            if seen.numel():
+                vals = out[i, seen]
+                out[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
+            counts = torch.bincount(torch.tensor(row.output_ids), minlength=out.shape[1]).float()
+            out[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    return out
+
+
+def filter_log_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """Log-distribution sampled from, per row: temperature, top-k, top-p, then min-p.
+
+    logits [N, V]; temperature, top_p, min_p float [N]; top_k long [N] (<= 0: off).
+    """
+    scaled = logits / temperature.unsqueeze(1)
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+    vocab = scaled.shape[1]
+    rank = torch.arange(vocab, device=scaled.device).unsqueeze(0)
+    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
+    drop = rank >= k
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(-1)
+    # top-p: drop a token when the tokens ranked above it already cover top_p
+    drop |= (probs.cumsum(-1) - probs) >= top_p.unsqueeze(1)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    # min-p: drop tokens below min_p times the best token's probability (after top-k/top-p)
+    probs = sorted_logits.softmax(-1)
+    drop |= probs < min_p.unsqueeze(1) * probs[:, :1]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    filtered = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
+    return filtered.log_softmax(-1)
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    """One token per row of ``logits`` [N, V]."""
+    processed = apply_processors(logits, rows)
+    tokens = processed.argmax(dim=-1).tolist()
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows)
+        params = [rows[i].params for i in random_rows]
+
+        def col(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=logits.device)
+
+        logp = filter_log_probs(
+            processed[idx],
+            col([p.temperature for p in params], torch.float32),
+            col([p.top_k for p in params], torch.long),
+            col([p.top_p for p in params], torch.float32),
+            col([p.min_p for p in params], torch.float32),
+        )
+        probs = logp.exp()
+        for j, i in enumerate(random_rows):
+            tokens[i] = int(torch.multinomial(probs[j], 1, generator=rows[i].generator))
+    return tokens
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Convenience for one row of logits [V] with no history (tests, research code)."""
+    return sample(logits.unsqueeze(0), [SamplingRow(params, generator, [], [], [])])[0]
+
+
+def filtered_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The single-row target distribution of :func:`sample` for ``params`` (no history)."""
+    one = torch.tensor([1.0])
+    return filter_log_probs(
+        logits.float().unsqueeze(0),
+        one * params.temperature,
+        torch.tensor([params.top_k]),
+        one * params.top_p,
+        one * params.min_p,
+    )[0]

@@ -1,0 +1,86 @@
+"""Block allocator with prefix caching: ref counts, chained block hashes, LRU eviction.
+
+A full block's hash covers its tokens and its parent's hash, so equal hashes mean equal
+prefixes. A freed block keeps its hash and contents while it waits in the free queue; a
+later request with the same prefix takes it back (a hit) until allocation evicts it,
+least recently freed first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
+    return hash((parent, tuple(tokens)))
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.ref_count = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._hash_of: dict[int, int] = {}
+        self._block_of: dict[int, int] = {}
+        self.query_blocks = 0  # prefix-cache statistics, in blocks
+        self.hit_blocks = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """Take ``n`` blocks (evicting cached contents), or None if fewer are free."""
+        if n > len(self._free):
+            return None
+        blocks = []
+        for _ in range(n):
+            block, _ = self._free.popitem(last=False)
+            self._forget(block)
+            self.ref_count[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Drop one reference to each block; unreferenced ones become evictable."""
+        for block in blocks:
+            if self.ref_count[block] <= 0:
+                raise RuntimeError(f"block {block} freed more often than allocated")
+            self.ref_count[block] -= 1
+            if self.ref_count[block] == 0:
+                self._free[block] = None
+
+    def lookup(self, hashes: Sequence[int]) -> list[int]:
+        """The cached blocks for the longest prefix of ``hashes``; takes a reference to each."""
+        found = []
+        for h in hashes:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            found.append(block)
+        self.query_blocks += len(hashes)
+        self.hit_blocks += len(found)
+        for block in found:
+            if self.ref_count[block] == 0:
+                del self._free[block]
+            self.ref_count[block] += 1
+        return found
+
+    def cache(self, block: int, h: int) -> None:
+        """Publish a full, computed block under its prefix hash (first writer wins)."""
+        if block in self._hash_of or h in self._block_of:
+            return
+        self._hash_of[block] = h
+        self._block_of[h] = block
+
+    def _forget(self, block: int) -> None:
+        h = self._hash_of.pop(block, None)
+        if h is not None:
+            del self._block_of[h]
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_blocks / self.query_blocks if self.query_blocks else 0.0

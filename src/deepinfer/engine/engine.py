@@ -1,0 +1,281 @@
+"""The engine loop: add requests, step, collect outputs (DESIGN.md §2).
+
+With ``async_scheduling`` the model runs step N on a worker thread while this thread
+schedules and prepares step N+1 (torch releases the GIL inside kernels). Tokens sampled by
+step N reach step N+1's inputs just before it launches, so outputs equal synchronous mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import nn
+
+from deepinfer.config import EngineConfig
+from deepinfer.engine.block_pool import BlockPool
+from deepinfer.engine.model_runner import ModelRunner, PreparedStep
+from deepinfer.engine.output_processor import OutputProcessor
+from deepinfer.engine.paged_cache import CacheLayout
+from deepinfer.engine.request import Request, Status
+from deepinfer.engine.scheduler import Scheduler
+from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from deepinfer.sampling.sampler import SamplingRow, make_generator, sample
+from deepinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger("deepinfer")
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory where the cache will live: device memory on CUDA, MemAvailable on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+class Engine:
+    def __init__(self, model: nn.Module, config: EngineConfig, tokenizer: Any = None) -> None:
+        config.validate()
+        self.model = model
+        self.config = config
+        mcfg = model.config
+        self.vocab_size = mcfg.vocab_size
+        self.eos_token_ids = list(mcfg.eos_token_id)
+        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
+        self.device = next(model.parameters()).device
+        dtype = model.embed.weight.dtype
+        self.layout = CacheLayout.from_specs(model.cache_spec(), config.block_size)
+        num_blocks = config.num_cache_blocks or self._blocks_for_budget(dtype)
+        self.pool = BlockPool(num_blocks)
+        self.scheduler = Scheduler(config, self.pool, self.layout.block_size, config.max_num_seqs)
+        self.runner = ModelRunner(model, self.layout, num_blocks, config.max_num_seqs, self.device)
+        self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._executor = (
+            ThreadPoolExecutor(1, thread_name_prefix="deepinfer-step") if config.async_scheduling else None
+        )
+        self._inflight: tuple[PreparedStep, Future] | None = None
+        block_mib = self.layout.block_bytes(dtype) / 2**20
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %.3f MiB/block)",
+            num_blocks,
+            self.layout.block_size,
+            num_blocks * self.layout.block_size,
+            num_blocks * block_mib,
+            block_mib,
+        )
+
+    def _blocks_for_budget(self, dtype: torch.dtype) -> int:
+        cfg = self.config
+        budget = cfg.cache_memory_bytes or int(
+            cfg.cache_memory_fraction * available_memory_bytes(self.device)
+        )
+        budget -= cfg.max_num_seqs * self.layout.slot_bytes(dtype)
+        blocks = budget // self.layout.block_bytes(dtype)
+        if blocks < 1:
+            raise ValueError(f"cache_memory_bytes={cfg.cache_memory_bytes} is too small for one cache block")
+        return int(blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        generator_offset: int = 0,
+    ) -> Request:
+        """Validate and queue a request; raises ValueError naming the bad field."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError("the engine runs n=1 requests; LLM.generate expands n > 1 into siblings")
+        params.check_vocab(self.vocab_size)
+        if not isinstance(prompt_token_ids, list | tuple) or not prompt_token_ids:
+            raise ValueError("prompt_token_ids must be a non-empty list of integers")
+        for t in prompt_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise ValueError(
+                    f"prompt_token_ids: token id {t!r} is not an integer in [0, {self.vocab_size})"
+                )
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids: prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len}"
+            )
+        longest = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
+        if math.ceil(longest / self.layout.block_size) > self.num_blocks:
+            raise ValueError(
+                f"max_tokens: this request may reach {longest} tokens but the cache holds "
+                f"{self.num_blocks * self.layout.block_size}; lower max_tokens or grow the cache"
+            )
+        req = Request(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            generator=None if params.greedy else make_generator(params, self.device, generator_offset),
+            arrival_time=time.perf_counter(),
+        )
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now; its cache is freed and its output finishes with 'abort'."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return
+        req.finish_reason = "abort"
+        self._finish(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or self._inflight is not None
+
+    def pop_finished(self, request_id: str) -> Request:
+        return self.requests.pop(request_id)
+
+    # ---- stepping -------------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """Run one step; return the requests that got new tokens or finished."""
+        if self._executor is None:
+            prepared = self._schedule()
+            if prepared is None:
+                return []
+            logits = self.runner.execute(prepared, self.runner.input_ids(prepared))
+            return self._process(prepared, logits)
+        if self._inflight is None:
+            prepared = self._schedule()
+            if prepared is None:
+                return []
+            self._launch(prepared)
+        assert self._inflight is not None
+        current, future = self._inflight
+        upcoming = self._schedule()  # overlaps with the running step
+        logits = future.result()
+        self._inflight = None
+        updated = self._process(current, logits)
+        if upcoming is not None:
+            self._launch(upcoming)
+        return updated
+
+    def _schedule(self) -> PreparedStep | None:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return None
+        now = time.perf_counter()
+        for c in chunks:
+            if c.request.first_scheduled_time is None:
+                c.request.first_scheduled_time = now
+            if c.samples and self._executor is not None:
+                c.request.pending_tokens += 1  # the token this step will sample
+        return self.runner.prepare(chunks)
+
+    def _launch(self, prepared: PreparedStep) -> None:
+        assert self._executor is not None
+        input_ids = self.runner.input_ids(prepared)
+        self._inflight = (prepared, self._executor.submit(self.runner.execute, prepared, input_ids))
+
+    def _process(self, prepared: PreparedStep, logits: torch.Tensor) -> list[Request]:
+        chunks = prepared.chunks
+        live = [(c, row) for c, row in zip(chunks, prepared.sample_rows, strict=True) if row >= 0]
+        for c, _ in live:
+            c.request.pending_tokens = max(0, c.request.pending_tokens - 1)
+        live = [(c, row) for c, row in live if not c.request.finished]
+        updated: list[Request] = []
+        for c, (first, count) in zip(chunks, prepared.prompt_rows, strict=True):
+            req = c.request
+            if count and not req.finished:
+                entries = self.output_processor.prompt_logprobs(
+                    req, logits[first : first + count], c.start, count
+                )
+                have = req.prompt_logprobs or [None]  # entry i is for prompt token i
+                have += entries[len(have) - c.start - 1 :]  # a recompute after preemption adds none twice
+                req.prompt_logprobs = have
+        if live:
+            rows = [
+                SamplingRow(
+                    c.request.params,
+                    c.request.generator,
+                    c.request.prompt_token_ids,
+                    c.request.output_token_ids,
+                    self.eos_token_ids,
+                )
+                for c, _ in live
+            ]
+            sampled_logits = logits[torch.tensor([row for _, row in live])]
+            tokens = sample(sampled_logits, rows)
+            now = time.perf_counter()
+            for (c, _), token, row_logits in zip(live, tokens, sampled_logits, strict=True):
+                req = c.request
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                self.output_processor.append_token(req, token, row_logits)
+                updated.append(req)
+                if req.finish_reason is not None:
+                    self._finish(req)
+        for c in chunks:
+            if c.request.status is Status.RUNNING:
+                self.scheduler.publish_full_blocks(c.request)
+        return updated
+
+    def _finish(self, req: Request) -> None:
+        req.finished_time = time.perf_counter()
+        self.scheduler.finish(req)
+
+    # ---- outputs --------------------------------------------------------------------------
+
+    def make_output(self, req: Request) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0,
+            text=req.text,
+            token_ids=list(req.output_token_ids),
+            cumulative_logprob=req.cumulative_logprob if req.params.logprobs is not None else None,
+            logprobs=req.logprobs,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+        )
+        metrics = RequestMetrics(
+            arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
+            first_token_time=req.first_token_time,
+            finished_time=req.finished_time,
+            num_generated_tokens=len(req.output_token_ids),
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=list(req.prompt_token_ids),
+            outputs=[completion],
+            finished=req.finished,
+            prompt_logprobs=req.prompt_logprobs,
+            num_cached_tokens=req.num_cached_tokens,
+            metrics=metrics,
+        )
+
+    def shutdown(self) -> None:
+        if self._inflight is not None:
+            self._inflight[1].result()
+            self._inflight = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)

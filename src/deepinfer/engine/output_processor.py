@@ -1,0 +1,83 @@
+"""Turns sampled tokens into request state: logprobs, detokenized text, stop decisions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from deepinfer.engine.request import Request
+from deepinfer.outputs import Logprob
+
+
+def top_logprobs(logp: torch.Tensor, chosen: int, k: int) -> dict[int, Logprob]:
+    """The chosen token's logprob and rank plus the top-``k`` of one row [V]."""
+    entry: dict[int, Logprob] = {}
+    if k > 0:
+        top = torch.topk(logp, min(k, logp.shape[-1]))
+        for rank, (lp, tid) in enumerate(zip(top.values.tolist(), top.indices.tolist(), strict=True), 1):
+            entry[tid] = Logprob(lp, rank)
+    value = float(logp[chosen])
+    entry[chosen] = Logprob(value, int((logp > logp[chosen]).sum()) + 1)
+    return entry
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, eos_token_ids: list[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def append_token(self, req: Request, token: int, logits_row: torch.Tensor | None) -> None:
+        """Record ``token`` for ``req`` and set ``finish_reason`` if it ends the request."""
+        p = req.params
+        if p.logprobs is not None and logits_row is not None:
+            entry = top_logprobs(logits_row.float().log_softmax(-1), token, p.logprobs)
+            req.cumulative_logprob += entry[token].logprob
+            req.logprobs = (req.logprobs or []) + [entry]
+        req.output_token_ids.append(token)
+        n_out = len(req.output_token_ids)
+        old_text = req.text
+        if self.tokenizer is not None:
+            req.text = self.decode(req.output_token_ids, p.skip_special_tokens)
+        if token in p.stop_token_ids:
+            req.finish_reason, req.stop_reason = "stop", token
+            return
+        if not p.ignore_eos and token in self.eos_token_ids and n_out >= p.min_tokens:
+            req.finish_reason = "stop"
+            return
+        if p.stop and n_out >= p.min_tokens and self._apply_stop_strings(req, len(old_text)):
+            return
+        if n_out >= p.max_tokens or len(req.prompt_token_ids) + n_out >= self.max_model_len:
+            req.finish_reason = "length"
+
+    @staticmethod
+    def _apply_stop_strings(req: Request, old_len: int) -> bool:
+        longest = max(len(s) for s in req.params.stop)
+        search_from = max(0, old_len - longest + 1)
+        best: tuple[int, str] | None = None
+        for stop in req.params.stop:
+            at = req.text.find(stop, search_from)
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is None:
+            return False
+        at, stop = best
+        req.text = req.text[: at + (len(stop) if req.params.include_stop_str_in_output else 0)]
+        req.finish_reason, req.stop_reason = "stop", stop
+        return True
+
+    @staticmethod
+    def prompt_logprobs(
+        req: Request, logits: torch.Tensor, start: int, count: int
+    ) -> list[dict[int, Logprob] | None]:
+        """Entries for prompt positions start+1 .. start+count from logits rows [count, V]."""
+        k = req.params.prompt_logprobs or 0
+        logp = logits.float().log_softmax(-1)
+        targets = req.prompt_token_ids[start + 1 : start + 1 + count]
+        return [top_logprobs(logp[i], t, k) for i, t in enumerate(targets)]

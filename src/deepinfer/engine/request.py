@@ -1,0 +1,59 @@
+"""A request's state inside the engine: tokens, cache ownership, sampling state, timing."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.outputs import Logprob
+from deepinfer.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    arrival_time: float
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of the full blocks published so far
+    slot: int | None = None
+    restore_overlap: bool = False  # the next chunk follows a prefix-cache hit
+    num_cached_tokens: int = 0  # prefix-cache hit at first schedule
+    num_preemptions: int = 0
+    pending_tokens: int = 0  # tokens sampled by a step still in flight (async scheduling)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    cumulative_logprob: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens known or being sampled; the cache must eventually hold all but the last."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.pending_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

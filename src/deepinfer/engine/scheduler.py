@@ -1,0 +1,179 @@
+"""Scheduler: one token budget per step shared by decodes and prefill chunks (DESIGN.md §2).
+
+Running requests go first (a decode is one token; an unfinished prompt continues with a
+chunk), then waiting requests in arrival order. When blocks run out, the most recently
+admitted running request is preempted (its cache freed, recomputed later). The scheduler
+knows requests, token counts and blocks; never tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from deepinfer.config import EngineConfig
+from deepinfer.engine.block_pool import BlockPool, block_hash
+from deepinfer.engine.request import Request, Status
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start: int  # first position computed
+    num_tokens: int
+    restore_overlap: bool
+    samples: bool  # the chunk reaches the end of the known tokens: sample the next one
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, pool: BlockPool, block_size: int, num_slots: int) -> None:
+        self.config = config
+        self.pool = pool
+        self.block_size = block_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- cache ownership ------------------------------------------------------------------
+
+    def _ensure_blocks(self, request: Request, num_tokens: int) -> bool:
+        need = math.ceil(num_tokens / self.block_size) - len(request.block_ids)
+        if need <= 0:
+            return True
+        blocks = self.pool.allocate(need)
+        if blocks is None:
+            return False
+        request.block_ids.extend(blocks)
+        return True
+
+    def _release(self, request: Request) -> None:
+        self.pool.free(request.block_ids)
+        request.block_ids = []
+        request.block_hashes = []
+        if request.slot is not None:
+            self.free_slots.append(request.slot)
+            request.slot = None
+
+    def _prefix_hit(self, request: Request) -> None:
+        """Take cached blocks for the longest cached prefix (always leaving >= 1 token)."""
+        if not self.config.enable_prefix_caching or request.block_ids:
+            return
+        if request.params.prompt_logprobs is not None:  # needs logits of every prompt token
+            return
+        tokens = request.all_token_ids
+        bs = self.block_size
+        hashes, parent = [], None
+        for k in range((len(tokens) - 1) // bs):
+            parent = block_hash(parent, tokens[k * bs : (k + 1) * bs])
+            hashes.append(parent)
+        hit = self.pool.lookup(hashes)
+        request.block_ids = hit
+        request.block_hashes = hashes[: len(hit)]
+        request.num_computed_tokens = len(hit) * bs
+        request.restore_overlap = bool(hit)
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = request.num_computed_tokens
+
+    def publish_full_blocks(self, request: Request) -> None:
+        """After a step: publish newly completed blocks under their prefix hashes."""
+        if not self.config.enable_prefix_caching or request.status is not Status.RUNNING:
+            return
+        tokens = request.all_token_ids
+        bs = self.block_size
+        full = min(request.num_computed_tokens, len(tokens)) // bs
+        parent = request.block_hashes[-1] if request.block_hashes else None
+        for k in range(len(request.block_hashes), full):
+            parent = block_hash(parent, tokens[k * bs : (k + 1) * bs])
+            request.block_hashes.append(parent)
+            self.pool.cache(request.block_ids[k], parent)
+
+    # ---- the policy -----------------------------------------------------------------------
+
+    def preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.status = Status.WAITING
+        request.num_computed_tokens = 0
+        request.restore_overlap = False
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status = Status.FINISHED
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        scheduled: set[int] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            todo = request.num_tokens - request.num_computed_tokens
+            if todo <= 0:  # waiting for an in-flight token
+                i += 1
+                continue
+            num_new = min(todo, budget)
+            while not self._ensure_blocks(request, request.num_computed_tokens + num_new):
+                victim = next((r for r in reversed(self.running) if id(r) not in scheduled), None)
+                if victim is None:
+                    break
+                self.preempt(victim)
+                if victim is request:
+                    break
+            if request.status is not Status.RUNNING or not self._has_blocks(request, num_new):
+                break
+            chunks.append(self._chunk(request, num_new))
+            scheduled.add(id(request))
+            budget -= num_new
+            i += 1
+
+        while (
+            self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and self.free_slots
+        ):
+            request = self.waiting[0]
+            self._prefix_hit(request)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._ensure_blocks(request, request.num_computed_tokens + num_new):
+                self._release(request)  # give back the prefix hit; retry next step
+                request.num_computed_tokens = 0
+                request.restore_overlap = False
+                break
+            self.waiting.popleft()
+            request.slot = self.free_slots.pop()
+            request.status = Status.RUNNING
+            self.running.append(request)
+            chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+        return chunks
+
+    def _has_blocks(self, request: Request, num_new: int) -> bool:
+        return len(request.block_ids) * self.block_size >= request.num_computed_tokens + num_new
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        chunk = ScheduledChunk(
+            request,
+            request.num_computed_tokens,
+            num_new,
+            request.restore_overlap,
+            samples=request.num_computed_tokens + num_new == request.num_tokens,
+        )
+        request.restore_overlap = False
+        request.num_computed_tokens += num_new
+        return chunk
