@@ -83,6 +83,8 @@ class Engine:
         )
         budget -= cfg.max_num_seqs * self.layout.slot_bytes(dtype)
         blocks = budget // self.layout.block_bytes(dtype)
+        # never more than every slot filled to max_model_len needs
+        blocks = min(blocks, cfg.max_num_seqs * math.ceil(self.max_model_len / self.layout.block_size))
         if blocks < 1:
             raise ValueError(f"cache_memory_bytes={cfg.cache_memory_bytes} is too small for one cache block")
         return int(blocks)
