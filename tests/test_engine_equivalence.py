@@ -23,7 +23,9 @@ def _workload(seed: int, vocab: int, shared_prefixes: bool) -> list[tuple[list[i
             prompt = [rng.randrange(2, vocab) for _ in range(rng.randrange(257, 300))]
         else:
             prompt = [rng.randrange(2, vocab) for _ in range(rng.randrange(1, 140))]
-        work.append((prompt, SamplingParams(max_tokens=rng.randrange(1, 12), temperature=0.0, ignore_eos=True)))
+        work.append(
+            (prompt, SamplingParams(max_tokens=rng.randrange(1, 12), temperature=0.0, ignore_eos=True))
+        )
     return work
 
 
@@ -36,7 +38,8 @@ def _alone_runner(ckpt):
         key = seed * 2 + shared
         if key not in cache:
             cache[key] = [
-                llm.generate([p], q)[0].outputs[0].token_ids for p, q in _workload(seed, llm.vocab_size, shared)
+                llm.generate([p], q)[0].outputs[0].token_ids
+                for p, q in _workload(seed, llm.vocab_size, shared)
             ]
         return cache[key]
 

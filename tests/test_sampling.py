@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from deepinfer.sampling.sampler import filtered_log_probs, make_generator, sample_token
+from deepinfer.sampling.sampler import (
+    SamplingRow,
+    apply_processors,
+    filtered_log_probs,
+    make_generator,
+    sample,
+    sample_token,
+)
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -17,9 +24,11 @@ def _chi2_critical(df: int, z: float = 4.0) -> float:
     return df * (1.0 - a + z * math.sqrt(a)) ** 3
 
 
-def _expected(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def _expected(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0
+) -> torch.Tensor:
     """The target distribution written out from the definitions (vLLM order: temperature,
-    then top-k, then top-p over the renormalised top-k distribution)."""
+    then top-k, then top-p over the renormalised top-k distribution, then min-p)."""
     probs = torch.softmax(logits.double() / temperature, dim=-1)
     order = torch.argsort(probs, descending=True).tolist()
     if top_k > 0:
@@ -33,20 +42,31 @@ def _expected(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
         if mass >= top_p:
             break
     target = torch.where(keep, probs, torch.zeros_like(probs))
+    target = target / target.sum()
+    target = torch.where(target >= min_p * target.max(), target, torch.zeros_like(target))
     return target / target.sum()
 
 
 @pytest.mark.parametrize(
-    "temperature,top_k,top_p",
-    [(1.0, -1, 1.0), (0.7, -1, 1.0), (1.3, 5, 1.0), (1.0, -1, 0.8), (0.9, 6, 0.7)],
+    "temperature,top_k,top_p,min_p",
+    [
+        (1.0, -1, 1.0, 0.0),
+        (0.7, -1, 1.0, 0.0),
+        (1.3, 5, 1.0, 0.0),
+        (1.0, -1, 0.8, 0.0),
+        (0.9, 6, 0.7, 0.0),
+        (1.0, -1, 1.0, 0.1),
+        (1.2, 8, 0.9, 0.05),
+    ],
 )
-def test_sampled_frequencies_match_the_target_distribution(temperature, top_k, top_p):
+def test_sampled_frequencies_match_the_target_distribution(temperature, top_k, top_p, min_p):
     logits = torch.randn(12, generator=torch.Generator().manual_seed(1)) * 1.5
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=123)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=123)
     gen = make_generator(params, torch.device("cpu"))
     n = 20000
-    counts = torch.bincount(torch.tensor([sample_token(logits, params, gen) for _ in range(n)]), minlength=12)
-    target = _expected(logits, temperature, top_k, top_p)
+    rows = [SamplingRow(params, gen, [], [], [])] * n  # one generator drawn n times in a batch
+    counts = torch.bincount(torch.tensor(sample(logits.expand(n, -1), rows)), minlength=12)
+    target = _expected(logits, temperature, top_k, top_p, min_p)
     support = target > 0
     assert counts[~support].sum() == 0, "sampled a token outside top-k/top-p"
     exp = target[support] * n
@@ -58,10 +78,15 @@ def test_sampled_frequencies_match_the_target_distribution(temperature, top_k, t
 
 def test_filtered_distribution_equals_definition():
     logits = torch.randn(30, generator=torch.Generator().manual_seed(2))
-    for temperature, top_k, top_p in [(0.5, 10, 0.9), (1.0, -1, 0.3), (2.0, 3, 1.0)]:
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    for temperature, top_k, top_p, min_p in [
+        (0.5, 10, 0.9, 0),
+        (1.0, -1, 0.3, 0),
+        (2.0, 3, 1.0, 0),
+        (1, -1, 1, 0.2),
+    ]:
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         got = filtered_log_probs(logits, params).exp().double()
-        assert torch.allclose(got, _expected(logits, temperature, top_k, top_p), atol=1e-6)
+        assert torch.allclose(got, _expected(logits, temperature, top_k, top_p, min_p), atol=1e-6)
 
 
 def test_greedy_is_argmax_and_seed_is_reproducible():
@@ -73,3 +98,48 @@ def test_greedy_is_argmax_and_seed_is_reproducible():
         for g in (make_generator(params, torch.device("cpu")), make_generator(params, torch.device("cpu")))
     ]
     assert draws[0] == draws[1]
+
+
+def test_processors_follow_their_definitions():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    params = SamplingParams(
+        repetition_penalty=2.0,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        logit_bias={4: 1.5},
+        min_tokens=3,
+        stop_token_ids=[2],
+    )
+    row = SamplingRow(params, None, prompt_ids=[0], output_ids=[1, 1], eos_ids=[3])
+    out = apply_processors(logits, [row])[0]
+    # token 0: seen in prompt, positive -> /2; token 1: seen, negative -> *2, then counts 2
+    # tokens 2 (stop id) and 3 (eos) blocked while fewer than min_tokens outputs; token 4: +1.5
+    expected = torch.tensor([1.0, -2.0 - 0.25 * 2 - 0.5, float("-inf"), float("-inf"), -0.5])
+    assert torch.equal(out, expected)
+    row.output_ids = [1, 1, 1]  # min_tokens reached: stop id and EOS are free again
+    out = apply_processors(logits, [row])[0]
+    assert out[2] == 0.5 and out[3] == 3.0
+
+
+def test_seeded_rows_ignore_their_neighbours():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(5))
+    params = SamplingParams(temperature=1.0, seed=11)
+
+    def draws(batch_rows: int) -> list[int]:
+        gen = make_generator(params, torch.device("cpu"))
+        others = [
+            SamplingRow(
+                SamplingParams(temperature=1.0),
+                make_generator(SamplingParams(), torch.device("cpu")),
+                [],
+                [],
+                [],
+            )
+        ]
+        tokens = []
+        for _ in range(30):
+            rows = others * batch_rows + [SamplingRow(params, gen, [], [], [])]
+            tokens.append(sample(logits[:1].expand(len(rows), -1).contiguous(), rows)[-1])
+        return tokens
+
+    assert draws(0) == draws(2)

@@ -1,0 +1,151 @@
+"""Engine features a user touches: abort, bad input while serving, stop strings, min_tokens,
+logit_bias, penalties, n > 1, prompt logprobs, metrics, progress."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams, load_model
+
+
+@pytest.fixture(scope="module")
+def llm(v4_ckpt) -> LLM:
+    return LLM(v4_ckpt, max_num_seqs=8)
+
+
+def _greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def test_abort_frees_everything_and_spares_the_others(llm):
+    engine = llm.engine
+    alone = llm.generate([[7, 8, 9]], _greedy(12))[0].outputs[0].token_ids
+    keep = engine.add_request("keep", [7, 8, 9], _greedy(12))
+    drop = engine.add_request("drop", list(range(2, 60)), _greedy(30))
+    for _ in range(3):
+        engine.step()
+    engine.abort("drop")
+    while engine.has_unfinished():
+        engine.step()
+    assert drop.finish_reason == "abort" and keep.output_token_ids == alone
+    assert engine.pool.num_free == engine.num_blocks
+    engine.pop_finished("keep"), engine.pop_finished("drop")
+
+
+@pytest.mark.parametrize(
+    "prompt,params,field",
+    [
+        ([], None, "prompt_token_ids"),
+        ([1, 9999], None, "9999"),
+        ([1] * 5000, None, "max_model_len"),
+        ([1, 2], {"logit_bias": {99999: 1.0}}, "logit_bias"),
+    ],
+)
+def test_bad_requests_fail_alone_while_others_keep_going(llm, prompt, params, field):
+    engine = llm.engine
+    alone = llm.generate([[3, 4, 5]], _greedy(10))[0].outputs[0].token_ids
+    good = engine.add_request("good", [3, 4, 5], _greedy(10))
+    engine.step()
+    with pytest.raises(ValueError, match=field):
+        engine.add_request("bad", prompt, SamplingParams(**(params or {})))
+    while engine.has_unfinished():
+        engine.step()
+    assert good.output_token_ids == alone and "bad" not in engine.requests
+    engine.pop_finished("good")
+    assert engine.pool.num_free == engine.num_blocks
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [({"max_tokens": 0}, "max_tokens"), ({"top_p": 1.5}, "top_p"), ({"temperatur": 1.0}, "temperatur")],
+)
+def test_bad_sampling_params_are_named(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_engine_option_is_named(v4_ckpt):
+    with pytest.raises(ValueError, match="max_num_seq\\b|max_num_seq,|max_num_seq;"):
+        LLM(v4_ckpt, max_num_seq=4)
+
+
+def test_generate_rejects_the_whole_call_on_one_bad_prompt(llm):
+    with pytest.raises(ValueError, match=r"prompts\[2\]"):
+        llm.generate([[1, 2], [3, 4], [5, 999]], _greedy(3))
+    assert not llm.engine.requests and llm.engine.pool.num_free == llm.engine.num_blocks
+
+
+def test_stop_strings_truncate_text(llm):
+    prompt = "Once upon a time"
+    free = llm.generate(prompt, _greedy(24))[0].outputs[0]
+    at = next(i for i in range(3, len(free.text) - 2) if free.text.find(free.text[i : i + 2]) == i)
+    stop = free.text[at : at + 2]
+    out = llm.generate(prompt, _greedy(24, stop=[stop, "never-there"]))[0].outputs[0]
+    assert out.text == free.text[:at] and out.finish_reason == "stop" and out.stop_reason == stop
+    kept = llm.generate(prompt, _greedy(24, stop=stop, include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == free.text[: at + 2]
+
+
+def test_min_tokens_blocks_eos_and_logit_bias_forces_tokens(llm):
+    eos = llm.eos_token_ids[0]
+    forced = SamplingParams(max_tokens=10, temperature=0.0, logit_bias={eos: 100.0})
+    assert llm.generate([5, 6], forced)[0].outputs[0].token_ids == [eos]
+    at_least = SamplingParams(max_tokens=10, temperature=0.0, logit_bias={eos: 100.0}, min_tokens=4)
+    out = llm.generate([5, 6], at_least)[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.token_ids[-1] == eos and eos not in out.token_ids[:-1]
+    biased = llm.generate([5, 6], _greedy(6, logit_bias={42: 100.0}))[0].outputs[0]
+    assert biased.token_ids == [42] * 6
+
+
+def test_penalties_change_greedy_choices(llm):
+    base = llm.generate([5, 6, 7], _greedy(40))[0].outputs[0].token_ids
+    assert len(set(base)) < len(base), "need a repeating greedy output for this test"
+    penalised = llm.generate([5, 6, 7], _greedy(40, frequency_penalty=2.0, presence_penalty=2.0))[0]
+    tokens = penalised.outputs[0].token_ids
+    assert tokens != base and len(set(tokens)) >= len(set(base))
+
+
+def test_n_siblings(llm):
+    out = llm.generate(
+        [9, 9, 9], SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=4, ignore_eos=True)
+    )[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    again = llm.generate(
+        [9, 9, 9], SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=4, ignore_eos=True)
+    )[0]
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in again.outputs]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    greedy = llm.generate([9, 9, 9], SamplingParams(n=2, max_tokens=6, temperature=0.0))[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+
+
+def test_prompt_logprobs_match_the_model(v4_ckpt, llm):
+    prompt = [3, 17, 200, 45, 9, 77, 120, 5, 66, 31, 90]
+    out = llm.generate(prompt, _greedy(2, prompt_logprobs=2))[0]
+    with torch.no_grad():
+        ref = load_model(v4_ckpt)(torch.tensor([prompt]))[0].log_softmax(-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for i in range(1, len(prompt)):
+        entry = out.prompt_logprobs[i]
+        assert entry[prompt[i]].logprob == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4)
+        assert len(entry) in (2, 3)
+
+
+def test_prompt_logprobs_survive_chunked_prefill(v4_ckpt):
+    small = LLM(v4_ckpt, max_num_batched_tokens=5, async_scheduling=False)
+    big = LLM(v4_ckpt)
+    prompt = list(range(10, 40))
+    a = small.generate(prompt, _greedy(2, prompt_logprobs=0))[0].prompt_logprobs
+    b = big.generate(prompt, _greedy(2, prompt_logprobs=0))[0].prompt_logprobs
+    assert len(a) == len(b) == len(prompt)
+    for x, y in zip(a[1:], b[1:], strict=True):
+        assert x.keys() == y.keys()
+        assert all(abs(x[k].logprob - y[k].logprob) < 1e-4 for k in x)
+
+
+def test_metrics_are_filled(llm):
+    out = llm.generate([1, 2, 3], _greedy(5))[0]
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert m.ttft > 0 and m.tpot > 0 and m.num_generated_tokens == 5
