@@ -1,5 +1,5 @@
-"""``deepinfer`` command line: ``make-tiny`` and ``generate`` (more subcommands land with
-their issues: bench, serve, dump-graphs)."""
+"""``deepinfer`` command line: ``make-tiny``, ``generate`` and ``bench throughput`` (more
+subcommands land with their issues: bench latency/startup, serve, dump-graphs)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,49 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_throughput(args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from deepinfer import LLM
+    from deepinfer.benchmarking import (
+        decode_bs1,
+        deepinfer_throughput,
+        load_transformers_peer,
+        random_workload,
+        transformers_throughput,
+    )
+    from deepinfer.testing import make_tiny_checkpoint
+
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = (
+            Path(args.model) if args.model else make_tiny_checkpoint(Path(tmp) / "tiny", arch="deepseek_v4")
+        )
+        llm = LLM(path, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+        work = random_workload(
+            args.num_requests, tuple(args.prompt_len), tuple(args.output_len), llm.vocab_size, seed=args.seed
+        )
+        ours = deepinfer_throughput(llm, work)
+        print(
+            f"deepinfer: {ours:.1f} output tok/s ({args.num_requests} requests, {work.output_tokens} tokens)"
+        )
+        best = 0.0
+        if args.peer_batch_sizes:
+            peer = load_transformers_peer(path)
+            for bs in args.peer_batch_sizes:
+                tok_s = transformers_throughput(peer, work, bs)
+                best = max(best, tok_s)
+                print(f"transformers.generate batch {bs}: {tok_s:.1f} output tok/s")
+            print(f"ratio deepinfer / best transformers: {ours / best:.2f}x")
+        bs1 = decode_bs1(llm)
+        print(
+            f"bs=1 decode: {bs1['decode_tok_s']:.1f} tok/s; bandwidth bound {bs1['bound_tok_s']:.0f} tok/s "
+            f"({100 * bs1['fraction_of_bound']:.2f}% of it)"
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description="DeepSeek-V4-class inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,6 +117,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="float32")
     gen.add_argument("--device", default="cpu")
     gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks against transformers on the same weights")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    tp = bench_sub.add_parser("throughput", help="offline throughput of N random requests")
+    tp.add_argument("--model", default=None, help="checkpoint dir (default: a tiny V4 built on the fly)")
+    tp.add_argument("--num-requests", type=int, default=256)
+    tp.add_argument("--prompt-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    tp.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    tp.add_argument("--max-num-seqs", type=int, default=256)
+    tp.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    tp.add_argument("--peer-batch-sizes", type=int, nargs="*", default=[64, 256])
+    tp.add_argument("--threads", type=int, default=torch.get_num_threads())
+    tp.add_argument("--seed", type=int, default=0)
+    tp.set_defaults(func=_bench_throughput)
     return parser
 
 

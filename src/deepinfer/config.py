@@ -203,7 +203,9 @@ class EngineConfig:
     cache_memory_fraction: float = 0.25
     num_cache_blocks: int | None = None  # exact block count (overrides the budget); tests
     enable_prefix_caching: bool = True
-    async_scheduling: bool = True
+    # None = auto: on for CUDA (the GPU computes while the CPU schedules), off on CPU, where
+    # the model and the scheduler compete for the same cores (measured 2.4x slower on 2 cores)
+    async_scheduling: bool | None = None
     fake_quant: bool = False
 
     def validate(self) -> None:
@@ -224,5 +226,6 @@ class EngineConfig:
                 positive_int(name)
         frac = self.cache_memory_fraction
         need(isinstance(frac, float | int) and 0 < frac <= 1, "cache_memory_fraction", "in (0, 1]")
-        for name in ("enable_prefix_caching", "async_scheduling", "fake_quant"):
+        for name in ("enable_prefix_caching", "fake_quant"):
             need(isinstance(getattr(self, name), bool), name, "a bool")
+        need(self.async_scheduling in (None, True, False), "async_scheduling", "None (auto) or a bool")

@@ -250,7 +250,7 @@ class Engine:
     def make_output(self, req: Request) -> RequestOutput:
         completion = CompletionOutput(
             index=0,
-            text=req.text,
+            text=self.output_processor.text_of(req),
             token_ids=list(req.output_token_ids),
             cumulative_logprob=req.cumulative_logprob if req.params.logprobs is not None else None,
             logprobs=req.logprobs,

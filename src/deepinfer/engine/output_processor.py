@@ -42,22 +42,30 @@ class OutputProcessor:
             req.logprobs = (req.logprobs or []) + [entry]
         req.output_token_ids.append(token)
         n_out = len(req.output_token_ids)
-        old_text = req.text
-        if self.tokenizer is not None:
-            req.text = self.decode(req.output_token_ids, p.skip_special_tokens)
         if token in p.stop_token_ids:
             req.finish_reason, req.stop_reason = "stop", token
             return
         if not p.ignore_eos and token in self.eos_token_ids and n_out >= p.min_tokens:
             req.finish_reason = "stop"
             return
-        if p.stop and n_out >= p.min_tokens and self._apply_stop_strings(req, len(old_text)):
-            return
+        if p.stop and self.tokenizer is not None:
+            old_len = len(self.text_of(req, n_out - 1))
+            if n_out >= p.min_tokens and self._apply_stop_strings(req, old_len):
+                return
         if n_out >= p.max_tokens or len(req.prompt_token_ids) + n_out >= self.max_model_len:
             req.finish_reason = "length"
 
-    @staticmethod
-    def _apply_stop_strings(req: Request, old_len: int) -> bool:
+    def text_of(self, req: Request, num_tokens: int | None = None) -> str:
+        """Text of the first ``num_tokens`` outputs (default: all), decoded only when stale:
+        detokenizing every request every step would cost more than the model on small ones."""
+        n = len(req.output_token_ids) if num_tokens is None else num_tokens
+        if self.tokenizer is not None and req.text_tokens != n:
+            req.text = self.decode(req.output_token_ids[:n], req.params.skip_special_tokens)
+            req.text_tokens = n
+        return req.text
+
+    def _apply_stop_strings(self, req: Request, old_len: int) -> bool:
+        self.text_of(req)
         longest = max(len(s) for s in req.params.stop)
         search_from = max(0, old_len - longest + 1)
         best: tuple[int, str] | None = None
@@ -69,6 +77,7 @@ class OutputProcessor:
             return False
         at, stop = best
         req.text = req.text[: at + (len(stop) if req.params.include_stop_str_in_output else 0)]
+        req.text_tokens = len(req.output_token_ids)  # final: keep the truncated text
         req.finish_reason, req.stop_reason = "stop", stop
         return True
 

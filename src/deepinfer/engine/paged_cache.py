@@ -111,57 +111,61 @@ class SeqChunk:
 Row = tuple[str, int]  # ("c", chunk row) | ("b", buffer-pool row) | ("o", overlap-pool row)
 
 
+@dataclass
+class _TokenLayout:
+    """Per-token facts of a step, shared by every ratio's bookkeeping."""
+
+    positions: torch.Tensor  # [T]
+    token_block: torch.Tensor  # [T, max_blocks] each token's block table
+    slot: torch.Tensor  # [T]
+    end: torch.Tensor  # [T] end position (exclusive) of the token's chunk
+    base: list[int]  # first token row of each chunk
+
+
+def _row(q: int, c: SeqChunk, base: int, ratio: int) -> Row:
+    """Where position q's projections are this step: chunk, buffer or overlap pool."""
+    if q >= c.start:
+        return ("c", base + q - c.start)
+    group_start = (c.start // ratio) * ratio
+    return ("b" if q >= group_start else "o", c.slot * ratio + q % ratio)
+
+
 def _group_meta(
-    layout: CacheLayout,
-    chunks: list[SeqChunk],
-    ratio: int,
-    positions: torch.Tensor,
-    token_block: torch.Tensor,
-    device: torch.device,
+    layout: CacheLayout, chunks: list[SeqChunk], ratio: int, tokens: _TokenLayout, device: torch.device
 ) -> GroupMeta:
-    """Compressor bookkeeping for one ratio (see ``GroupMeta``); small per-step Python."""
+    """Compressor bookkeeping for one ratio (see ``GroupMeta``).
+
+    Per-token work (the trailing partial group) is vectorised; Python loops only over the
+    groups that close this step and the sequences restoring a prefix-cache snapshot.
+    """
     bs, r = layout.block_size, ratio
     epb = bs // r
     group_rows: list[list[Row]] = []
     prev_rows: list[list[Row] | None] = []
-    group_pos, entry_slot = [], []
-    buf_src, buf_dst, ovl_src, ovl_dst = [], [], [], []
+    group_pos, entry_slot, ovl_src, ovl_dst = [], [], [], []
     snap_src, snap_dst, restore_src, restore_dst = [], [], [], []
-    ovl_dst_list: list[int] = []
-    base = 0
-    for c in chunks:
+    for c, base in zip(chunks, tokens.base, strict=True):
         s, e = c.start, c.start + c.num_tokens
-        group_start = (s // r) * r
-
-        def row(q: int, c: SeqChunk = c, s: int = s, group_start: int = group_start, base: int = base) -> Row:
-            """Where position q's projections are this step (chunk, buffer or overlap)."""
-            if q >= s:
-                return ("c", base + q - s)
-            return ("b" if q >= group_start else "o", c.slot * r + q % r)
-
         if c.restore_overlap and s > 0:
             block = c.block_table[s // bs - 1]
-            restore_src += [block * r + k for k in range(r)]
-            restore_dst += [c.slot * r + k for k in range(r)]
+            restore_src += range(block * r, block * r + r)
+            restore_dst += range(c.slot * r, c.slot * r + r)
+        if e // r == s // r:
+            continue  # no group closes: the common decode case
         for j in range(s // r, e // r):
-            rows = [row(q) for q in range(j * r, (j + 1) * r)]
+            rows = [_row(q, c, base, r) for q in range(j * r, (j + 1) * r)]
             group_rows.append(rows)
-            prev_rows.append([row(q) for q in range((j - 1) * r, j * r)] if j > 0 else None)
+            prev_rows.append([_row(q, c, base, r) for q in range((j - 1) * r, j * r)] if j > 0 else None)
             group_pos.append(j * r)
             entry_slot.append(c.block_table[j // epb] * epb + j % epb)
             if ((j + 1) * r) % bs == 0:  # this group ends a block: snapshot the overlap there
                 snap_src += rows
-                snap_dst += [c.block_table[((j + 1) * r - 1) // bs] * r + k for k in range(r)]
-        if e // r > s // r:  # a group closed: it becomes the sequence's overlap
-            ovl_src += group_rows[-1]
-            ovl_dst_list += [c.slot * r + k for k in range(r)]
-        for q in range(max(s, (e // r) * r), e):  # the new trailing partial group
-            buf_src.append(base + q - s)
-            buf_dst.append(c.slot * r + q % r)
-        base += c.num_tokens
-    ovl_dst = ovl_dst_list
+                block = c.block_table[((j + 1) * r - 1) // bs]
+                snap_dst += range(block * r, block * r + r)
+        ovl_src += group_rows[-1]  # the last closed group becomes the sequence's overlap
+        ovl_dst += range(c.slot * r, c.slot * r + r)
 
-    t_total = int(positions.shape[0])
+    t_total = int(tokens.positions.shape[0])
     all_rows = [x for g in group_rows for x in g] + [x for g in prev_rows if g for x in g]
     all_rows += ovl_src + snap_src
     buf_pool = sorted({i for kind, i in all_rows if kind == "b"})
@@ -172,13 +176,16 @@ def _group_meta(
     def resolve(rows: list[Row]) -> list[int]:
         return [i if kind == "c" else offset[kind][i] for kind, i in rows]
 
-    def long(values: list) -> torch.Tensor:
+    def long(values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    visible = (positions + 1) // r  # entries each token may read
+    pos = tokens.positions
+    in_tail = pos >= (tokens.end // r) * r  # tokens of each chunk's new trailing partial group
+    buf_src = torch.nonzero(in_tail).squeeze(1)
+    visible = (pos + 1) // r  # entries each token may read
     e_max = int(visible.max()) if visible.numel() else 0
     j = torch.arange(e_max, device=device)
-    block_col = (j // epb).clamp(max=token_block.shape[1] - 1).expand(len(positions), -1)
+    block_col = (j // epb).clamp(max=tokens.token_block.shape[1] - 1).expand(len(pos), -1)
     return GroupMeta(
         src_buf_rows=long(buf_pool),
         src_ovl_rows=long(ovl_pool),
@@ -186,15 +193,15 @@ def _group_meta(
         prev_rows=long([resolve(g) if g else [-1] * r for g in prev_rows]).view(-1, r),
         group_pos=long(group_pos),
         entry_slot=long(entry_slot),
-        buf_src=long(buf_src),
-        buf_dst=long(buf_dst),
+        buf_src=buf_src,
+        buf_dst=tokens.slot[buf_src] * r + pos[buf_src] % r,
         ovl_src=long(resolve(ovl_src)),
         ovl_dst=long(ovl_dst),
         snap_src=long(resolve(snap_src)),
         snap_dst=long(snap_dst),
         restore_src=long(restore_src),
         restore_dst=long(restore_dst),
-        entry_idx=token_block.gather(1, block_col) * epb + j % epb,
+        entry_idx=tokens.token_block.gather(1, block_col) * epb + j % epb,
         entry_valid=j.unsqueeze(0) < visible.unsqueeze(1),
     )
 
@@ -204,27 +211,29 @@ def build_forward_batch(
 ) -> tuple[torch.Tensor, ForwardBatch]:
     """Positions [T] and the ForwardBatch for a step made of ``chunks`` (in token order)."""
     bs, w = layout.block_size, layout.window
-    positions = torch.cat(
-        [torch.arange(c.start, c.start + c.num_tokens, dtype=torch.long) for c in chunks]
-    ).to(device)
+    lengths = torch.tensor([c.num_tokens for c in chunks], dtype=torch.long)
+    starts = torch.tensor([c.start for c in chunks], dtype=torch.long)
+    first_row = torch.cumsum(lengths, 0) - lengths
+    seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), lengths)
+    positions = starts[seq_of_token] + torch.arange(int(lengths.sum())) - first_row[seq_of_token]
     max_blocks = max(len(c.block_table) for c in chunks)
-    tables = torch.zeros(len(chunks), max_blocks, dtype=torch.long)
-    for i, c in enumerate(chunks):
-        tables[i, : len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.long)
-    seq_of_token = torch.repeat_interleave(
-        torch.arange(len(chunks)), torch.tensor([c.num_tokens for c in chunks])
+    tables = torch.tensor([c.block_table + [0] * (max_blocks - len(c.block_table)) for c in chunks])
+    slots = torch.tensor([c.slot for c in chunks], dtype=torch.long)
+    tokens = _TokenLayout(
+        positions=positions.to(device),
+        token_block=tables[seq_of_token].to(device),
+        slot=slots[seq_of_token].to(device),
+        end=(starts + lengths)[seq_of_token].to(device),
+        base=first_row.tolist(),
     )
-    token_block = tables[seq_of_token].to(device)  # [T, max_blocks] each token's block table
+    positions = tokens.positions
 
     def rows_at(q: torch.Tensor) -> torch.Tensor:
         qc = q.clamp(min=0)
-        return token_block.gather(1, qc // bs) * bs + qc % bs
+        return tokens.token_block.gather(1, qc // bs) * bs + qc % bs
 
     window_q = positions.unsqueeze(1) - torch.arange(w, device=device)  # [T, W]
-    logits_idx, base = [], 0
-    for c in chunks:
-        logits_idx += [base + k for k in c.logits_offsets]
-        base += c.num_tokens
+    logits_idx = [base + k for c, base in zip(chunks, tokens.base, strict=True) for k in c.logits_offsets]
     batch = ForwardBatch(
         pools=pools,
         window_idx=rows_at(window_q),
@@ -233,5 +242,5 @@ def build_forward_batch(
         logits_idx=torch.tensor(logits_idx, dtype=torch.long, device=device),
     )
     for ratio in layout.ratios:
-        batch.groups[ratio] = _group_meta(layout, chunks, ratio, positions, token_block, device)
+        batch.groups[ratio] = _group_meta(layout, chunks, ratio, tokens, device)
     return positions, batch

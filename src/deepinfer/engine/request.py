@@ -38,6 +38,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str = ""
+    text_tokens: int = 0  # how many output tokens ``text`` reflects (decoded lazily)
     logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     cumulative_logprob: float = 0.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deepinfer.kernels.sinkhorn import sinkhorn
 from deepinfer.models.layers.norms import unweighted_rms_norm
 
 
@@ -33,12 +34,7 @@ def hc_mixes(
     pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
     post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
     comb = comb_w.unflatten(-1, (n, n)) * scale[2] + comb_b.view(n, n)
-    comb = torch.softmax(comb, dim=-1) + hc_eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):  # ends on a column normalisation
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    return pre, post, comb
+    return pre, post, sinkhorn(comb, sinkhorn_iters, hc_eps)
 
 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

@@ -73,9 +73,17 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids = self.gate(flat, input_ids)
-        routed = torch.zeros_like(flat)
-        for e in torch.unique(ids).tolist():  # only the experts some token chose
-            rows, slot = torch.where(ids == e)
-            out = self.experts[e](flat[rows]) * weights[rows, slot, None]
-            routed.index_add_(0, rows, out.to(routed.dtype))
+        # Sort the (token, expert) assignments by expert so each expert sees one contiguous
+        # slice: one gather before the loop and one scatter after it, no per-expert search.
+        order = ids.flatten().argsort(stable=True)
+        counts = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
+        token_of = order // ids.shape[1]
+        picked = flat[token_of]
+        outs, start = [], 0
+        for e, count in enumerate(counts):
+            if count:
+                outs.append(self.experts[e](picked[start : start + count]))
+                start += count
+        routed_out = torch.cat(outs) * weights.flatten()[order].unsqueeze(1).to(flat.dtype)
+        routed = torch.zeros_like(flat).index_add_(0, token_of, routed_out)
         return (routed + self.shared_experts(flat)).view(shape)

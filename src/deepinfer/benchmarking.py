@@ -1,0 +1,121 @@
+"""Benchmark workloads and peers, shared by ``deepinfer bench`` and ``benchmarks/``.
+
+Every figure is a ratio against a peer measured in the same process on the same weights
+(``transformers.generate``), or against the machine's memory-bandwidth bound measured in
+the same run. Nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from deepinfer.sampling_params import SamplingParams
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def random_workload(
+    num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int, seed: int = 0
+) -> Workload:
+    """nano-vllm's bench shape: random token prompts, lengths uniform in the given ranges."""
+    rng = random.Random(seed)
+    prompts = [
+        [rng.randrange(2, vocab) for _ in range(rng.randint(*prompt_range))] for _ in range(num_requests)
+    ]
+    return Workload(prompts, [rng.randint(*output_range) for _ in range(num_requests)])
+
+
+def measured_bandwidth_gbs(nbytes: int = 256 << 20) -> float:
+    """Read+write bandwidth of a large tensor copy (GB/s), best of 5."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best / 1e9
+
+
+def decode_weight_bytes(model: nn.Module) -> int:
+    """Weight bytes one batch-1 decode step reads: all but the unselected routed experts."""
+    cfg = model.config
+    total = 0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if ".experts." in name:
+            nbytes = nbytes * cfg.num_experts_per_tok // cfg.n_routed_experts
+        if name == "embed.weight":
+            nbytes = p.shape[1] * p.element_size()  # one row per token
+        total += nbytes
+    return total
+
+
+def deepinfer_throughput(llm, work: Workload) -> float:
+    """Output tokens/s of ``llm.generate`` on the whole workload at once."""
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens]
+    start = time.perf_counter()
+    outs = llm.generate(work.prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == work.output_tokens
+    return work.output_tokens / elapsed
+
+
+def load_transformers_peer(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+
+
+def transformers_throughput(model: nn.Module, work: Workload, batch_size: int, pad_id: int = 0) -> float:
+    """Output tokens/s of ``transformers.generate`` in left-padded batches of ``batch_size``.
+
+    Each batch decodes until its longest request is done; only the tokens the requests asked
+    for count, as a user would see it.
+    """
+    start = time.perf_counter()
+    for i in range(0, len(work.prompts), batch_size):
+        prompts = work.prompts[i : i + batch_size]
+        longest = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+        new = max(work.output_lens[i : i + batch_size])
+        with torch.no_grad():
+            model.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                pad_token_id=pad_id,
+            )
+    return work.output_tokens / (time.perf_counter() - start)
+
+
+def decode_bs1(llm, prompt_len: int = 32, new_tokens: int = 128) -> dict[str, float]:
+    """Batch-1 decode tokens/s (prefill excluded) against the bandwidth bound of this machine."""
+    prompt = random_workload(1, (prompt_len, prompt_len), (1, 1), llm.vocab_size, seed=1).prompts[0]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt], params, use_tqdm=False)  # warm-up
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    m = out.metrics
+    tok_s = (new_tokens - 1) / (m.finished_time - m.first_token_time)
+    bound = measured_bandwidth_gbs() * 1e9 / decode_weight_bytes(llm.model)
+    return {"decode_tok_s": tok_s, "bound_tok_s": bound, "fraction_of_bound": tok_s / bound}
