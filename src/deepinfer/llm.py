@@ -225,11 +225,9 @@ class LLM:
                 yield out
                 if req.finished:
                     break
-        finally:
+        finally:  # also when the caller stops iterating early
             if not req.finished:
                 self.engine.abort(req.request_id)
-            while self.engine._inflight is not None and not self.engine.has_unfinished():
-                self.engine.step()
             self.engine.pop_finished(req.request_id)
 
     def abort(self, request_id: str) -> None:

@@ -12,7 +12,7 @@ from torch import nn
 
 from deepinfer.config import CSA, HCA, DeepseekV4Config
 from deepinfer.models.forward_batch import ForwardBatch, LayerPools
-from deepinfer.models.layers.compressor import Compressor
+from deepinfer.models.layers.compressor import Compressor, gather_rows
 from deepinfer.models.layers.fake_quant import fake_quant_fp4_e4m3_scale, fake_quant_fp8_pow2
 from deepinfer.models.layers.indexer import Indexer
 from deepinfer.models.layers.norms import RMSNorm, unweighted_rms_norm
@@ -20,20 +20,34 @@ from deepinfer.models.layers.rope import Rotary, apply_rope
 
 
 def attention_with_sink(
-    q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sink: torch.Tensor, scale: float
+    q: torch.Tensor,
+    parts: list[tuple[torch.Tensor, torch.Tensor]],
+    sink: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
-    """Softmax attention where each head also has a sink logit that absorbs mass.
+    """Softmax attention over several key sets at once, plus one sink logit per head.
 
-    Per token: q [T, H, D], its own key set kv [T, L, D] (K = V), visible [T, L] bool,
-    sink [H] -> [T, H, D].
+    q [T, H, D]; each part is (kv [T, L_i, D] with K = V, visible [T, L_i] bool). The parts
+    share one softmax (as if concatenated) without materialising the concatenated keys.
+    Returns [T, H, D].
     """
-    scores = torch.einsum("thd,tld->thl", q, kv) * scale
-    scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
-    sinks = sink.to(scores.dtype).view(1, -1, 1).expand(*scores.shape[:-1], 1)
-    logits = torch.cat([scores, sinks], dim=-1)
+    scores = [
+        torch.einsum("thd,tld->thl", q, kv).mul_(scale).masked_fill_(~visible.unsqueeze(1), float("-inf"))
+        for kv, visible in parts
+    ]
+    sinks = sink.to(q.dtype).view(1, -1, 1).expand(q.shape[0], q.shape[1], 1)
+    logits = torch.cat([*scores, sinks], dim=-1)
     logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(logits, dim=-1)[..., :-1].to(kv.dtype)
-    return torch.einsum("thl,tld->thd", probs, kv)
+    probs = torch.softmax(logits, dim=-1)
+    out = None
+    start = 0
+    for kv, _ in parts:
+        p = probs[..., start : start + kv.shape[1]].to(kv.dtype)
+        start += kv.shape[1]
+        term = torch.einsum("thl,tld->thd", p, kv)
+        out = term if out is None else out + term
+    assert out is not None
+    return out
 
 
 class Attention(nn.Module):
@@ -89,8 +103,8 @@ class Attention(nn.Module):
             kv = fake_quant_fp8_pow2(kv)
 
         pools.window[batch.window_write] = kv.to(pools.window.dtype)
-        keys = pools.window[batch.window_idx].to(kv.dtype)  # [T, W, D]: (p - window, p]
-        visible = batch.window_valid
+        window = gather_rows(pools.window, batch.window_idx).to(kv.dtype)  # [T, W, D]
+        parts = [(window, batch.window_valid)]  # positions (p - window, p]
         if self.compressor is not None:
             meta = batch.groups[self.ratio]
             self.compressor(x, pools.compressor, meta, pools.entries)
@@ -98,10 +112,9 @@ class Attention(nn.Module):
                 chosen = self.indexer(x, q_residual, cos, sin, pools, meta)
             else:
                 chosen = meta.entry_valid  # HCA: every entry whose group has closed
-            keys = torch.cat([keys, pools.entries[meta.entry_idx].to(kv.dtype)], dim=1)
-            visible = torch.cat([visible, chosen], dim=1)
+            parts.append((gather_rows(pools.entries, meta.entry_idx).to(kv.dtype), chosen))
 
-        out = attention_with_sink(q, keys, visible, self.attn_sink, self.head_dim**-0.5)
+        out = attention_with_sink(q, parts, self.attn_sink, self.head_dim**-0.5)
         out = apply_rope(out, cos.unsqueeze(1), -sin.unsqueeze(1))
         return self.wo_b(self._grouped_output(out))
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from deepinfer.models.forward_batch import GroupMeta, LayerPools
-from deepinfer.models.layers.compressor import Compressor
+from deepinfer.models.layers.compressor import Compressor, gather_rows
 from deepinfer.models.layers.fake_quant import fake_quant_fp4_pow2
 from deepinfer.models.layers.rope import Rotary, apply_rope
 
@@ -50,7 +50,7 @@ class Indexer(nn.Module):
         t, e = meta.entry_idx.shape
         if e == 0:
             return meta.entry_valid
-        keys = pools.index_keys[meta.entry_idx]  # [T, E, head_dim]
+        keys = gather_rows(pools.index_keys, meta.entry_idx)  # [T, E, head_dim]
         q = self.wq_b(q_residual).view(t, self.n_heads, self.head_dim)
         q = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
         if self.quantize is not None:
