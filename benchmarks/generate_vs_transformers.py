@@ -18,33 +18,8 @@ from pathlib import Path
 import torch
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.benchmarking import decode_weight_bytes, measured_bandwidth_gbs
 from deepinfer.testing import make_tiny_checkpoint
-
-
-def measured_bandwidth_gbs(nbytes: int = 512 << 20) -> float:
-    """Read+write bandwidth of a large tensor copy (GB/s), best of 5."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * nbytes / best / 1e9
-
-
-def decode_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads: everything but non-selected routed experts."""
-    cfg = model.config
-    total = 0
-    for name, p in model.named_parameters():
-        nbytes = p.numel() * p.element_size()
-        if ".experts." in name:
-            nbytes = nbytes * cfg.num_experts_per_tok // cfg.n_routed_experts
-        if name == "embed.weight":
-            nbytes = p.shape[1] * p.element_size()  # one row per token
-        total += nbytes
-    return total
 
 
 def _time(fn, repeats: int) -> float:

@@ -1,0 +1,38 @@
+"""pytest-benchmark: offline throughput, deepinfer vs transformers on the same tiny V4 weights.
+
+``pytest benchmarks/ --benchmark-only``. A 64-request version of ``deepinfer bench
+throughput`` (prompt and output lengths uniform in [16, 128]); compare the two rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer import LLM
+from deepinfer.benchmarking import (
+    deepinfer_throughput,
+    load_transformers_peer,
+    random_workload,
+    transformers_throughput,
+)
+from deepinfer.testing import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tp"), arch="deepseek_v4", seed=0)
+    return path, random_workload(64, (16, 128), (16, 128), 258, seed=0)
+
+
+def test_deepinfer_throughput(benchmark, setup):
+    path, work = setup
+    llm = LLM(path, max_num_seqs=64, max_num_batched_tokens=2048)
+    tok_s = benchmark.pedantic(deepinfer_throughput, args=(llm, work), rounds=2)
+    benchmark.extra_info["output_tok_s"] = tok_s
+
+
+def test_transformers_throughput(benchmark, setup):
+    path, work = setup
+    model = load_transformers_peer(path)
+    tok_s = benchmark.pedantic(transformers_throughput, args=(model, work, 64), rounds=2)
+    benchmark.extra_info["output_tok_s"] = tok_s
