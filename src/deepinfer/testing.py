@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from deepinfer.config import deepseek_v4_config_from_dict
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+from deepinfer.models.registry import resolve
 from deepinfer.weights.quant import quantize_fp4, quantize_fp8_blocks
 
 BOS_ID, EOS_ID, BYTE_OFFSET = 0, 1, 2
@@ -89,9 +89,41 @@ _V4_TINY_SHORT_GROUPS: dict[str, Any] = {
     "index_topk": 64,
 }
 
+_LLAMA_TINY: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": TINY_VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": True,
+    "bos_token_id": BOS_ID,
+    "eos_token_id": EOS_ID,
+    "hidden_act": "silu",
+    "torch_dtype": "float32",
+}
+
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "deepseek_v4": _V4_TINY,
     "deepseek_v4_short_groups": _V4_TINY_SHORT_GROUPS,
+    "llama": _LLAMA_TINY,
+    "llama_untied_llama3_rope": {
+        **_LLAMA_TINY,
+        "tie_word_embeddings": False,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    },
 }
 
 # Official fp8 checkpoints keep these in bf16 (compressor, indexer weights_proj, wo_a, gate).
@@ -107,9 +139,9 @@ def tiny_config(arch: str = "deepseek_v4", **overrides: Any) -> dict[str, Any]:
 
 def random_state_dict(raw_config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     """fp32 random weights in the official layout for ``raw_config``."""
-    cfg = deepseek_v4_config_from_dict(raw_config)
+    cfg, cls = resolve(raw_config)
     with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(cfg)
+        model = cls(cfg)
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape: int, std: float) -> torch.Tensor:
@@ -132,7 +164,7 @@ def random_state_dict(raw_config: dict[str, Any], seed: int) -> dict[str, torch.
             state[name] = 0.5 + torch.rand(*shape, generator=gen)
         elif leaf in ("attn_sink", "ape", "bias"):
             state[name] = randn(*shape, std=0.5)
-        elif name == "embed.weight":
+        elif name in ("embed.weight", "model.embed_tokens.weight"):
             state[name] = randn(*shape, std=1.0)
         else:  # linear weights: unit-variance outputs so every block does visible work
             state[name] = randn(*shape, std=1.0 / math.sqrt(shape[-1]))
@@ -219,6 +251,8 @@ def make_tiny_checkpoint(
     """
     if quant not in (None, "fp8"):
         raise ValueError(f"quant must be None or 'fp8', got {quant!r}")
+    if quant == "fp8" and not arch.startswith("deepseek"):
+        raise ValueError("quant='fp8' stores the DeepSeek release format; use it with a deepseek arch")
     path = Path(path)
     raw = tiny_config(arch, **config_overrides)
     state = random_state_dict(raw, seed)

@@ -54,7 +54,7 @@ class Engine:
         self.eos_token_ids = list(mcfg.eos_token_id)
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
         self.device = next(model.parameters()).device
-        dtype = model.embed.weight.dtype
+        dtype = model.compute_dtype
         self.layout = CacheLayout.from_specs(model.cache_spec(), config.block_size)
         num_blocks = config.num_cache_blocks or self._blocks_for_budget(dtype)
         self.pool = BlockPool(num_blocks)

@@ -33,7 +33,7 @@ class ModelRunner:
         self.model = model
         self.layout = layout
         self.device = device
-        dtype = model.embed.weight.dtype
+        dtype = model.compute_dtype
         self.pools = allocate_pools(layout, num_blocks, num_slots, dtype, device)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> PreparedStep:

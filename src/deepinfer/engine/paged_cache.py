@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.models.cache_spec import LayerCacheSpec
-from deepinfer.models.forward_batch import CompressorPools, ForwardBatch, GroupMeta, LayerPools
+from deepinfer.models.forward_batch import (
+    CompressorPools,
+    ForwardBatch,
+    FullAttentionMeta,
+    GroupMeta,
+    LayerPools,
+    PrefillSpan,
+)
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,7 @@ class CacheLayout:
         """Bytes one block costs across all layers (window, entries, keys, snapshots)."""
         elems = 0
         for s in self.specs:
-            elems += self.block_size * s.kv_dim
+            elems += self.block_size * s.kv_dim * (2 if s.separate_values else 1)
             if s.ratio:
                 per = self.block_size // s.ratio
                 elems += per * (s.kv_dim + s.index_dim)
@@ -81,6 +88,8 @@ def allocate_pools(
     bs = layout.block_size
     for s in layout.specs:
         layer = LayerPools(window=torch.zeros(num_blocks * bs, s.kv_dim, dtype=dtype, device=device))
+        if s.separate_values:
+            layer.values = torch.zeros(num_blocks * bs, s.kv_dim, dtype=dtype, device=device)
         if s.ratio:
             entries = num_blocks * (bs // s.ratio)
             layer.entries = torch.zeros(entries, s.kv_dim, dtype=dtype, device=device)
@@ -243,4 +252,34 @@ def build_forward_batch(
     )
     for ratio in layout.ratios:
         batch.groups[ratio] = _group_meta(layout, chunks, ratio, tokens, device)
+    if w == 0:
+        batch.full = _full_attention_meta(layout, chunks, tokens, device)
     return positions, batch
+
+
+def _kv_rows(table: list[int], end: int, bs: int) -> torch.Tensor:
+    blocks = torch.tensor(table[: (end + bs - 1) // bs], dtype=torch.long)
+    return (blocks.unsqueeze(1) * bs + torch.arange(bs)).flatten()[:end]
+
+
+def _full_attention_meta(
+    layout: CacheLayout, chunks: list[SeqChunk], tokens: _TokenLayout, device: torch.device
+) -> FullAttentionMeta:
+    bs = layout.block_size
+    decode = [(c, base) for c, base in zip(chunks, tokens.base, strict=True) if c.num_tokens == 1]
+    prefill = [
+        PrefillSpan(base, c.num_tokens, c.start, _kv_rows(c.block_table, c.start + c.num_tokens, bs).to(device))
+        for c, base in zip(chunks, tokens.base, strict=True)
+        if c.num_tokens > 1
+    ]
+    rows = torch.tensor([base for _, base in decode], dtype=torch.long, device=device)
+    if not decode:
+        empty = torch.zeros(0, 0, dtype=torch.long, device=device)
+        return FullAttentionMeta(rows, empty, empty.bool(), prefill)
+    pos = tokens.positions[rows]  # each decode token reads positions 0 .. pos
+    length = int(pos.max()) + 1
+    q = torch.arange(length, device=device).unsqueeze(0).expand(len(decode), -1)
+    valid = q <= pos.unsqueeze(1)
+    qc = torch.where(valid, q, 0)
+    kv = tokens.token_block[rows].gather(1, qc // bs) * bs + qc % bs
+    return FullAttentionMeta(rows, kv, valid, prefill)

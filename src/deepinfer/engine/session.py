@@ -26,7 +26,7 @@ class Session:
         blocks_per_seq = math.ceil(max_len / self.layout.block_size)
         self.max_len = blocks_per_seq * self.layout.block_size
         self.pools = allocate_pools(
-            self.layout, batch_size * blocks_per_seq, batch_size, model.embed.weight.dtype, self.device
+            self.layout, batch_size * blocks_per_seq, batch_size, model.compute_dtype, self.device
         )
         self.tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch_size)]
         self.num_tokens = 0

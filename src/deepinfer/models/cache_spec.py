@@ -10,7 +10,8 @@ class LayerCacheSpec:
     """One layer's cache needs.
 
     ``window``: K=V vectors of ``kv_dim`` kept per token and read for the last ``window``
-    positions (0: full attention over every position). ``ratio``: one compressed entry per
+    positions (0: full attention over every position). ``separate_values``: V is stored
+    apart from K (``kv_dim`` wide too), as dense decoders need. ``ratio``: one compressed entry per
     ``ratio`` tokens (0: none), produced from ``compressor_width``-wide projections that wait in
     a per-sequence buffer; ``overlap``: the compressor also reads the previous group.
     ``index_dim``: indexer key width (0: no indexer), from an ``index_width`` compressor.
@@ -18,6 +19,7 @@ class LayerCacheSpec:
 
     window: int
     kv_dim: int
+    separate_values: bool = False
     ratio: int = 0
     overlap: bool = False
     compressor_width: int = 0

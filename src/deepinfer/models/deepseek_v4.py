@@ -91,6 +91,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
         self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
     def cache_spec(self) -> list[LayerCacheSpec]:
         cfg = self.config
         specs = []

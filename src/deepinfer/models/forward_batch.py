@@ -34,7 +34,8 @@ class CompressorPools:
 class LayerPools:
     """Physical cache tensors of one layer."""
 
-    window: torch.Tensor  # [blocks * block_size, D]
+    window: torch.Tensor  # [blocks * block_size, D]  (K for dense models)
+    values: torch.Tensor | None = None  # [blocks * block_size, D]  V when stored apart from K
     entries: torch.Tensor | None = None  # [blocks * block_size / ratio, D]
     index_keys: torch.Tensor | None = None  # [blocks * block_size / ratio, index_dim]
     compressor: CompressorPools | None = None
@@ -68,6 +69,27 @@ class GroupMeta:
 
 
 @dataclass
+class PrefillSpan:
+    """A multi-token chunk of one sequence under full attention: dense causal attention
+    over every cached position, gathered once for the whole chunk."""
+
+    first_row: int  # token row of the chunk's first token
+    num_tokens: int
+    start: int  # position of the first token
+    kv_rows: torch.Tensor  # [start + num_tokens] pool rows of positions 0 .. end-1
+
+
+@dataclass
+class FullAttentionMeta:
+    """Where full-attention layers read keys: per token for decodes, per chunk for prefill."""
+
+    decode_rows: torch.Tensor  # [Nd] token rows of single-token chunks
+    decode_kv: torch.Tensor  # [Nd, L] pool rows of each decode token's positions (clamped)
+    decode_valid: torch.Tensor  # [Nd, L] bool
+    prefill: list[PrefillSpan]
+
+
+@dataclass
 class ForwardBatch:
     """Everything besides token ids and positions that one forward step reads or writes."""
 
@@ -76,4 +98,5 @@ class ForwardBatch:
     window_valid: torch.Tensor  # [T, W] bool
     window_write: torch.Tensor  # [T] window-pool row of each token
     groups: dict[int, GroupMeta] = field(default_factory=dict)  # by ratio
+    full: FullAttentionMeta | None = None  # set when the model has full-attention layers
     logits_idx: torch.Tensor | None = None  # token rows whose logits are returned (None: all)

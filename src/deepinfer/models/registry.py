@@ -10,9 +10,11 @@ from torch import nn
 from deepinfer.config import deepseek_v4_config_from_dict
 from deepinfer.errors import CheckpointError
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+from deepinfer.models.llama import LlamaForCausalLM, llama_config_from_dict
 
 _ARCHITECTURES: dict[str, tuple[Callable[[dict[str, Any]], Any], type[nn.Module]]] = {
     "DeepseekV4ForCausalLM": (deepseek_v4_config_from_dict, DeepseekV4ForCausalLM),
+    "LlamaForCausalLM": (llama_config_from_dict, LlamaForCausalLM),
 }
 
 
@@ -20,8 +22,8 @@ def resolve(raw_config: dict[str, Any]) -> tuple[Any, type[nn.Module]]:
     """Parse the config and pick the model class, or say which architectures exist."""
     archs = raw_config.get("architectures") or []
     model_type = raw_config.get("model_type")
-    if not archs and model_type == "deepseek_v4":
-        archs = ["DeepseekV4ForCausalLM"]
+    if not archs and model_type in ("deepseek_v4", "llama"):
+        archs = ["DeepseekV4ForCausalLM" if model_type == "deepseek_v4" else "LlamaForCausalLM"]
     for arch in archs:
         if arch in _ARCHITECTURES:
             parse, cls = _ARCHITECTURES[arch]

@@ -1,0 +1,213 @@
+"""The Llama family (dense decoder: GQA, RoPE, SwiGLU, RMSNorm, optional tied embeddings),
+on the same engine as V4: paged K/V pages from ``cache_spec()`` and the same ForwardBatch.
+
+Parameter names follow the Hugging Face layout (``model.layers.{i}.self_attn.q_proj``), so
+checkpoints written by ``transformers`` and our GGUF converter load by name.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.errors import CheckpointError
+from deepinfer.models.cache_spec import LayerCacheSpec
+from deepinfer.models.forward_batch import ForwardBatch, LayerPools
+from deepinfer.models.layers.compressor import gather_rows
+from deepinfer.models.layers.norms import RMSNorm
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = 1
+    eos_token_id: list[int] = field(default_factory=lambda: [2])
+    fake_quant: bool = False  # unused; the engine sets it on every model config
+
+    def validate(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise CheckpointError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
+        if self.head_dim % 2:
+            raise CheckpointError(f"config.json: head_dim={self.head_dim} must be even for RoPE")
+
+
+def llama_config_from_dict(raw: dict[str, Any]) -> LlamaConfig:
+    known = LlamaConfig.__dataclass_fields__
+    cfg = LlamaConfig(**{k: raw[k] for k in known if k in raw and k not in ("eos_token_id", "fake_quant")})
+    if not cfg.head_dim:
+        cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict):  # transformers >= 5 spelling
+        cfg.rope_theta = float(params.get("rope_theta", cfg.rope_theta))
+        if params.get("rope_type", "default") != "default":
+            cfg.rope_scaling = params
+    eos = raw.get("eos_token_id", 2)
+    cfg.eos_token_id = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+    cfg.validate()
+    return cfg
+
+
+def llama_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """RoPE inverse frequencies with the Llama scaling variants (default, linear, llama3)."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = ((old_len / wavelen) - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    raise CheckpointError(f"config.json: unsupported rope scaling type {kind!r} for Llama")
+
+
+def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama RoPE: rotate the two halves of each head (cos/sin are [T, 1, D/2])."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.attention_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pools: LayerPools, batch: ForwardBatch):
+        t, d = x.shape[0], self.head_dim
+        q = rotate_half_rope(self.q_proj(x).view(t, self.n_heads, d), cos, sin)
+        k = rotate_half_rope(self.k_proj(x).view(t, self.n_kv, d), cos, sin)
+        v = self.v_proj(x)
+        assert pools.values is not None and batch.full is not None
+        pools.window[batch.window_write] = k.reshape(t, -1).to(pools.window.dtype)
+        pools.values[batch.window_write] = v.to(pools.values.dtype)
+        out = torch.empty(t, self.n_heads, d, dtype=x.dtype, device=x.device)
+        meta, groups = batch.full, self.n_heads // self.n_kv
+        if meta.decode_rows.numel():
+            n = meta.decode_rows.shape[0]
+            keys = gather_rows(pools.window, meta.decode_kv).view(n, -1, self.n_kv, d).to(x.dtype)
+            vals = gather_rows(pools.values, meta.decode_kv).view(n, -1, self.n_kv, d).to(x.dtype)
+            qd = q[meta.decode_rows].view(n, self.n_kv, groups, d)
+            scores = torch.einsum("nkgd,nlkd->nkgl", qd, keys) * d**-0.5
+            scores = scores.masked_fill(~meta.decode_valid[:, None, None, :], float("-inf"))
+            probs = scores.softmax(dim=-1)
+            out[meta.decode_rows] = torch.einsum("nkgl,nlkd->nkgd", probs, vals).reshape(n, self.n_heads, d)
+        for span in meta.prefill:
+            rows = slice(span.first_row, span.first_row + span.num_tokens)
+            end = span.start + span.num_tokens
+            keys = pools.window.index_select(0, span.kv_rows).view(end, self.n_kv, d).to(x.dtype)
+            vals = pools.values.index_select(0, span.kv_rows).view(end, self.n_kv, d).to(x.dtype)
+            causal = torch.arange(end, device=x.device) <= (
+                span.start + torch.arange(span.num_tokens, device=x.device)
+            ).unsqueeze(1)
+            o = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1).unsqueeze(0),
+                keys.transpose(0, 1).unsqueeze(0),
+                vals.transpose(0, 1).unsqueeze(0),
+                attn_mask=causal,
+                enable_gqa=True,
+            )
+            out[rows] = o[0].transpose(0, 1)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    FP32_PARAM_MARKERS = ()
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._inv_freq = llama_inv_freq(cfg)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def cache_spec(self) -> list[LayerCacheSpec]:
+        kv_dim = self.config.num_key_value_heads * self.config.head_dim
+        return [LayerCacheSpec(window=0, kv_dim=kv_dim, separate_values=True)] * self.config.num_hidden_layers
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, batch: ForwardBatch | None = None
+    ) -> torch.Tensor:
+        """Same two entry points as the V4 model: ``model(ids [B, S])`` or one engine step."""
+        if batch is None:
+            from deepinfer.engine.session import one_shot_logits
+
+            return one_shot_logits(self, input_ids)
+        if input_ids.dim() != 1 or positions is None or positions.shape != input_ids.shape:
+            raise ValueError("with a ForwardBatch, input_ids and positions must both be flat [T] tensors")
+        freqs = positions.unsqueeze(-1).float() * self._inv_freq.to(positions.device)
+        cos, sin = freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
+        h = self.model.embed_tokens(input_ids)
+        for layer, pools in zip(self.model.layers, batch.pools, strict=True):
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, pools, batch)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if batch.logits_idx is not None:
+            h = h[batch.logits_idx]
+        h = self.model.norm(h)
+        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(h, weight).float()
