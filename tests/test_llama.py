@@ -20,7 +20,9 @@ def llama_ckpt(request, tmp_path_factory):
 def _hf(path):
     from transformers import AutoModelForCausalLM
 
-    model, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"]
     return model.eval()
 
@@ -70,7 +72,9 @@ def test_engine_modes_equal_alone(llama_ckpt):
         (prefix if i % 3 == 0 else []) + [rng.randrange(2, 258) for _ in range(rng.randrange(1, 80))]
         for i in range(40)
     ]
-    params = [SamplingParams(max_tokens=rng.randrange(1, 10), temperature=0.0, ignore_eos=True) for _ in prompts]
+    params = [
+        SamplingParams(max_tokens=rng.randrange(1, 10), temperature=0.0, ignore_eos=True) for _ in prompts
+    ]
     alone_llm = LLM(llama_ckpt, enable_prefix_caching=False)
     alone = [alone_llm.generate([p], q)[0].outputs[0].token_ids for p, q in zip(prompts, params, strict=True)]
     llm = LLM(llama_ckpt, num_cache_blocks=14, max_num_batched_tokens=48, async_scheduling=True)

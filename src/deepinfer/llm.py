@@ -57,7 +57,9 @@ class LLM:
 
     def __init__(self, model: str | Path, **engine_kwargs: Any) -> None:
         self.config = engine_config(**engine_kwargs)
-        self.path = Path(model)
+        from deepinfer.models.catalog import resolve_model
+
+        self.path = resolve_model(model)
         self.model = load_model(
             self.path,
             dtype=parse_dtype(self.config.dtype),

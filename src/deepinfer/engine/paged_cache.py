@@ -83,13 +83,19 @@ def _compressor_pools(
 def allocate_pools(
     layout: CacheLayout, num_blocks: int, num_slots: int, dtype: torch.dtype, device: torch.device
 ) -> list[LayerPools]:
-    """Zero-filled physical pools for ``num_blocks`` blocks and ``num_slots`` sequences."""
+    """Physical pools for ``num_blocks`` blocks and ``num_slots`` sequences.
+
+    The per-token pools (window K=V, or K and V) are left uninitialised: they are the bulk of
+    the budget, and a row is only ever read after its own sequence wrote it (gathers clamp
+    out-of-range positions to position 0 of the same sequence). Entry pools are zeroed:
+    masked entries past a sequence's end are gathered and must be finite.
+    """
     pools = []
     bs = layout.block_size
     for s in layout.specs:
-        layer = LayerPools(window=torch.zeros(num_blocks * bs, s.kv_dim, dtype=dtype, device=device))
+        layer = LayerPools(window=torch.empty(num_blocks * bs, s.kv_dim, dtype=dtype, device=device))
         if s.separate_values:
-            layer.values = torch.zeros(num_blocks * bs, s.kv_dim, dtype=dtype, device=device)
+            layer.values = torch.empty(num_blocks * bs, s.kv_dim, dtype=dtype, device=device)
         if s.ratio:
             entries = num_blocks * (bs // s.ratio)
             layer.entries = torch.zeros(entries, s.kv_dim, dtype=dtype, device=device)
@@ -268,7 +274,9 @@ def _full_attention_meta(
     bs = layout.block_size
     decode = [(c, base) for c, base in zip(chunks, tokens.base, strict=True) if c.num_tokens == 1]
     prefill = [
-        PrefillSpan(base, c.num_tokens, c.start, _kv_rows(c.block_table, c.start + c.num_tokens, bs).to(device))
+        PrefillSpan(
+            base, c.num_tokens, c.start, _kv_rows(c.block_table, c.start + c.num_tokens, bs).to(device)
+        )
         for c, base in zip(chunks, tokens.base, strict=True)
         if c.num_tokens > 1
     ]

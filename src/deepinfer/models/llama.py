@@ -44,7 +44,9 @@ class LlamaConfig:
 
     def validate(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
-            raise CheckpointError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
+            raise CheckpointError(
+                "config.json: num_attention_heads must be a multiple of num_key_value_heads"
+            )
         if self.head_dim % 2:
             raise CheckpointError(f"config.json: head_dim={self.head_dim} must be even for RoPE")
 
@@ -104,7 +106,9 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.attention_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pools: LayerPools, batch: ForwardBatch):
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pools: LayerPools, batch: ForwardBatch
+    ):
         t, d = x.shape[0], self.head_dim
         q = rotate_half_rope(self.q_proj(x).view(t, self.n_heads, d), cos, sin)
         k = rotate_half_rope(self.k_proj(x).view(t, self.n_kv, d), cos, sin)
@@ -191,7 +195,10 @@ class LlamaForCausalLM(nn.Module):
         return [LayerCacheSpec(window=0, kv_dim=kv_dim, separate_values=True)] * self.config.num_hidden_layers
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, batch: ForwardBatch | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        batch: ForwardBatch | None = None,
     ) -> torch.Tensor:
         """Same two entry points as the V4 model: ``model(ids [B, S])`` or one engine step."""
         if batch is None:

@@ -234,10 +234,13 @@ def load_model(
     (off by default, like transformers 5.24).
     """
     from deepinfer.config import load_config_json
+    from deepinfer.models.catalog import NAMED_MODELS, resolve_model
 
-    path = Path(path)
+    path = resolve_model(path)
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {path} does not exist")
+        raise CheckpointError(
+            f"checkpoint directory {path} does not exist (named models: {', '.join(NAMED_MODELS)})"
+        )
     raw = load_config_json(path)
     cfg, cls = resolve(raw)
     cfg.fake_quant = fake_quant
