@@ -39,28 +39,30 @@ def random_workload(
     return Workload(prompts, [rng.randint(*output_range) for _ in range(num_requests)])
 
 
-def measured_bandwidth_gbs(nbytes: int = 256 << 20) -> float:
-    """Read+write bandwidth of a large tensor copy (GB/s), best of 5."""
+def measured_bandwidth_gbs(nbytes: int = 512 << 20) -> float:
+    """Streaming read bandwidth (GB/s): a sum over a tensor far larger than the caches, best
+    of 5. A decode step's weight traffic is reads, so this is the bound's denominator."""
     src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
-    dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
-        dst.copy_(src)
+        src.sum()
         best = min(best, time.perf_counter() - start)
-    return 2 * nbytes / best / 1e9
+    return nbytes / best / 1e9
 
 
 def decode_weight_bytes(model: nn.Module) -> int:
-    """Weight bytes one batch-1 decode step reads: all but the unselected routed experts."""
+    """Weight bytes one batch-1 decode step reads: all but the unselected routed experts, and
+    one row of an input embedding (unless it is tied to the output head, read whole)."""
     cfg = model.config
+    tied = getattr(cfg, "tie_word_embeddings", False)
     total = 0
     for name, p in model.named_parameters():
         nbytes = p.numel() * p.element_size()
         if ".experts." in name:
             nbytes = nbytes * cfg.num_experts_per_tok // cfg.n_routed_experts
-        if name == "embed.weight":
-            nbytes = p.shape[1] * p.element_size()  # one row per token
+        if name in ("embed.weight", "model.embed_tokens.weight") and not tied:
+            nbytes = p.shape[1] * p.element_size()
         total += nbytes
     return total
 
@@ -119,3 +121,49 @@ def decode_bs1(llm, prompt_len: int = 32, new_tokens: int = 128) -> dict[str, fl
     tok_s = (new_tokens - 1) / (m.finished_time - m.first_token_time)
     bound = measured_bandwidth_gbs() * 1e9 / decode_weight_bytes(llm.model)
     return {"decode_tok_s": tok_s, "bound_tok_s": bound, "fraction_of_bound": tok_s / bound}
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory (VmHWM), MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def deepinfer_latency(llm, concurrency: int, prompt_len: int, output_len: int) -> dict[str, float]:
+    """Mean TTFT and time per output token with ``concurrency`` requests in flight, plus the
+    output tok/s of the whole batch."""
+    work = random_workload(
+        concurrency, (prompt_len, prompt_len), (output_len, output_len), llm.vocab_size, seed=2
+    )
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(work.prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    ttft = sum(o.metrics.ttft for o in outs) / len(outs)
+    tpot = sum(o.metrics.tpot for o in outs) / len(outs)
+    return {"ttft_s": ttft, "tpot_s": tpot, "tok_s": concurrency * output_len / elapsed}
+
+
+def transformers_latency(
+    model: nn.Module, concurrency: int, prompt_len: int, output_len: int, vocab: int
+) -> dict:
+    """The same measurement for ``transformers.generate`` with a batch of ``concurrency``."""
+    work = random_workload(concurrency, (prompt_len, prompt_len), (output_len, output_len), vocab, seed=2)
+    ids = torch.tensor(work.prompts)
+
+    def run(new: int) -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, do_sample=False, max_new_tokens=new, min_new_tokens=new)
+        return time.perf_counter() - start
+
+    ttft = run(1)
+    total = run(output_len)
+    return {
+        "ttft_s": ttft,
+        "tpot_s": (total - ttft) / (output_len - 1),
+        "tok_s": concurrency * output_len / total,
+    }

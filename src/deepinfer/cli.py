@@ -92,6 +92,97 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+_STARTUP_SCRIPT = """
+import sys, time
+t0 = time.perf_counter()
+kind, model = sys.argv[1], sys.argv[2]
+import torch
+if kind == "deepinfer":
+    from deepinfer import LLM, SamplingParams
+    llm = LLM(model)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+else:
+    from deepinfer.benchmarking import load_transformers_peer
+    from deepinfer.models.catalog import resolve_model
+    peer = load_transformers_peer(resolve_model(model))
+    with torch.no_grad():
+        peer.generate(torch.tensor([[5, 6, 7]]), do_sample=False, max_new_tokens=1)
+from deepinfer.benchmarking import peak_rss_mib
+print(time.perf_counter() - t0, peak_rss_mib())
+"""
+
+
+def _bench_startup(args: argparse.Namespace) -> int:
+    """Time from process start to the first token, cold (fresh process, twice) per engine."""
+    import subprocess
+
+    for kind in ("deepinfer", "transformers"):
+        for attempt in ("cold", "warm"):
+            out = subprocess.run(
+                [sys.executable, "-c", _STARTUP_SCRIPT, kind, args.model],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.split()
+            print(
+                f"{kind:12s} {attempt} start: {float(out[0]):.2f}s to first token, peak RSS {float(out[1]):.0f} MiB"
+            )
+    return 0
+
+
+def _bench_latency(args: argparse.Namespace) -> int:
+    from deepinfer import LLM
+    from deepinfer.benchmarking import (
+        deepinfer_latency,
+        load_transformers_peer,
+        peak_rss_mib,
+        transformers_latency,
+    )
+
+    torch.set_num_threads(args.threads)
+    llm = LLM(args.model, max_num_seqs=max(args.concurrency))
+    rows = []
+    for c in args.concurrency:
+        rows.append(("deepinfer", c, deepinfer_latency(llm, c, args.prompt_len, args.output_len)))
+    ours_peak = peak_rss_mib()
+    peer = load_transformers_peer(llm.path)
+    for c in args.concurrency:
+        rows.append(
+            (
+                "transformers",
+                c,
+                transformers_latency(peer, c, args.prompt_len, args.output_len, llm.vocab_size),
+            )
+        )
+    print("| engine | concurrency | TTFT s | TPOT ms | output tok/s |")
+    print("|---|---|---|---|---|")
+    for name, c, r in rows:
+        print(f"| {name} | {c} | {r['ttft_s']:.3f} | {1000 * r['tpot_s']:.1f} | {r['tok_s']:.1f} |")
+    print(f"peak RSS: deepinfer alone {ours_peak:.0f} MiB, with the peer loaded {peak_rss_mib():.0f} MiB")
+    if args.plot:
+        from pathlib import Path
+
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for name in ("deepinfer", "transformers"):
+            xs = [c for n, c, _ in rows if n == name]
+            ys = [r["tok_s"] for n, _, r in rows if n == name]
+            ax.plot(xs, ys, marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"{Path(str(args.model)).name}: decode throughput")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description="DeepSeek-V4-class inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -131,6 +222,19 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--threads", type=int, default=torch.get_num_threads())
     tp.add_argument("--seed", type=int, default=0)
     tp.set_defaults(func=_bench_throughput)
+
+    lat = bench_sub.add_parser("latency", help="TTFT and time per output token at several concurrencies")
+    lat.add_argument("--model", default="smollm2-135m")
+    lat.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    lat.add_argument("--prompt-len", type=int, default=64)
+    lat.add_argument("--output-len", type=int, default=32)
+    lat.add_argument("--threads", type=int, default=torch.get_num_threads())
+    lat.add_argument("--plot", default=None, help="write a PNG of tok/s against concurrency here")
+    lat.set_defaults(func=_bench_latency)
+
+    st = bench_sub.add_parser("startup", help="time from process start to the first token, per engine")
+    st.add_argument("--model", default="smollm2-135m")
+    st.set_defaults(func=_bench_startup)
     return parser
 
 

@@ -89,6 +89,22 @@ def llama_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     raise CheckpointError(f"config.json: unsupported rope scaling type {kind!r} for Llama")
 
 
+def _fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate weights (and biases) and re-point each module's parameters at its slice."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    bias = None
+    if linears[0].bias is not None:
+        bias = torch.cat([lin.bias.detach() for lin in linears])
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
+        start += rows
+    return weight, bias
+
+
 def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Llama RoPE: rotate the two halves of each head (cos/sin are [T, 1, D/2])."""
     half = x.shape[-1] // 2
@@ -105,14 +121,25 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.attention_bias)
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse(self) -> None:
+        """One [q; k; v] weight, with the three projections' parameters as views into it:
+        one matmul instead of three per step, no extra memory, names unchanged."""
+        self.qkv = _fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pools: LayerPools, batch: ForwardBatch
-    ):
+    ) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        q = rotate_half_rope(self.q_proj(x).view(t, self.n_heads, d), cos, sin)
-        k = rotate_half_rope(self.k_proj(x).view(t, self.n_kv, d), cos, sin)
-        v = self.v_proj(x)
+        if self.qkv is not None:
+            qkv = F.linear(x, *self.qkv)
+        else:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        # q and k heads sit side by side: one RoPE call rotates both
+        qk = rotate_half_rope(qkv[:, : (self.n_heads + self.n_kv) * d].reshape(t, -1, d), cos, sin)
+        q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
+        v = qkv[:, (self.n_heads + self.n_kv) * d :]
         assert pools.values is not None and batch.full is not None
         pools.window[batch.window_write] = k.reshape(t, -1).to(pools.window.dtype)
         pools.values[batch.window_write] = v.to(pools.values.dtype)
@@ -122,11 +149,14 @@ class LlamaAttention(nn.Module):
             n = meta.decode_rows.shape[0]
             keys = gather_rows(pools.window, meta.decode_kv).view(n, -1, self.n_kv, d).to(x.dtype)
             vals = gather_rows(pools.values, meta.decode_kv).view(n, -1, self.n_kv, d).to(x.dtype)
-            qd = q[meta.decode_rows].view(n, self.n_kv, groups, d)
-            scores = torch.einsum("nkgd,nlkd->nkgl", qd, keys) * d**-0.5
-            scores = scores.masked_fill(~meta.decode_valid[:, None, None, :], float("-inf"))
-            probs = scores.softmax(dim=-1)
-            out[meta.decode_rows] = torch.einsum("nkgl,nlkd->nkgd", probs, vals).reshape(n, self.n_heads, d)
+            o = F.scaled_dot_product_attention(
+                q[meta.decode_rows].unsqueeze(2),  # [n, H, 1, d]
+                keys.transpose(1, 2),  # [n, kv, L, d]
+                vals.transpose(1, 2),
+                attn_mask=meta.decode_valid[:, None, None, :],
+                enable_gqa=True,
+            )
+            out[meta.decode_rows] = o.squeeze(2)
         for span in meta.prefill:
             rows = slice(span.first_row, span.first_row + span.num_tokens)
             end = span.start + span.num_tokens
@@ -153,9 +183,17 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse(self) -> None:
+        self.gate_up = _fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None:
+            gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -189,6 +227,12 @@ class LlamaForCausalLM(nn.Module):
     @property
     def compute_dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
+
+    def post_load(self) -> None:
+        """Called by the loader once weights are in place: fuse q/k/v and gate/up."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def cache_spec(self) -> list[LayerCacheSpec]:
         kv_dim = self.config.num_key_value_heads * self.config.head_dim

@@ -247,4 +247,6 @@ def load_model(
     with torch.device("meta"):
         model = cls(cfg)
     load_weights(model, path, dtype, torch.device(device), raw.get("quantization_config"))
+    if hasattr(model, "post_load"):
+        model.post_load()
     return model.eval()
