@@ -144,7 +144,7 @@ class LlamaAttention(nn.Module):
         pools.window[batch.window_write] = k.reshape(t, -1).to(pools.window.dtype)
         pools.values[batch.window_write] = v.to(pools.values.dtype)
         out = torch.empty(t, self.n_heads, d, dtype=x.dtype, device=x.device)
-        meta, groups = batch.full, self.n_heads // self.n_kv
+        meta = batch.full
         if meta.decode_rows.numel():
             n = meta.decode_rows.shape[0]
             keys = gather_rows(pools.window, meta.decode_kv).view(n, -1, self.n_kv, d).to(x.dtype)
