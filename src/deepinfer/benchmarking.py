@@ -7,6 +7,7 @@ the same run. Nothing here asserts a speed.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -78,6 +79,7 @@ def deepinfer_throughput(llm, work: Workload) -> float:
 
 
 def load_transformers_peer(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # always a local directory: never ask the hub
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 

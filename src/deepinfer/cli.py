@@ -78,7 +78,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
         )
         best = 0.0
         if args.peer_batch_sizes:
-            peer = load_transformers_peer(path)
+            peer = load_transformers_peer(llm.path)
             for bs in args.peer_batch_sizes:
                 tok_s = transformers_throughput(peer, work, bs)
                 best = max(best, tok_s)
@@ -175,7 +175,7 @@ def _bench_latency(args: argparse.Namespace) -> int:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel("output tokens/s")
-        ax.set_title(f"{Path(str(args.model)).name}: decode throughput")
+        ax.set_title(f"{Path(str(args.model)).name}: output tokens/s (prefill + decode)")
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)

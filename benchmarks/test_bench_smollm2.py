@@ -1,0 +1,47 @@
+"""pytest-benchmark: SmolLM2-135M-Instruct, deepinfer vs transformers on the same weights.
+
+``pytest benchmarks/ --benchmark-only``. Batch-1 greedy decode of 32 tokens and a 16-request
+batch; the ``deepinfer bench`` subcommands print the ratios and the bandwidth bound.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.benchmarking import load_transformers_peer, random_workload
+from deepinfer.models.catalog import resolve_model
+
+NEW = 32
+
+
+@pytest.fixture(scope="module")
+def path():
+    return resolve_model("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def work(path):
+    return random_workload(16, (64, 64), (NEW, NEW), 49152, seed=0)
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_deepinfer_smollm2(benchmark, path, work, batch):
+    llm = LLM(path, max_num_seqs=16)
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    benchmark.pedantic(
+        llm.generate, args=(work.prompts[:batch], params), kwargs={"use_tqdm": False}, rounds=3
+    )
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_transformers_smollm2(benchmark, path, work, batch):
+    model = load_transformers_peer(path)
+    ids = torch.tensor(work.prompts[:batch])
+
+    def run():
+        with torch.no_grad():
+            return model.generate(ids, do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW)
+
+    benchmark.pedantic(run, rounds=3)
