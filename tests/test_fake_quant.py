@@ -61,7 +61,8 @@ def test_fake_quant_is_wired_into_cached_state_and_chunks_agree(v4_ckpt):
         assert torch.isfinite(b).all() and (a - b).abs().max() > 1e-3
         checked = 0
         for layer in session.pools:  # what was stored is exactly on the quantised grids
-            assert torch.equal(fake_quant_fp8_pow2(layer.window), layer.window)
+            written = layer.window[:45]  # the one sequence owns blocks 0.. in order
+            assert torch.equal(fake_quant_fp8_pow2(written), written)
             if layer.entries is not None and layer.entries.abs().sum() > 0:
                 assert torch.equal(fake_quant_fp4_e4m3_scale(layer.entries), layer.entries)
                 checked += 1
