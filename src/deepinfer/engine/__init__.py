@@ -1,1 +1,2 @@
-"""Request execution. For now a lockstep generator; the scheduler/cache manager replace it."""
+"""Request execution: block pool and prefix cache, scheduler, paged cache layout, model
+runner and the engine step loop (DESIGN.md §2)."""
