@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from deepinfer.config import CSA, DeepseekV4Config
+from deepinfer.models.base import CausalLM
 from deepinfer.models.cache_spec import LayerCacheSpec
 from deepinfer.models.forward_batch import ForwardBatch, LayerPools
 from deepinfer.models.layers.attention import Attention
@@ -68,7 +69,7 @@ class Block(nn.Module):
         return hc_expand(y, streams, post, comb)
 
 
-class DeepseekV4ForCausalLM(nn.Module):
+class DeepseekV4ForCausalLM(CausalLM):
     """The V4-Flash backbone + head. ``model(input_ids)`` returns full logits (no cache)."""
 
     # Parameters the reference keeps in fp32 whatever the compute dtype (model_spec.md §2.10).
@@ -113,26 +114,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             )
         return specs
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        batch: ForwardBatch | None = None,
-    ) -> torch.Tensor:
-        """Two ways in.
-
-        ``model(input_ids [B, S])``: every row is a sequence starting at position 0; returns
-        fp32 logits [B, S, V] (a throwaway cache is made; research code needs nothing else).
-
-        ``model(input_ids [T], positions [T], batch)``: one engine step over a flat batch of
-        tokens from many sequences; returns fp32 logits [N, V] for ``batch.logits_idx``.
-        """
-        if batch is None:
-            from deepinfer.engine.session import one_shot_logits
-
-            return one_shot_logits(self, input_ids)
-        if input_ids.dim() != 1 or positions is None or positions.shape != input_ids.shape:
-            raise ValueError("with a ForwardBatch, input_ids and positions must both be flat [T] tensors")
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """One engine step (see ``CausalLM``): flat tokens in, logits for ``batch.logits_idx``."""
         h = self.embed(input_ids)
         streams = h.unsqueeze(1).expand(h.shape[0], self.config.hc_mult, h.shape[-1]).contiguous()
         for layer, pools in zip(self.layers, batch.pools, strict=True):

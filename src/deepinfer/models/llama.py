@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.errors import CheckpointError
+from deepinfer.models.base import CausalLM
 from deepinfer.models.cache_spec import LayerCacheSpec
 from deepinfer.models.forward_batch import ForwardBatch, LayerPools
 from deepinfer.models.layers.compressor import gather_rows
@@ -213,7 +214,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     FP32_PARAM_MARKERS = ()
 
     def __init__(self, cfg: LlamaConfig) -> None:
@@ -238,19 +239,8 @@ class LlamaForCausalLM(nn.Module):
         kv_dim = self.config.num_key_value_heads * self.config.head_dim
         return [LayerCacheSpec(window=0, kv_dim=kv_dim, separate_values=True)] * self.config.num_hidden_layers
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        batch: ForwardBatch | None = None,
-    ) -> torch.Tensor:
-        """Same two entry points as the V4 model: ``model(ids [B, S])`` or one engine step."""
-        if batch is None:
-            from deepinfer.engine.session import one_shot_logits
-
-            return one_shot_logits(self, input_ids)
-        if input_ids.dim() != 1 or positions is None or positions.shape != input_ids.shape:
-            raise ValueError("with a ForwardBatch, input_ids and positions must both be flat [T] tensors")
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """One engine step (see ``CausalLM``): flat tokens in, logits for ``batch.logits_idx``."""
         freqs = positions.unsqueeze(-1).float() * self._inv_freq.to(positions.device)
         cos, sin = freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
         h = self.model.embed_tokens(input_ids)
