@@ -81,3 +81,8 @@ def test_engine_modes_equal_alone(llama_ckpt):
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert together == alone
     assert llm.engine.pool.num_free == llm.engine.num_blocks
+
+
+def test_fake_quant_is_refused_for_models_without_it(llama_ckpt):
+    with pytest.raises(ValueError, match="fake_quant"):
+        load_model(llama_ckpt, fake_quant=True)

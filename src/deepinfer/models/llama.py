@@ -19,7 +19,7 @@ from deepinfer.errors import CheckpointError
 from deepinfer.models.base import CausalLM
 from deepinfer.models.cache_spec import LayerCacheSpec
 from deepinfer.models.forward_batch import ForwardBatch, LayerPools
-from deepinfer.models.layers.compressor import gather_rows
+from deepinfer.models.layers.gather import gather_rows
 from deepinfer.models.layers.norms import RMSNorm
 
 
@@ -41,7 +41,6 @@ class LlamaConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = 1
     eos_token_id: list[int] = field(default_factory=lambda: [2])
-    fake_quant: bool = False  # unused; the engine sets it on every model config
 
     def validate(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -54,7 +53,7 @@ class LlamaConfig:
 
 def llama_config_from_dict(raw: dict[str, Any]) -> LlamaConfig:
     known = LlamaConfig.__dataclass_fields__
-    cfg = LlamaConfig(**{k: raw[k] for k in known if k in raw and k not in ("eos_token_id", "fake_quant")})
+    cfg = LlamaConfig(**{k: raw[k] for k in known if k in raw and k != "eos_token_id"})
     if not cfg.head_dim:
         cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
     params = raw.get("rope_parameters")

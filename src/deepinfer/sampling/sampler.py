@@ -36,7 +36,10 @@ def make_generator(params: SamplingParams, device: torch.device, offset: int = 0
 
 
 def apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """logit_bias, min_tokens blocking and the three penalties, row by row (fp32 copy)."""
+    """logit_bias, min_tokens blocking and the three penalties, row by row (fp32 copy, made
+    only when some row needs one: the common greedy step keeps the logits as they are)."""
+    if not any(_needs_processing(row) for row in rows):
+        return logits.float()
     out = logits.float().clone()
     for i, row in enumerate(rows):
         p = row.params
@@ -55,6 +58,16 @@ def apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
             counts = torch.bincount(torch.tensor(row.output_ids), minlength=out.shape[1]).float()
             out[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
     return out
+
+
+def _needs_processing(row: SamplingRow) -> bool:
+    p = row.params
+    return bool(
+        p.logit_bias
+        or len(row.output_ids) < p.min_tokens
+        or p.repetition_penalty != 1.0
+        or ((p.presence_penalty or p.frequency_penalty) and row.output_ids)
+    )
 
 
 def filter_log_probs(

@@ -243,7 +243,10 @@ def load_model(
         )
     raw = load_config_json(path)
     cfg, cls = resolve(raw)
-    cfg.fake_quant = fake_quant
+    if fake_quant and not hasattr(cfg, "fake_quant"):
+        raise ValueError(f"fake_quant: {type(cfg).__name__} has no QAT fake-quant steps")
+    if hasattr(cfg, "fake_quant"):
+        cfg.fake_quant = fake_quant
     with torch.device("meta"):
         model = cls(cfg)
     load_weights(model, path, dtype, torch.device(device), raw.get("quantization_config"))

@@ -19,9 +19,10 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 PACKED_FP4_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
 
 
-def _pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
-    """Smallest power of two s with amax / s <= qmax (ue8m0 scales are powers of two)."""
-    return torch.exp2(torch.ceil(torch.log2(amax.clamp(min=1e-30) / qmax)))
+def pow2_scale(amax: torch.Tensor, qmax: float, floor: float = 1e-30) -> torch.Tensor:
+    """Smallest power of two s with amax / s <= qmax (ue8m0 scales are powers of two);
+    ``amax`` is clamped at ``floor`` first."""
+    return torch.exp2(torch.ceil(torch.log2(amax.clamp(min=floor) / qmax)))
 
 
 def _blocks(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:
@@ -40,7 +41,7 @@ def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.
     padded = w.float().new_zeros(nb * block[0], kb * block[1])
     padded[:n, :k] = w.float()
     amax = padded.view(nb, block[0], kb, block[1]).abs().amax(dim=(1, 3))
-    scale = _pow2_scale(amax, FP8_MAX)
+    scale = pow2_scale(amax, FP8_MAX)
     q = (w.float() / _expand_scale(scale, w.shape, block)).to(torch.float8_e4m3fn)
     return q, scale.to(torch.float8_e8m0fnu)
 
@@ -62,7 +63,7 @@ def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if k % FP4_BLOCK:
         raise ValueError(f"fp4 needs the input dim divisible by {FP4_BLOCK}, got {k}")
     groups = w.float().view(n, k // FP4_BLOCK, FP4_BLOCK)
-    scale = _pow2_scale(groups.abs().amax(dim=-1), FP4_MAX)
+    scale = pow2_scale(groups.abs().amax(dim=-1), FP4_MAX)
     scaled = (groups / scale.unsqueeze(-1)).view(n, k)
     table = torch.tensor(E2M1_VALUES[:8])
     codes = (scaled.abs().unsqueeze(-1) - table).abs().argmin(dim=-1)

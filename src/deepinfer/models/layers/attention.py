@@ -12,8 +12,9 @@ from torch import nn
 
 from deepinfer.config import CSA, HCA, DeepseekV4Config
 from deepinfer.models.forward_batch import ForwardBatch, LayerPools
-from deepinfer.models.layers.compressor import Compressor, gather_rows
+from deepinfer.models.layers.compressor import Compressor
 from deepinfer.models.layers.fake_quant import fake_quant_fp4_e4m3_scale, fake_quant_fp8_pow2
+from deepinfer.models.layers.gather import gather_rows
 from deepinfer.models.layers.indexer import Indexer
 from deepinfer.models.layers.norms import RMSNorm, unweighted_rms_norm
 from deepinfer.models.layers.rope import Rotary, apply_rope

@@ -15,14 +15,9 @@ import torch
 from torch import nn
 
 from deepinfer.models.forward_batch import CompressorPools, GroupMeta
+from deepinfer.models.layers.gather import gather_rows
 from deepinfer.models.layers.norms import RMSNorm
 from deepinfer.models.layers.rope import Rotary, apply_rope
-
-
-def gather_rows(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``pool[idx]`` for a 2-D pool and any index shape, via ``index_select`` (several times
-    faster than advanced indexing on CPU for the per-step gathers)."""
-    return pool.index_select(0, idx.reshape(-1)).view(*idx.shape, pool.shape[-1])
 
 
 class Compressor(nn.Module):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.weights.quant import pow2_scale
+
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 _E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -39,8 +41,7 @@ def _round_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 def _pow2_scale(blocks: torch.Tensor, qmax: float) -> torch.Tensor:
     """Per-block power-of-two (ue8m0) scale; amax clamped at 1e-4 as the reference does."""
-    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4)
-    return torch.exp2(torch.ceil(torch.log2(amax / qmax)))
+    return pow2_scale(blocks.abs().amax(dim=-1, keepdim=True), qmax, floor=1e-4)
 
 
 def fake_quant_fp8_pow2(x: torch.Tensor, block: int = 32) -> torch.Tensor:
