@@ -206,7 +206,7 @@ class EngineConfig:
     # None = auto: on for CUDA (the GPU computes while the CPU schedules), off on CPU, where
     # the model and the scheduler compete for the same cores (measured 2.4x slower on 2 cores)
     async_scheduling: bool | None = None
-    fake_quant: bool = False
+    fake_quant: bool | None = None  # None: the model's default (V4 off, V4.1 on)
 
     def validate(self) -> None:
         def need(ok: bool, name: str, rule: str) -> None:
@@ -226,6 +226,6 @@ class EngineConfig:
                 positive_int(name)
         frac = self.cache_memory_fraction
         need(isinstance(frac, float | int) and 0 < frac <= 1, "cache_memory_fraction", "in (0, 1]")
-        for name in ("enable_prefix_caching", "fake_quant"):
-            need(isinstance(getattr(self, name), bool), name, "a bool")
-        need(self.async_scheduling in (None, True, False), "async_scheduling", "None (auto) or a bool")
+        need(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "a bool")
+        for name in ("async_scheduling", "fake_quant"):
+            need(getattr(self, name) in (None, True, False), name, "None (auto) or a bool")

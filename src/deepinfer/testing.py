@@ -89,6 +89,88 @@ _V4_TINY_SHORT_GROUPS: dict[str, Any] = {
     "index_topk": 64,
 }
 
+# V4.1-Flash, model_spec.md §5: every block type in 6 layers (SWA, Engram, ratio-2 source and
+# reuse, ratio-1 source = candidate source, ratio-1 reindex inside candidates) + 3 DSpark
+# stages, in the released composite layout (``text_config``). index_topk 4 and 2 candidate
+# blocks of 4 are not saturated once a sequence passes 8 compressed entries.
+_V41_TEXT: dict[str, Any] = {
+    "model_type": "deepseek_v41_text",
+    "vocab_size": TINY_VOCAB,
+    "hidden_size": 256,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "qk_rope_head_dim": 16,
+    "q_lora_rank": 64,
+    "o_groups": 2,
+    "o_lora_rank": 32,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 4,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    "sliding_window": 8,
+    "compress_ratios": [0, 0, 2, 2, 1, 1, 0, 0, 0],
+    "kv_source_layer_ids": [2, 4],
+    "index_source_layer_ids": [2, 4, 5],
+    "candidate_source_layer_id": 4,
+    "candidate_topk_blocks": 2,
+    "candidate_block_size": 4,
+    "index_n_heads": 2,
+    "index_head_dim": 32,
+    "index_topk": 4,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 64,
+    "scoring_func": "sqrtsoftplus",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+    "swiglu_limit": 10.0,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "rms_norm_eps": 1e-20,
+    "engram_layer_ids": [1, 3],
+    "engram_max_ngram_size": 3,
+    "engram_n_heads": 2,
+    "engram_head_dim": 32,
+    "engram_vocab_size": 31,
+    "engram_num_embeddings": [152, 220],  # sums of the derived primes per layer
+    "engram_compressed_vocab_size": 229,  # the byte tokenizer's normalised map
+    "engram_pad_token_id": 2,
+    "num_nextn_predict_layers": 3,
+    "dspark_block_size": 4,
+    "dspark_noise_token_id": TINY_VOCAB - 1,
+    "dspark_target_layer_ids": [3, 4, 5],
+    "dspark_markov_rank": 16,
+    "dspark_n_routed_experts": 4,
+    "dspark_num_experts_per_tok": 1,
+    "max_position_embeddings": 4096,
+    "bos_token_id": BOS_ID,
+    "eos_token_id": EOS_ID,
+    "tie_word_embeddings": False,
+}
+_V41_TINY: dict[str, Any] = {
+    "architectures": ["DeepseekV41ForCausalLM"],
+    "model_type": "deepseek_v41",
+    "image_token_id": TINY_VOCAB - 2,
+    "text_config": _V41_TEXT,
+    "vision_config": {"model_type": "deepseek_v41_vision"},
+    "torch_dtype": "float32",
+}
+# The same blocks with top-k and candidates saturated: every visible entry is chosen.
+_V41_TINY_SATURATED: dict[str, Any] = {
+    **_V41_TINY,
+    "text_config": {**_V41_TEXT, "index_topk": 1024, "candidate_topk_blocks": 1024},
+}
+
 _LLAMA_TINY: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -112,6 +194,8 @@ _LLAMA_TINY: dict[str, Any] = {
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "deepseek_v4": _V4_TINY,
     "deepseek_v4_short_groups": _V4_TINY_SHORT_GROUPS,
+    "deepseek_v41": _V41_TINY,
+    "deepseek_v41_saturated": _V41_TINY_SATURATED,
     "llama": _LLAMA_TINY,
     "llama_untied_llama3_rope": {
         **_LLAMA_TINY,
@@ -127,14 +211,30 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 # Official fp8 checkpoints keep these in bf16 (compressor, indexer weights_proj, wo_a, gate).
-_FP8_LINEARS = ("attn.wq_a.", "attn.wq_b.", "attn.wkv.", "attn.wo_b.", "indexer.wq_b.", "shared_experts.")
+_FP8_LINEARS = (
+    "attn.wq_a.",
+    "attn.wq_b.",
+    "attn.wkv.",
+    "attn.wo_b.",
+    "indexer.wq_b.",
+    "shared_experts.",
+    "engram.wkv.",
+    "main_proj.",
+)
+# Engram tables: fp8 rows with one ue8m0 scale per 32 channels.
+_FP8_ROW_TABLES = ("engram.embed.weight",)
 
 
 def tiny_config(arch: str = "deepseek_v4", **overrides: Any) -> dict[str, Any]:
-    """The raw ``config.json`` dict of a tiny architecture, with optional field overrides."""
+    """The raw ``config.json`` dict of a tiny architecture, with optional field overrides
+    (applied inside ``text_config`` for composite configs)."""
     if arch not in TINY_CONFIGS:
         raise ValueError(f"arch={arch!r} is not a tiny architecture; choose one of {sorted(TINY_CONFIGS)}")
-    return {**copy.deepcopy(TINY_CONFIGS[arch]), **overrides}
+    raw = copy.deepcopy(TINY_CONFIGS[arch])
+    if "text_config" in raw:
+        raw["text_config"].update(overrides)
+        return raw
+    return {**raw, **overrides}
 
 
 def random_state_dict(raw_config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
@@ -162,32 +262,37 @@ def random_state_dict(raw_config: dict[str, Any], seed: int) -> dict[str, torch.
             state[name] = randn(*shape, std=0.5)
         elif leaf.endswith("_scale"):
             state[name] = 0.5 + torch.rand(*shape, generator=gen)
+        elif leaf in ("q_weight", "k_weight"):
+            state[name] = 1.0 + randn(*shape, std=0.5)
         elif leaf in ("attn_sink", "ape", "bias"):
             state[name] = randn(*shape, std=0.5)
-        elif name in ("embed.weight", "model.embed_tokens.weight"):
+        elif name in ("embed.weight", "model.embed_tokens.weight") or name.endswith("engram.embed.weight"):
             state[name] = randn(*shape, std=1.0)
         else:  # linear weights: unit-variance outputs so every block does visible work
             state[name] = randn(*shape, std=1.0 / math.sqrt(shape[-1]))
     return state
 
 
-def quantize_state_dict(state: dict[str, torch.Tensor], block: tuple[int, int]) -> dict[str, torch.Tensor]:
-    """fp8 e4m3 block-scaled attention/shared-expert linears, fp4 routed experts, bf16 rest."""
+def quantize_state_dict(
+    state: dict[str, torch.Tensor], block: tuple[int, int], fp32_markers: tuple[str, ...] = ()
+) -> dict[str, torch.Tensor]:
+    """fp8 e4m3 block-scaled attention/shared-expert linears, fp4 routed experts, fp8 Engram
+    rows with per-32 scales, bf16 rest (``fp32_markers`` name what stays fp32)."""
+    markers = fp32_markers or DeepseekV4ForCausalLM.FP32_PARAM_MARKERS
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
+        scale_name = name[: -len("weight")] + "scale"
         if ".experts." in name and name.endswith(".weight"):
-            out[name], out[name[: -len("weight")] + "scale"] = quantize_fp4(t)
+            out[name], out[scale_name] = quantize_fp4(t)
+        elif name.endswith(_FP8_ROW_TABLES):
+            out[name], out[scale_name] = quantize_fp8_blocks(t, (1, 32))
         elif name.endswith(".weight") and any(m in name for m in _FP8_LINEARS):
-            out[name], out[name[: -len("weight")] + "scale"] = quantize_fp8_blocks(t, block)
-        elif t.is_floating_point() and not _is_fp32_param(name):
+            out[name], out[scale_name] = quantize_fp8_blocks(t, block)
+        elif t.is_floating_point() and not any(m in name for m in markers):
             out[name] = t.to(torch.bfloat16)
         else:
             out[name] = t
     return out
-
-
-def _is_fp32_param(name: str) -> bool:
-    return any(m in name for m in DeepseekV4ForCausalLM.FP32_PARAM_MARKERS)
 
 
 def write_safetensors(state: dict[str, torch.Tensor], path: Path, shards: int = 1) -> None:
@@ -255,6 +360,9 @@ def make_tiny_checkpoint(
         raise ValueError("quant='fp8' stores the DeepSeek release format; use it with a deepseek arch")
     path = Path(path)
     raw = tiny_config(arch, **config_overrides)
+    text = raw.get("text_config", raw)
+    if not tokenizer and text.get("engram_layer_ids"):
+        text["engram_compressed_vocab_size"] = text["vocab_size"]  # identity map without a tokenizer
     state = random_state_dict(raw, seed)
     if quant == "fp8":
         block = (32, 32)
@@ -267,7 +375,8 @@ def make_tiny_checkpoint(
         }
         raw["expert_dtype"] = "fp4"
         raw["torch_dtype"] = "bfloat16"
-        state = quantize_state_dict(state, block)
+        _, cls = resolve(raw)
+        state = quantize_state_dict(state, block, getattr(cls, "FP32_PARAM_MARKERS", ()))
     else:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         raw["torch_dtype"] = str(dtype).removeprefix("torch.")

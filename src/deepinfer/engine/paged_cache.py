@@ -50,18 +50,19 @@ class CacheLayout:
         elems = 0
         for s in self.specs:
             elems += self.block_size * s.kv_dim * (2 if s.separate_values else 1)
-            if s.ratio:
+            if s.ratio and s.shared_from is None:
                 per = self.block_size // s.ratio
                 elems += per * (s.kv_dim + s.index_dim)
                 if s.overlap:
                     elems += 2 * s.ratio * (s.compressor_width + s.index_width)
-        return elems * torch.empty(0, dtype=dtype).element_size()
+        token_bytes = sum(self.block_size * 8 for s in self.specs if s.token_ids)
+        return elems * torch.empty(0, dtype=dtype).element_size() + token_bytes
 
     def slot_bytes(self, dtype: torch.dtype) -> int:
         """Bytes one sequence slot costs (partial-group buffers and live overlap)."""
         elems = 0
         for s in self.specs:
-            if s.ratio:
+            if s.ratio and s.shared_from is None:
                 copies = 2 if s.overlap else 1
                 elems += copies * 2 * s.ratio * (s.compressor_width + s.index_width)
         return elems * torch.empty(0, dtype=dtype).element_size()
@@ -90,13 +91,18 @@ def allocate_pools(
     out-of-range positions to position 0 of the same sequence). Entry pools are zeroed:
     masked entries past a sequence's end are gathered and must be finite.
     """
-    pools = []
+    pools: list[LayerPools] = []
     bs = layout.block_size
     for s in layout.specs:
         layer = LayerPools(window=torch.empty(num_blocks * bs, s.kv_dim, dtype=dtype, device=device))
         if s.separate_values:
             layer.values = torch.empty(num_blocks * bs, s.kv_dim, dtype=dtype, device=device)
-        if s.ratio:
+        if s.token_ids:
+            layer.token_ids = torch.empty(num_blocks * bs, dtype=torch.long, device=device)
+        if s.ratio and s.shared_from is not None:
+            source = pools[s.shared_from]
+            layer.entries, layer.index_keys = source.entries, source.index_keys
+        elif s.ratio:
             entries = num_blocks * (bs // s.ratio)
             layer.entries = torch.zeros(entries, s.kv_dim, dtype=dtype, device=device)
             layer.compressor = _compressor_pools(
@@ -104,6 +110,7 @@ def allocate_pools(
             )
             if s.index_dim:
                 layer.index_keys = torch.zeros(entries, s.index_dim, dtype=dtype, device=device)
+            if s.index_width:
                 layer.indexer = _compressor_pools(
                     s.ratio, s.index_width, True, num_blocks, num_slots, dtype, device
                 )

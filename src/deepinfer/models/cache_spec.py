@@ -14,7 +14,12 @@ class LayerCacheSpec:
     apart from K (``kv_dim`` wide too), as dense decoders need. ``ratio``: one compressed entry per
     ``ratio`` tokens (0: none), produced from ``compressor_width``-wide projections that wait in
     a per-sequence buffer; ``overlap``: the compressor also reads the previous group.
-    ``index_dim``: indexer key width (0: no indexer), from an ``index_width`` compressor.
+    ``index_dim``: indexer key width (0: no indexer keys), from an ``index_width`` compressor
+    (0: the keys are derived from the main compressor's latent, as in V4.1).
+    ``shared_from``: the layer whose compressed entries and index keys this layer reads instead
+    of keeping its own (V4.1's KV sharing); such a layer owns no compressor state either.
+    ``token_ids``: one int64 per token (V4.1 keeps each token's Engram-compressed id here, the
+    n-gram history of later tokens).
     """
 
     window: int
@@ -25,3 +30,5 @@ class LayerCacheSpec:
     compressor_width: int = 0
     index_dim: int = 0
     index_width: int = 0
+    shared_from: int | None = None
+    token_ids: bool = False

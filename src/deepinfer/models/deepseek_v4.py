@@ -15,42 +15,19 @@ from deepinfer.models.base import CausalLM
 from deepinfer.models.cache_spec import LayerCacheSpec
 from deepinfer.models.forward_batch import ForwardBatch, LayerPools
 from deepinfer.models.layers.attention import Attention
-from deepinfer.models.layers.mhc import hc_collapse, hc_expand, hc_head_collapse, hc_mixes
+from deepinfer.models.layers.mhc import HyperConnectedBlock, hc_collapse, hc_expand, hc_head_collapse
 from deepinfer.models.layers.moe import MoE
 from deepinfer.models.layers.norms import RMSNorm
 from deepinfer.models.layers.rope import Rotary
 
 
-class Block(nn.Module):
+class Block(HyperConnectedBlock):
     """Attention and MoE, each wrapped in an mHC site (V4: ``pre`` used at its own site)."""
 
     def __init__(self, cfg: DeepseekV4Config, layer: int, main_rope: Rotary, compress_rope: Rotary) -> None:
-        super().__init__()
-        n, h = cfg.hc_mult, cfg.hidden_size
-        mix = (2 + n) * n
-        self.cfg = cfg
-        self.attn_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.ffn_norm = RMSNorm(h, cfg.rms_norm_eps)
+        super().__init__(cfg.hidden_size, cfg.hc_mult, cfg.rms_norm_eps, cfg.hc_sinkhorn_iters, cfg.hc_eps)
         self.attn = Attention(cfg, layer, main_rope, compress_rope)
         self.ffn = MoE(cfg, layer)
-        for site in ("attn", "ffn"):
-            self.register_parameter(
-                f"hc_{site}_fn", nn.Parameter(torch.zeros(mix, n * h, dtype=torch.float32))
-            )
-            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
-            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
-
-    def _mixes(self, streams: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        c = self.cfg
-        return hc_mixes(
-            streams,
-            getattr(self, f"hc_{site}_fn"),
-            getattr(self, f"hc_{site}_base"),
-            getattr(self, f"hc_{site}_scale"),
-            sinkhorn_iters=c.hc_sinkhorn_iters,
-            hc_eps=c.hc_eps,
-            norm_eps=c.rms_norm_eps,
-        )
 
     def forward(
         self,
@@ -61,10 +38,10 @@ class Block(nn.Module):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         """streams [T, n, d] -> [T, n, d]."""
-        pre, post, comb = self._mixes(streams, "attn")
+        pre, post, comb = self.mixes(streams, "attn")
         y = self.attn(self.attn_norm(hc_collapse(streams, pre)), positions, pools, batch)
         streams = hc_expand(y, streams, post, comb)
-        pre, post, comb = self._mixes(streams, "ffn")
+        pre, post, comb = self.mixes(streams, "ffn")
         y = self.ffn(self.ffn_norm(hc_collapse(streams, pre)), input_ids)
         return hc_expand(y, streams, post, comb)
 

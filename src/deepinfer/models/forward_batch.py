@@ -38,8 +38,10 @@ class LayerPools:
     values: torch.Tensor | None = None  # [blocks * block_size, D]  V when stored apart from K
     entries: torch.Tensor | None = None  # [blocks * block_size / ratio, D]
     index_keys: torch.Tensor | None = None  # [blocks * block_size / ratio, index_dim]
+    # (entries and index_keys alias another layer's tensors under V4.1's KV sharing)
     compressor: CompressorPools | None = None
     indexer: CompressorPools | None = None
+    token_ids: torch.Tensor | None = None  # [blocks * block_size] int64 per-token ids
 
 
 @dataclass

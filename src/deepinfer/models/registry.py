@@ -8,12 +8,15 @@ from typing import Any
 from torch import nn
 
 from deepinfer.config import deepseek_v4_config_from_dict
+from deepinfer.config_v41 import deepseek_v41_config_from_dict, is_v41_config
 from deepinfer.errors import CheckpointError
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
 from deepinfer.models.llama import LlamaForCausalLM, llama_config_from_dict
 
 _ARCHITECTURES: dict[str, tuple[Callable[[dict[str, Any]], Any], type[nn.Module]]] = {
     "DeepseekV4ForCausalLM": (deepseek_v4_config_from_dict, DeepseekV4ForCausalLM),
+    "DeepseekV41ForCausalLM": (deepseek_v41_config_from_dict, DeepseekV41ForCausalLM),
     "LlamaForCausalLM": (llama_config_from_dict, LlamaForCausalLM),
 }
 
@@ -22,6 +25,8 @@ def resolve(raw_config: dict[str, Any]) -> tuple[Any, type[nn.Module]]:
     """Parse the config and pick the model class, or say which architectures exist."""
     archs = raw_config.get("architectures") or []
     model_type = raw_config.get("model_type")
+    if not archs and is_v41_config(raw_config):  # text_config alone, or the flat inference/config.json
+        archs = ["DeepseekV41ForCausalLM"]
     if not archs and model_type in ("deepseek_v4", "llama"):
         archs = ["DeepseekV4ForCausalLM" if model_type == "deepseek_v4" else "LlamaForCausalLM"]
     for arch in archs:

@@ -9,6 +9,7 @@ file, because a user with a 300 GB checkpoint needs to know which shard is wrong
 from __future__ import annotations
 
 import json
+import logging
 import math
 import struct
 from pathlib import Path
@@ -23,8 +24,9 @@ from deepinfer.weights.quant import PACKED_FP4_DTYPES, dequantize_fp4, dequantiz
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-# Checkpoint prefixes this model does not use (the MTP/draft layers load with spec decoding).
+# Checkpoint prefixes a model does not use unless it says otherwise (V4's MTP layer).
 IGNORED_PREFIXES = ("mtp.",)
+logger = logging.getLogger(__name__)
 
 
 def checkpoint_files(path: Path) -> dict[str, Path]:
@@ -188,6 +190,9 @@ def load_weights(model: nn.Module, path: Path, dtype: torch.dtype, device: torch
     consumed: set[str] = set()
     markers = getattr(model, "FP32_PARAM_MARKERS", ())
     for name, slot in expected.items():
+        if _keep_stored(model, reader, name, device):
+            consumed |= {name, name[: -len("weight")] + "scale"}
+            continue
         tensor, scales = _read_weight(reader, name, quant)
         consumed |= scales | {name}
         file = reader.file_of(name)
@@ -203,13 +208,45 @@ def load_weights(model: nn.Module, path: Path, dtype: torch.dtype, device: torch
         else:
             tensor = tensor.to(device=device, dtype=slot.dtype)
         _assign(model, name, tensor)
-    unexpected = sorted(n for n in reader.names if n not in consumed and not n.startswith(IGNORED_PREFIXES))
+    ignored = getattr(model, "IGNORED_CHECKPOINT_PREFIXES", IGNORED_PREFIXES)
+    skip_prefixes = getattr(model, "SKIPPED_CHECKPOINT_PREFIXES", ())
+    skip_suffixes = getattr(model, "SKIPPED_CHECKPOINT_SUFFIXES", ())
+    skipped = [n for n in reader.names if n.startswith(skip_prefixes) or n.endswith(skip_suffixes)]
+    if skipped:
+        logger.warning(
+            "%s: skipped %d vision tensor(s) (%s...): deepinfer serves this model as text only",
+            path,
+            len(skipped),
+            ", ".join(sorted(skipped)[:2]),
+        )
+    consumed |= set(skipped)
+    unexpected = sorted(n for n in reader.names if n not in consumed and not n.startswith(ignored))
     if unexpected:
         shown = ", ".join(f"{n!r} ({reader.file_of(n).name})" for n in unexpected[:5])
         raise CheckpointError(
             f"{path}: {len(unexpected)} unexpected tensor(s) in the checkpoint, e.g. {shown} "
             "(does config.json match these weights?)"
         )
+
+
+def _keep_stored(model: nn.Module, reader: _Reader, name: str, device: torch.device) -> bool:
+    """Hand an fp8 tensor and its scale as stored to a module that keeps them (Engram tables,
+    dequantised per looked-up row) instead of dequantising on load."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    if leaf != "weight" or not hasattr(owner, "keep_stored"):
+        return False
+    raw = reader.get(name)
+    if raw.dtype != torch.float8_e4m3fn:
+        return False
+    scale_name = name[: -len("weight")] + "scale"
+    if scale_name not in reader.names:
+        raise CheckpointError(f"{reader.file_of(name)}: fp8 tensor {name!r} has no {scale_name!r}")
+    try:
+        owner.keep_stored(raw.to(device), reader.get(scale_name).to(device))
+    except ValueError as exc:
+        raise CheckpointError(f"{reader.file_of(name)}: tensor {name!r}: {exc}") from exc
+    return True
 
 
 def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -225,13 +262,14 @@ def load_model(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
-    fake_quant: bool = False,
+    fake_quant: bool | None = None,
 ) -> nn.Module:
     """Build the architecture named in ``config.json`` and load its weights.
 
     Returns an ``nn.Module`` in eval mode; ``model(input_ids)`` gives full fp32 logits.
-    ``fake_quant=True`` applies the QAT activation rounding of the released models
-    (off by default, like transformers 5.24).
+    ``fake_quant`` applies the QAT activation rounding of the released models; None takes the
+    model's default (off for V4, as transformers 5.24 applies none; on for V4.1, whose
+    reference forward rounds).
     """
     from deepinfer.config import load_config_json
     from deepinfer.models.catalog import NAMED_MODELS, resolve_model
@@ -245,11 +283,13 @@ def load_model(
     cfg, cls = resolve(raw)
     if fake_quant and not hasattr(cfg, "fake_quant"):
         raise ValueError(f"fake_quant: {type(cfg).__name__} has no QAT fake-quant steps")
-    if hasattr(cfg, "fake_quant"):
+    if hasattr(cfg, "fake_quant") and fake_quant is not None:
         cfg.fake_quant = fake_quant
     with torch.device("meta"):
         model = cls(cfg)
     load_weights(model, path, dtype, torch.device(device), raw.get("quantization_config"))
     if hasattr(model, "post_load"):
         model.post_load()
+    if hasattr(model, "bind_checkpoint"):
+        model.bind_checkpoint(path)
     return model.eval()

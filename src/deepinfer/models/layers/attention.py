@@ -1,4 +1,4 @@
-"""V4 attention: shared K=V latent, sliding window + compressed entries, per-head sinks
+"""V4/V4.1 attention: shared K=V latent, sliding window + compressed entries, per-head sinks
 (model_spec.md §2.3).
 
 This is the readable reference path: dense scores with boolean masks. The fused sparse
@@ -51,26 +51,97 @@ def attention_with_sink(
     return out
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, layer: int, main_rope: Rotary, compress_rope: Rotary) -> None:
+class LatentAttention(nn.Module):
+    """The part V4 and V4.1 share: low-rank queries, the shared K=V latent in a sliding
+    window, attention with per-head sinks, inverse RoPE and the grouped output projection.
+    Subclasses add the compressed branch."""
+
+    def __init__(
+        self,
+        hidden: int,
+        n_heads: int,
+        head_dim: int,
+        q_lora_rank: int,
+        o_groups: int,
+        o_rank: int,
+        eps: float,
+        rotary: Rotary,
+        fake_quant: bool,
+        q_head_norm: bool,
+    ) -> None:
         super().__init__()
-        self.kind = cfg.layer_kinds[layer]
-        self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
-        self.window = cfg.sliding_window
-        self.o_groups, self.o_rank = cfg.o_groups, cfg.o_lora_rank
-        self.eps = cfg.rms_norm_eps
-        self.rotary = main_rope if self.kind not in (CSA, HCA) else compress_rope
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.wq_a = nn.Linear(h, cfg.q_lora_rank, bias=False)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * d, bias=False)
-        self.wkv = nn.Linear(h, d, bias=False)
-        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.wo_a = nn.Linear(self.n_heads * d // self.o_groups, self.o_groups * self.o_rank, bias=False)
-        self.wo_b = nn.Linear(self.o_groups * self.o_rank, h, bias=False)
-        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
-        self.fake_quant = cfg.fake_quant
+        self.n_heads, self.head_dim = n_heads, head_dim
+        self.o_groups, self.o_rank = o_groups, o_rank
+        self.eps = eps
+        self.rotary = rotary
+        self.fake_quant = fake_quant
+        self.q_head_norm = q_head_norm  # V4 RMS-normalises each query head; V4.1 does not
+        self.wq_a = nn.Linear(hidden, q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(q_lora_rank, eps)
+        self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.wkv = nn.Linear(hidden, head_dim, bias=False)
+        self.kv_norm = RMSNorm(head_dim, eps)
+        self.wo_a = nn.Linear(n_heads * head_dim // o_groups, o_groups * o_rank, bias=False)
+        self.wo_b = nn.Linear(o_groups * o_rank, hidden, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(n_heads, dtype=torch.float32))
+
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor, pools: LayerPools, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Queries, the query LoRA residual, RoPE tables and the window part (this step's K=V
+        written first, so a token sees itself and its chunk's earlier tokens)."""
+        t = x.shape[0]
+        cos, sin = self.rotary(positions)  # [T, rd/2]
+        q_residual = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_residual).view(t, self.n_heads, self.head_dim)
+        if self.q_head_norm:
+            q = unweighted_rms_norm(q, self.eps)
+        q = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, D]
+        if self.fake_quant:
+            kv = fake_quant_fp8_pow2(kv)
+        pools.window[batch.window_write] = kv.to(pools.window.dtype)
+        window = gather_rows(pools.window, batch.window_idx).to(kv.dtype)  # [T, W, D]
+        return q, q_residual, cos, sin, (window, batch.window_valid)  # positions (p - W, p]
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        parts: list[tuple[torch.Tensor, torch.Tensor]],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        out = attention_with_sink(q, parts, self.attn_sink, self.head_dim**-0.5)
+        out = apply_rope(out, cos.unsqueeze(1), -sin.unsqueeze(1))
+        return self.wo_b(self._grouped_output(out))
+
+    def _grouped_output(self, out: torch.Tensor) -> torch.Tensor:
+        """Block-diagonal low-rank output: group g of heads -> o_lora_rank, then concat."""
+        grouped = out.reshape(out.shape[0], self.o_groups, -1)
+        w = self.wo_a.weight.view(self.o_groups, self.o_rank, -1)
+        return torch.einsum("tgd,grd->tgr", grouped, w).reshape(out.shape[0], -1)
+
+
+class Attention(LatentAttention):
+    """V4: every compressing layer owns its compressor; CSA layers own an indexer too."""
+
+    def __init__(self, cfg: DeepseekV4Config, layer: int, main_rope: Rotary, compress_rope: Rotary) -> None:
+        kind = cfg.layer_kinds[layer]
+        super().__init__(
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.head_dim,
+            cfg.q_lora_rank,
+            cfg.o_groups,
+            cfg.o_lora_rank,
+            cfg.rms_norm_eps,
+            main_rope if kind not in (CSA, HCA) else compress_rope,
+            cfg.fake_quant,
+            q_head_norm=True,
+        )
+        self.kind = kind
         self.ratio = cfg.ratio(layer)
+        h, d = cfg.hidden_size, cfg.head_dim
         self.compressor: Compressor | None = None
         self.indexer: Indexer | None = None
         if self.kind in (CSA, HCA):
@@ -94,18 +165,8 @@ class Attention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, pools: LayerPools, batch: ForwardBatch
     ) -> torch.Tensor:
         """x [T, d] at absolute ``positions`` [T] -> [T, d]; reads and writes ``pools``."""
-        t = x.shape[0]
-        cos, sin = self.rotary(positions)  # [T, rd/2]
-        q_residual = self.q_norm(self.wq_a(x))
-        q = self.wq_b(q_residual).view(t, self.n_heads, self.head_dim)
-        q = apply_rope(unweighted_rms_norm(q, self.eps), cos.unsqueeze(1), sin.unsqueeze(1))
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, D]
-        if self.fake_quant:
-            kv = fake_quant_fp8_pow2(kv)
-
-        pools.window[batch.window_write] = kv.to(pools.window.dtype)
-        window = gather_rows(pools.window, batch.window_idx).to(kv.dtype)  # [T, W, D]
-        parts = [(window, batch.window_valid)]  # positions (p - window, p]
+        q, q_residual, cos, sin, window = self.project(x, positions, pools, batch)
+        parts = [window]
         if self.compressor is not None:
             meta = batch.groups[self.ratio]
             self.compressor(x, pools.compressor, meta, pools.entries)
@@ -113,14 +174,5 @@ class Attention(nn.Module):
                 chosen = self.indexer(x, q_residual, cos, sin, pools, meta)
             else:
                 chosen = meta.entry_valid  # HCA: every entry whose group has closed
-            parts.append((gather_rows(pools.entries, meta.entry_idx).to(kv.dtype), chosen))
-
-        out = attention_with_sink(q, parts, self.attn_sink, self.head_dim**-0.5)
-        out = apply_rope(out, cos.unsqueeze(1), -sin.unsqueeze(1))
-        return self.wo_b(self._grouped_output(out))
-
-    def _grouped_output(self, out: torch.Tensor) -> torch.Tensor:
-        """Block-diagonal low-rank output: group g of heads -> o_lora_rank, then concat."""
-        grouped = out.reshape(out.shape[0], self.o_groups, -1)
-        w = self.wo_a.weight.view(self.o_groups, self.o_rank, -1)
-        return torch.einsum("tgd,grd->tgr", grouped, w).reshape(out.shape[0], -1)
+            parts.append((gather_rows(pools.entries, meta.entry_idx).to(q.dtype), chosen))
+        return self.attend(q, parts, cos, sin)

@@ -1,10 +1,13 @@
-"""KV compressor (model_spec.md §2.4, V4 variant with ``ape`` and overlap).
+"""KV compressor (model_spec.md §2.4; V4 with ``ape`` and overlap, V4.1 without).
 
 Every ``ratio`` source tokens become one compressed entry: a per-channel softmax over the
-group's gate scores (plus the learned absolute position bias ``ape``) weights the group's
-projected vectors. With ``overlap`` (the CSA compressor) each token projects two series:
+group's gate scores (V4 adds the learned absolute position bias ``ape``) weights the group's
+projected vectors. With ``overlap`` (V4's CSA compressor) each token projects two series:
 entry ``w`` pools the previous group's first half with group ``w``'s second half over
-``2 * ratio`` slots. Incomplete groups wait in per-sequence buffers until they fill.
+``2 * ratio`` slots. V4.1's ratio-1 compressor has no gate: the entry is the token's own
+projection. Incomplete groups wait in per-sequence buffers until they fill.
+
+The projections run in the weights' dtype (V4.1 keeps the pooling compressor in fp32).
 """
 
 from __future__ import annotations
@@ -30,20 +33,29 @@ class Compressor(nn.Module):
         eps: float,
         rotary: Rotary,
         quantize: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        position_bias: bool = True,
     ) -> None:
         super().__init__()
         width = out_dim * (2 if overlap else 1)
         self.ratio, self.out_dim, self.overlap, self.width = ratio, out_dim, overlap, width
         self.wkv = nn.Linear(hidden, width, bias=False)
-        self.wgate = nn.Linear(hidden, width, bias=False)
-        self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
+        self.wgate = nn.Linear(hidden, width, bias=False) if ratio > 1 or position_bias else None
+        self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32)) if position_bias else None
         self.norm = RMSNorm(out_dim, eps)
         self.rotary = rotary
         self.quantize = quantize  # QAT fake-quant of emitted entries (None: off)
 
-    def forward(self, x: torch.Tensor, pools: CompressorPools, meta: GroupMeta, out: torch.Tensor) -> None:
-        """Consume this step's tokens ``x`` [T, d]; write closed groups' entries into ``out``."""
-        kv, gate = self.wkv(x), self.wgate(x)
+    def forward(
+        self, x: torch.Tensor, pools: CompressorPools, meta: GroupMeta, out: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Consume this step's tokens ``x`` [T, d]; write closed groups' entries into ``out``.
+
+        Returns the closed groups' latents [G, D] before RoPE and fake-quant (V4.1's indexer
+        derives its keys from them), or None when no group closed.
+        """
+        xw = x.to(self.wkv.weight.dtype)
+        kv = self.wkv(xw)
+        gate = self.wgate(xw) if self.wgate is not None else torch.zeros_like(kv[:, :1]).expand_as(kv)
         if self.overlap and meta.restore_dst.numel():
             pools.ovl_kv[meta.restore_dst] = pools.snap_kv[meta.restore_src]
             pools.ovl_gate[meta.restore_dst] = pools.snap_gate[meta.restore_src]
@@ -54,15 +66,18 @@ class Compressor(nn.Module):
             src_gate.append(pools.ovl_gate[meta.src_ovl_rows])
         src_kv_t, src_gate_t = torch.cat(src_kv), torch.cat(src_gate).float()
 
+        latent = None
         if meta.group_rows.shape[0]:
             group_kv = gather_rows(src_kv_t, meta.group_rows)  # [G, r, width]
-            group_gate = gather_rows(src_gate_t, meta.group_rows) + self.ape
+            group_gate = gather_rows(src_gate_t, meta.group_rows)
+            if self.ape is not None:
+                group_gate = group_gate + self.ape
             if self.overlap:
                 group_kv, group_gate = self._overlap_slots(group_kv, group_gate, src_kv_t, src_gate_t, meta)
             weights = group_gate.softmax(dim=1, dtype=torch.float32).to(group_kv.dtype)
-            pooled = self.norm((group_kv * weights).sum(dim=1))
+            latent = self.norm((group_kv * weights).sum(dim=1).to(x.dtype))
             cos, sin = self.rotary(meta.group_pos)
-            pooled = apply_rope(pooled, cos, sin)
+            pooled = apply_rope(latent, cos, sin)
             if self.quantize is not None:
                 pooled = self.quantize(pooled)
             out[meta.entry_slot] = pooled.to(out.dtype)
@@ -77,6 +92,7 @@ class Compressor(nn.Module):
             pools.ovl_gate[meta.ovl_dst] = new_ovl[1].to(pools.ovl_gate.dtype)
             pools.snap_kv[meta.snap_dst] = new_snap[0].to(pools.snap_kv.dtype)
             pools.snap_gate[meta.snap_dst] = new_snap[1].to(pools.snap_gate.dtype)
+        return latent
 
     def _overlap_slots(
         self,
@@ -91,9 +107,10 @@ class Compressor(nn.Module):
         has_prev = (meta.prev_rows >= 0).unsqueeze(-1)  # [G, r, 1]
         prev = meta.prev_rows.clamp(min=0)
         prev_kv = torch.where(has_prev, gather_rows(src_kv, prev)[..., :d], 0.0).to(group_kv.dtype)
-        prev_gate = torch.where(
-            has_prev, gather_rows(src_gate, prev)[..., :d] + self.ape[:, :d], float("-inf")
-        )
+        prev_gate = gather_rows(src_gate, prev)[..., :d]
+        if self.ape is not None:
+            prev_gate = prev_gate + self.ape[:, :d]
+        prev_gate = torch.where(has_prev, prev_gate, float("-inf"))
         slots_kv = torch.cat([prev_kv, group_kv[..., d:]], dim=1)
         slots_gate = torch.cat([prev_gate, group_gate[..., d:]], dim=1)
         return slots_kv, slots_gate

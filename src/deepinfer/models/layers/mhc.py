@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from deepinfer.kernels.sinkhorn import sinkhorn
-from deepinfer.models.layers.norms import unweighted_rms_norm
+from deepinfer.models.layers.norms import RMSNorm, unweighted_rms_norm
 
 
 def hc_mixes(
@@ -64,3 +65,36 @@ def hc_head_collapse(
     flat = unweighted_rms_norm(streams.flatten(-2).float(), norm_eps)
     pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
     return hc_collapse(streams, pre)
+
+
+class HyperConnectedBlock(nn.Module):
+    """The mHC parameters and norms of one block (``hc_{attn,ffn}_{fn,base,scale}``,
+    ``attn_norm``, ``ffn_norm``); subclasses add the attention and FFN and decide which site's
+    ``pre`` mix collapses which sublayer's input (V4: its own; V4.1: the previous site's)."""
+
+    def __init__(self, hidden: int, hc_mult: int, eps: float, sinkhorn_iters: int, hc_eps: float) -> None:
+        super().__init__()
+        n = hc_mult
+        mix = (2 + n) * n
+        self.hc_mult, self.eps = n, eps
+        self.sinkhorn_iters, self.hc_eps = sinkhorn_iters, hc_eps
+        self.attn_norm = RMSNorm(hidden, eps)
+        self.ffn_norm = RMSNorm(hidden, eps)
+        for site in ("attn", "ffn"):
+            self.register_parameter(
+                f"hc_{site}_fn", nn.Parameter(torch.zeros(mix, n * hidden, dtype=torch.float32))
+            )
+            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
+            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
+
+    def mixes(self, streams: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(pre, post, comb)`` of ``site`` ("attn" or "ffn") for streams [T, n, d]."""
+        return hc_mixes(
+            streams,
+            getattr(self, f"hc_{site}_fn"),
+            getattr(self, f"hc_{site}_base"),
+            getattr(self, f"hc_{site}_scale"),
+            sinkhorn_iters=self.sinkhorn_iters,
+            hc_eps=self.hc_eps,
+            norm_eps=self.eps,
+        )

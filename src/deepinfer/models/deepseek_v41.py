@@ -1,0 +1,361 @@
+"""DeepSeek-V4.1-Flash in plain PyTorch (model_spec.md §1.1, §1.3-§1.4, §2), on the V4 layers.
+
+What differs from V4 (``deepseek_v4.py``), each in one place:
+- KV sharing ("CSA2"): only KV-source layers own a compressor (ratio 2 pooled, ratio 1 a plain
+  projection; no ``ape``, no overlap); later layers of the same ratio read its entries and
+  index keys, which ``cache_spec`` declares as shared so the cache holds one copy.
+- top-k sharing and the two-level top-k: only index-source layers score; the others reuse the
+  latest source's choice; index sources after the candidate source score inside its blocks.
+- the one-site mHC lag: a sublayer's input is collapsed with the *previous* site's ``pre`` mix,
+  and the model ends with the last FFN site's ``pre`` (no ``hc_head``).
+- Engram before layers ``engram_layer_ids``; no hash-routed MoE; no per-head query norm.
+
+The model is a pure function of ``(input_ids, positions, ForwardBatch)``; what one layer
+publishes to later ones (top-k, candidates) lives only for the step, in ``_StepShared``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.config_v41 import DeepseekV41Config, LayerRole
+from deepinfer.errors import CheckpointError
+from deepinfer.models.base import CausalLM
+from deepinfer.models.cache_spec import LayerCacheSpec
+from deepinfer.models.forward_batch import ForwardBatch, LayerPools
+from deepinfer.models.layers.attention import LatentAttention
+from deepinfer.models.layers.compressor import Compressor
+from deepinfer.models.layers.engram import (
+    DEAD,
+    Engram,
+    EngramLayout,
+    build_compressed_token_map,
+    engram_hash_ids,
+)
+from deepinfer.models.layers.fake_quant import fake_quant_fp4_e4m3_scale
+from deepinfer.models.layers.gather import gather_rows
+from deepinfer.models.layers.mhc import HyperConnectedBlock, hc_collapse, hc_expand
+from deepinfer.models.layers.moe import MoE
+from deepinfer.models.layers.norms import RMSNorm
+from deepinfer.models.layers.rope import Rotary
+from deepinfer.models.layers.shared_indexer import SharedIndexer, select_candidate_blocks
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _StepShared:
+    """What earlier layers publish to later ones within one step."""
+
+    chosen: torch.Tensor | None = None  # [T, E] bool: the latest index source's top-k
+    candidates: torch.Tensor | None = None  # [T, E] bool: the candidate source's blocks
+
+
+class SharedKVAttention(LatentAttention):
+    """V4.1 attention: window + the KV source's compressed entries, chosen by the latest
+    index source."""
+
+    def __init__(
+        self, cfg: DeepseekV41Config, layer: int, role: LayerRole, main_rope: Rotary, compress_rope: Rotary
+    ) -> None:
+        super().__init__(
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.head_dim,
+            cfg.q_lora_rank,
+            cfg.o_groups,
+            cfg.o_lora_rank,
+            cfg.rms_norm_eps,
+            compress_rope if role.ratio else main_rope,
+            cfg.fake_quant,
+            q_head_norm=False,
+        )
+        self.role = role
+        self.ratio = role.ratio
+        self.candidate_topk_blocks, self.candidate_block_size = (
+            cfg.candidate_topk_blocks,
+            cfg.candidate_block_size,
+        )
+        owns_kv = role.ratio > 0 and role.kv_source == layer
+        self.compressor: Compressor | None = None
+        self.indexer: SharedIndexer | None = None
+        if owns_kv:
+            quantize = fake_quant_fp4_e4m3_scale if cfg.fake_quant else None
+            self.compressor = Compressor(
+                cfg.hidden_size,
+                cfg.head_dim,
+                role.ratio,
+                False,
+                cfg.rms_norm_eps,
+                compress_rope,
+                quantize,
+                position_bias=False,
+            )
+        if role.ratio > 0 and role.index_source == layer:
+            self.indexer = SharedIndexer(
+                cfg.hidden_size,
+                cfg.q_lora_rank,
+                cfg.index_n_heads,
+                cfg.index_head_dim,
+                cfg.index_topk,
+                cfg.rms_norm_eps,
+                compress_rope,
+                cfg.fake_quant,
+                key_source_dim=cfg.head_dim if owns_kv else 0,
+            )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        pools: LayerPools,
+        batch: ForwardBatch,
+        shared: _StepShared,
+    ) -> torch.Tensor:
+        q, q_residual, cos, sin, window = self.project(x, positions, pools, batch)
+        parts = [window]
+        if self.ratio:
+            meta = batch.groups[self.ratio]
+            if self.compressor is not None:
+                latent = self.compressor(x, pools.compressor, meta, pools.entries)
+                if latent is not None and self.indexer is not None:
+                    self.indexer.write_keys(latent, meta, pools.index_keys)
+            if self.indexer is not None:
+                scores = self.indexer.scores(x, q_residual, cos, sin, pools.index_keys, meta)
+                if self.role.is_candidate_source:
+                    shared.candidates = select_candidate_blocks(
+                        scores,
+                        meta.entry_valid.sum(dim=1),
+                        self.candidate_topk_blocks,
+                        self.candidate_block_size,
+                    )
+                elif self.role.uses_candidates:
+                    scores = scores.masked_fill(~shared.candidates, float("-inf"))
+                shared.chosen = self.indexer.choose(scores)
+            assert shared.chosen is not None, "a compressed layer runs after its index source"
+            parts.append((gather_rows(pools.entries, meta.entry_idx).to(q.dtype), shared.chosen))
+        return self.attend(q, parts, cos, sin)
+
+
+class LaggedBlock(HyperConnectedBlock):
+    """A V4.1 block: attention's input is collapsed with the incoming ``pre`` mix (the previous
+    block's FFN site), the FFN's with this block's attention-site ``pre``; returns the FFN
+    site's ``pre`` for the next block (model_spec.md §2.2)."""
+
+    def __init__(
+        self,
+        cfg: DeepseekV41Config,
+        layer: int,
+        role: LayerRole,
+        main_rope: Rotary,
+        compress_rope: Rotary,
+        engram_rows: int = 0,
+        moe_cfg: DeepseekV41Config | None = None,
+    ) -> None:
+        super().__init__(cfg.hidden_size, cfg.hc_mult, cfg.rms_norm_eps, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        self.attn = SharedKVAttention(cfg, layer, role, main_rope, compress_rope)
+        self.ffn = MoE(moe_cfg or cfg, 0)
+        self.engram: Engram | None = None
+        if engram_rows:
+            cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+            self.engram = Engram(
+                cfg.hidden_size, cfg.hc_mult, engram_rows, cfg.engram_head_dim, cols, cfg.rms_norm_eps
+            )
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        pre_mix: torch.Tensor,
+        positions: torch.Tensor,
+        input_ids: torch.Tensor,
+        pools: LayerPools,
+        batch: ForwardBatch,
+        shared: _StepShared,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """streams [T, n, d], pre_mix [T, n] -> (streams, this block's FFN-site pre mix)."""
+        attn_pre, post, comb = self.mixes(streams, "attn")
+        y = self.attn(self.attn_norm(hc_collapse(streams, pre_mix)), positions, pools, batch, shared)
+        streams = hc_expand(y, streams, post, comb)
+        ffn_pre, post, comb = self.mixes(streams, "ffn")
+        y = self.ffn(self.ffn_norm(hc_collapse(streams, attn_pre)), input_ids)
+        return hc_expand(y, streams, post, comb), ffn_pre
+
+
+def first_site_pre_mix(num_tokens: int, hc_mult: int, device: torch.device) -> torch.Tensor:
+    """The initial collapse mix: one-hot on stream 0 (all streams start equal)."""
+    pre = torch.zeros(num_tokens, hc_mult, dtype=torch.float32, device=device)
+    pre[:, 0] = 1.0
+    return pre
+
+
+class DeepseekV41ForCausalLM(CausalLM):
+    """The V4.1-Flash backbone + head (+ the DSpark stages ``mtp.*``, loaded for the drafter)."""
+
+    # Kept in fp32 whatever the compute dtype (model_spec.md §2.10; REF keeps the pooling
+    # compressor, the head and the DSpark confidence head in fp32 too).
+    FP32_PARAM_MARKERS = (
+        "norm.weight",
+        "hc_",
+        "attn_sink",
+        "gate.bias",
+        "compressor.wkv",
+        "compressor.wgate",
+        "head.weight",
+        "confidence_head",
+    )
+    # Vision tower and the image routing bias: deepinfer serves text (skipped with one warning).
+    SKIPPED_CHECKPOINT_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
+    SKIPPED_CHECKPOINT_SUFFIXES = (".bias_vl",)
+
+    def __init__(self, cfg: DeepseekV41Config) -> None:
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        self.plan = cfg.plan()
+        rd = cfg.qk_rope_head_dim
+        main_rope = Rotary(rd, cfg.rope_theta, None)
+        compress_rope = Rotary(rd, cfg.compress_rope_theta, cfg.yarn)
+        self.engram_layout: EngramLayout | None = None
+        rows: dict[int, int] = {}
+        if cfg.engram_layer_ids:
+            self.engram_layout = EngramLayout.build(
+                cfg.engram_layer_ids,
+                cfg.engram_max_ngram_size,
+                cfg.engram_n_heads,
+                cfg.engram_vocab_size,
+                cfg.engram_compressed_vocab_size,
+            )
+            derived = self.engram_layout.table_rows()
+            if derived != list(cfg.engram_num_embeddings):
+                raise CheckpointError(
+                    f"config.json: engram_num_embeddings {cfg.engram_num_embeddings} differs from the sums of "
+                    f"the hash primes {derived} (engram_vocab_size / engram_n_heads / engram_max_ngram_size)"
+                )
+            rows = dict(zip(cfg.engram_layer_ids, derived, strict=True))
+        h = cfg.hidden_size
+        self.embed = nn.Embedding(cfg.vocab_size, h)
+        self.layers = nn.ModuleList(
+            LaggedBlock(cfg, i, role, main_rope, compress_rope, rows.get(i, 0))
+            for i, role in enumerate(self.plan)
+        )
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.head = nn.Linear(h, cfg.vocab_size, bias=False)
+        from deepinfer.models.dspark_stages import build_dspark_stages
+
+        self.mtp = build_dspark_stages(cfg, main_rope)
+        # Engram's token normalisation map (vocab -> compressed id); see ``bind_tokenizer``.
+        self.token_map: torch.Tensor | None = None
+        if cfg.engram_compressed_vocab_size == cfg.vocab_size:
+            self.token_map = torch.arange(cfg.vocab_size)
+        self._history_layer = min(cfg.engram_layer_ids) if cfg.engram_layer_ids else None
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    # -- Engram token map ------------------------------------------------------------------
+
+    def bind_tokenizer(self, tokenizer) -> None:
+        """Build Engram's compressed token map from a ``tokenizers.Tokenizer`` or a
+        transformers tokenizer; its size must equal ``engram_compressed_vocab_size``."""
+        cfg = self.config
+        lookup = build_compressed_token_map(tokenizer)
+        size = max(lookup) + 1 if lookup else 0
+        if size != cfg.engram_compressed_vocab_size:
+            raise CheckpointError(
+                f"the tokenizer's Engram map has {size} compressed ids, but config.json says "
+                f"engram_compressed_vocab_size={cfg.engram_compressed_vocab_size}"
+            )
+        if len(lookup) > cfg.vocab_size:
+            raise CheckpointError(
+                f"the tokenizer has {len(lookup)} ids, more than vocab_size={cfg.vocab_size}"
+            )
+        # Ids past the tokenizer (padding rows of the embedding) hash like the pad token.
+        pad = lookup[cfg.engram_pad_token_id]
+        self.token_map = torch.tensor(lookup + [pad] * (cfg.vocab_size - len(lookup)), dtype=torch.long)
+
+    def bind_checkpoint(self, path: Path) -> None:
+        """After loading: bind the checkpoint's tokenizer for Engram (when the model has it)."""
+        if not self.config.engram_layer_ids:
+            return
+        file = Path(path) / "tokenizer.json"
+        if file.is_file():
+            from tokenizers import Tokenizer
+
+            self.bind_tokenizer(Tokenizer.from_file(str(file)))
+        elif self.token_map is None:
+            raise CheckpointError(
+                f"{path}: Engram needs the tokenizer (tokenizer.json) to build its token map; "
+                "none was found and the compressed vocabulary is not the identity"
+            )
+        else:
+            logger.warning("%s: no tokenizer.json; Engram uses the identity token map", path)
+
+    # -- engine interface ------------------------------------------------------------------
+
+    def cache_spec(self) -> list[LayerCacheSpec]:
+        cfg = self.config
+        specs = []
+        for i, role in enumerate(self.plan):
+            owns = role.ratio > 0 and role.kv_source == i
+            specs.append(
+                LayerCacheSpec(
+                    window=cfg.sliding_window,
+                    kv_dim=cfg.head_dim,
+                    ratio=role.ratio,
+                    compressor_width=cfg.head_dim if owns else 0,
+                    index_dim=cfg.index_head_dim if owns else 0,
+                    shared_from=role.kv_source if role.ratio and not owns else None,
+                    token_ids=i == self._history_layer,
+                )
+            )
+        return specs
+
+    def engram_ids(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
+        """Hash ids [T, engram layers, cols]; records this step's compressed ids as history."""
+        layout = self.engram_layout
+        if layout is None:
+            return None
+        if self.token_map is None:
+            raise RuntimeError("Engram's token map is unbound: call bind_tokenizer(tokenizer) first")
+        if self.token_map.device != input_ids.device:
+            self.token_map = self.token_map.to(input_ids.device)
+        history = batch.pools[self._history_layer].token_ids
+        history[batch.window_write] = self.token_map[input_ids]
+        n = layout.max_ngram
+        past = history[batch.window_idx[:, :n]]
+        past = torch.where(batch.window_valid[:, :n], past, DEAD)
+        return engram_hash_ids(past, layout, int(self.token_map[self.config.engram_pad_token_id]))
+
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        cfg = self.config
+        hash_ids = self.engram_ids(input_ids, batch)
+        h = self.embed(input_ids)
+        streams = h.unsqueeze(1).expand(h.shape[0], cfg.hc_mult, h.shape[-1]).contiguous()
+        pre_mix = first_site_pre_mix(h.shape[0], cfg.hc_mult, h.device)
+        shared = _StepShared()
+        slot = {layer: k for k, layer in enumerate(cfg.engram_layer_ids)}
+        for i, (layer, pools) in enumerate(zip(self.layers, batch.pools, strict=True)):
+            if layer.engram is not None:
+                streams = layer.engram(streams, hash_ids[:, slot[i]])
+            streams, pre_mix = layer(streams, pre_mix, positions, input_ids, pools, batch, shared)
+        if batch.logits_idx is not None:
+            streams, pre_mix = streams[batch.logits_idx], pre_mix[batch.logits_idx]
+        x = self.norm(hc_collapse(streams, pre_mix))
+        return F.linear(x.float(), self.head.weight.float())
+
+
+def moe_config_for_dspark(cfg: DeepseekV41Config) -> DeepseekV41Config:
+    """The DSpark stages' own expert count and top-k (model_spec.md §2.8)."""
+    return dataclasses.replace(
+        cfg,
+        n_routed_experts=cfg.dspark_n_routed_experts or cfg.n_routed_experts,
+        num_experts_per_tok=cfg.dspark_num_experts_per_tok or cfg.num_experts_per_tok,
+    )
