@@ -85,9 +85,15 @@ class LLM:
     def _load_tokenizer(self) -> Any:
         if not any((self.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             return None
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PretrainedConfig
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-        return AutoTokenizer.from_pretrained(str(self.path))
+        # A model type transformers does not know (deepseek_v41 in 5.24) would make AutoTokenizer
+        # warn while reading config.json; the tokenizer files alone say which class to build.
+        arch = getattr(getattr(self.model, "config", None), "architecture", "")
+        unknown = arch == "DeepseekV41ForCausalLM" and "deepseek_v41" not in CONFIG_MAPPING
+        extra = {"config": PretrainedConfig()} if unknown else {}
+        return AutoTokenizer.from_pretrained(str(self.path), **extra)
 
     # ---- input handling -------------------------------------------------------------------
 
