@@ -64,7 +64,9 @@ def rope_frequencies(dim: int, base: float, yarn) -> torch.Tensor:
     return freqs
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def rotate(
+    x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
     """Rotate the LAST ``2*len(freqs)`` channels of x [B, P, (H,) C] as adjacent pairs
     (a + ib) by e^{i p f} (its conjugate when ``inverse``), p = ``positions[P]``."""
     rd = 2 * freqs.numel()
@@ -235,7 +237,7 @@ def choose_topk(scores: torch.Tensor, cfg) -> torch.Tensor:
 def attention(state, prefix, x, positions, freqs, cfg, fake_quant, entries, chosen) -> torch.Tensor:
     """x [B,S,d] (after attn_norm); entries [B,E,D] (roped, quantised) or None; chosen [B,S,E]."""
     B, S, _ = x.shape
-    H, D, rd = cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim
+    H, D = cfg.num_attention_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
     qr = rms_norm(linear(x, state[prefix + "wq_a.weight"]), state[prefix + "q_norm.weight"], eps)
     q = linear(qr, state[prefix + "wq_b.weight"]).reshape(B, S, H, D)
@@ -380,7 +382,9 @@ def engram(state, prefix, h: torch.Tensor, rows: torch.Tensor, cfg) -> torch.Ten
     Wqk = state[prefix + "q_weight"].float() * state[prefix + "k_weight"].float()  # [n,d]
     hf = h.float()
     dot = (hf * Wqk * key).sum(dim=-1)
-    dot = dot * torch.rsqrt(hf.pow(2).mean(dim=-1) + eps) * torch.rsqrt(key.pow(2).mean(dim=-1) + eps) * d**-0.5
+    dot = (
+        dot * torch.rsqrt(hf.pow(2).mean(dim=-1) + eps) * torch.rsqrt(key.pow(2).mean(dim=-1) + eps) * d**-0.5
+    )
     gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=1e-6)))  # [B,S,n]
     return hf + gate.unsqueeze(-1) * value.unsqueeze(2)
 
@@ -404,7 +408,7 @@ def reference_logits(
     lag: each sublayer's input is collapsed with its own site's ``pre`` mix.
     """
     B, S = input_ids.shape
-    n, d = cfg.hc_mult, cfg.hidden_size
+    n = cfg.hc_mult
     eps = cfg.rms_norm_eps
     positions = torch.arange(S)
     main_freqs = rope_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, None)
@@ -430,7 +434,9 @@ def reference_logits(
 
         # attention site
         res = h
-        a_pre, a_post, a_comb = hc_mixes(h, state[L + "hc_attn_fn"], state[L + "hc_attn_scale"], state[L + "hc_attn_base"], cfg)
+        a_pre, a_post, a_comb = hc_mixes(
+            h, state[L + "hc_attn_fn"], state[L + "hc_attn_scale"], state[L + "hc_attn_base"], cfg
+        )
         x = rms_norm(hc_collapse(h, a_pre if same_site_pre else pre_mix), state[L + "attn_norm.weight"], eps)
         A = L + "attn."
         r = role["ratio"]
@@ -445,7 +451,9 @@ def reference_logits(
                 if fake_quant:
                     stored = fake_quant_fp4_e4m3_scale(stored)
                 entries[i] = stored
-                k = rms_norm(linear(latent, state[A + "indexer.wk.weight"]), state[A + "indexer.k_norm.weight"], eps)
+                k = rms_norm(
+                    linear(latent, state[A + "indexer.wk.weight"]), state[A + "indexer.k_norm.weight"], eps
+                )
                 k = rotate(k, epos, freqs)
                 if fake_quant:
                     k = fake_quant_fp4_pow2(k)
@@ -468,7 +476,9 @@ def reference_logits(
 
         # FFN site
         res = h
-        f_pre, f_post, f_comb = hc_mixes(h, state[L + "hc_ffn_fn"], state[L + "hc_ffn_scale"], state[L + "hc_ffn_base"], cfg)
+        f_pre, f_post, f_comb = hc_mixes(
+            h, state[L + "hc_ffn_fn"], state[L + "hc_ffn_scale"], state[L + "hc_ffn_base"], cfg
+        )
         x = rms_norm(hc_collapse(h, f_pre if same_site_pre else a_pre), state[L + "ffn_norm.weight"], eps)
         y = moe(state, L + "ffn.", x, cfg)
         h = hc_expand(y, res, f_post, f_comb)

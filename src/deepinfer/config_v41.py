@@ -257,6 +257,8 @@ def deepseek_v41_config_from_dict(raw: dict[str, Any]) -> DeepseekV41Config:
     except TypeError as exc:  # pragma: no cover - dataclass kwargs are filtered above
         raise CheckpointError(f"config.json: {exc}") from exc
     _check_types(cfg)
+    if cfg.candidate_source_layer_id is not None and cfg.candidate_source_layer_id < 0:
+        cfg.candidate_source_layer_id = None  # the reference's "-1: no candidate level"
     cfg.compress_ratios = [int(r) for r in cfg.compress_ratios]
     cfg.yarn = _yarn(text, cfg)
     eos = text.get("eos_token_id", raw.get("eos_token_id", 1))

@@ -1,0 +1,241 @@
+"""V4.1 config: the released composite config.json and the flat reference names both load,
+layer roles follow model_spec.md §1.4, broken role rules fail with the field named, and the
+released shape instantiated on the meta device has the published parameter counts."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from deepinfer.config_v41 import deepseek_v41_config_from_dict
+from deepinfer.errors import CheckpointError
+from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
+from deepinfer.models.param_count import count_parameters
+from deepinfer.models.registry import resolve
+
+# The released DeepSeek-V4.1-Flash config.json text_config (model_spec.md §1.1).
+RELEASED_TEXT = {
+    "model_type": "deepseek_v41_text",
+    "vocab_size": 129280,
+    "hidden_size": 5120,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 1,
+    "head_dim": 512,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 1280,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "rms_norm_eps": 1e-20,
+    "max_position_embeddings": 1048576,
+    "rope_theta": 10000,
+    "compress_rope_theta": 160000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 16,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "original_max_position_embeddings": 65536,
+    },
+    "sliding_window": 128,
+    "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
+    "kv_source_layer_ids": [2, 8, 14, 20],
+    "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
+    "candidate_source_layer_id": 20,
+    "candidate_topk_blocks": 2048,
+    "candidate_block_size": 8,
+    "index_n_heads": 32,
+    "index_head_dim": 128,
+    "index_topk": 512,
+    "n_routed_experts": 384,
+    "num_experts_per_tok": 6,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 2304,
+    "scoring_func": "sqrtsoftplus",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+    "swiglu_limit": 10.0,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "engram_layer_ids": [1, 14],
+    "engram_num_embeddings": [384006168, 384016682],
+    "engram_max_ngram_size": 4,
+    "engram_n_heads": 8,
+    "engram_head_dim": 256,
+    "engram_vocab_size": 16000000,
+    "engram_compressed_vocab_size": 99092,
+    "engram_pad_token_id": 2,
+    "num_nextn_predict_layers": 3,
+    "dspark_block_size": 5,
+    "dspark_noise_token_id": 128799,
+    "dspark_target_layer_ids": [37, 38, 39],
+    "dspark_markov_rank": 256,
+    "dspark_n_routed_experts": 128,
+    "dspark_num_experts_per_tok": 3,
+}
+RELEASED = {
+    "architectures": ["DeepseekV41ForCausalLM"],
+    "model_type": "deepseek_v41",
+    "image_token_id": 129264,
+    "text_config": RELEASED_TEXT,
+    "vision_config": {"model_type": "deepseek_v41_vision", "num_hidden_layers": 32},
+    "quantization_config": {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [32, 32],
+        "scale_fmt": "ue8m0",
+        "expert_dtype": "fp4",
+    },
+}
+# The same model under the reference's flat inference/config.json names.
+FLAT = {
+    "vocab_size": 129280,
+    "dim": 5120,
+    "moe_inter_dim": 2304,
+    "n_layers": 40,
+    "n_mtp_layers": 3,
+    "n_heads": 64,
+    "n_routed_experts": 384,
+    "n_shared_experts": 1,
+    "n_activated_experts": 6,
+    "score_func": "sqrtsoftplus",
+    "route_scale": 1.5,
+    "swiglu_limit": 10.0,
+    "q_lora_rank": 1280,
+    "head_dim": 512,
+    "rope_head_dim": 64,
+    "norm_eps": 1e-20,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "window_size": 128,
+    "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
+    "kv_source_layers": [2, 8, 14, 20],
+    "index_source_layers": [2, 8, 14, 20, 24, 28, 32, 36],
+    "compress_rope_theta": 160000.0,
+    "original_seq_len": 65536,
+    "rope_theta": 10000.0,
+    "rope_factor": 16,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "index_n_heads": 32,
+    "index_head_dim": 128,
+    "index_topk": 512,
+    "candidate_source_layer": 20,
+    "candidate_topk_blocks": 2048,
+    "candidate_block_size": 8,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "engram_layer_ids": [1, 14],
+    "engram_num_embeddings": [384006168, 384016682],
+    "engram_max_ngram_size": 4,
+    "engram_vocab_size": 16000000,
+    "engram_n_heads": 8,
+    "engram_head_dim": 256,
+    "engram_pad_id": 2,
+    "engram_compressed_vocab_size": 99092,
+    "dspark_block_size": 5,
+    "dspark_noise_token_id": 128799,
+    "dspark_target_layer_ids": [37, 38, 39],
+    "dspark_markov_rank": 256,
+    "dspark_n_routed_experts": 128,
+    "dspark_n_activated_experts": 3,
+    "dtype": "fp8",
+    "expert_dtype": "fp4",
+    "max_batch_size": 4,
+    "max_seq_len": 1048576,
+}
+
+
+def test_released_config_parses_with_the_published_roles():
+    cfg, cls = resolve(RELEASED)
+    assert cls is DeepseekV41ForCausalLM
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.n_routed_experts, cfg.rms_norm_eps) == (
+        5120,
+        40,
+        384,
+        1e-20,
+    )
+    assert (
+        cfg.yarn is not None and cfg.yarn.factor == 16 and cfg.yarn.original_max_position_embeddings == 65536
+    )
+    assert cfg.quantization["weight_block_size"] == [32, 32]
+    plan = cfg.plan()
+    assert [r.ratio for r in plan[:3]] == [0, 0, 2] and plan[20].ratio == 1
+    owners = [i for i, r in enumerate(plan) if r.ratio and r.kv_source == i]
+    assert owners == [2, 8, 14, 20]
+    assert plan[3].kv_source == 2 and plan[3].index_source == 2
+    assert plan[19].kv_source == 14 and plan[21].index_source == 20
+    assert plan[25].kv_source == 20 and plan[25].index_source == 24
+    assert plan[20].is_candidate_source and not plan[20].uses_candidates
+    assert [i for i, r in enumerate(plan) if r.uses_candidates and r.index_source == i] == [24, 28, 32, 36]
+    assert [i for i, r in enumerate(plan) if r.engram] == [1, 14]
+
+
+def test_flat_reference_names_give_the_same_config():
+    composite = deepseek_v41_config_from_dict(RELEASED)
+    cfg, cls = resolve(FLAT)  # no "architectures": recognised by its fields
+    assert cls is DeepseekV41ForCausalLM
+    for field in composite.__dataclass_fields__:
+        if field not in ("quantization", "eos_token_id", "bos_token_id"):
+            assert getattr(cfg, field) == getattr(composite, field), field
+    assert cfg.quantization["quant_method"] == "fp8"
+
+
+def _broken(**changes):
+    raw = copy.deepcopy(RELEASED)
+    raw["text_config"].update(changes)
+    return raw
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"kv_source_layer_ids": [1, 8, 14, 20]}, "kv_source_layer_ids"),  # ratio-0 source
+        # ratio-1 layers would read a ratio-2 source
+        ({"kv_source_layer_ids": [2, 8, 14], "candidate_source_layer_id": None}, "compress_ratios"),
+        ({"index_source_layer_ids": [2, 8, 20, 24]}, "index_source_layer_ids"),  # source 14 not indexing
+        ({"candidate_source_layer_id": 24}, "candidate_source_layer_id"),  # not a KV source
+        # layer 2 compresses but has no source at or before it
+        (
+            {"kv_source_layer_ids": [3, 8, 14, 20], "index_source_layer_ids": [3, 8, 14, 20, 24]},
+            "kv_source_layer_ids",
+        ),
+        ({"index_source_layer_ids": [0, 2, 8, 14, 20]}, "index_source_layer_ids"),  # ratio-0 indexer
+        ({"compress_ratios": [0, 0, 2]}, "compress_ratios"),  # too short
+        ({"engram_layer_ids": [1, 40]}, "engram_layer_ids"),
+        ({"engram_num_embeddings": [384006168]}, "engram_num_embeddings"),
+        ({"dspark_target_layer_ids": [37, 38, 40]}, "dspark_target_layer_ids"),
+        ({"kv_source_layer_ids": "2,8"}, "kv_source_layer_ids"),
+    ],
+)
+def test_broken_role_rules_name_the_field(changes, field):
+    with pytest.raises(CheckpointError, match=field):
+        resolve(_broken(**changes))
+
+
+def test_engram_table_sizes_must_match_the_hash_primes():
+    cfg = deepseek_v41_config_from_dict(_broken(engram_num_embeddings=[384006168, 384016681]))
+    with torch.device("meta"), pytest.raises(CheckpointError, match="engram_num_embeddings"):
+        DeepseekV41ForCausalLM(cfg)
+
+
+def test_released_shape_on_meta_has_the_published_parameter_counts():
+    cfg, cls = resolve(RELEASED)
+    with torch.device("meta"):
+        model = cls(cfg)
+    counts = count_parameters(model)
+    print(
+        f"total {counts.total / 1e9:.2f}B, backbone {counts.backbone / 1e9:.2f}B, "
+        f"Engram tables {counts.engram_tables / 1e9:.2f}B, DSpark {counts.draft_stages / 1e9:.2f}B, "
+        f"active/token {counts.active_per_token / 1e9:.2f}B"
+    )
+    assert 550e9 < counts.backbone < 554e9  # "552B"
+    assert 543e9 < counts.routed_experts < 544.5e9  # 40 * 384 * 3 * 5120 * 2304
+    assert 196e9 < counts.engram_tables < 197e9  # 768M rows x 256
+    assert 760e9 < counts.total < 765e9  # "763B parameters" of the released checkpoint
+    assert 15e9 < counts.active_per_token < 17e9  # "16B decode"
