@@ -207,6 +207,9 @@ class EngineConfig:
     # the model and the scheduler compete for the same cores (measured 2.4x slower on 2 cores)
     async_scheduling: bool | None = None
     fake_quant: bool | None = None  # None: the model's default (V4 off, V4.1 on)
+    # V4.1's causal encoder/decoder prefill (model_spec.md §2.9): decoder layers run only over
+    # each prompt's last window; approximate (not the reference forward), so off by default
+    ced_prefill: bool = False
 
     def validate(self) -> None:
         def need(ok: bool, name: str, rule: str) -> None:
@@ -227,5 +230,11 @@ class EngineConfig:
         frac = self.cache_memory_fraction
         need(isinstance(frac, float | int) and 0 < frac <= 1, "cache_memory_fraction", "in (0, 1]")
         need(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "a bool")
+        need(isinstance(self.ced_prefill, bool), "ced_prefill", "a bool")
+        if self.ced_prefill and self.enable_prefix_caching:
+            raise ValueError(
+                "ced_prefill=True needs enable_prefix_caching=False: a cached prefix holds no decoder "
+                "window for positions its own prompt never replayed"
+            )
         for name in ("async_scheduling", "fake_quant"):
             need(getattr(self, name) in (None, True, False), name, "None (auto) or a bool")

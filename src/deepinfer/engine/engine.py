@@ -59,7 +59,10 @@ class Engine:
         num_blocks = config.num_cache_blocks or self._blocks_for_budget(dtype)
         self.pool = BlockPool(num_blocks)
         self.scheduler = Scheduler(config, self.pool, self.layout.block_size, config.max_num_seqs)
-        self.runner = ModelRunner(model, self.layout, num_blocks, config.max_num_seqs, self.device)
+        if config.ced_prefill and getattr(model, "ced_split", None) is None:
+            raise ValueError(f"ced_prefill: {type(model).__name__} has no causal encoder/decoder split")
+        replay = self.layout.window if config.ced_prefill else None
+        self.runner = ModelRunner(model, self.layout, num_blocks, config.max_num_seqs, self.device, replay)
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._executor = (

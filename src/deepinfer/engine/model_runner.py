@@ -28,9 +28,17 @@ class PreparedStep:
 
 class ModelRunner:
     def __init__(
-        self, model: nn.Module, layout: CacheLayout, num_blocks: int, num_slots: int, device: torch.device
+        self,
+        model: nn.Module,
+        layout: CacheLayout,
+        num_blocks: int,
+        num_slots: int,
+        device: torch.device,
+        ced_replay: int | None = None,
     ) -> None:
+        """``ced_replay``: with CED prefill, how many trailing prompt tokens run the decoder."""
         self.model = model
+        self.ced_replay = ced_replay
         self.layout = layout
         self.device = device
         dtype = model.compute_dtype
@@ -54,8 +62,13 @@ class ModelRunner:
             else:
                 sample_rows.append(-1)
             row += len(offsets)
+            replay_from = 0
+            if self.ced_replay is not None and req.params.prompt_logprobs is None:
+                replay_from = max(0, prompt_len - self.ced_replay)  # prompt logprobs need every row
             seq_chunks.append(
-                SeqChunk(req.block_ids, req.slot, c.start, c.num_tokens, c.restore_overlap, offsets)
+                SeqChunk(
+                    req.block_ids, req.slot, c.start, c.num_tokens, c.restore_overlap, offsets, replay_from
+                )
             )
         positions, batch = build_forward_batch(self.layout, self.pools, seq_chunks, self.device)
         return PreparedStep(chunks, positions, batch, sample_rows, prompt_rows)

@@ -128,6 +128,7 @@ class SeqChunk:
     num_tokens: int
     restore_overlap: bool = False  # start follows a prefix-cache hit: restore the snapshot
     logits_offsets: list[int] = field(default_factory=list)  # chunk offsets needing logits
+    replay_from: int = 0  # CED prefill: positions before this run the encoder layers only
 
 
 Row = tuple[str, int]  # ("c", chunk row) | ("b", buffer-pool row) | ("o", overlap-pool row)
@@ -265,6 +266,12 @@ def build_forward_batch(
     )
     for ratio in layout.ratios:
         batch.groups[ratio] = _group_meta(layout, chunks, ratio, tokens, device)
+    if any(c.replay_from > 0 for c in chunks):
+        replay = torch.tensor([c.replay_from for c in chunks], dtype=torch.long)[seq_of_token].to(device)
+        rows = torch.nonzero(positions >= replay).squeeze(1)
+        window_valid = batch.window_valid & (window_q >= replay.unsqueeze(1))
+        if rows.numel() < positions.numel() or not torch.equal(window_valid, batch.window_valid):
+            batch.decoder_rows, batch.decoder_window_valid = rows, window_valid
     if w == 0:
         batch.full = _full_attention_meta(layout, chunks, tokens, device)
     return positions, batch

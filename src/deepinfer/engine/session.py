@@ -31,21 +31,26 @@ class Session:
         self.tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch_size)]
         self.num_tokens = 0
 
-    def feed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Append ``input_ids`` [B, S] to every sequence; return fp32 logits [B, S, V]."""
+    def feed(
+        self, input_ids: torch.Tensor, replay_from: int = 0, last_logits_only: bool = False
+    ) -> torch.Tensor:
+        """Append ``input_ids`` [B, S] to every sequence; return fp32 logits [B, S, V] (or
+        [B, 1, V] with ``last_logits_only``). ``replay_from`` > 0 runs V4.1's causal
+        encoder/decoder prefill: positions before it skip the decoder layers."""
         b, s = input_ids.shape
         if b != len(self.tables):
             raise ValueError(f"this session holds {len(self.tables)} sequences, got a batch of {b}")
         if self.num_tokens + s > self.max_len:
             raise ValueError(f"session capacity is {self.max_len} tokens; {self.num_tokens + s} requested")
+        offsets = [s - 1] if last_logits_only else list(range(s))
         chunks = [
-            SeqChunk(table, slot, self.num_tokens, s, logits_offsets=list(range(s)))
+            SeqChunk(table, slot, self.num_tokens, s, logits_offsets=offsets, replay_from=replay_from)
             for slot, table in enumerate(self.tables)
         ]
         positions, batch = build_forward_batch(self.layout, self.pools, chunks, self.device)
         logits = self.model(input_ids.reshape(-1).to(self.device), positions, batch)
         self.num_tokens += s
-        return logits.view(b, s, -1)
+        return logits.view(b, len(offsets), -1)
 
 
 def one_shot_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

@@ -111,6 +111,14 @@ class SharedKVAttention(LatentAttention):
                 key_source_dim=cfg.head_dim if owns_kv else 0,
             )
 
+    def compress(self, x: torch.Tensor, pools: LayerPools, batch: ForwardBatch) -> None:
+        """KV source only: pool this step's tokens into compressed entries and index keys."""
+        assert self.compressor is not None and self.indexer is not None
+        meta = batch.groups[self.ratio]
+        latent = self.compressor(x, pools.compressor, meta, pools.entries)
+        if latent is not None:
+            self.indexer.write_keys(latent, meta, pools.index_keys)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -118,15 +126,15 @@ class SharedKVAttention(LatentAttention):
         pools: LayerPools,
         batch: ForwardBatch,
         shared: _StepShared,
+        compressed: bool = False,
     ) -> torch.Tensor:
+        """``compressed``: this step's entries were already written by ``compress`` (CED)."""
         q, q_residual, cos, sin, window = self.project(x, positions, pools, batch)
         parts = [window]
         if self.ratio:
             meta = batch.groups[self.ratio]
-            if self.compressor is not None:
-                latent = self.compressor(x, pools.compressor, meta, pools.entries)
-                if latent is not None and self.indexer is not None:
-                    self.indexer.write_keys(latent, meta, pools.index_keys)
+            if self.compressor is not None and not compressed:
+                self.compress(x, pools, batch)
             if self.indexer is not None:
                 scores = self.indexer.scores(x, q_residual, cos, sin, pools.index_keys, meta)
                 if self.role.is_candidate_source:
@@ -178,10 +186,12 @@ class LaggedBlock(HyperConnectedBlock):
         pools: LayerPools,
         batch: ForwardBatch,
         shared: _StepShared,
+        compressed: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """streams [T, n, d], pre_mix [T, n] -> (streams, this block's FFN-site pre mix)."""
         attn_pre, post, comb = self.mixes(streams, "attn")
-        y = self.attn(self.attn_norm(hc_collapse(streams, pre_mix)), positions, pools, batch, shared)
+        x = self.attn_norm(hc_collapse(streams, pre_mix))
+        y = self.attn(x, positions, pools, batch, shared, compressed)
         streams = hc_expand(y, streams, post, comb)
         ffn_pre, post, comb = self.mixes(streams, "ffn")
         y = self.ffn(self.ffn_norm(hc_collapse(streams, attn_pre)), input_ids)
@@ -255,6 +265,7 @@ class DeepseekV41ForCausalLM(CausalLM):
         if cfg.engram_compressed_vocab_size == cfg.vocab_size:
             self.token_map = torch.arange(cfg.vocab_size)
         self._history_layer = min(cfg.engram_layer_ids) if cfg.engram_layer_ids else None
+        self.ced_split = ced_split_layer(self.plan)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -318,6 +329,15 @@ class DeepseekV41ForCausalLM(CausalLM):
             )
         return specs
 
+    def _ced_split_for(self, batch: ForwardBatch) -> int | None:
+        if batch.decoder_rows is None:
+            return None
+        if self.ced_split is None:
+            raise ValueError(
+                "ced_prefill: this model has no causal encoder/decoder split (no ratio-1 KV source)"
+            )
+        return self.ced_split
+
     def engram_ids(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
         """Hash ids [T, engram layers, cols]; records this step's compressed ids as history."""
         layout = self.engram_layout
@@ -342,14 +362,43 @@ class DeepseekV41ForCausalLM(CausalLM):
         pre_mix = first_site_pre_mix(h.shape[0], cfg.hc_mult, h.device)
         shared = _StepShared()
         slot = {layer: k for k, layer in enumerate(cfg.engram_layer_ids)}
+        narrow_at = self._ced_split_for(batch)
         for i, (layer, pools) in enumerate(zip(self.layers, batch.pools, strict=True)):
             if layer.engram is not None:
                 streams = layer.engram(streams, hash_ids[:, slot[i]])
-            streams, pre_mix = layer(streams, pre_mix, positions, input_ids, pools, batch, shared)
+            compressed = i == narrow_at
+            if compressed:  # CED: the decoder's KV source sees every row, the decoder only some
+                assert batch.decoder_rows is not None
+                layer.attn.compress(layer.attn_norm(hc_collapse(streams, pre_mix)), pools, batch)
+                rows = batch.decoder_rows
+                if rows.numel() == 0:  # every row is encoder-only: nothing left to run or return
+                    return torch.zeros(0, cfg.vocab_size, device=streams.device)
+                streams, pre_mix, positions, input_ids = (
+                    streams[rows],
+                    pre_mix[rows],
+                    positions[rows],
+                    input_ids[rows],
+                )
+                hash_ids = hash_ids[rows] if hash_ids is not None else None
+                batch = batch.decoder_batch()
+            streams, pre_mix = layer(streams, pre_mix, positions, input_ids, pools, batch, shared, compressed)
         if batch.logits_idx is not None:
             streams, pre_mix = streams[batch.logits_idx], pre_mix[batch.logits_idx]
         x = self.norm(hc_collapse(streams, pre_mix))
         return F.linear(x.float(), self.head.weight.float())
+
+
+def ced_split_layer(plan: list[LayerRole]) -> int | None:
+    """The first decoder layer of the causal encoder/decoder split (model_spec.md §1.4, §2.9):
+    the first ratio-1 layer, which must be the only KV source from there on, with no layer
+    after it pooling at a ratio > 1. None when the model has no such split."""
+    split = next((i for i, r in enumerate(plan) if r.ratio == 1), None)
+    if split is None:
+        return None
+    after = plan[split:]
+    if any(r.ratio > 1 for r in after) or any(r.ratio and r.kv_source != split for r in after):
+        return None
+    return split
 
 
 def moe_config_for_dspark(cfg: DeepseekV41Config) -> DeepseekV41Config:

@@ -13,6 +13,7 @@ index tensors by the model runner, so the layers do only gathers, math and scatt
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -102,3 +103,35 @@ class ForwardBatch:
     groups: dict[int, GroupMeta] = field(default_factory=dict)  # by ratio
     full: FullAttentionMeta | None = None  # set when the model has full-attention layers
     logits_idx: torch.Tensor | None = None  # token rows whose logits are returned (None: all)
+    # Causal encoder/decoder prefill (V4.1, optional): rows that run the decoder layers (None:
+    # every row), and the decoder's window mask, which also hides positions before each
+    # sequence's replay start (those never ran the decoder).
+    decoder_rows: torch.Tensor | None = None
+    decoder_window_valid: torch.Tensor | None = None
+
+    def decoder_batch(self) -> ForwardBatch:
+        """The per-token view of the decoder rows (compressor bookkeeping is left whole: the
+        decoder's KV source compresses every row before the batch narrows)."""
+        rows = self.decoder_rows
+        assert rows is not None and self.decoder_window_valid is not None
+        groups = {
+            r: dataclasses.replace(m, entry_idx=m.entry_idx[rows], entry_valid=m.entry_valid[rows])
+            for r, m in self.groups.items()
+        }
+        logits_idx = self.logits_idx
+        if logits_idx is not None:
+            new_row = torch.full((self.window_write.shape[0],), -1, dtype=torch.long, device=rows.device)
+            new_row[rows] = torch.arange(rows.shape[0], device=rows.device)
+            logits_idx = new_row[logits_idx]
+            if bool((logits_idx < 0).any()):
+                raise ValueError("logits were requested for a row that does not run the decoder layers")
+        return dataclasses.replace(
+            self,
+            window_idx=self.window_idx[rows],
+            window_valid=self.decoder_window_valid[rows],
+            window_write=self.window_write[rows],
+            groups=groups,
+            logits_idx=logits_idx,
+            decoder_rows=None,
+            decoder_window_valid=None,
+        )

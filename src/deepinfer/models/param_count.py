@@ -47,7 +47,11 @@ def count_parameters(model: nn.Module) -> ParameterCount:
                 routed += n
     k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
     layers = getattr(cfg, "engram_layer_ids", []) or []
-    looked_up = len(layers) * (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads * cfg.engram_head_dim if layers else 0
+    looked_up = (
+        len(layers) * (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads * cfg.engram_head_dim
+        if layers
+        else 0
+    )
     embed_rows = cfg.vocab_size * cfg.hidden_size
     active = backbone - routed + routed * k // e - embed_rows + cfg.hidden_size + engram_other + looked_up
     return ParameterCount(total, backbone, routed, tables, engram_other, draft, active)

@@ -37,9 +37,9 @@ def select_candidate_blocks(
     visible entries. The newest visible entry's block is pinned; blocks whose best score is -inf
     are never kept. Returns a bool mask [T, E].
     """
-    t, e = scores.shape
+    e = scores.shape[1]
     padded = torch.nn.functional.pad(scores, (0, -e % block), value=float("-inf"))
-    block_max = padded.view(t, -1, block).amax(dim=-1)  # [T, NB]
+    block_max = padded.unflatten(1, (-1, block)).amax(dim=-1)  # [T, NB]
     newest = torch.div(visible - 1, block, rounding_mode="floor")  # -1 when nothing is visible
     block_ids = torch.arange(block_max.shape[1], device=scores.device)
     block_max = block_max.masked_fill(block_ids.unsqueeze(0) == newest.unsqueeze(1), float("inf"))
