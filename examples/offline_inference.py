@@ -6,6 +6,7 @@ and converted once into the user's cache directory (no model hub needed).
     python examples/offline_inference.py                        # SmolLM2-135M-Instruct
     python examples/offline_inference.py --model path/to/ckpt   # any checkpoint directory
     python examples/offline_inference.py --model tiny-deepseek-v4   # tiny random V4 (noise)
+    python examples/offline_inference.py --model tiny-deepseek-v41  # tiny random V4.1 (noise)
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ QUESTIONS = [
     "Give me three tips for writing clear code.",
     "Why is the sky blue? Answer in two sentences.",
 ]
-TINY_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "tiny-deepseek-v4"
+CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
+TINY_ARCHS = {"tiny-deepseek-v4": "deepseek_v4", "tiny-deepseek-v41": "deepseek_v41"}
 
 
 def main() -> None:
@@ -33,10 +35,11 @@ def main() -> None:
     args = parser.parse_args()
 
     model = args.model
-    if model == "tiny-deepseek-v4":
-        if not (TINY_DIR / "config.json").is_file():
-            make_tiny_checkpoint(TINY_DIR, arch="deepseek_v4", seed=0)
-        model = TINY_DIR
+    if model in TINY_ARCHS:
+        tiny_dir = CHECKPOINTS / model
+        if not (tiny_dir / "config.json").is_file():
+            make_tiny_checkpoint(tiny_dir, arch=TINY_ARCHS[model], seed=0)
+        model = tiny_dir
     start = time.perf_counter()
     llm = LLM(model)
     print(f"loaded {llm.path} in {time.perf_counter() - start:.1f}s")

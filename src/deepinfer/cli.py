@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
+from deepinfer.testing import TINY_CONFIGS
+
 
 def _make_tiny(args: argparse.Namespace) -> int:
     from deepinfer.testing import make_tiny_checkpoint
@@ -189,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random checkpoint (no network needed)")
     tiny.add_argument("path")
-    tiny.add_argument("--arch", default="deepseek_v4")
+    tiny.add_argument("--arch", default="deepseek_v4", choices=sorted(TINY_CONFIGS))
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     tiny.add_argument("--quant", choices=["none", "fp8"], default="none")
