@@ -95,16 +95,21 @@ class DeepseekV4Config:
             )
         if len(self.hash_layers) != n:
             raise CheckpointError("config.json: num_hash_layers/mlp_layer_types does not cover every layer")
-        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.head_dim:
-            raise CheckpointError(
-                f"config.json: qk_rope_head_dim={self.qk_rope_head_dim} must be even and <= head_dim"
-            )
-        if (self.num_attention_heads * self.head_dim) % self.o_groups:
-            raise CheckpointError("config.json: num_attention_heads*head_dim must be divisible by o_groups")
-        if self.num_experts_per_tok > self.n_routed_experts:
-            raise CheckpointError("config.json: num_experts_per_tok exceeds n_routed_experts")
-        if self.scoring_func not in ("sqrtsoftplus", "softmax", "sigmoid"):
-            raise CheckpointError(f"config.json: unsupported scoring_func {self.scoring_func!r}")
+        check_shared_fields(self)
+
+
+def check_shared_fields(cfg: Any) -> None:
+    """Rules V4 and V4.1 share (same field names): RoPE width, output groups, routing."""
+    if cfg.qk_rope_head_dim % 2 or cfg.qk_rope_head_dim > cfg.head_dim:
+        raise CheckpointError(
+            f"config.json: qk_rope_head_dim={cfg.qk_rope_head_dim} must be even and <= head_dim ({cfg.head_dim})"
+        )
+    if (cfg.num_attention_heads * cfg.head_dim) % cfg.o_groups:
+        raise CheckpointError("config.json: num_attention_heads*head_dim must be divisible by o_groups")
+    if cfg.num_experts_per_tok > cfg.n_routed_experts:
+        raise CheckpointError("config.json: num_experts_per_tok exceeds n_routed_experts")
+    if cfg.scoring_func not in ("sqrtsoftplus", "softmax", "sigmoid"):
+        raise CheckpointError(f"config.json: unsupported scoring_func {cfg.scoring_func!r}")
 
 
 def _ratio_to_kind(ratio: int, csa: int, hca: int) -> str:
@@ -149,25 +154,9 @@ def deepseek_v4_config_from_dict(raw: dict[str, Any]) -> DeepseekV4Config:
         n_hash = int(raw.get("num_hash_layers", 0) or 0)
         cfg.hash_layers = [i < n_hash for i in range(n)]
 
-    rope = raw.get("rope_scaling") or {}
-    params = raw.get("rope_parameters") or {}
-    if isinstance(params.get("compress"), dict):
-        rope = params["compress"]
-        cfg.compress_rope_theta = float(rope.get("rope_theta", cfg.compress_rope_theta))
-        if isinstance(params.get("main"), dict):
-            cfg.rope_theta = float(params["main"].get("rope_theta", cfg.rope_theta))
+    cfg.yarn = parse_compress_rope(raw, cfg)
     if "partial_rotary_factor" in raw and "qk_rope_head_dim" not in raw:
         cfg.qk_rope_head_dim = int(cfg.head_dim * float(raw["partial_rotary_factor"]))
-    rope_type = rope.get("rope_type", rope.get("type"))
-    if rope_type == "yarn":
-        cfg.yarn = YarnParams(
-            factor=float(rope["factor"]),
-            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-            beta_fast=float(rope.get("beta_fast") or 32),
-            beta_slow=float(rope.get("beta_slow") or 1),
-        )
-    elif rope_type not in (None, "default"):
-        raise CheckpointError(f"config.json: unsupported rope scaling type {rope_type!r}")
 
     eos = raw.get("eos_token_id", 1)
     cfg.eos_token_id = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
@@ -176,6 +165,30 @@ def deepseek_v4_config_from_dict(raw: dict[str, Any]) -> DeepseekV4Config:
     cfg.architecture = archs[0]
     cfg.validate()
     return cfg
+
+
+def parse_compress_rope(raw: dict[str, Any], cfg: Any) -> YarnParams | None:
+    """YaRN of the compressed layers, from ``rope_scaling`` (released spelling) or
+    ``rope_parameters`` (transformers: ``{main, compress}``, which also carry the two thetas,
+    written into ``cfg``). Shared by V4 and V4.1."""
+    rope = raw.get("rope_scaling") or {}
+    params = raw.get("rope_parameters") or {}
+    if isinstance(params.get("compress"), dict):
+        rope = params["compress"]
+        cfg.compress_rope_theta = float(rope.get("rope_theta", cfg.compress_rope_theta))
+        if isinstance(params.get("main"), dict):
+            cfg.rope_theta = float(params["main"].get("rope_theta", cfg.rope_theta))
+    rope_type = rope.get("rope_type", rope.get("type"))
+    if rope_type == "yarn":
+        return YarnParams(
+            factor=float(rope["factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+            beta_fast=float(rope.get("beta_fast") or 32),
+            beta_slow=float(rope.get("beta_slow") or 1),
+        )
+    if rope_type not in (None, "default"):
+        raise CheckpointError(f"config.json: unsupported rope scaling type {rope_type!r}")
+    return None
 
 
 def load_config_json(path: str | Path) -> dict[str, Any]:

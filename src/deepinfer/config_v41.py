@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from deepinfer.config import YarnParams
+from deepinfer.config import YarnParams, check_shared_fields, parse_compress_rope
 from deepinfer.errors import CheckpointError
 
 # Flat reference names (inference/config.json) -> our (transformers-style) names.
@@ -113,16 +113,9 @@ class DeepseekV41Config:
 
     def validate(self) -> None:
         layer_plan(self)  # raises on any broken role rule
-        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.head_dim:
-            _fail("qk_rope_head_dim", f"must be even and <= head_dim ({self.head_dim})")
+        check_shared_fields(self)
         if self.qk_rope_head_dim > self.index_head_dim:
             _fail("qk_rope_head_dim", f"must be <= index_head_dim ({self.index_head_dim})")
-        if (self.num_attention_heads * self.head_dim) % self.o_groups:
-            _fail("o_groups", "must divide num_attention_heads * head_dim")
-        if self.num_experts_per_tok > self.n_routed_experts:
-            _fail("num_experts_per_tok", f"exceeds n_routed_experts ({self.n_routed_experts})")
-        if self.scoring_func not in ("sqrtsoftplus", "softmax", "sigmoid"):
-            _fail("scoring_func", f"unsupported value {self.scoring_func!r}")
         if self.candidate_block_size < 1 or self.candidate_topk_blocks < 1:
             _fail("candidate_block_size", "and candidate_topk_blocks must be >= 1")
         self._validate_engram()
@@ -166,6 +159,7 @@ def _fail(name: str, rule: str) -> None:
 class LayerRole:
     """What one backbone layer computes and reads (model_spec.md §1.4)."""
 
+    layer: int
     ratio: int  # 0: sliding window only
     kv_source: int | None  # layer whose compressed entries this layer reads
     index_source: int | None  # layer whose top-k this layer uses (itself if it scores)
@@ -174,12 +168,14 @@ class LayerRole:
     engram: bool
 
     @property
-    def owns_compressor(self) -> bool:
-        return self.ratio > 0 and self.kv_source is not None and self.kv_source == self.index_source_self
+    def owns_kv(self) -> bool:
+        """A KV source: owns the compressor, the compressed cache and the index keys."""
+        return self.ratio > 0 and self.kv_source == self.layer
 
     @property
-    def index_source_self(self) -> int | None:
-        return self.index_source
+    def scores_topk(self) -> bool:
+        """An index source: runs its own indexer queries and top-k."""
+        return self.ratio > 0 and self.index_source == self.layer
 
 
 def layer_plan(cfg: DeepseekV41Config) -> list[LayerRole]:
@@ -210,7 +206,7 @@ def layer_plan(cfg: DeepseekV41Config) -> list[LayerRole]:
         if r == 0:
             if i in index_sources:
                 _fail("index_source_layer_ids", f"layer {i} has compress ratio 0 and cannot score top-k")
-            roles.append(LayerRole(0, None, None, False, False, i in cfg.engram_layer_ids))
+            roles.append(LayerRole(i, 0, None, None, False, False, i in cfg.engram_layer_ids))
             continue
         kv = max((s for s in kv_sources if s <= i), default=None)
         if kv is None:
@@ -226,7 +222,7 @@ def layer_plan(cfg: DeepseekV41Config) -> list[LayerRole]:
         uses = cand is not None and idx > cand
         if uses and ratios[cand] != r:
             _fail("compress_ratios", f"layer {i} uses candidates of layer {cand}, which has another ratio")
-        roles.append(LayerRole(r, kv, idx, uses, i == cand, i in cfg.engram_layer_ids))
+        roles.append(LayerRole(i, r, kv, idx, uses, i == cand, i in cfg.engram_layer_ids))
     return roles
 
 
@@ -287,32 +283,16 @@ def _check_types(cfg: DeepseekV41Config) -> None:
 
 
 def _yarn(text: dict[str, Any], cfg: DeepseekV41Config) -> YarnParams | None:
-    """YaRN of the compressed layers from ``rope_scaling`` / ``rope_parameters`` or flat names."""
-    rope = text.get("rope_scaling") or {}
-    params = text.get("rope_parameters") or {}
-    if isinstance(params.get("compress"), dict):
-        rope = params["compress"]
-        cfg.compress_rope_theta = float(rope.get("rope_theta", cfg.compress_rope_theta))
-        if isinstance(params.get("main"), dict):
-            cfg.rope_theta = float(params["main"].get("rope_theta", cfg.rope_theta))
-    if not rope and "rope_factor" in text:  # flat reference names
-        rope = {
-            "type": "yarn",
-            "factor": text["rope_factor"],
-            "original_max_position_embeddings": text.get("original_seq_len", 65536),
-            "beta_fast": text.get("beta_fast", 32),
-            "beta_slow": text.get("beta_slow", 1),
+    """YaRN of the compressed layers; the flat reference config spells it ``rope_factor``,
+    ``original_seq_len``, ``beta_fast``, ``beta_slow``."""
+    if "rope_factor" in text and not (text.get("rope_scaling") or text.get("rope_parameters")):
+        text = {
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": text["rope_factor"],
+                "original_max_position_embeddings": text.get("original_seq_len", 65536),
+                "beta_fast": text.get("beta_fast", 32),
+                "beta_slow": text.get("beta_slow", 1),
+            }
         }
-    rope_type = rope.get("rope_type", rope.get("type"))
-    if rope_type == "yarn":
-        if float(rope["factor"]) <= 1.0:
-            return None
-        return YarnParams(
-            factor=float(rope["factor"]),
-            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-            beta_fast=float(rope.get("beta_fast") or 32),
-            beta_slow=float(rope.get("beta_slow") or 1),
-        )
-    if rope_type not in (None, "default"):
-        raise CheckpointError(f"config.json: unsupported rope scaling type {rope_type!r}")
-    return None
+    return parse_compress_rope(text, cfg)

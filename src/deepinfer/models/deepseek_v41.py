@@ -63,16 +63,10 @@ class SharedKVAttention(LatentAttention):
     index source."""
 
     def __init__(
-        self, cfg: DeepseekV41Config, layer: int, role: LayerRole, main_rope: Rotary, compress_rope: Rotary
+        self, cfg: DeepseekV41Config, role: LayerRole, main_rope: Rotary, compress_rope: Rotary
     ) -> None:
         super().__init__(
-            cfg.hidden_size,
-            cfg.num_attention_heads,
-            cfg.head_dim,
-            cfg.q_lora_rank,
-            cfg.o_groups,
-            cfg.o_lora_rank,
-            cfg.rms_norm_eps,
+            *LatentAttention.dims(cfg),
             compress_rope if role.ratio else main_rope,
             cfg.fake_quant,
             q_head_norm=False,
@@ -83,7 +77,7 @@ class SharedKVAttention(LatentAttention):
             cfg.candidate_topk_blocks,
             cfg.candidate_block_size,
         )
-        owns_kv = role.ratio > 0 and role.kv_source == layer
+        owns_kv = role.owns_kv
         self.compressor: Compressor | None = None
         self.indexer: SharedIndexer | None = None
         if owns_kv:
@@ -98,7 +92,7 @@ class SharedKVAttention(LatentAttention):
                 quantize,
                 position_bias=False,
             )
-        if role.ratio > 0 and role.index_source == layer:
+        if role.scores_topk:
             self.indexer = SharedIndexer(
                 cfg.hidden_size,
                 cfg.q_lora_rank,
@@ -160,7 +154,6 @@ class LaggedBlock(HyperConnectedBlock):
     def __init__(
         self,
         cfg: DeepseekV41Config,
-        layer: int,
         role: LayerRole,
         main_rope: Rotary,
         compress_rope: Rotary,
@@ -168,7 +161,7 @@ class LaggedBlock(HyperConnectedBlock):
         moe_cfg: DeepseekV41Config | None = None,
     ) -> None:
         super().__init__(cfg.hidden_size, cfg.hc_mult, cfg.rms_norm_eps, cfg.hc_sinkhorn_iters, cfg.hc_eps)
-        self.attn = SharedKVAttention(cfg, layer, role, main_rope, compress_rope)
+        self.attn = SharedKVAttention(cfg, role, main_rope, compress_rope)
         self.ffn = MoE(moe_cfg or cfg, 0)
         self.engram: Engram | None = None
         if engram_rows:
@@ -252,7 +245,7 @@ class DeepseekV41ForCausalLM(CausalLM):
         h = cfg.hidden_size
         self.embed = nn.Embedding(cfg.vocab_size, h)
         self.layers = nn.ModuleList(
-            LaggedBlock(cfg, i, role, main_rope, compress_rope, rows.get(i, 0))
+            LaggedBlock(cfg, role, main_rope, compress_rope, rows.get(i, 0))
             for i, role in enumerate(self.plan)
         )
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
@@ -315,7 +308,7 @@ class DeepseekV41ForCausalLM(CausalLM):
         cfg = self.config
         specs = []
         for i, role in enumerate(self.plan):
-            owns = role.ratio > 0 and role.kv_source == i
+            owns = role.owns_kv
             specs.append(
                 LayerCacheSpec(
                     window=cfg.sliding_window,

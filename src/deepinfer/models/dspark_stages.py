@@ -47,11 +47,9 @@ def build_dspark_stages(cfg: DeepseekV41Config, main_rope: Rotary) -> nn.ModuleL
     if not n or not cfg.dspark_block_size:
         return stages
     moe_cfg = moe_config_for_dspark(cfg)
-    window_only = LayerRole(0, None, None, False, False, False)
     for k in range(n):
-        stage: LaggedBlock = LaggedBlock(
-            cfg, cfg.num_hidden_layers + k, window_only, main_rope, main_rope, 0, moe_cfg
-        )
+        window_only = LayerRole(cfg.num_hidden_layers + k, 0, None, None, False, False, False)
+        stage: LaggedBlock = LaggedBlock(cfg, window_only, main_rope, main_rope, 0, moe_cfg)
         if k == 0:
             stage.main_proj = nn.Linear(
                 cfg.hidden_size * len(cfg.dspark_target_layer_ids), cfg.hidden_size, bias=False

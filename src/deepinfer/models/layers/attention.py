@@ -85,6 +85,19 @@ class LatentAttention(nn.Module):
         self.wo_b = nn.Linear(o_groups * o_rank, hidden, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(n_heads, dtype=torch.float32))
 
+    @staticmethod
+    def dims(cfg) -> tuple[int, int, int, int, int, int, float]:
+        """The shape arguments, read from a V4 or V4.1 config (they share the field names)."""
+        return (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.head_dim,
+            cfg.q_lora_rank,
+            cfg.o_groups,
+            cfg.o_lora_rank,
+            cfg.rms_norm_eps,
+        )
+
     def project(
         self, x: torch.Tensor, positions: torch.Tensor, pools: LayerPools, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -128,13 +141,7 @@ class Attention(LatentAttention):
     def __init__(self, cfg: DeepseekV4Config, layer: int, main_rope: Rotary, compress_rope: Rotary) -> None:
         kind = cfg.layer_kinds[layer]
         super().__init__(
-            cfg.hidden_size,
-            cfg.num_attention_heads,
-            cfg.head_dim,
-            cfg.q_lora_rank,
-            cfg.o_groups,
-            cfg.o_lora_rank,
-            cfg.rms_norm_eps,
+            *LatentAttention.dims(cfg),
             main_rope if kind not in (CSA, HCA) else compress_rope,
             cfg.fake_quant,
             q_head_norm=True,

@@ -20,6 +20,7 @@ survives chunked prefill, decode, preemption and prefix-cache hits.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -142,15 +143,22 @@ class EngramLayout:
         return [sum(row) for row in self.primes]
 
 
+@functools.lru_cache(maxsize=8)
+def _layout_tensors(layout: EngramLayout, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Multipliers [L, n], primes and offsets [L, cols] as int64 tensors, made once per device."""
+    return tuple(
+        torch.tensor(v, dtype=torch.long, device=device)
+        for v in (layout.multipliers, layout.primes, layout.offsets)
+    )
+
+
 def engram_hash_ids(history: torch.Tensor, layout: EngramLayout, pad: int) -> torch.Tensor:
     """Hash ids [T, layers, cols] from ``history`` [T, max_ngram] of compressed ids, column s
     holding the token s positions back (``DEAD`` where there is none). A dead look-back, and
     every longer one after it, reads as ``pad``; ids include each column's table offset."""
     blocked = torch.cummax((history < 0).long(), dim=1).values.bool()
     toks = torch.where(blocked, torch.full_like(history, pad), history)
-    mult = torch.tensor(layout.multipliers, dtype=torch.long, device=history.device)  # [L, n]
-    primes = torch.tensor(layout.primes, dtype=torch.long, device=history.device)  # [L, cols]
-    offsets = torch.tensor(layout.offsets, dtype=torch.long, device=history.device)
+    mult, primes, offsets = _layout_tensors(layout, history.device)
     products = toks.unsqueeze(1) * mult.unsqueeze(0)  # [T, L, n]
     rolling = products[..., 0]
     cols = []
