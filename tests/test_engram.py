@@ -97,16 +97,17 @@ def _recorded_ids(model, tokens: torch.Tensor, splits: list[int]) -> torch.Tenso
     return torch.cat(seen, dim=1)
 
 
-@pytest.mark.parametrize("splits", [[1], [2], [3], [5], [9], [17, 18], [4, 13, 21], [30]])
-def test_hash_ids_equal_a_literal_reimplementation_across_splits(model, splits):
-    rng = random.Random(sum(splits))
-    tokens = torch.tensor([[rng.randrange(model.config.vocab_size) for _ in range(30)] for _ in range(2)])
-    got = _recorded_ids(model, tokens, splits)
+def test_hash_ids_equal_a_literal_reimplementation_across_splits(model):
+    """Every prefill length 1..24 then decode, and a few multi-chunk prefills."""
     cfg = model.config
     layout = engram_layout(cfg)
-    for k, layer in enumerate(cfg.engram_layer_ids):
-        expected = engram_hash(tokens, model.token_map, layer, layout, cfg)
-        assert torch.equal(got[:, :, k], expected), (splits, layer)
+    rng = random.Random(0)
+    tokens = torch.tensor([[rng.randrange(cfg.vocab_size) for _ in range(24)] for _ in range(2)])
+    expected = [engram_hash(tokens, model.token_map, layer, layout, cfg) for layer in cfg.engram_layer_ids]
+    for splits in [[s] for s in range(1, 25)] + [[2, 3], [4, 13, 21], [1, 2, 3, 9]]:
+        got = _recorded_ids(model, tokens, splits)
+        for k, layer in enumerate(cfg.engram_layer_ids):
+            assert torch.equal(got[:, :, k], expected[k]), (splits, layer)
 
 
 def test_tiny_model_uses_the_tokenizer_map(model):
