@@ -179,7 +179,8 @@ def _check_dtype(name: str, file: Path, tensor: torch.Tensor, expected: torch.Te
 def load_weights(model: nn.Module, path: Path, dtype: torch.dtype, device: torch.device, quant: Any) -> None:
     """Fill a meta-device ``model`` from the checkpoint at ``path`` (strict: all and only)."""
     reader = _Reader(checkpoint_files(path))
-    expected = dict(model.named_parameters()) | dict(model.named_buffers())
+    persistent = set(model.state_dict(keep_vars=True))  # not runtime buffers (stacked experts)
+    expected = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()] if n in persistent}
     missing = sorted(n for n in expected if n not in reader.names)
     if missing:
         shown = ", ".join(repr(n) for n in missing[:5])
@@ -252,7 +253,11 @@ def _keep_stored(model: nn.Module, reader: _Reader, name: str, device: torch.dev
 def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     owner_name, _, leaf = name.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
-    if leaf in owner._parameters:
+    current = owner._parameters.get(leaf)
+    if current is not None and not current.is_meta:  # preallocated storage (a stacked view)
+        with torch.no_grad():
+            current.copy_(tensor)
+    elif leaf in owner._parameters:
         owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
     else:
         owner._buffers[leaf] = tensor
@@ -287,9 +292,13 @@ def load_model(
         cfg.fake_quant = fake_quant
     with torch.device("meta"):
         model = cls(cfg)
+    for module in model.modules():  # MoE: experts load straight into stacked per-layer tensors
+        if hasattr(module, "allocate_stacked_experts"):
+            module.allocate_stacked_experts(dtype, torch.device(device))
     load_weights(model, path, dtype, torch.device(device), raw.get("quantization_config"))
     if hasattr(model, "post_load"):
         model.post_load()
+
     if hasattr(model, "bind_checkpoint"):
         model.bind_checkpoint(path)
     return model.eval()

@@ -2,7 +2,8 @@
 
 Routing scores are ``sqrt(softplus(logits))`` (or softmax/sigmoid); a learned bias shifts the
 *selection* only; the selected scores are normalised and scaled by ``routed_scaling_factor``.
-Hash layers select experts with a frozen ``tid2eid[token]`` table instead.
+Hash layers select experts with a frozen ``tid2eid[token]`` table instead. The routed experts
+run as one custom op (``deepinfer::routed_experts``, kernels/moe.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.config import DeepseekV4Config
+from deepinfer.kernels.moe import routed_experts
 
 
 class Expert(nn.Module):
@@ -68,22 +70,37 @@ class MoE(nn.Module):
         self.gate = Gate(cfg, hashed=cfg.hash_layers[layer])
         self.experts = nn.ModuleList(Expert(h, inter, cfg.swiglu_limit) for _ in range(cfg.n_routed_experts))
         self.shared_experts = Expert(h, inter * cfg.n_shared_experts, cfg.swiglu_limit)
+        self.limit = cfg.swiglu_limit
+        # The experts' weights stacked per expert ([E, I, d], [E, d, I], [E, I, d]), made once
+        # after loading; each expert's own weight is then a view into them (no second copy).
+        self.register_buffer("w1_stacked", None, persistent=False)
+        self.register_buffer("w2_stacked", None, persistent=False)
+        self.register_buffer("w3_stacked", None, persistent=False)
+
+    @torch.no_grad()
+    def stack_experts(self) -> None:
+        """Stack the experts' current weights (models built in memory, not loaded)."""
+        for name in ("w1", "w2", "w3"):
+            self._adopt(name, torch.stack([getattr(e, name).weight for e in self.experts]))
+
+    def allocate_stacked_experts(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Before loading: empty stacked tensors whose slices the loader fills in place."""
+        for name in ("w1", "w2", "w3"):
+            shape = (len(self.experts), *getattr(self.experts[0], name).weight.shape)
+            self._adopt(name, torch.empty(shape, dtype=dtype, device=device))
+
+    def _adopt(self, name: str, stacked: torch.Tensor) -> None:
+        setattr(self, f"{name}_stacked", stacked)
+        for i, expert in enumerate(self.experts):
+            getattr(expert, name).weight = nn.Parameter(stacked[i], requires_grad=False)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids = self.gate(flat, input_ids)
-        # Sort the (token, expert) assignments by expert so each expert sees one contiguous
-        # slice: one gather before the loop and one scatter after it, no per-expert search.
-        order = ids.flatten().argsort(stable=True)
-        counts = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
-        token_of = order // ids.shape[1]
-        picked = flat[token_of]
-        outs, start = [], 0
-        for e, count in enumerate(counts):
-            if count:
-                outs.append(self.experts[e](picked[start : start + count]))
-                start += count
-        routed_out = torch.cat(outs) * weights.flatten()[order].unsqueeze(1).to(flat.dtype)
-        routed = torch.zeros_like(flat).index_add_(0, token_of, routed_out)
+        if self.w1_stacked is None:
+            self.stack_experts()
+        routed = routed_experts(
+            flat, weights, ids, self.w1_stacked, self.w2_stacked, self.w3_stacked, self.limit
+        )
         return (routed + self.shared_experts(flat)).view(shape)

@@ -1,0 +1,66 @@
+"""Routed-expert compute of a MoE layer as one custom op: ``deepinfer::routed_experts``.
+
+Inputs are the tokens, the router's choice (expert ids and weights, ``k`` per token) and the
+experts' SwiGLU weights stacked per expert. The reference implementation sorts the
+(token, expert) pairs by expert so each active expert runs one matmul over a contiguous slice;
+it runs on every device. Its loop depends on how many tokens each expert got, which a tracer
+cannot follow, so the op is opaque to ``torch.compile``: the gate before it and the shared
+expert after it stay in the compiled graph, and no graph break is left in a MoE layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.library.custom_op("deepinfer::routed_experts", mutates_args=())
+def routed_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """x [N, d], weights/ids [N, k], w1/w3 [E, I, d], w2 [E, d, I] -> [N, d] in x's dtype.
+
+    ``sum_j weights[n, j] * w2_e(silu(min(w1_e x, limit)) * clamp(w3_e x, -limit, limit))``
+    with ``e = ids[n, j]``.
+    """
+    return reference(x, weights, ids, w1, w2, w3, limit)
+
+
+@routed_experts.register_fake
+def _(x, weights, ids, w1, w2, w3, limit):
+    return torch.empty_like(x)
+
+
+def reference(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """Sorted dispatch: one gather, one matmul chain per active expert, one scatter-add."""
+    flat_ids = ids.flatten()
+    order = flat_ids.argsort(stable=True)
+    counts = torch.bincount(flat_ids, minlength=w1.shape[0]).tolist()
+    token_of = order // ids.shape[1]
+    picked = x[token_of]
+    outs, start = [], 0
+    for e, count in enumerate(counts):
+        if count:
+            rows = picked[start : start + count]
+            gate = F.linear(rows, w1[e]).clamp(max=limit)
+            up = F.linear(rows, w3[e]).clamp(min=-limit, max=limit)
+            outs.append(F.linear(F.silu(gate) * up, w2[e]))
+            start += count
+    if not outs:
+        return torch.zeros_like(x)
+    routed = torch.cat(outs) * weights.flatten()[order].unsqueeze(1).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, token_of, routed)
