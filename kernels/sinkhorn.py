@@ -34,8 +34,22 @@ def _numpy(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return torch.from_numpy(c)
 
 
-def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """fp32 [..., n, n] logits -> doubly-stochastic (up to eps) mixing matrices."""
-    if comb.device.type == "cpu" and comb.dtype == torch.float32 and not comb.requires_grad:
+@torch.library.custom_op("deepinfer::sinkhorn", mutates_args=())
+def sinkhorn_op(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """The custom op: opaque to ``torch.compile``, so the 2 * iters normalisations of every
+    mHC site do not unroll into the traced graph (they are per-op overhead, not math)."""
+    if comb.device.type == "cpu" and comb.dtype == torch.float32:
         return _numpy(comb.contiguous(), iters, eps)
     return reference(comb, iters, eps)
+
+
+@sinkhorn_op.register_fake
+def _(comb, iters, eps):
+    return torch.empty_like(comb)
+
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """fp32 [..., n, n] logits -> doubly-stochastic (up to eps) mixing matrices."""
+    if comb.requires_grad:
+        return reference(comb, iters, eps)
+    return sinkhorn_op(comb, iters, eps)
