@@ -56,10 +56,73 @@ def test_release_formats_are_stored(fp8_ckpt):
     assert raw["layers.0.ffn.experts.0.w1.weight"].dtype == torch.int8
     assert raw["layers.0.ffn.experts.0.w1.scale"].shape == (64, 256 // 32)
     assert raw["mtp.0.main_proj.weight"].dtype == torch.float8_e4m3fn
-    assert raw["layers.2.attn.compressor.wkv.weight"].dtype == torch.float32  # kept fp32
+    assert raw["layers.2.attn.compressor.wkv.weight"].dtype == torch.bfloat16  # as released
+    bf16 = load_model(fp8_ckpt, dtype=torch.bfloat16)
+    assert bf16.layers[2].attn.compressor.wkv.weight.dtype == torch.float32  # ratio 2 pools in fp32
+    assert bf16.layers[4].attn.compressor.wkv.weight.dtype == torch.bfloat16  # ratio 1: plain projection
+    assert (
+        bf16.head.weight.dtype == torch.float32
+        and bf16.layers[1].engram.embed.weight.dtype == torch.float8_e4m3fn
+    )
 
 
 def test_fp8_checkpoint_matches_its_dequantized_twin(fp8_ckpt, tmp_path):
+    _compare_with_twin(fp8_ckpt, tmp_path)
+
+
+def test_engram_rows_with_several_scale_blocks(tmp_path):
+    """Engram head_dim 64: two ue8m0 scales per row, so their order matters."""
+    ckpt = make_tiny_checkpoint(tmp_path / "q", arch="deepseek_v41", seed=4, quant="fp8", engram_head_dim=64)
+    assert load_file(str(ckpt / "model.safetensors"))["layers.1.engram.embed.scale"].shape == (152, 2)
+    _compare_with_twin(ckpt, tmp_path / "twin")
+
+
+def test_flat_reference_config_loads_the_fp8_checkpoint(fp8_ckpt, tmp_path):
+    """``inference/config.json`` names (no quantization_config block; ``dtype: fp8``) still
+    read the 32x32 weight blocks."""
+    shutil.copytree(fp8_ckpt, tmp_path, dirs_exist_ok=True)
+    text = json.loads((fp8_ckpt / "config.json").read_text())["text_config"]
+    flat = {
+        "dim": text["hidden_size"],
+        "n_layers": text["num_hidden_layers"],
+        "n_heads": text["num_attention_heads"],
+        "moe_inter_dim": text["moe_intermediate_size"],
+        "n_activated_experts": text["num_experts_per_tok"],
+        "rope_head_dim": text["qk_rope_head_dim"],
+        "norm_eps": text["rms_norm_eps"],
+        "window_size": text["sliding_window"],
+        "kv_source_layers": text["kv_source_layer_ids"],
+        "index_source_layers": text["index_source_layer_ids"],
+        "candidate_source_layer": text["candidate_source_layer_id"],
+        "n_mtp_layers": text["num_nextn_predict_layers"],
+        "engram_pad_id": text["engram_pad_token_id"],
+        "dspark_n_activated_experts": text["dspark_num_experts_per_tok"],
+        "rope_factor": text["rope_scaling"]["factor"],
+        "original_seq_len": text["rope_scaling"]["original_max_position_embeddings"],
+        "dtype": "fp8",
+        "weight_block_size": [32, 32],
+    }
+    renamed = set(flat) | {"hidden_size", "num_hidden_layers", "num_attention_heads", "moe_intermediate_size"}
+    flat |= {k: v for k, v in text.items() if k not in renamed and k not in ("rope_scaling", "model_type")}
+    for ours in (
+        "num_experts_per_tok",
+        "qk_rope_head_dim",
+        "rms_norm_eps",
+        "sliding_window",
+        "kv_source_layer_ids",
+    ):
+        flat.pop(ours)
+    for ours in ("index_source_layer_ids", "candidate_source_layer_id", "num_nextn_predict_layers"):
+        flat.pop(ours)
+    flat.pop("engram_pad_token_id")
+    flat.pop("dspark_num_experts_per_tok")
+    (tmp_path / "config.json").write_text(json.dumps(flat))
+    ids = torch.randint(0, 258, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(load_model(tmp_path)(ids), load_model(fp8_ckpt)(ids))
+
+
+def _compare_with_twin(fp8_ckpt, tmp_path) -> None:
     _dequantized_twin(fp8_ckpt, tmp_path)
     ids = torch.randint(0, 258, (2, 37), generator=torch.Generator().manual_seed(0))
     quantized_model = load_model(fp8_ckpt)

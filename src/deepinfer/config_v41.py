@@ -45,6 +45,7 @@ class DeepseekV41Config:
     hidden_size: int = 5120
     num_hidden_layers: int = 40
     num_attention_heads: int = 64
+    num_key_value_heads: int = 1
     head_dim: int = 512
     qk_rope_head_dim: int = 64
     q_lora_rank: int = 1280
@@ -116,6 +117,8 @@ class DeepseekV41Config:
         check_shared_fields(self)
         if self.qk_rope_head_dim > self.index_head_dim:
             _fail("qk_rope_head_dim", f"must be <= index_head_dim ({self.index_head_dim})")
+        if self.num_key_value_heads != 1:
+            _fail("num_key_value_heads", f"must be 1 (one shared K=V latent), got {self.num_key_value_heads}")
         if self.candidate_block_size < 1 or self.candidate_topk_blocks < 1:
             _fail("candidate_block_size", "and candidate_topk_blocks must be >= 1")
         self._validate_engram()
@@ -219,7 +222,7 @@ def layer_plan(cfg: DeepseekV41Config) -> list[LayerRole]:
                 f"layer {i} has ratio {r} but its KV source (layer {kv}) has ratio {ratios[kv]}",
             )
         idx = max(s for s in index_sources if s <= i)  # kv itself qualifies
-        uses = cand is not None and idx > cand
+        uses = cand is not None and idx == i and i > cand  # only scoring layers mask
         if uses and ratios[cand] != r:
             _fail("compress_ratios", f"layer {i} uses candidates of layer {cand}, which has another ratio")
         roles.append(LayerRole(i, r, kv, idx, uses, i == cand, i in cfg.engram_layer_ids))

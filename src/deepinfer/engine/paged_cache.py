@@ -47,16 +47,16 @@ class CacheLayout:
 
     def block_bytes(self, dtype: torch.dtype) -> int:
         """Bytes one block costs across all layers (window, entries, keys, snapshots)."""
-        elems = 0
+        elems = fp32_elems = 0
         for s in self.specs:
             elems += self.block_size * s.kv_dim * (2 if s.separate_values else 1)
             if s.ratio and s.shared_from is None:
                 per = self.block_size // s.ratio
                 elems += per * (s.kv_dim + s.index_dim)
-                if s.overlap:
-                    elems += 2 * s.ratio * (s.compressor_width + s.index_width)
+                if s.overlap:  # overlap snapshots, fp32
+                    fp32_elems += 2 * s.ratio * (s.compressor_width + s.index_width)
         token_bytes = sum(self.block_size * 8 for s in self.specs if s.token_ids)
-        return elems * torch.empty(0, dtype=dtype).element_size() + token_bytes
+        return elems * torch.empty(0, dtype=dtype).element_size() + fp32_elems * 4 + token_bytes
 
     def slot_bytes(self, dtype: torch.dtype) -> int:
         """Bytes one sequence slot costs (partial-group buffers and live overlap)."""
@@ -65,7 +65,7 @@ class CacheLayout:
             if s.ratio and s.shared_from is None:
                 copies = 2 if s.overlap else 1
                 elems += copies * 2 * s.ratio * (s.compressor_width + s.index_width)
-        return elems * torch.empty(0, dtype=dtype).element_size()
+        return elems * 4  # compressor state is fp32
 
 
 def _compressor_pools(
@@ -86,19 +86,25 @@ def allocate_pools(
 ) -> list[LayerPools]:
     """Physical pools for ``num_blocks`` blocks and ``num_slots`` sequences.
 
-    The per-token pools (window K=V, or K and V) are left uninitialised: they are the bulk of
-    the budget, and a row is only ever read after its own sequence wrote it (gathers clamp
-    out-of-range positions to position 0 of the same sequence). Entry pools are zeroed:
-    masked entries past a sequence's end are gathered and must be finite.
+    Every pool starts zeroed: masked rows are still gathered (a masked score is zeroed, and
+    ``0 * NaN`` would poison the sum), and some masked rows were never written by their
+    sequence (V4.1's CED prefill skips the decoder layers' window rows before the replay);
+    a row left by an earlier owner of the block is finite. Compressor state stays fp32 (V4.1
+    pools in fp32, and a group split across steps must not round half of itself).
     """
+    for i, spec in enumerate(layout.specs):
+        src = spec.shared_from
+        owner = layout.specs[src] if src is not None and 0 <= src < i else None
+        if src is not None and (owner is None or owner.shared_from is not None or owner.ratio != spec.ratio):
+            raise ValueError(f"cache_spec: layer {i} shares the entries of layer {src}, not an earlier owner")
     pools: list[LayerPools] = []
     bs = layout.block_size
     for s in layout.specs:
-        layer = LayerPools(window=torch.empty(num_blocks * bs, s.kv_dim, dtype=dtype, device=device))
+        layer = LayerPools(window=torch.zeros(num_blocks * bs, s.kv_dim, dtype=dtype, device=device))
         if s.separate_values:
-            layer.values = torch.empty(num_blocks * bs, s.kv_dim, dtype=dtype, device=device)
+            layer.values = torch.zeros(num_blocks * bs, s.kv_dim, dtype=dtype, device=device)
         if s.token_ids:
-            layer.token_ids = torch.empty(num_blocks * bs, dtype=torch.long, device=device)
+            layer.token_ids = torch.zeros(num_blocks * bs, dtype=torch.long, device=device)
         if s.ratio and s.shared_from is not None:
             source = pools[s.shared_from]
             layer.entries, layer.index_keys = source.entries, source.index_keys
@@ -106,13 +112,13 @@ def allocate_pools(
             entries = num_blocks * (bs // s.ratio)
             layer.entries = torch.zeros(entries, s.kv_dim, dtype=dtype, device=device)
             layer.compressor = _compressor_pools(
-                s.ratio, s.compressor_width, s.overlap, num_blocks, num_slots, dtype, device
+                s.ratio, s.compressor_width, s.overlap, num_blocks, num_slots, torch.float32, device
             )
             if s.index_dim:
                 layer.index_keys = torch.zeros(entries, s.index_dim, dtype=dtype, device=device)
             if s.index_width:
                 layer.indexer = _compressor_pools(
-                    s.ratio, s.index_width, True, num_blocks, num_slots, dtype, device
+                    s.ratio, s.index_width, True, num_blocks, num_slots, torch.float32, device
                 )
         pools.append(layer)
     return pools

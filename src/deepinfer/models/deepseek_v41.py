@@ -86,10 +86,10 @@ class SharedKVAttention(LatentAttention):
                 cfg.hidden_size,
                 cfg.head_dim,
                 role.ratio,
-                False,
-                cfg.rms_norm_eps,
-                compress_rope,
-                quantize,
+                overlap=False,
+                eps=cfg.rms_norm_eps,
+                rotary=compress_rope,
+                quantize=quantize,
                 position_bias=False,
             )
         if role.scores_topk:
@@ -208,7 +208,6 @@ class DeepseekV41ForCausalLM(CausalLM):
         "hc_",
         "attn_sink",
         "gate.bias",
-        "compressor.wkv",
         "compressor.wgate",
         "head.weight",
         "confidence_head",
@@ -263,6 +262,15 @@ class DeepseekV41ForCausalLM(CausalLM):
     @property
     def compute_dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
+
+    def keeps_fp32(self, name: str) -> bool:
+        """Whether a loaded tensor stays fp32: the markers, plus the pooling (ratio > 1)
+        compressor's ``wkv``; the ratio-1 compressor is a plain projection in compute dtype."""
+        if any(m in name for m in self.FP32_PARAM_MARKERS):
+            return True
+        if name.endswith("attn.compressor.wkv.weight") and name.startswith("layers."):
+            return self.plan[int(name.split(".")[1])].ratio > 1
+        return False
 
     # -- Engram token map ------------------------------------------------------------------
 

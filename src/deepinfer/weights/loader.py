@@ -129,6 +129,10 @@ class _Reader:
     def file_of(self, name: str) -> Path:
         return self.names[name]
 
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The stored dtype, from the file header (nothing is read)."""
+        return self._shard(self.names[name]).entries[name][0]
+
     def _shard(self, file: Path) -> SafetensorsFile:
         shard = self._files.get(file)
         if shard is None:
@@ -190,6 +194,7 @@ def load_weights(model: nn.Module, path: Path, dtype: torch.dtype, device: torch
         )
     consumed: set[str] = set()
     markers = getattr(model, "FP32_PARAM_MARKERS", ())
+    keeps_fp32 = getattr(model, "keeps_fp32", lambda n: any(m in n for m in markers))
     for name, slot in expected.items():
         if _keep_stored(model, reader, name, device):
             consumed |= {name, name[: -len("weight")] + "scale"}
@@ -204,7 +209,7 @@ def load_weights(model: nn.Module, path: Path, dtype: torch.dtype, device: torch
                 f"{tuple(slot.shape)} (does config.json match these weights?)"
             )
         if slot.is_floating_point():
-            target = torch.float32 if any(m in name for m in markers) else dtype
+            target = torch.float32 if keeps_fp32(name) else dtype
             tensor = tensor.to(device=device, dtype=target)
         else:
             tensor = tensor.to(device=device, dtype=slot.dtype)
@@ -235,11 +240,9 @@ def _keep_stored(model: nn.Module, reader: _Reader, name: str, device: torch.dev
     dequantised per looked-up row) instead of dequantising on load."""
     owner_name, _, leaf = name.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
-    if leaf != "weight" or not hasattr(owner, "keep_stored"):
+    if leaf != "weight" or not hasattr(owner, "keep_stored") or reader.dtype_of(name) != torch.float8_e4m3fn:
         return False
     raw = reader.get(name)
-    if raw.dtype != torch.float8_e4m3fn:
-        return False
     scale_name = name[: -len("weight")] + "scale"
     if scale_name not in reader.names:
         raise CheckpointError(f"{reader.file_of(name)}: fp8 tensor {name!r} has no {scale_name!r}")
@@ -295,7 +298,9 @@ def load_model(
     for module in model.modules():  # MoE: experts load straight into stacked per-layer tensors
         if hasattr(module, "allocate_stacked_experts"):
             module.allocate_stacked_experts(dtype, torch.device(device))
-    load_weights(model, path, dtype, torch.device(device), raw.get("quantization_config"))
+    # the parsed config knows the fp8 block size also when config.json is the flat reference one
+    quant = getattr(cfg, "quantization", None) or raw.get("quantization_config")
+    load_weights(model, path, dtype, torch.device(device), quant)
     if hasattr(model, "post_load"):
         model.post_load()
 

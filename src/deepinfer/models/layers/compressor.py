@@ -55,7 +55,11 @@ class Compressor(nn.Module):
         """
         xw = x.to(self.wkv.weight.dtype)
         kv = self.wkv(xw)
-        gate = self.wgate(xw) if self.wgate is not None else torch.zeros_like(kv[:, :1]).expand_as(kv)
+        if self.wgate is None:  # ratio 1: every token is its own group, always in this chunk
+            if not meta.group_rows.shape[0]:
+                return None
+            return self._emit(kv[meta.group_rows[:, 0]], x.dtype, meta, out)
+        gate = self.wgate(xw)
         if self.overlap and meta.restore_dst.numel():
             pools.ovl_kv[meta.restore_dst] = pools.snap_kv[meta.restore_src]
             pools.ovl_gate[meta.restore_dst] = pools.snap_gate[meta.restore_src]
@@ -75,12 +79,7 @@ class Compressor(nn.Module):
             if self.overlap:
                 group_kv, group_gate = self._overlap_slots(group_kv, group_gate, src_kv_t, src_gate_t, meta)
             weights = group_gate.softmax(dim=1, dtype=torch.float32).to(group_kv.dtype)
-            latent = self.norm((group_kv * weights).sum(dim=1).to(x.dtype))
-            cos, sin = self.rotary(meta.group_pos)
-            pooled = apply_rope(latent, cos, sin)
-            if self.quantize is not None:
-                pooled = self.quantize(pooled)
-            out[meta.entry_slot] = pooled.to(out.dtype)
+            latent = self._emit((group_kv * weights).sum(dim=1), x.dtype, meta, out)
 
         # Read every state row we need before writing any (a slot's rows can be both).
         new_ovl = (src_kv_t[meta.ovl_src], src_gate_t[meta.ovl_src]) if self.overlap else None
@@ -92,6 +91,19 @@ class Compressor(nn.Module):
             pools.ovl_gate[meta.ovl_dst] = new_ovl[1].to(pools.ovl_gate.dtype)
             pools.snap_kv[meta.snap_dst] = new_snap[0].to(pools.snap_kv.dtype)
             pools.snap_gate[meta.snap_dst] = new_snap[1].to(pools.snap_gate.dtype)
+        return latent
+
+    def _emit(
+        self, pooled: torch.Tensor, dtype: torch.dtype, meta: GroupMeta, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Normalise the pooled groups, rotate each at its first position, fake-quantise, store;
+        return the latent before RoPE."""
+        latent = self.norm(pooled.to(dtype))
+        cos, sin = self.rotary(meta.group_pos)
+        entry = apply_rope(latent, cos, sin)
+        if self.quantize is not None:
+            entry = self.quantize(entry)
+        out[meta.entry_slot] = entry.to(out.dtype)
         return latent
 
     def _overlap_slots(

@@ -178,7 +178,8 @@ class EngramTable(nn.Module):
     def __init__(self, rows: int, dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(rows, dim))
-        self.scale: torch.Tensor | None = None
+        # Runtime copy of the stored per-32 scales (ue8m0, one byte each), set by keep_stored.
+        self.register_buffer("scale", None, persistent=False)
 
     def keep_stored(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
         """Adopt the checkpoint's fp8 rows and their per-32 scales as they are."""
@@ -186,13 +187,14 @@ class EngramTable(nn.Module):
         if tuple(scale.shape) != expected:
             raise ValueError(f"engram scale has shape {tuple(scale.shape)}, expected {expected}")
         self.weight = nn.Parameter(weight, requires_grad=False)
-        self.scale = scale.float()
+        self.scale = scale
 
     def forward(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         rows = gather_rows(self.weight, ids)
         if self.scale is None:
             return rows.to(dtype)
-        blocks = rows.float().unflatten(-1, (-1, self.BLOCK)) * gather_rows(self.scale, ids).unsqueeze(-1)
+        scales = gather_rows(self.scale, ids).float()
+        blocks = rows.float().unflatten(-1, (-1, self.BLOCK)) * scales.unsqueeze(-1)
         return blocks.flatten(-2).to(dtype)
 
 

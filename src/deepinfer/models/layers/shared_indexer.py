@@ -12,6 +12,10 @@ Ties (common: ReLU makes many scores exactly 0) are broken toward the older entr
 with a stable sort, so the choice does not depend on how many columns a batch pads to; the
 reference's ``topk`` leaves tie order unspecified.
 
+The pinned candidate block is each query's own newest visible block (as the public V4.1 ports
+do); REF pins the block of the chunk's last entry for every query of a prefill chunk, which
+differs only past ``candidate_topk_blocks`` blocks and would make results depend on chunking.
+
 Stale keys (§2.5): the reference may score a ratio-2 layer's decode step against the last
 publisher's keys; like transformers, vLLM, MLX and llama.cpp we always read the owner's keys.
 """
