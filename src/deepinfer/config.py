@@ -223,6 +223,10 @@ class EngineConfig:
     # V4.1's causal encoder/decoder prefill (model_spec.md §2.9): decoder layers run only over
     # each prompt's last window; approximate (not the reference forward), so off by default
     ced_prefill: bool = False
+    # torch.compile the model step (compilation.py). Off by default: on this 2-core CPU the
+    # compiled tiny-V4 decode step is 1.4-1.9x faster, but each new shape variant first costs
+    # ~50-80 s of Inductor compile time (benchmarks/RESULTS.md); not yet measured on a GPU
+    compile: bool = False
 
     def validate(self) -> None:
         def need(ok: bool, name: str, rule: str) -> None:
@@ -244,6 +248,7 @@ class EngineConfig:
         need(isinstance(frac, float | int) and 0 < frac <= 1, "cache_memory_fraction", "in (0, 1]")
         need(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "a bool")
         need(isinstance(self.ced_prefill, bool), "ced_prefill", "a bool")
+        need(isinstance(self.compile, bool), "compile", "a bool")
         if self.ced_prefill and self.enable_prefix_caching:
             raise ValueError(
                 "ced_prefill=True needs enable_prefix_caching=False: a cached prefix holds no decoder "

@@ -62,7 +62,9 @@ class Engine:
         if config.ced_prefill and getattr(model, "ced_split", None) is None:
             raise ValueError(f"ced_prefill: {type(model).__name__} has no causal encoder/decoder split")
         replay = self.layout.window if config.ced_prefill else None
-        self.runner = ModelRunner(model, self.layout, num_blocks, config.max_num_seqs, self.device, replay)
+        self.runner = ModelRunner(
+            model, self.layout, num_blocks, config.max_num_seqs, self.device, replay, config.compile
+        )
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._executor = (

@@ -35,10 +35,17 @@ class ModelRunner:
         num_slots: int,
         device: torch.device,
         ced_replay: int | None = None,
+        compile_model: bool = False,
     ) -> None:
-        """``ced_replay``: with CED prefill, how many trailing prompt tokens run the decoder."""
+        """``ced_replay``: with CED prefill, how many trailing prompt tokens run the decoder.
+        ``compile_model``: run the step through ``torch.compile`` (``deepinfer.compilation``)."""
         self.model = model
         self.ced_replay = ced_replay
+        self.forward = model.step
+        if compile_model:
+            from deepinfer.compilation import compile_step
+
+            self.forward = compile_step(model)
         self.layout = layout
         self.device = device
         dtype = model.compute_dtype
@@ -82,4 +89,4 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: PreparedStep, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, step.positions, step.batch)
+        return self.forward(input_ids, step.positions, step.batch)

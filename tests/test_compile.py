@@ -1,0 +1,76 @@
+"""torch.compile of the model step (compilation.py): compiled logits equal eager, shapes are
+dynamic (no recompiles across batch sizes after the first variants), the pass manager runs on
+every Inductor graph and its cache key follows the pass sources.
+
+Inductor on 2 CPU cores takes ~1 minute per graph, so these tests use a 2-layer tiny V4 (one
+sliding + hash-MoE layer, one CSA layer) and the fewest distinct shape variants."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from deepinfer.compilation import PassManager, compile_step
+from deepinfer.engine.paged_cache import CacheLayout, SeqChunk, allocate_pools, build_forward_batch
+from deepinfer.testing import make_tiny_checkpoint
+from deepinfer.weights.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("v4c"), arch="deepseek_v4", num_hidden_layers=2)
+    return load_model(path)
+
+
+def _step_inputs(model, lengths: list[int], starts: list[int], seed: int):
+    layout = CacheLayout.from_specs(model.cache_spec(), 16)
+    pools = allocate_pools(layout, 64, 8, torch.float32, torch.device("cpu"))
+    chunks = [
+        SeqChunk([i * 8 + k for k in range(8)], i, s, n, logits_offsets=list(range(n)))
+        for i, (n, s) in enumerate(zip(lengths, starts, strict=True))
+    ]
+    positions, batch = build_forward_batch(layout, pools, chunks, torch.device("cpu"))
+    ids = torch.randint(0, 258, (sum(lengths),), generator=torch.Generator().manual_seed(seed))
+    return ids, positions, batch
+
+
+def _both(model, compiled, lengths, starts, seed):
+    """Eager and compiled logits of the same step, each on fresh (zeroed) pools."""
+    with torch.inference_mode():
+        eager = model.step(*_step_inputs(model, lengths, starts, seed))
+        got = compiled(*_step_inputs(model, lengths, starts, seed))
+    return eager, got
+
+
+def test_compiled_logits_match_eager_without_recompiles(model):
+    seen = []
+
+    def count_nodes(graph: torch.fx.Graph) -> int:
+        seen.append(len(graph.nodes))
+        return 0
+
+    compiled = compile_step(model, passes=[count_nodes])
+    counters.clear()
+    for lengths in ([5, 3], [7, 2, 9]):  # prefill chunks from position 0
+        eager, got = _both(model, compiled, lengths, [0] * len(lengths), seed=len(lengths))
+        assert (eager - got).abs().max() <= 1e-4
+    graphs = counters["stats"]["unique_graphs"]
+    for lengths in ([6, 4, 11, 2], [13, 5, 3, 8, 2]):  # more sequences, other lengths: no new graph
+        eager, got = _both(model, compiled, lengths, [0] * len(lengths), seed=sum(lengths))
+        assert (eager - got).abs().max() <= 1e-4
+    assert counters["stats"]["unique_graphs"] == graphs, "recompiled for a new batch size"
+    manager = compiled.pass_manager
+    assert manager.graphs_seen >= 1 and seen and manager.counts["count_nodes"] == 0
+
+
+def test_pass_manager_cache_key_follows_pass_sources():
+    def pass_a(graph: torch.fx.Graph) -> int:
+        return 0
+
+    def pass_b(graph: torch.fx.Graph) -> int:
+        return len(graph.nodes) * 0
+
+    assert PassManager([pass_a]).uuid() == PassManager([pass_a]).uuid()
+    assert PassManager([pass_a]).uuid() != PassManager([pass_b]).uuid()
+    assert PassManager([]).uuid() != PassManager([pass_a]).uuid()
