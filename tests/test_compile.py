@@ -52,6 +52,16 @@ def test_compiled_logits_match_eager_without_recompiles(model):
 
     compiled = compile_step(model, passes=[count_nodes])
     counters.clear()
+    # compile for real (a graph-cache hit would skip the post-grad passes this test watches)
+    no_cache = torch._inductor.config.patch(fx_graph_cache=False)
+    no_aot_cache = torch._functorch.config.patch(enable_autograd_cache=False)
+    with no_cache, no_aot_cache:
+        _check_matches_without_recompiles(model, compiled)
+    manager = compiled.pass_manager
+    assert manager.graphs_seen >= 1 and seen and manager.counts["count_nodes"] == 0
+
+
+def _check_matches_without_recompiles(model, compiled) -> None:
     for lengths in ([5, 3], [7, 2, 9]):  # prefill chunks from position 0
         eager, got = _both(model, compiled, lengths, [0] * len(lengths), seed=len(lengths))
         assert (eager - got).abs().max() <= 1e-4
@@ -60,8 +70,6 @@ def test_compiled_logits_match_eager_without_recompiles(model):
         eager, got = _both(model, compiled, lengths, [0] * len(lengths), seed=sum(lengths))
         assert (eager - got).abs().max() <= 1e-4
     assert counters["stats"]["unique_graphs"] == graphs, "recompiled for a new batch size"
-    manager = compiled.pass_manager
-    assert manager.graphs_seen >= 1 and seen and manager.counts["count_nodes"] == 0
 
 
 def test_pass_manager_cache_key_follows_pass_sources():
@@ -74,3 +82,19 @@ def test_pass_manager_cache_key_follows_pass_sources():
     assert PassManager([pass_a]).uuid() == PassManager([pass_a]).uuid()
     assert PassManager([pass_a]).uuid() != PassManager([pass_b]).uuid()
     assert PassManager([]).uuid() != PassManager([pass_a]).uuid()
+
+
+def test_engine_greedy_outputs_equal_with_compile_on_and_off(model, tmp_path):
+    """The engine with ``compile=True`` (chunked prefill, decode, mixed steps) gives the eager
+    engine's tokens."""
+    import random
+
+    from deepinfer import LLM, SamplingParams
+
+    path = make_tiny_checkpoint(tmp_path / "c", arch="deepseek_v4", num_hidden_layers=2)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(2, 258) for _ in range(rng.randrange(1, 60))] for _ in range(10)]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    eager = [o.outputs[0].token_ids for o in LLM(path).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(path, compile=True, max_num_batched_tokens=64)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == eager

@@ -57,15 +57,22 @@ def default_passes() -> list[GraphPass]:
     return list(PASSES)
 
 
+# Graph variants one step function may compile before dynamo gives up and runs eagerly.
+RECOMPILE_LIMIT = 64
+
+
 def compile_step(
     model: nn.Module, backend: str = "inductor", passes: Sequence[GraphPass] | None = None
 ) -> Callable[..., torch.Tensor]:
     """A compiled ``model(input_ids, positions, batch)``. Shapes are dynamic from the first
-    call (``dynamic=True``); sizes of 0 and 1 are specialised by the compiler, so a few graph
-    variants (e.g. decode-only steps, steps where no compressed group closes) compile once each
-    and are reused for every later batch size and sequence length."""
+    call (``dynamic=True``) for the token count. Known limit: sizes of 0 and 1 specialise, and
+    the compressor bookkeeping tensors of the ForwardBatch (rows of groups closing, buffers,
+    snapshots) take sizes 0, 1 or more independently, so an engine workload compiles several
+    graph variants (about 8 on the tiny V4) before it settles; making that metadata
+    branch-free with padded sizes is the next step."""
     manager = PassManager(default_passes() if passes is None else passes)
     options = {"post_grad_custom_post_pass": manager} if backend == "inductor" else None
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     compiled = torch.compile(model.step, backend=backend, dynamic=True, options=options)
     compiled.pass_manager = manager  # type: ignore[attr-defined]
     return compiled

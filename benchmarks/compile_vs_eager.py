@@ -1,0 +1,76 @@
+"""Compiled vs eager decode step time of the tiny DeepSeek-V4 model, and the compile cost cold
+and warm (Inductor's on-disk FX graph cache), on this machine.
+
+Run: ``python benchmarks/compile_vs_eager.py [--batches 1 8 64] [--arch deepseek_v4]``; run it
+twice: the second process finds the compiled graphs in the cache and reports the warm start.
+Prints a markdown table for ``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from deepinfer.compilation import compile_step
+from deepinfer.engine.paged_cache import CacheLayout, SeqChunk, allocate_pools, build_forward_batch
+from deepinfer.testing import make_tiny_checkpoint
+from deepinfer.weights.loader import load_model
+
+
+def decode_inputs(model, batch: int, position: int):
+    """One decode token per sequence at ``position`` (its earlier rows: zeroed cache)."""
+    layout = CacheLayout.from_specs(model.cache_spec(), 16)
+    blocks = layout.block_size and -(-(position + 1) // layout.block_size)
+    pools = allocate_pools(layout, batch * blocks, batch, model.compute_dtype, torch.device("cpu"))
+    chunks = [
+        SeqChunk(list(range(i * blocks, (i + 1) * blocks)), i, position, 1, logits_offsets=[0])
+        for i in range(batch)
+    ]
+    positions, fb = build_forward_batch(layout, pools, chunks, torch.device("cpu"))
+    return torch.randint(2, model.config.vocab_size, (batch,)), positions, fb
+
+
+def best_time(fn, args, repeats: int) -> float:
+    fn(*args)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(*args)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="deepseek_v4")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--position", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    path = make_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny", arch=args.arch, seed=0)
+    model = load_model(path)
+    compiled = compile_step(model)
+    print("| batch | eager step (ms) | compiled step (ms) | speedup | first compiled call (s) |")
+    print("|---:|---:|---:|---:|---:|")
+    with torch.inference_mode():
+        for batch in args.batches:
+            inputs = decode_inputs(model, batch, args.position)
+            start = time.perf_counter()
+            compiled(*inputs)
+            first = time.perf_counter() - start
+            eager = best_time(model.step, inputs, args.repeats)
+            fast = best_time(compiled, inputs, args.repeats)
+            print(
+                f"| {batch} | {eager * 1e3:.2f} | {fast * 1e3:.2f} | {eager / fast:.2f}x | {first:.1f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
