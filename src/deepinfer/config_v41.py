@@ -251,10 +251,7 @@ def deepseek_v41_config_from_dict(raw: dict[str, Any]) -> DeepseekV41Config:
     known = DeepseekV41Config.__dataclass_fields__
     skip = {"yarn", "eos_token_id", "quantization", "architecture", "fake_quant"}
     kwargs = {k: text[k] for k in known if k in text and k not in skip}
-    try:
-        cfg = DeepseekV41Config(**kwargs)
-    except TypeError as exc:  # pragma: no cover - dataclass kwargs are filtered above
-        raise CheckpointError(f"config.json: {exc}") from exc
+    cfg = DeepseekV41Config(**kwargs)
     _check_types(cfg)
     if cfg.candidate_source_layer_id is not None and cfg.candidate_source_layer_id < 0:
         cfg.candidate_source_layer_id = None  # the reference's "-1: no candidate level"

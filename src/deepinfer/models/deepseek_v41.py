@@ -256,6 +256,8 @@ class DeepseekV41ForCausalLM(CausalLM):
         self.token_map: torch.Tensor | None = None
         if cfg.engram_compressed_vocab_size == cfg.vocab_size:
             self.token_map = torch.arange(cfg.vocab_size)
+        self._engram_pad = cfg.engram_pad_token_id  # the pad's compressed id (identity map)
+        self._engram_slot = {layer: k for k, layer in enumerate(cfg.engram_layer_ids)}
         self._history_layer = min(cfg.engram_layer_ids) if cfg.engram_layer_ids else None
         self.ced_split = ced_split_layer(self.plan)
 
@@ -292,6 +294,7 @@ class DeepseekV41ForCausalLM(CausalLM):
         # Ids past the tokenizer (padding rows of the embedding) hash like the pad token.
         pad = lookup[cfg.engram_pad_token_id]
         self.token_map = torch.tensor(lookup + [pad] * (cfg.vocab_size - len(lookup)), dtype=torch.long)
+        self._engram_pad = pad
 
     def bind_checkpoint(self, path: Path) -> None:
         """After loading: bind the checkpoint's tokenizer for Engram (when the model has it)."""
@@ -353,7 +356,7 @@ class DeepseekV41ForCausalLM(CausalLM):
         n = layout.max_ngram
         past = history[batch.window_idx[:, :n]]
         past = torch.where(batch.window_valid[:, :n], past, DEAD)
-        return engram_hash_ids(past, layout, int(self.token_map[self.config.engram_pad_token_id]))
+        return engram_hash_ids(past, layout, self._engram_pad)
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         cfg = self.config
@@ -362,11 +365,10 @@ class DeepseekV41ForCausalLM(CausalLM):
         streams = h.unsqueeze(1).expand(h.shape[0], cfg.hc_mult, h.shape[-1]).contiguous()
         pre_mix = first_site_pre_mix(h.shape[0], cfg.hc_mult, h.device)
         shared = _StepShared()
-        slot = {layer: k for k, layer in enumerate(cfg.engram_layer_ids)}
         narrow_at = self._ced_split_for(batch)
         for i, (layer, pools) in enumerate(zip(self.layers, batch.pools, strict=True)):
             if layer.engram is not None:
-                streams = layer.engram(streams, hash_ids[:, slot[i]])
+                streams = layer.engram(streams, hash_ids[:, self._engram_slot[i]])
             compressed = i == narrow_at
             if compressed:  # CED: the decoder's KV source sees every row, the decoder only some
                 assert batch.decoder_rows is not None
