@@ -12,15 +12,19 @@ opaque to the tracer, so a V4/V4.1 step traces as one graph with no graph breaks
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from deepinfer.models.forward_batch import ForwardBatch
+from deepinfer.models.layers.rope import Rotary
 
 logger = logging.getLogger(__name__)
 
@@ -61,18 +65,67 @@ def default_passes() -> list[GraphPass]:
 RECOMPILE_LIMIT = 64
 
 
+def _metadata_dims(batch: ForwardBatch) -> Iterator[tuple[torch.Tensor, tuple[int, ...]]]:
+    """The ForwardBatch's per-step index tensors and their content-dependent dims (the cache
+    pools are fixed-size and stay static)."""
+    yield batch.window_idx, (0,)
+    yield batch.window_valid, (0,)
+    yield batch.window_write, (0,)
+    for t in (batch.logits_idx, batch.decoder_rows, batch.decoder_window_valid):
+        if t is not None:
+            yield t, (0,)
+    for meta in batch.groups.values():
+        for f in dataclasses.fields(meta):
+            t = getattr(meta, f.name)
+            yield t, ((0, 1) if f.name in ("entry_idx", "entry_valid") else (0,))
+    if batch.full is not None:
+        yield batch.full.decode_rows, (0,)
+        yield batch.full.decode_kv, (0, 1)
+        yield batch.full.decode_valid, (0, 1)
+        yield batch.full.span_meta, (0,)
+        yield batch.full.span_kv_rows, (0,)
+
+
+def mark_step_dynamic(input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> None:
+    """Mark every content-dependent size dynamic before the first trace. ``dynamic=True``
+    covers the step's direct tensor arguments only; tensors inside the ForwardBatch would be
+    traced static first and recompiled once each. Sizes 0 and 1 still specialise, which is
+    why the runner pads the metadata (``StepPadding``)."""
+    torch._dynamo.maybe_mark_dynamic(input_ids, 0)
+    torch._dynamo.maybe_mark_dynamic(positions, 0)
+    for t, dims in _metadata_dims(batch):
+        for d in dims:
+            torch._dynamo.maybe_mark_dynamic(t, d)
+
+
+def _prepare_model(model: nn.Module) -> None:
+    """Create per-device tables the step would otherwise create lazily inside the trace."""
+    device = next(model.parameters()).device
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, Rotary):
+                value.inv_freq(device)
+
+
 def compile_step(
     model: nn.Module, backend: str = "inductor", passes: Sequence[GraphPass] | None = None
 ) -> Callable[..., torch.Tensor]:
-    """A compiled ``model(input_ids, positions, batch)``. Shapes are dynamic from the first
-    call (``dynamic=True``) for the token count. Known limit: sizes of 0 and 1 specialise, and
-    the compressor bookkeeping tensors of the ForwardBatch (rows of groups closing, buffers,
-    snapshots) take sizes 0, 1 or more independently, so an engine workload compiles several
-    graph variants (about 8 on the tiny V4) before it settles; making that metadata
-    branch-free with padded sizes is the next step."""
+    """A compiled ``model.step(input_ids, positions, batch)`` with every content-dependent size
+    symbolic. Duck sizing is turned off (process-wide): two metadata tensors that happen to
+    share a size must not be traced as always equal. With the runner's ``StepPadding``
+    (no size below 2, one-token steps padded to two) an engine workload compiles one graph;
+    guards the model's own shape logic adds (e.g. the indexer's ``min(top-k, entries)``) may
+    add a variant the first time they flip."""
     manager = PassManager(default_passes() if passes is None else passes)
     options = {"post_grad_custom_post_pass": manager} if backend == "inductor" else None
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    torch.fx.experimental._config.use_duck_shape = False
+    _prepare_model(model)
     compiled = torch.compile(model.step, backend=backend, dynamic=True, options=options)
-    compiled.pass_manager = manager  # type: ignore[attr-defined]
-    return compiled
+
+    def step(input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        mark_step_dynamic(input_ids, positions, batch)
+        return compiled(input_ids, positions, batch)
+
+    step.pass_manager = manager  # type: ignore[attr-defined]
+    return step

@@ -223,10 +223,15 @@ class EngineConfig:
     # V4.1's causal encoder/decoder prefill (model_spec.md §2.9): decoder layers run only over
     # each prompt's last window; approximate (not the reference forward), so off by default
     ced_prefill: bool = False
-    # torch.compile the model step (compilation.py). Off by default: on this 2-core CPU the
-    # compiled tiny-V4 decode step is 1.4-1.9x faster, but each new shape variant first costs
-    # ~50-80 s of Inductor compile time (benchmarks/RESULTS.md); not yet measured on a GPU
-    compile: bool = False
+    # torch.compile the model step (compilation.py). None = the platform's default: on for
+    # CUDA, off on CPU, where the compiled tiny-V4 decode step is 1.5-2x faster but the first
+    # compile costs ~50 s on 2 cores (~20 s from the warm compile cache; benchmarks/RESULTS.md)
+    compile: bool | None = None
+    compile_backend: str = "inductor"  # any torch.compile backend ("eager" checks guards fast)
+    # Replay pure-decode steps from captured graphs (CUDA graphs; NPU graph mode) in batch-size
+    # buckets up to max_graph_batch_size. None = on where the platform has a graph mode.
+    capture_graphs: bool | None = None
+    max_graph_batch_size: int = 64
 
     def validate(self) -> None:
         def need(ok: bool, name: str, rule: str) -> None:
@@ -239,7 +244,7 @@ class EngineConfig:
                 isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, "an integer >= 1"
             )
 
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_graph_batch_size"):
             positive_int(name)
         for name in ("max_model_len", "cache_memory_bytes", "num_cache_blocks"):
             if getattr(self, name) is not None:
@@ -248,11 +253,13 @@ class EngineConfig:
         need(isinstance(frac, float | int) and 0 < frac <= 1, "cache_memory_fraction", "in (0, 1]")
         need(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "a bool")
         need(isinstance(self.ced_prefill, bool), "ced_prefill", "a bool")
-        need(isinstance(self.compile, bool), "compile", "a bool")
+        need(
+            isinstance(self.compile_backend, str) and bool(self.compile_backend), "compile_backend", "a name"
+        )
         if self.ced_prefill and self.enable_prefix_caching:
             raise ValueError(
                 "ced_prefill=True needs enable_prefix_caching=False: a cached prefix holds no decoder "
                 "window for positions its own prompt never replayed"
             )
-        for name in ("async_scheduling", "fake_quant"):
+        for name in ("async_scheduling", "fake_quant", "compile", "capture_graphs"):
             need(getattr(self, name) in (None, True, False), name, "None (auto) or a bool")

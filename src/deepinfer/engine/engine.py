@@ -18,12 +18,14 @@ from torch import nn
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.block_pool import BlockPool
+from deepinfer.engine.graph_runner import measure_step_memory
 from deepinfer.engine.model_runner import ModelRunner, PreparedStep
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.paged_cache import CacheLayout
 from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from deepinfer.platforms import platform_for
 from deepinfer.sampling.sampler import SamplingRow, make_generator, sample
 from deepinfer.sampling_params import SamplingParams
 
@@ -56,14 +58,36 @@ class Engine:
         self.device = next(model.parameters()).device
         dtype = model.compute_dtype
         self.layout = CacheLayout.from_specs(model.cache_spec(), config.block_size)
-        num_blocks = config.num_cache_blocks or self._blocks_for_budget(dtype)
+        platform = platform_for(self.device)
+        use_compile = platform.compile_by_default if config.compile is None else config.compile
+        use_graphs = platform.capture is not None if config.capture_graphs is None else config.capture_graphs
+        if use_graphs and platform.capture is None:
+            raise ValueError(f"capture_graphs=True: the {platform.name} platform has no graph mode")
+        graph_batch = min(config.max_graph_batch_size, config.max_num_seqs)
+        # the graphs' memory pool holds about one largest-bucket step's activations
+        graph_bytes = (
+            measure_step_memory(model, self.layout, dtype, self.device, graph_batch, self.max_model_len)
+            if use_graphs
+            else 0
+        )
+        num_blocks = config.num_cache_blocks or self._blocks_for_budget(dtype, graph_bytes)
         self.pool = BlockPool(num_blocks)
         self.scheduler = Scheduler(config, self.pool, self.layout.block_size, config.max_num_seqs)
         if config.ced_prefill and getattr(model, "ced_split", None) is None:
             raise ValueError(f"ced_prefill: {type(model).__name__} has no causal encoder/decoder split")
         replay = self.layout.window if config.ced_prefill else None
         self.runner = ModelRunner(
-            model, self.layout, num_blocks, config.max_num_seqs, self.device, replay, config.compile
+            model,
+            self.layout,
+            num_blocks,
+            config.max_num_seqs,
+            self.device,
+            replay,
+            use_compile,
+            config.compile_backend,
+            platform.capture if use_graphs else None,
+            self.max_model_len,
+            graph_batch,
         )
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -81,12 +105,15 @@ class Engine:
             block_mib,
         )
 
-    def _blocks_for_budget(self, dtype: torch.dtype) -> int:
+    def _blocks_for_budget(self, dtype: torch.dtype, graph_bytes: int = 0) -> int:
+        """Blocks that fit the budget after the sequence slots, the null block and slot, and
+        the captured graphs' memory pool (``graph_bytes``)."""
         cfg = self.config
         budget = cfg.cache_memory_bytes or int(
             cfg.cache_memory_fraction * available_memory_bytes(self.device)
         )
-        budget -= cfg.max_num_seqs * self.layout.slot_bytes(dtype)
+        budget -= (cfg.max_num_seqs + 1) * self.layout.slot_bytes(dtype) + graph_bytes
+        budget -= self.layout.block_bytes(dtype)  # the null block
         blocks = budget // self.layout.block_bytes(dtype)
         # never more than every slot filled to max_model_len needs
         blocks = min(blocks, cfg.max_num_seqs * math.ceil(self.max_model_len / self.layout.block_size))

@@ -10,9 +10,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from deepinfer.engine.paged_cache import CacheLayout, SeqChunk, allocate_pools, build_forward_batch
+from deepinfer.engine.graph_runner import DecodeGraphRunner
+from deepinfer.engine.paged_cache import (
+    CacheLayout,
+    SeqChunk,
+    StepPadding,
+    allocate_pools,
+    build_forward_batch,
+)
 from deepinfer.engine.scheduler import ScheduledChunk
 from deepinfer.models.forward_batch import ForwardBatch
+from deepinfer.platforms import GraphCapture
 
 
 @dataclass
@@ -24,6 +32,7 @@ class PreparedStep:
     batch: ForwardBatch
     sample_rows: list[int]  # row of the returned logits for each sampling chunk (-1: none)
     prompt_rows: list[tuple[int, int]]  # (first row, count) of prompt-logprob logits per chunk
+    graph_bucket: int | None = None  # replayed from this bucket's captured graph
 
 
 class ModelRunner:
@@ -36,20 +45,42 @@ class ModelRunner:
         device: torch.device,
         ced_replay: int | None = None,
         compile_model: bool = False,
+        compile_backend: str = "inductor",
+        graph_capture: GraphCapture | None = None,
+        max_model_len: int = 0,
+        max_graph_batch: int = 0,
     ) -> None:
         """``ced_replay``: with CED prefill, how many trailing prompt tokens run the decoder.
-        ``compile_model``: run the step through ``torch.compile`` (``deepinfer.compilation``)."""
+        ``compile_model``: run the step through ``torch.compile`` (``deepinfer.compilation``).
+        ``graph_capture``: replay pure-decode steps of up to ``max_graph_batch`` sequences
+        from graphs captured by this platform backend (``DecodeGraphRunner``)."""
         self.model = model
         self.ced_replay = ced_replay
         self.forward = model.step
-        if compile_model:
-            from deepinfer.compilation import compile_step
-
-            self.forward = compile_step(model)
         self.layout = layout
         self.device = device
         dtype = model.compute_dtype
         self.pools = allocate_pools(layout, num_blocks, num_slots, dtype, device)
+        # Compiled steps get padded metadata (never sizes 0 or 1) so shapes stay symbolic.
+        self.padding: StepPadding | None = None
+        if compile_model:
+            from deepinfer.compilation import compile_step
+
+            self.forward = compile_step(model, backend=compile_backend)
+            self.padding = StepPadding.for_pools(num_blocks, num_slots)
+        self.graphs: DecodeGraphRunner | None = None
+        if graph_capture is not None:
+            self.graphs = DecodeGraphRunner(
+                self.forward,
+                layout,
+                self.pools,
+                num_blocks,
+                num_slots,
+                max_model_len,
+                max_graph_batch,
+                graph_capture,
+                device,
+            )
 
     def prepare(self, chunks: list[ScheduledChunk]) -> PreparedStep:
         seq_chunks, sample_rows, prompt_rows = [], [], []
@@ -77,16 +108,21 @@ class ModelRunner:
                     req.block_ids, req.slot, c.start, c.num_tokens, c.restore_overlap, offsets, replay_from
                 )
             )
-        positions, batch = build_forward_batch(self.layout, self.pools, seq_chunks, self.device)
-        return PreparedStep(chunks, positions, batch, sample_rows, prompt_rows)
+        bucket = self.graphs.bucket_for(seq_chunks) if self.graphs is not None else None
+        padding = self.graphs.padding(bucket) if self.graphs is not None and bucket else self.padding
+        positions, batch = build_forward_batch(self.layout, self.pools, seq_chunks, self.device, padding)
+        return PreparedStep(chunks, positions, batch, sample_rows, prompt_rows, bucket)
 
     def input_ids(self, step: PreparedStep) -> torch.Tensor:
         """Token ids of the step; read at launch time so async steps see fresh tokens."""
         ids: list[int] = []
         for c in step.chunks:
             ids += c.request.all_token_ids[c.start : c.end]
+        ids += [0] * (step.positions.shape[0] - len(ids))  # padded null tokens
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
     def execute(self, step: PreparedStep, input_ids: torch.Tensor) -> torch.Tensor:
+        if step.graph_bucket is not None and self.graphs is not None:
+            return self.graphs.run(step.graph_bucket, input_ids, step.positions, step.batch)
         return self.forward(input_ids, step.positions, step.batch)

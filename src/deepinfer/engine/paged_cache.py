@@ -22,7 +22,6 @@ from deepinfer.models.forward_batch import (
     FullAttentionMeta,
     GroupMeta,
     LayerPools,
-    PrefillSpan,
 )
 
 
@@ -81,10 +80,47 @@ def _compressor_pools(
     return pools
 
 
+@dataclass(frozen=True)
+class StepPadding:
+    """How a step is padded so its tensor shapes do not follow the batch's contents.
+
+    Padded rows read and write only the *null* block and slot, which ``allocate_pools``
+    reserves past the usable ones and no sequence ever owns; their outputs are discarded.
+
+    - ``num_tokens``: pad the step with one-token null chunks up to this many tokens (a CUDA
+      graph bucket); None keeps the step's own token count, but at least ``MIN_ROWS``.
+    - ``max_model_len``: set for graph capture: every metadata tensor then takes the largest
+      size a step of ``num_tokens`` decode tokens can need, so one shape serves the bucket.
+      Without it each metadata tensor is padded to at least ``MIN_ROWS`` rows, so sizes 0 and
+      1 (which ``torch.compile`` specialises) never reach the compiled step.
+    """
+
+    null_block: int
+    null_slot: int
+    num_tokens: int | None = None
+    max_model_len: int | None = None
+
+    @classmethod
+    def for_pools(cls, num_blocks: int, num_slots: int, **kw) -> StepPadding:
+        return cls(null_block=num_blocks, null_slot=num_slots, **kw)
+
+
+MIN_ROWS = 2
+
+
+def _padded_len(n: int, fixed: int | None) -> int:
+    if fixed is not None:
+        if n > fixed:
+            raise ValueError(f"step needs {n} rows, more than the padded size {fixed}")
+        return fixed
+    return max(n, MIN_ROWS)
+
+
 def allocate_pools(
     layout: CacheLayout, num_blocks: int, num_slots: int, dtype: torch.dtype, device: torch.device
 ) -> list[LayerPools]:
-    """Physical pools for ``num_blocks`` blocks and ``num_slots`` sequences.
+    """Physical pools for ``num_blocks`` blocks and ``num_slots`` sequences, plus one null
+    block (id ``num_blocks``) and one null slot (id ``num_slots``) for padded rows.
 
     Every pool starts zeroed: masked rows are still gathered (a masked score is zeroed, and
     ``0 * NaN`` would poison the sum), and some masked rows were never written by their
@@ -99,6 +135,7 @@ def allocate_pools(
             raise ValueError(f"cache_spec: layer {i} shares the entries of layer {src}, not an earlier owner")
     pools: list[LayerPools] = []
     bs = layout.block_size
+    num_blocks, num_slots = num_blocks + 1, num_slots + 1  # + the null block and slot
     for s in layout.specs:
         layer = LayerPools(window=torch.zeros(num_blocks * bs, s.kv_dim, dtype=dtype, device=device))
         if s.separate_values:
@@ -160,7 +197,12 @@ def _row(q: int, c: SeqChunk, base: int, ratio: int) -> Row:
 
 
 def _group_meta(
-    layout: CacheLayout, chunks: list[SeqChunk], ratio: int, tokens: _TokenLayout, device: torch.device
+    layout: CacheLayout,
+    chunks: list[SeqChunk],
+    ratio: int,
+    tokens: _TokenLayout,
+    device: torch.device,
+    padding: StepPadding | None,
 ) -> GroupMeta:
     """Compressor bookkeeping for one ratio (see ``GroupMeta``).
 
@@ -199,6 +241,39 @@ def _group_meta(
     all_rows += ovl_src + snap_src
     buf_pool = sorted({i for kind, i in all_rows if kind == "b"})
     ovl_pool = sorted({i for kind, i in all_rows if kind == "o"})
+
+    pos = tokens.positions
+    in_tail = pos >= (tokens.end // r) * r  # tokens of each chunk's new trailing partial group
+    buf_src = torch.nonzero(in_tail).squeeze(1)
+    buf_dst = tokens.slot[buf_src] * r + pos[buf_src] % r
+    visible = (pos + 1) // r  # entries each token may read
+    e_max = int(visible.max()) if visible.numel() else 0
+
+    if padding is not None:  # pad every list with rows of the null block / slot
+        fixed = padding.max_model_len is not None
+        flat = t_total * r if fixed else None  # bound of a decode step's per-row lists
+        per_token = t_total if fixed else None
+        null_slot_row, null_snap_row = padding.null_slot * r, padding.null_block * r
+
+        def pad(values: list, fill, bound: int | None) -> list:
+            return values + [fill] * (_padded_len(len(values), bound) - len(values))
+
+        buf_pool = pad(buf_pool, null_slot_row, flat)
+        ovl_pool = pad(ovl_pool, null_slot_row, flat)
+        n_groups = _padded_len(len(group_rows), per_token)
+        group_rows += [[("c", 0)] * r] * (n_groups - len(group_rows))
+        prev_rows += [None] * (n_groups - len(prev_rows))
+        group_pos = pad(group_pos, 0, per_token)
+        entry_slot = pad(entry_slot, padding.null_block * epb, per_token)
+        ovl_src, ovl_dst = pad(ovl_src, ("c", 0), flat), pad(ovl_dst, null_slot_row, flat)
+        snap_src, snap_dst = pad(snap_src, ("c", 0), flat), pad(snap_dst, null_snap_row, flat)
+        restore_src = pad(restore_src, null_snap_row, flat)
+        restore_dst = pad(restore_dst, null_slot_row, flat)
+        extra = _padded_len(buf_src.shape[0], per_token) - buf_src.shape[0]
+        buf_src = torch.cat([buf_src, buf_src.new_zeros(extra)])
+        buf_dst = torch.cat([buf_dst, buf_dst.new_full((extra,), null_slot_row)])
+        e_max = padding.max_model_len // r if fixed else max(e_max, MIN_ROWS)
+
     offset = {"b": {p: t_total + k for k, p in enumerate(buf_pool)}}
     offset["o"] = {p: t_total + len(buf_pool) + k for k, p in enumerate(ovl_pool)}
 
@@ -208,13 +283,12 @@ def _group_meta(
     def long(values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    pos = tokens.positions
-    in_tail = pos >= (tokens.end // r) * r  # tokens of each chunk's new trailing partial group
-    buf_src = torch.nonzero(in_tail).squeeze(1)
-    visible = (pos + 1) // r  # entries each token may read
-    e_max = int(visible.max()) if visible.numel() else 0
     j = torch.arange(e_max, device=device)
     block_col = (j // epb).clamp(max=tokens.token_block.shape[1] - 1).expand(len(pos), -1)
+    entry_valid = j.unsqueeze(0) < visible.unsqueeze(1)
+    entry_idx = tokens.token_block.gather(1, block_col) * epb + j % epb
+    if padding is not None:  # entries past a sequence's table point at the null block
+        entry_idx = torch.where(entry_valid, entry_idx, padding.null_block * epb)
     return GroupMeta(
         src_buf_rows=long(buf_pool),
         src_ovl_rows=long(ovl_pool),
@@ -223,23 +297,35 @@ def _group_meta(
         group_pos=long(group_pos),
         entry_slot=long(entry_slot),
         buf_src=buf_src,
-        buf_dst=tokens.slot[buf_src] * r + pos[buf_src] % r,
+        buf_dst=buf_dst,
         ovl_src=long(resolve(ovl_src)),
         ovl_dst=long(ovl_dst),
         snap_src=long(resolve(snap_src)),
         snap_dst=long(snap_dst),
         restore_src=long(restore_src),
         restore_dst=long(restore_dst),
-        entry_idx=tokens.token_block.gather(1, block_col) * epb + j % epb,
-        entry_valid=j.unsqueeze(0) < visible.unsqueeze(1),
+        entry_idx=entry_idx,
+        entry_valid=entry_valid,
     )
 
 
 def build_forward_batch(
-    layout: CacheLayout, pools: list[LayerPools], chunks: list[SeqChunk], device: torch.device
+    layout: CacheLayout,
+    pools: list[LayerPools],
+    chunks: list[SeqChunk],
+    device: torch.device,
+    padding: StepPadding | None = None,
 ) -> tuple[torch.Tensor, ForwardBatch]:
-    """Positions [T] and the ForwardBatch for a step made of ``chunks`` (in token order)."""
+    """Positions [T] and the ForwardBatch for a step made of ``chunks`` (in token order).
+
+    With ``padding`` the step may hold extra null tokens after the real ones (their input ids
+    are the caller's to append, any valid id) and padded metadata; see ``StepPadding``."""
     bs, w = layout.block_size, layout.window
+    if padding is not None:
+        real = sum(c.num_tokens for c in chunks)
+        target = _padded_len(real, padding.num_tokens)
+        null = SeqChunk([padding.null_block], padding.null_slot, 0, 1)
+        chunks = chunks + [null] * (target - real)
     lengths = torch.tensor([c.num_tokens for c in chunks], dtype=torch.long)
     starts = torch.tensor([c.start for c in chunks], dtype=torch.long)
     first_row = torch.cumsum(lengths, 0) - lengths
@@ -263,6 +349,9 @@ def build_forward_batch(
 
     window_q = positions.unsqueeze(1) - torch.arange(w, device=device)  # [T, W]
     logits_idx = [base + k for c, base in zip(chunks, tokens.base, strict=True) for k in c.logits_offsets]
+    if padding is not None:  # extra rows return row 0's logits again; callers index real rows
+        fixed = len(chunks) if padding.max_model_len is not None else None
+        logits_idx += [0] * (_padded_len(len(logits_idx), fixed) - len(logits_idx))
     batch = ForwardBatch(
         pools=pools,
         window_idx=rows_at(window_q),
@@ -271,7 +360,7 @@ def build_forward_batch(
         logits_idx=torch.tensor(logits_idx, dtype=torch.long, device=device),
     )
     for ratio in layout.ratios:
-        batch.groups[ratio] = _group_meta(layout, chunks, ratio, tokens, device)
+        batch.groups[ratio] = _group_meta(layout, chunks, ratio, tokens, device, padding)
     if any(c.replay_from > 0 for c in chunks):
         replay = torch.tensor([c.replay_from for c in chunks], dtype=torch.long)[seq_of_token].to(device)
         rows = torch.nonzero(positions >= replay).squeeze(1)
@@ -279,7 +368,7 @@ def build_forward_batch(
         if rows.numel() < positions.numel() or not torch.equal(window_valid, batch.window_valid):
             batch.decoder_rows, batch.decoder_window_valid = rows, window_valid
     if w == 0:
-        batch.full = _full_attention_meta(layout, chunks, tokens, device)
+        batch.full = _full_attention_meta(layout, chunks, tokens, device, padding)
     return positions, batch
 
 
@@ -289,25 +378,48 @@ def _kv_rows(table: list[int], end: int, bs: int) -> torch.Tensor:
 
 
 def _full_attention_meta(
-    layout: CacheLayout, chunks: list[SeqChunk], tokens: _TokenLayout, device: torch.device
+    layout: CacheLayout,
+    chunks: list[SeqChunk],
+    tokens: _TokenLayout,
+    device: torch.device,
+    padding: StepPadding | None = None,
 ) -> FullAttentionMeta:
+    """Decode rows and prefill spans. Padding adds decode rows of -1 and spans of 0 tokens,
+    which ``paged_attention`` skips; padded pool rows point at the null block."""
     bs = layout.block_size
-    decode = [(c, base) for c, base in zip(chunks, tokens.base, strict=True) if c.num_tokens == 1]
-    prefill = [
-        PrefillSpan(
-            base, c.num_tokens, c.start, _kv_rows(c.block_table, c.start + c.num_tokens, bs).to(device)
-        )
-        for c, base in zip(chunks, tokens.base, strict=True)
-        if c.num_tokens > 1
-    ]
-    rows = torch.tensor([base for _, base in decode], dtype=torch.long, device=device)
-    if not decode:
-        empty = torch.zeros(0, 0, dtype=torch.long, device=device)
-        return FullAttentionMeta(rows, empty, empty.bool(), prefill)
-    pos = tokens.positions[rows]  # each decode token reads positions 0 .. pos
-    length = int(pos.max()) + 1
+    fixed_len = padding.max_model_len if padding is not None else None
+    bases = tokens.base
+    decode = [base for c, base in zip(chunks, bases, strict=True) if c.num_tokens == 1]
+    spans, span_rows, offset = [], [], 0
+    for c, base in zip(chunks, bases, strict=True):
+        if c.num_tokens > 1:
+            end = c.start + c.num_tokens
+            spans.append([base, c.num_tokens, c.start, offset])
+            span_rows += _kv_rows(c.block_table, end, bs).tolist()
+            offset += end
+    if padding is not None:
+        null_row = padding.null_block * bs
+        n_decode = _padded_len(len(decode), len(chunks) if fixed_len is not None else None)
+        decode += [-1] * (n_decode - len(decode))
+        spans += [[0, 0, 0, 0]] * (_padded_len(len(spans), None) - len(spans))
+        span_rows += [null_row] * (_padded_len(len(span_rows), None) - len(span_rows))
+    rows = torch.tensor(decode, dtype=torch.long, device=device)
+    pos = tokens.positions[rows.clamp(min=0)]  # each decode token reads positions 0 .. pos
+    length = int(pos.max()) + 1 if len(decode) else 0
+    if fixed_len is not None:
+        length = fixed_len  # a captured graph reads max_model_len positions
+    elif padding is not None:
+        length = max(length, MIN_ROWS)
     q = torch.arange(length, device=device).unsqueeze(0).expand(len(decode), -1)
-    valid = q <= pos.unsqueeze(1)
+    valid = (q <= pos.unsqueeze(1)) & (rows >= 0).unsqueeze(1)
     qc = torch.where(valid, q, 0)
-    kv = tokens.token_block[rows].gather(1, qc // bs) * bs + qc % bs
-    return FullAttentionMeta(rows, kv, valid, prefill)
+    kv = tokens.token_block[rows.clamp(min=0)].gather(1, qc // bs) * bs + qc % bs
+    if padding is not None:
+        kv = torch.where(valid, kv, padding.null_block * bs)
+    return FullAttentionMeta(
+        rows,
+        kv,
+        valid,
+        torch.tensor(spans, dtype=torch.long).view(-1, 4).to(device),
+        torch.tensor(span_rows, dtype=torch.long, device=device),
+    )

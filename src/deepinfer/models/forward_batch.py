@@ -72,24 +72,16 @@ class GroupMeta:
 
 
 @dataclass
-class PrefillSpan:
-    """A multi-token chunk of one sequence under full attention: dense causal attention
-    over every cached position, gathered once for the whole chunk."""
-
-    first_row: int  # token row of the chunk's first token
-    num_tokens: int
-    start: int  # position of the first token
-    kv_rows: torch.Tensor  # [start + num_tokens] pool rows of positions 0 .. end-1
-
-
-@dataclass
 class FullAttentionMeta:
-    """Where full-attention layers read keys: per token for decodes, per chunk for prefill."""
+    """Where full-attention layers read keys: per token for decodes, per chunk for prefill
+    (a multi-token chunk attends densely and causally to every cached position of its
+    sequence). All tensors, so a compiled step does not specialise on the step's layout."""
 
     decode_rows: torch.Tensor  # [Nd] token rows of single-token chunks
     decode_kv: torch.Tensor  # [Nd, L] pool rows of each decode token's positions (clamped)
     decode_valid: torch.Tensor  # [Nd, L] bool
-    prefill: list[PrefillSpan]
+    span_meta: torch.Tensor  # [S, 4] per prefill chunk: first row, tokens, start, kv offset
+    span_kv_rows: torch.Tensor  # pool rows of positions 0 .. end-1 of each chunk, concatenated
 
 
 @dataclass

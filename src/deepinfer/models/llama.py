@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.errors import CheckpointError
+from deepinfer.kernels.paged_attention import paged_attention
 from deepinfer.models.base import CausalLM
 from deepinfer.models.cache_spec import LayerCacheSpec
 from deepinfer.models.forward_batch import ForwardBatch, LayerPools
-from deepinfer.models.layers.gather import gather_rows
 from deepinfer.models.layers.norms import RMSNorm
 
 
@@ -141,38 +141,19 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         v = qkv[:, (self.n_heads + self.n_kv) * d :]
         assert pools.values is not None and batch.full is not None
-        pools.window[batch.window_write] = k.reshape(t, -1).to(pools.window.dtype)
-        pools.values[batch.window_write] = v.to(pools.values.dtype)
-        out = torch.empty(t, self.n_heads, d, dtype=x.dtype, device=x.device)
+        pools.window.index_copy_(0, batch.window_write, k.reshape(t, -1).to(pools.window.dtype))
+        pools.values.index_copy_(0, batch.window_write, v.to(pools.values.dtype))
         meta = batch.full
-        if meta.decode_rows.numel():
-            n = meta.decode_rows.shape[0]
-            keys = gather_rows(pools.window, meta.decode_kv).view(n, -1, self.n_kv, d).to(x.dtype)
-            vals = gather_rows(pools.values, meta.decode_kv).view(n, -1, self.n_kv, d).to(x.dtype)
-            o = F.scaled_dot_product_attention(
-                q[meta.decode_rows].unsqueeze(2),  # [n, H, 1, d]
-                keys.transpose(1, 2),  # [n, kv, L, d]
-                vals.transpose(1, 2),
-                attn_mask=meta.decode_valid[:, None, None, :],
-                enable_gqa=True,
-            )
-            out[meta.decode_rows] = o.squeeze(2)
-        for span in meta.prefill:
-            rows = slice(span.first_row, span.first_row + span.num_tokens)
-            end = span.start + span.num_tokens
-            keys = pools.window.index_select(0, span.kv_rows).view(end, self.n_kv, d).to(x.dtype)
-            vals = pools.values.index_select(0, span.kv_rows).view(end, self.n_kv, d).to(x.dtype)
-            causal = torch.arange(end, device=x.device) <= (
-                span.start + torch.arange(span.num_tokens, device=x.device)
-            ).unsqueeze(1)
-            o = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1).unsqueeze(0),
-                keys.transpose(0, 1).unsqueeze(0),
-                vals.transpose(0, 1).unsqueeze(0),
-                attn_mask=causal,
-                enable_gqa=True,
-            )
-            out[rows] = o[0].transpose(0, 1)
+        out = paged_attention(
+            q,
+            pools.window,
+            pools.values,
+            meta.decode_rows,
+            meta.decode_kv,
+            meta.decode_valid,
+            meta.span_meta,
+            meta.span_kv_rows,
+        )
         return self.o_proj(out.reshape(t, -1))
 
 

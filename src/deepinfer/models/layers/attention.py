@@ -113,7 +113,7 @@ class LatentAttention(nn.Module):
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, D]
         if self.fake_quant:
             kv = fake_quant_fp8_pow2(kv)
-        pools.window[batch.window_write] = kv.to(pools.window.dtype)
+        pools.window.index_copy_(0, batch.window_write, kv.to(pools.window.dtype))
         window = gather_rows(pools.window, batch.window_idx).to(kv.dtype)  # [T, W, D]
         return q, q_residual, cos, sin, (window, batch.window_valid)  # positions (p - W, p]
 

@@ -43,11 +43,16 @@ class Rotary:
         self._inv_freq = rope_inv_freq(rope_dim, theta, yarn)
         self._by_device: dict[torch.device, torch.Tensor] = {}
 
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv = self._by_device.get(positions.device)
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """The frequencies on ``device`` (copied once per device; ``compile_step`` fills the
+        copy before tracing so the compiled step never sees the table being created)."""
+        inv = self._by_device.get(device)
         if inv is None:
-            inv = self._by_device.setdefault(positions.device, self._inv_freq.to(positions.device))
-        freqs = positions.unsqueeze(-1).float() * inv
+            inv = self._by_device.setdefault(device, self._inv_freq.to(device))
+        return inv
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.unsqueeze(-1).float() * self.inv_freq(positions.device)
         return freqs.cos(), freqs.sin()
 
 

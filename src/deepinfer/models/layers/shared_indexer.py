@@ -49,7 +49,8 @@ def select_candidate_blocks(
     block_max = block_max.masked_fill(block_ids.unsqueeze(0) == newest.unsqueeze(1), float("inf"))
     values, indices = stable_topk(block_max, top_blocks)
     keep = torch.zeros_like(block_max, dtype=torch.bool).scatter_(1, indices, values > float("-inf"))
-    return keep.repeat_interleave(block, dim=1)[:, :e]
+    entry_block = torch.div(torch.arange(e, device=scores.device), block, rounding_mode="floor")
+    return keep[:, entry_block]  # [T, E] (indexing, not a slice: E need not divide by block)
 
 
 def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,74 @@
+"""Paged causal attention for full-attention models (Llama): ``deepinfer::paged_attention``.
+
+One op over a whole flat step: single-token decode rows attend to their gathered pages in one
+batched SDPA; each multi-token prefill chunk attends causally to every cached position of its
+sequence plus its own tokens. The chunk loop depends on the step's layout, which a tracer
+would turn into one graph per layout, so the op is opaque to ``torch.compile`` and the
+layout travels as tensors (``span_meta``). The reference implementation runs on every device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.library.custom_op("deepinfer::paged_attention", mutates_args=())
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    decode_rows: torch.Tensor,
+    decode_kv: torch.Tensor,
+    decode_valid: torch.Tensor,
+    span_meta: torch.Tensor,
+    span_kv_rows: torch.Tensor,
+) -> torch.Tensor:
+    """q [T, H, d]; pools [rows, kv_heads * d]; decode_rows [Nd], decode_kv/decode_valid
+    [Nd, L] (pool rows of each decode token's positions and which are real); span_meta [S, 4]
+    = (first token row, tokens, first position, offset into span_kv_rows) per prefill chunk,
+    span_kv_rows the pool rows of positions 0 .. end-1 of each chunk, concatenated.
+    Padding (``StepPadding``): decode rows of -1 and spans of 0 tokens are skipped.
+    Returns [T, H, d] in q's dtype (rows no span or decode covers are zero)."""
+    t, h, d = q.shape
+    n_kv = k_pool.shape[1] // d
+    out = torch.zeros_like(q)
+    real = decode_rows >= 0
+    if not bool(real.all()):
+        decode_rows, decode_kv, decode_valid = decode_rows[real], decode_kv[real], decode_valid[real]
+    n = decode_rows.shape[0]
+    if n:
+        keys = k_pool[decode_kv].view(n, -1, n_kv, d).to(q.dtype)
+        vals = v_pool[decode_kv].view(n, -1, n_kv, d).to(q.dtype)
+        o = F.scaled_dot_product_attention(
+            q[decode_rows].unsqueeze(2),  # [n, H, 1, d]
+            keys.transpose(1, 2),  # [n, kv, L, d]
+            vals.transpose(1, 2),
+            attn_mask=decode_valid[:, None, None, :],
+            enable_gqa=True,
+        )
+        out[decode_rows] = o.squeeze(2)
+    for first, count, start, offset in span_meta.tolist():
+        if count == 0:
+            continue
+        end = start + count
+        rows = span_kv_rows[offset : offset + end]
+        keys = k_pool.index_select(0, rows).view(end, n_kv, d).to(q.dtype)
+        vals = v_pool.index_select(0, rows).view(end, n_kv, d).to(q.dtype)
+        causal = torch.arange(end, device=q.device) <= (
+            start + torch.arange(count, device=q.device)
+        ).unsqueeze(1)
+        o = F.scaled_dot_product_attention(
+            q[first : first + count].transpose(0, 1).unsqueeze(0),
+            keys.transpose(0, 1).unsqueeze(0),
+            vals.transpose(0, 1).unsqueeze(0),
+            attn_mask=causal,
+            enable_gqa=True,
+        )
+        out[first : first + count] = o[0].transpose(0, 1)
+    return out
+
+
+@paged_attention.register_fake
+def _(q, k_pool, v_pool, decode_rows, decode_kv, decode_valid, span_meta, span_kv_rows):
+    return torch.empty_like(q)

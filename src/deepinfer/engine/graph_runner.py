@@ -1,0 +1,187 @@
+"""Decode steps replayed from captured graphs (CUDA graphs; NPU graph mode), one graph per
+batch-size bucket (DESIGN.md §4).
+
+A captured graph replays fixed kernels on fixed addresses, so every tensor the step reads
+lives in a *static* copy made at capture time, and a step only copies its values in before
+replay. ``StepPadding`` with ``max_model_len`` gives every metadata tensor one shape per
+bucket; the rows a step does not fill are null tokens that touch only the null block and
+slot. Graphs are captured on a batch made only of null tokens, so the capture's warm-up runs
+change no sequence's cache. Only pure-decode steps replay; anything else runs the compiled
+(or eager) step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator
+
+import torch
+
+from deepinfer.engine.paged_cache import (
+    CacheLayout,
+    SeqChunk,
+    StepPadding,
+    allocate_pools,
+    build_forward_batch,
+)
+from deepinfer.models.forward_batch import ForwardBatch, LayerPools
+from deepinfer.platforms import GraphCapture
+
+logger = logging.getLogger(__name__)
+
+Step = Callable[[torch.Tensor, torch.Tensor, ForwardBatch], torch.Tensor]
+
+
+def decode_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond, ending at ``max_batch``."""
+    sizes, b = [], 1
+    while b < min(max_batch, 8):
+        sizes.append(b)
+        b *= 2
+    b = 8
+    while b < max_batch:
+        sizes.append(b)
+        b += 8 if b < 64 else 16
+    sizes.append(max_batch)
+    return sorted(set(sizes))
+
+
+def measure_step_memory(
+    model: torch.nn.Module,
+    layout: CacheLayout,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_batch: int,
+    max_model_len: int,
+) -> int:
+    """Peak bytes an eager decode step of ``max_batch`` null tokens allocates beyond what is
+    already held (on CUDA; 0 elsewhere, where nothing is captured). Measured on throwaway
+    one-block pools before the cache exists, so the cache budget can leave room for it."""
+    if device.type != "cuda":
+        return 0
+    pools = allocate_pools(layout, 1, 1, dtype, device)
+    positions, batch = build_forward_batch(
+        layout, pools, [], device, StepPadding(1, 1, max_batch, max_model_len)
+    )
+    ids = torch.zeros(max_batch, dtype=torch.long, device=device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    with torch.inference_mode():
+        model.step(ids, positions, batch)
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device) - base)
+
+
+def metadata_tensors(batch: ForwardBatch) -> Iterator[torch.Tensor]:
+    """The step's index tensors in a fixed order (never the cache pools)."""
+    yield batch.window_idx
+    yield batch.window_valid
+    yield batch.window_write
+    for t in (batch.logits_idx, batch.decoder_rows, batch.decoder_window_valid):
+        if t is not None:
+            yield t
+    for ratio in sorted(batch.groups):
+        meta = batch.groups[ratio]
+        for f in dataclasses.fields(meta):
+            yield getattr(meta, f.name)
+    if batch.full is not None:
+        for f in dataclasses.fields(batch.full):
+            yield getattr(batch.full, f.name)
+
+
+def _clone_batch(batch: ForwardBatch) -> ForwardBatch:
+    """A copy whose metadata tensors are new (static) storage; pools stay shared."""
+
+    def clone(obj):
+        if obj is None:
+            return None
+        return dataclasses.replace(
+            obj, **{f.name: getattr(obj, f.name).clone() for f in dataclasses.fields(obj)}
+        )
+
+    groups = {r: clone(m) for r, m in batch.groups.items()}
+    return dataclasses.replace(
+        batch,
+        window_idx=batch.window_idx.clone(),
+        window_valid=batch.window_valid.clone(),
+        window_write=batch.window_write.clone(),
+        logits_idx=None if batch.logits_idx is None else batch.logits_idx.clone(),
+        groups=groups,
+        full=clone(batch.full),
+    )
+
+
+@dataclasses.dataclass
+class _Captured:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    batch: ForwardBatch
+    replay: Callable[[], torch.Tensor]
+
+
+class DecodeGraphRunner:
+    def __init__(
+        self,
+        step: Step,
+        layout: CacheLayout,
+        pools: list[LayerPools],
+        null_block: int,
+        null_slot: int,
+        max_model_len: int,
+        max_batch: int,
+        capture: GraphCapture,
+        device: torch.device,
+    ) -> None:
+        self.step, self.layout, self.pools, self.device = step, layout, pools, device
+        self.null_block, self.null_slot = null_block, null_slot
+        self.max_model_len = max_model_len
+        self.buckets = decode_buckets(max_batch)
+        self.capture_fn = capture
+        self.graphs: dict[int, _Captured] = {}
+        self.replays = 0
+
+    def padding(self, bucket: int) -> StepPadding:
+        return StepPadding(self.null_block, self.null_slot, bucket, self.max_model_len)
+
+    def bucket_for(self, chunks: list[SeqChunk]) -> int | None:
+        """The bucket a step replays in, or None when it must run uncaptured (a prefill
+        chunk, a prefix-cache restore, CED replay, more sequences than the largest bucket)."""
+        if not chunks or len(chunks) > self.buckets[-1]:
+            return None
+        if any(c.num_tokens != 1 or c.restore_overlap or c.replay_from > 0 for c in chunks):
+            return None
+        return next(b for b in self.buckets if b >= len(chunks))
+
+    def capture(self, bucket: int) -> None:
+        """Record the step for ``bucket`` on a batch of null tokens."""
+        positions, batch = build_forward_batch(self.layout, self.pools, [], self.device, self.padding(bucket))
+        static = _Captured(
+            torch.zeros(bucket, dtype=torch.long, device=self.device),
+            positions.clone(),
+            _clone_batch(batch),
+            replay=lambda: torch.empty(0),
+        )
+        static.replay = self.capture_fn(lambda: self.step(static.input_ids, static.positions, static.batch))
+        self.graphs[bucket] = static
+
+    def capture_all(self) -> None:
+        for bucket in sorted(self.buckets, reverse=True):  # largest first: smaller ones reuse its pool
+            self.capture(bucket)
+        logger.info("captured decode graphs for batch sizes %s", self.buckets)
+
+    def run(self, bucket: int, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch):
+        """Copy the step's values into the bucket's static tensors and replay its graph."""
+        if bucket not in self.graphs:
+            self.capture(bucket)
+        static = self.graphs[bucket]
+        static.input_ids.copy_(input_ids)
+        static.positions.copy_(positions)
+        pairs = zip(metadata_tensors(static.batch), metadata_tensors(batch), strict=True)
+        for dst, src in pairs:
+            if dst.shape != src.shape:
+                raise RuntimeError(f"step metadata shape {tuple(src.shape)} != captured {tuple(dst.shape)}")
+            dst.copy_(src)
+        self.replays += 1
+        return static.replay().clone()

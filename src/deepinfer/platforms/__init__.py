@@ -1,0 +1,40 @@
+"""Platforms (DESIGN.md §4): per device kind, whether the model step is compiled by default,
+how decode steps are captured and replayed as graphs, and which kernels exist.
+
+``platform_for(device)`` returns the ``Platform`` of a ``torch.device``. CUDA graphs need a
+CUDA build of torch; Ascend's graph mode needs ``torch_npu``, which is never installed by
+default and is imported only when an ``npu`` device is asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+# A graph backend captures ``fn`` (reading and writing only static tensors) and returns a
+# replay callable that re-runs the captured work and returns ``fn``'s static output.
+GraphCapture = Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Platform:
+    name: str
+    compile_by_default: bool  # torch.compile measured faster than eager here
+    capture: GraphCapture | None  # None: no graph mode on this platform
+    has_triton: bool  # Triton kernels may replace the reference kernels
+
+
+def platform_for(device: torch.device) -> Platform:
+    if device.type == "cuda":
+        from deepinfer.platforms.cuda import cuda_platform
+
+        return cuda_platform()
+    if device.type == "npu":
+        from deepinfer.platforms.npu import npu_platform
+
+        return npu_platform()
+    from deepinfer.platforms.cpu import cpu_platform
+
+    return cpu_platform()
