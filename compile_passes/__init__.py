@@ -2,9 +2,13 @@
 (import name ``deepinfer.compile_passes``).
 
 A pass is ``fn(graph: torch.fx.Graph) -> int``: it rewrites matched subgraphs in place and
-returns how many it rewrote. ``PASSES`` is the default pipeline. It is empty so far: the
-attention, MoE and speculative-verification fusions of DESIGN.md §4 are the next steps of
-the compiler issue; the MoE expert loop and Sinkhorn are already custom ops the model calls.
+returns how many it rewrote. ``PASSES`` is the default pipeline:
+
+- ``fuse_sink_attention``: the V4/V4.1 attention core -> ``deepinfer::sink_attention``;
+- ``fuse_moe``: MoE gate + routed experts -> ``deepinfer::fused_moe``;
+- ``fuse_rejection_sampling``: speculative verification -> ``deepinfer::rejection_sample``.
+
+Llama's paged attention is a custom op the model calls directly (``paged_attention``).
 """
 
 from __future__ import annotations
@@ -12,5 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from deepinfer.compile_passes.attention import fuse_sink_attention
+from deepinfer.compile_passes.moe import fuse_moe
+from deepinfer.compile_passes.verification import fuse_rejection_sampling
 
-PASSES: tuple[Callable[[torch.fx.Graph], int], ...] = ()
+PASSES: tuple[Callable[[torch.fx.Graph], int], ...] = (fuse_sink_attention, fuse_moe, fuse_rejection_sampling)

@@ -12,7 +12,13 @@ import torch
 from torch._dynamo.utils import counters
 
 from deepinfer.compilation import PassManager, compile_step
-from deepinfer.engine.paged_cache import CacheLayout, SeqChunk, allocate_pools, build_forward_batch
+from deepinfer.engine.paged_cache import (
+    CacheLayout,
+    SeqChunk,
+    StepPadding,
+    allocate_pools,
+    build_forward_batch,
+)
 from deepinfer.testing import make_tiny_checkpoint
 from deepinfer.weights.loader import load_model
 
@@ -23,23 +29,24 @@ def model(tmp_path_factory):
     return load_model(path)
 
 
-def _step_inputs(model, lengths: list[int], starts: list[int], seed: int):
+def _step_inputs(model, lengths: list[int], starts: list[int], seed: int, padded: bool):
     layout = CacheLayout.from_specs(model.cache_spec(), 16)
     pools = allocate_pools(layout, 64, 8, torch.float32, torch.device("cpu"))
     chunks = [
         SeqChunk([i * 8 + k for k in range(8)], i, s, n, logits_offsets=list(range(n)))
         for i, (n, s) in enumerate(zip(lengths, starts, strict=True))
     ]
-    positions, batch = build_forward_batch(layout, pools, chunks, torch.device("cpu"))
-    ids = torch.randint(0, 258, (sum(lengths),), generator=torch.Generator().manual_seed(seed))
+    padding = StepPadding.for_pools(64, 8) if padded else None
+    positions, batch = build_forward_batch(layout, pools, chunks, torch.device("cpu"), padding)
+    ids = torch.randint(0, 258, (positions.shape[0],), generator=torch.Generator().manual_seed(seed))
     return ids, positions, batch
 
 
 def _both(model, compiled, lengths, starts, seed):
     """Eager and compiled logits of the same step, each on fresh (zeroed) pools."""
     with torch.inference_mode():
-        eager = model.step(*_step_inputs(model, lengths, starts, seed))
-        got = compiled(*_step_inputs(model, lengths, starts, seed))
+        eager = model.step(*_step_inputs(model, lengths, starts, seed, padded=False))
+        got = compiled(*_step_inputs(model, lengths, starts, seed, padded=True))
     return eager, got
 
 

@@ -107,6 +107,39 @@ def _prepare_model(model: nn.Module) -> None:
                 value.inv_freq(device)
 
 
+class PostGradBackend:
+    """A ``torch.compile`` backend that stops after Inductor's post-grad passes (ours
+    included) and runs the resulting ATen graph eagerly: no code generation, so it takes
+    seconds where Inductor takes a minute on 2 cores. The graphs it keeps are exactly what
+    Inductor would lower; tests count pass matches with it and ``deepinfer dump-graphs``
+    prints them. Select it with ``compile_backend="post_grad"``."""
+
+    def __init__(self, manager: PassManager) -> None:
+        self.manager = manager
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._inductor.decomposition import select_decomp_table
+
+        return aot_autograd(fw_compiler=self._forward, decompositions=select_decomp_table())(
+            gm, example_inputs
+        )
+
+    def _forward(self, gm: torch.fx.GraphModule, example_inputs):
+        from torch._guards import detect_fake_mode
+        from torch._inductor import config
+        from torch._inductor.fx_passes.post_grad import post_grad_passes
+        from torch._inductor.virtualized import V
+
+        with V.set_fake_mode(detect_fake_mode(example_inputs)):
+            with config.patch(post_grad_custom_post_pass=self.manager):
+                post_grad_passes(gm, is_inference=True)
+        gm.recompile()
+        self.graphs.append(gm)
+        return gm
+
+
 def compile_step(
     model: nn.Module, backend: str = "inductor", passes: Sequence[GraphPass] | None = None
 ) -> Callable[..., torch.Tensor]:
@@ -118,14 +151,16 @@ def compile_step(
     add a variant the first time they flip."""
     manager = PassManager(default_passes() if passes is None else passes)
     options = {"post_grad_custom_post_pass": manager} if backend == "inductor" else None
+    post_grad = PostGradBackend(manager) if backend == "post_grad" else None
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     torch.fx.experimental._config.use_duck_shape = False
     _prepare_model(model)
-    compiled = torch.compile(model.step, backend=backend, dynamic=True, options=options)
+    compiled = torch.compile(model.step, backend=post_grad or backend, dynamic=True, options=options)
 
     def step(input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         mark_step_dynamic(input_ids, positions, batch)
         return compiled(input_ids, positions, batch)
 
     step.pass_manager = manager  # type: ignore[attr-defined]
+    step.post_grad = post_grad  # type: ignore[attr-defined]  (graphs, with backend="post_grad")
     return step

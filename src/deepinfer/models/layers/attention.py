@@ -30,22 +30,20 @@ def attention_with_sink(
 
     q [T, H, D]; each part is (kv [T, L_i, D] with K = V, visible [T, L_i] bool). The parts
     share one softmax (as if concatenated) without materialising the concatenated keys.
-    Returns [T, H, D].
+    Returns [T, H, D]. Written as plain batched matmuls so the compiler's attention pass
+    (compile_passes/attention.py) can find it and call ``deepinfer::sink_attention``.
     """
     scores = [
-        torch.einsum("thd,tld->thl", q, kv).mul_(scale).masked_fill_(~visible.unsqueeze(1), float("-inf"))
+        torch.where(visible.unsqueeze(1), torch.bmm(q, kv.transpose(1, 2)) * scale, float("-inf"))
         for kv, visible in parts
     ]
     sinks = sink.to(q.dtype).view(1, -1, 1).expand(q.shape[0], q.shape[1], 1)
-    logits = torch.cat([*scores, sinks], dim=-1)
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(logits, dim=-1)
+    probs = torch.softmax(torch.cat([*scores, sinks], dim=-1), dim=-1)
     out = None
     start = 0
     for kv, _ in parts:
-        p = probs[..., start : start + kv.shape[1]].to(kv.dtype)
+        term = torch.bmm(probs[..., start : start + kv.shape[1]].to(kv.dtype), kv)
         start += kv.shape[1]
-        term = torch.einsum("thl,tld->thd", p, kv)
         out = term if out is None else out + term
     assert out is not None
     return out
