@@ -29,26 +29,26 @@ def paged_attention(
     = (first token row, tokens, first position, offset into span_kv_rows) per prefill chunk,
     span_kv_rows the pool rows of positions 0 .. end-1 of each chunk, concatenated.
     Padding (``StepPadding``): decode rows of -1 and spans of 0 tokens are skipped.
+    ``span_meta`` is a CPU tensor (the host loops over it; a decode-only step, the kind a CUDA
+    graph captures, has only padding spans and the decode path never syncs with the host).
     Returns [T, H, d] in q's dtype (rows no span or decode covers are zero)."""
     t, h, d = q.shape
     n_kv = k_pool.shape[1] // d
-    out = torch.zeros_like(q)
-    real = decode_rows >= 0
-    if not bool(real.all()):
-        decode_rows, decode_kv, decode_valid = decode_rows[real], decode_kv[real], decode_valid[real]
+    out = q.new_zeros(t + 1, h, d)  # row t takes padded decode rows (no host sync to drop them)
+    decode_rows = torch.where(decode_rows >= 0, decode_rows, t)
     n = decode_rows.shape[0]
     if n:
         keys = k_pool[decode_kv].view(n, -1, n_kv, d).to(q.dtype)
         vals = v_pool[decode_kv].view(n, -1, n_kv, d).to(q.dtype)
         o = F.scaled_dot_product_attention(
-            q[decode_rows].unsqueeze(2),  # [n, H, 1, d]
+            q[decode_rows.clamp(max=t - 1)].unsqueeze(2),  # [n, H, 1, d]
             keys.transpose(1, 2),  # [n, kv, L, d]
             vals.transpose(1, 2),
             attn_mask=decode_valid[:, None, None, :],
             enable_gqa=True,
         )
-        out[decode_rows] = o.squeeze(2)
-    for first, count, start, offset in span_meta.tolist():
+        out[decode_rows] = o.squeeze(2)  # padded rows (all-masked: NaN) land in the scratch row
+    for first, count, start, offset in span_meta.tolist():  # span_meta lives on the CPU
         if count == 0:
             continue
         end = start + count
@@ -66,7 +66,7 @@ def paged_attention(
             enable_gqa=True,
         )
         out[first : first + count] = o[0].transpose(0, 1)
-    return out
+    return out[:t]
 
 
 @paged_attention.register_fake

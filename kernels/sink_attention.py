@@ -39,7 +39,10 @@ def _(q, kv, visible, sink, scale):
 
 
 def _register_cuda_kernel() -> None:
-    """Use the Triton kernel for CUDA tensors when Triton is installed."""
+    """Use the Triton kernel for CUDA tensors when there is a GPU and Triton is installed
+    (checked here, not on CPU-only machines, where importing Triton only costs time)."""
+    if not torch.cuda.is_available():
+        return
     from deepinfer.kernels.sink_attention_triton import sink_attention_triton, triton
 
     if triton is not None:

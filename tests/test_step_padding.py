@@ -132,7 +132,7 @@ def test_decode_buckets():
     assert decode_buckets(1) == [1]
     assert decode_buckets(6) == [1, 2, 4, 6]
     assert decode_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
-    assert decode_buckets(100)[-4:] == [56, 64, 80, 100]
+    assert decode_buckets(100)[-4:] == [64, 80, 96, 100]
 
 
 def test_graph_runner_buckets_and_fallbacks(tiny):

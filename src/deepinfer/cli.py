@@ -1,5 +1,5 @@
-"""``deepinfer`` command line: ``make-tiny``, ``generate`` and ``bench throughput`` (more
-subcommands land with their issues: bench latency/startup, serve, dump-graphs)."""
+"""``deepinfer`` command line: ``make-tiny``, ``generate``, ``bench throughput|latency|startup``
+and ``dump-graphs`` (``serve`` lands with its issue)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -185,6 +186,14 @@ def _bench_latency(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dump_graphs(args: argparse.Namespace) -> int:
+    from deepinfer.graph_dump import GRAPH_ARCHS, dump_graphs
+
+    for path in dump_graphs(Path(args.out), tuple(args.arch or GRAPH_ARCHS)):
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description="DeepSeek-V4-class inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -233,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--threads", type=int, default=torch.get_num_threads())
     lat.add_argument("--plot", default=None, help="write a PNG of tok/s against concurrency here")
     lat.set_defaults(func=_bench_latency)
+
+    dump = sub.add_parser("dump-graphs", help="write the tiny models' compiled graphs (fx_graphs/)")
+    dump.add_argument("--out", default="fx_graphs")
+    dump.add_argument("--arch", action="append", choices=["deepseek_v4", "deepseek_v41", "llama"])
+    dump.set_defaults(func=_dump_graphs)
 
     st = bench_sub.add_parser("startup", help="time from process start to the first token, per engine")
     st.add_argument("--model", default="smollm2-135m")

@@ -38,9 +38,15 @@ class PassManager(CustomGraphPass):
         self.passes = list(passes)
         self.counts: Counter[str] = Counter()
         self.graphs_seen = 0
+        self.record = False  # keep a copy of each graph as it was before the passes
+        self.recorded_before: list[torch.fx.Graph] = []
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         self.graphs_seen += 1
+        if self.record:
+            copy = torch.fx.Graph()
+            copy.output(copy.graph_copy(graph, {}))
+            self.recorded_before.append(copy)
         for graph_pass in self.passes:
             matched = graph_pass(graph)
             self.counts[graph_pass.__name__] += matched
@@ -103,8 +109,8 @@ def _prepare_model(model: nn.Module) -> None:
     device = next(model.parameters()).device
     for module in model.modules():
         for value in vars(module).values():
-            if isinstance(value, Rotary):
-                value.inv_freq(device)
+            if isinstance(value, Rotary):  # fixed-size table: keep its size a constant
+                torch._dynamo.mark_static(value.inv_freq(device))
 
 
 class PostGradBackend:
@@ -145,7 +151,7 @@ def compile_step(
 ) -> Callable[..., torch.Tensor]:
     """A compiled ``model.step(input_ids, positions, batch)`` with every content-dependent size
     symbolic. Duck sizing is turned off (process-wide): two metadata tensors that happen to
-    share a size must not be traced as always equal. With the runner's ``StepPadding``
+    share a size must not be traced as always equal; floats are specialised. With the runner's ``StepPadding``
     (no size below 2, one-token steps padded to two) an engine workload compiles one graph;
     guards the model's own shape logic adds (e.g. the indexer's ``min(top-k, entries)``) may
     add a variant the first time they flip."""
@@ -154,6 +160,9 @@ def compile_step(
     post_grad = PostGradBackend(manager) if backend == "post_grad" else None
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     torch.fx.experimental._config.use_duck_shape = False
+    # The model's floats (eps, scales, limits) are constants: traced as symbols they make
+    # dynamo restart its analysis once per compile (doubling the trace time) and add guards.
+    torch._dynamo.config.specialize_float = True
     _prepare_model(model)
     compiled = torch.compile(model.step, backend=post_grad or backend, dynamic=True, options=options)
 

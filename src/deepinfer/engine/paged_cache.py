@@ -420,6 +420,6 @@ def _full_attention_meta(
         rows,
         kv,
         valid,
-        torch.tensor(spans, dtype=torch.long).view(-1, 4).to(device),
+        torch.tensor(spans, dtype=torch.long).view(-1, 4),  # stays on the CPU: read by the host
         torch.tensor(span_rows, dtype=torch.long, device=device),
     )

@@ -80,7 +80,7 @@ class FullAttentionMeta:
     decode_rows: torch.Tensor  # [Nd] token rows of single-token chunks
     decode_kv: torch.Tensor  # [Nd, L] pool rows of each decode token's positions (clamped)
     decode_valid: torch.Tensor  # [Nd, L] bool
-    span_meta: torch.Tensor  # [S, 4] per prefill chunk: first row, tokens, start, kv offset
+    span_meta: torch.Tensor  # [S, 4] per prefill chunk: first row, tokens, start, kv offset (CPU)
     span_kv_rows: torch.Tensor  # pool rows of positions 0 .. end-1 of each chunk, concatenated
 
 

@@ -1,0 +1,155 @@
+"""Decode step time of a V4-shaped model big enough to be bandwidth-bound on a GPU (a few GB
+of bf16 weights, random, built by ``make_tiny_checkpoint`` with larger dims), in three engine
+modes (eager, compiled, compiled + CUDA graphs), against the HBM-bandwidth bound and against
+``transformers`` on the same weights. Run by ``benchmarks/gpu_check.sh``.
+
+``--small`` uses the tiny dims so the script's logic can be checked on a CPU in seconds.
+Prints a markdown table for ``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.testing import make_tiny_checkpoint
+
+# ~1.9B parameters (3.8 GB in bf16): 8 layers, 32 experts of 2048 x 1024, top-6
+BIG = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "head_dim": 256,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 512,
+    "o_groups": 4,
+    "o_lora_rank": 512,
+    "n_routed_experts": 32,
+    "num_experts_per_tok": 6,
+    "moe_intermediate_size": 1024,
+    "sliding_window": 128,
+    "compress_ratios": [0, 4, 128, 4, 0, 4, 128, 0, 0],
+    "index_topk": 64,
+    "index_n_heads": 16,
+    "index_head_dim": 64,
+}
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
+
+
+def hbm_bound(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((bw for key, bw in HBM_BYTES_PER_S.items() if key in name), None)
+
+
+def bytes_per_step(model, batch: int) -> int:
+    """Weight bytes one decode step must read: everything but the routed experts, plus the
+    experts the batch can touch (top-k per token, at most all of them)."""
+    cfg = model.config
+    expert_bytes = routed_bytes = 0
+    total = 0
+    for name, p in model.named_parameters():
+        size = p.numel() * p.element_size()
+        total += size
+        if ".experts." in name:
+            routed_bytes += size
+    if cfg.n_routed_experts:
+        expert_bytes = routed_bytes * min(1.0, batch * cfg.num_experts_per_tok / cfg.n_routed_experts)
+    return int(total - routed_bytes + expert_bytes)
+
+
+def engine_step_time(path: Path, device: str, batch: int, mode: str, steps: int) -> tuple[float, object]:
+    """Mean seconds per pure-decode engine step (all ``batch`` requests decoding)."""
+    llm = LLM(
+        path,
+        dtype="bfloat16" if device != "cpu" else "float32",
+        device=device,
+        compile=mode != "eager",
+        capture_graphs=mode == "graphs",
+        max_num_seqs=batch,
+        max_model_len=512,
+        async_scheduling=False,
+    )
+    engine = llm.engine
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(str(i), [3 + (i * 7 + j) % 200 for j in range(16)], params)
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
+        engine.step()  # prefill
+    for _ in range(4):
+        engine.step()  # warm-up: compile / capture
+    if device != "cpu":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    if device != "cpu":
+        torch.cuda.synchronize()
+    elapsed = (time.perf_counter() - start) / steps
+    model = engine.model
+    engine.shutdown()
+    return elapsed, model
+
+
+def transformers_step_time(path: Path, device: str, batch: int, steps: int) -> float | None:
+    """Per-token time of ``transformers.generate`` (difference of two lengths: no prefill)."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return None
+    dtype = torch.bfloat16 if device != "cpu" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    ids = torch.randint(3, 200, (batch, 16), device=device)
+
+    def run(n: int) -> float:
+        if device != "cpu":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    run(4)
+    return (run(steps + 1) - run(1)) / steps  # the model is freed on return
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--small", action="store_true", help="tiny dims (a CPU check of this script)")
+    parser.add_argument("--modes", nargs="+", default=["eager", "compiled", "graphs"])
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    overrides = {} if args.small else BIG
+    path = make_tiny_checkpoint(
+        Path(tempfile.mkdtemp()) / "v4-bench", arch="deepseek_v4", dtype=torch.bfloat16, **overrides
+    )
+    modes = [m for m in args.modes if m != "graphs" or device.type == "cuda"]
+    bound = hbm_bound(device)
+    print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, modes {modes}")
+    print("| batch | mode | step (ms) | tok/s | % of HBM bound | transformers step (ms) |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for batch in args.batches:
+        peer = transformers_step_time(path, args.device, batch, args.steps)
+        for mode in modes:
+            step, model = engine_step_time(path, args.device, batch, mode, args.steps)
+            floor = bytes_per_step(model, batch) / bound if bound else None
+            pct = f"{100 * floor / step:.0f}%" if floor else "n/a"
+            peer_ms = f"{peer * 1e3:.2f}" if peer else "n/a"
+            print(
+                f"| {batch} | {mode} | {step * 1e3:.2f} | {batch / step:.0f} | {pct} | {peer_ms} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
