@@ -63,7 +63,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = make_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny", arch=args.arch, seed=0)
     model = load_model(path)
-    variants = {"passes": compile_step(model), "no passes": compile_step(model, passes=[])}
+    from deepinfer.compile_passes import PASSES
+
+    variants = {"passes": compile_step(model, passes=PASSES), "no passes": compile_step(model, passes=[])}
     print(
         "| batch | eager step (ms) | compiled, our passes (ms) | compiled, no passes (ms) | speedup (passes) |"
     )

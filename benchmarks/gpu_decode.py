@@ -106,12 +106,13 @@ def transformers_step_time(path: Path, device: str, batch: int, steps: int) -> f
     dtype = torch.bfloat16 if device != "cpu" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     ids = torch.randint(3, 200, (batch, 16), device=device)
+    mask = torch.ones_like(ids)
 
     def run(n: int) -> float:
         if device != "cpu":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
         if device != "cpu":
             torch.cuda.synchronize()
         return time.perf_counter() - start

@@ -2,7 +2,8 @@
 (import name ``deepinfer.compile_passes``).
 
 A pass is ``fn(graph: torch.fx.Graph) -> int``: it rewrites matched subgraphs in place and
-returns how many it rewrote. ``PASSES`` is the default pipeline:
+returns how many it rewrote. ``PASSES`` is the full pipeline (``compilation.default_passes``
+picks per platform; the CPU keeps only the verification fusion):
 
 - ``fuse_sink_attention``: the V4/V4.1 attention core -> ``deepinfer::sink_attention``;
 - ``fuse_moe``: MoE gate + routed experts -> ``deepinfer::fused_moe``;
@@ -19,5 +20,7 @@ import torch
 from deepinfer.compile_passes.attention import fuse_sink_attention
 from deepinfer.compile_passes.moe import fuse_moe
 from deepinfer.compile_passes.verification import fuse_rejection_sampling
+
+__all__ = ["PASSES", "fuse_moe", "fuse_rejection_sampling", "fuse_sink_attention"]
 
 PASSES: tuple[Callable[[torch.fx.Graph], int], ...] = (fuse_sink_attention, fuse_moe, fuse_rejection_sampling)

@@ -189,3 +189,9 @@ def test_capture_graphs_needs_a_graph_mode(tiny):
         LLM(path, capture_graphs=True)
     with pytest.raises(ValueError, match="compile_backend"):
         LLM(path, compile_backend="")
+
+
+def test_npu_without_torch_npu_is_a_clear_error(tiny):
+    _, path, _ = tiny
+    with pytest.raises(RuntimeError, match="torch_npu"):
+        LLM(path, device="npu")

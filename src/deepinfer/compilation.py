@@ -60,10 +60,16 @@ class PassManager(CustomGraphPass):
         return digest.digest()
 
 
-def default_passes() -> list[GraphPass]:
-    """The passes installed by default (``compile_passes`` package)."""
-    from deepinfer.compile_passes import PASSES
+def default_passes(device: torch.device | None = None) -> list[GraphPass]:
+    """The passes installed by default for models on ``device``: the whole ``compile_passes``
+    pipeline where the fused ops have fast kernels (CUDA: Triton attention, grouped-GEMM
+    experts); on the CPU only the verification fusion, because Inductor's own C++ fusion of
+    the plain attention and MoE gate measured faster than our ops' reference implementations
+    (benchmarks/RESULTS.md). ``compile_step(passes=...)`` overrides the choice."""
+    from deepinfer.compile_passes import PASSES, fuse_rejection_sampling
 
+    if device is not None and device.type == "cpu":
+        return [fuse_rejection_sampling]
     return list(PASSES)
 
 
@@ -155,7 +161,8 @@ def compile_step(
     (no size below 2, one-token steps padded to two) an engine workload compiles one graph;
     guards the model's own shape logic adds (e.g. the indexer's ``min(top-k, entries)``) may
     add a variant the first time they flip."""
-    manager = PassManager(default_passes() if passes is None else passes)
+    device = next(model.parameters()).device
+    manager = PassManager(default_passes(device) if passes is None else passes)
     options = {"post_grad_custom_post_pass": manager} if backend == "inductor" else None
     post_grad = PostGradBackend(manager) if backend == "post_grad" else None
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)

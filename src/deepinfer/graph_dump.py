@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.compilation import compile_step
+from deepinfer.compile_passes import PASSES
 from deepinfer.engine.paged_cache import (
     CacheLayout,
     SeqChunk,
@@ -107,7 +108,7 @@ def trace_tiny(arch: str, workdir: Path | None = None) -> TracedTiny:
     workdir = Path(workdir or tempfile.mkdtemp(prefix="deepinfer-graphs-"))
     model = load_model(make_tiny_checkpoint(workdir / arch, arch=arch, seed=0))
     torch._dynamo.reset()
-    compiled = compile_step(model, backend="post_grad")
+    compiled = compile_step(model, backend="post_grad", passes=PASSES)  # the full pipeline
     manager = compiled.pass_manager
     manager.record = True
     diff = 0.0

@@ -26,6 +26,18 @@ class Platform:
     has_triton: bool  # Triton kernels may replace the reference kernels
 
 
+def resolve_device(name: str | torch.device) -> torch.device:
+    """``torch.device(name)``, importing ``torch_npu`` first for ``npu`` (it registers the
+    device type) and saying so plainly when it is not installed."""
+    if isinstance(name, torch.device):
+        return name
+    if str(name).split(":")[0] == "npu":
+        from deepinfer.platforms.npu import _torch_npu
+
+        _torch_npu()
+    return torch.device(name)
+
+
 def platform_for(device: torch.device) -> Platform:
     if device.type == "cuda":
         from deepinfer.platforms.cuda import cuda_platform

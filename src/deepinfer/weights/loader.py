@@ -281,7 +281,9 @@ def load_model(
     """
     from deepinfer.config import load_config_json
     from deepinfer.models.catalog import NAMED_MODELS, resolve_model
+    from deepinfer.platforms import resolve_device
 
+    device = resolve_device(device)
     path = resolve_model(path)
     if not path.is_dir():
         raise CheckpointError(
