@@ -1,0 +1,40 @@
+"""N-gram prompt lookup (Saxena 2023, "prompt lookup decoding"; vLLM's ``ngram`` method): the
+draft for a sequence is what followed the most recent earlier occurrence of its last ``n``
+tokens, trying ``n`` from ``max_n`` down to ``min_n``. It costs no model and wins when the
+output repeats its input (code edits, summaries quoting the text, extraction)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class NgramDrafter:
+    num_speculative_tokens: int = 5
+    min_n: int = 1
+    max_n: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("num_speculative_tokens", "min_n", "max_n"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.min_n > self.max_n:
+            raise ValueError(f"min_n ({self.min_n}) must not exceed max_n ({self.max_n})")
+
+    def propose(self, tokens: Sequence[int]) -> list[int]:
+        """Up to ``num_speculative_tokens`` drafted ids for the sequence ``tokens`` (prompt and
+        output so far); empty when no earlier occurrence of a suffix exists."""
+        arr = np.asarray(tokens, dtype=np.int64)
+        length = arr.shape[0]
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            pattern = arr[length - n :]
+            windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)
+            starts = np.flatnonzero((windows == pattern).all(axis=1))
+            if starts.size:
+                follow = int(starts[-1]) + n  # the most recent earlier occurrence
+                return arr[follow : follow + self.num_speculative_tokens].tolist()
+        return []

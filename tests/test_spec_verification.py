@@ -1,0 +1,89 @@
+"""Speculative-decoding building blocks: the rejection sampler is lossless (its output has the
+target's distribution, checked by chi-square), greedy verification is a prefix match, an
+oracle draft is always accepted; the n-gram drafter proposes what followed the last match."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.sampling.rejection import rejection_sample
+from deepinfer.spec.ngram import NgramDrafter
+
+# chi-square critical values at p = 0.001 (df -> value), from standard tables
+CHI2_999 = {4: 18.47, 24: 51.18}
+
+
+def _chi2(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    keep = expected > 0
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """Draft tokens come from q, the target is p (fixed per position, independent of the
+    prefix); the first two generated tokens must be distributed as p0 x p1."""
+    gen = torch.Generator().manual_seed(0)
+    n, k, v = 60_000, 2, 5
+    p = torch.softmax(torch.randn(k + 1, v, generator=gen) * 1.5, -1)
+    q = torch.softmax(torch.randn(k, v, generator=gen) * 1.5, -1)
+    drafts = torch.stack([torch.multinomial(q[j], n, replacement=True, generator=gen) for j in range(k)], 1)
+    tokens, emitted = rejection_sample(
+        p.expand(n, -1, -1),
+        q.expand(n, -1, -1),
+        drafts,
+        torch.rand(n, k, generator=gen),
+        torch.empty(n, k + 1, v).exponential_(generator=gen),
+    )
+    assert bool((emitted >= 1).all()) and bool((emitted <= k + 1).all())
+    first = torch.bincount(tokens[:, 0], minlength=v).float()
+    assert _chi2(first, p[0] * n) < CHI2_999[v - 1]
+    # a step that emitted one token leaves the second to the next step, which samples the
+    # (prefix-independent) target p1 directly
+    second = torch.where(
+        emitted >= 2, tokens[:, 1], torch.multinomial(p[1], n, replacement=True, generator=gen)
+    )
+    pairs = torch.bincount(tokens[:, 0] * v + second, minlength=v * v).float()
+    assert _chi2(pairs, torch.outer(p[0], p[1]).flatten() * n) < CHI2_999[v * v - 1]
+    # and the sampler does accept: mean emitted tokens beats one per step
+    assert float(emitted.float().mean()) > 1.2
+
+
+def test_identical_draft_and_target_accept_everything():
+    gen = torch.Generator().manual_seed(1)
+    n, k, v = 500, 4, 7
+    p = torch.softmax(torch.randn(n, k + 1, v, generator=gen), -1)
+    drafts = torch.multinomial(p[:, :k].reshape(-1, v), 1, generator=gen).view(n, k)
+    noise = torch.empty(n, k + 1, v).exponential_(generator=gen)
+    tokens, emitted = rejection_sample(p, p[:, :k], drafts, torch.rand(n, k, generator=gen), noise)
+    assert bool((emitted == k + 1).all())
+    assert torch.equal(tokens[:, :k], drafts)
+
+
+def test_greedy_verification_is_a_prefix_match():
+    v, k = 6, 4
+    target = torch.tensor([[2, 5, 1, 0, 3]])  # the target's argmax at each position
+    drafts = torch.tensor([[2, 5, 4, 0]])  # mismatch at position 2
+    p = torch.nn.functional.one_hot(target, v).float()
+    q = torch.nn.functional.one_hot(drafts, v).float()
+    tokens, emitted = rejection_sample(
+        p, q, drafts, torch.rand(1, k), torch.empty(1, k + 1, v).exponential_()
+    )
+    assert tokens.tolist() == [[2, 5, 1, -1, -1]] and emitted.tolist() == [3]
+    oracle = target[:, :k]  # the target's own continuation: all accepted plus the bonus
+    tokens, emitted = rejection_sample(
+        p, torch.nn.functional.one_hot(oracle, v).float(), oracle, torch.rand(1, k), torch.ones(1, k + 1, v)
+    )
+    assert tokens.tolist() == [[2, 5, 1, 0, 3]] and emitted.tolist() == [5]
+
+
+def test_ngram_drafter_proposes_what_followed_the_last_match():
+    drafter = NgramDrafter(num_speculative_tokens=3, min_n=1, max_n=3)
+    assert drafter.propose([1, 2, 3, 4, 9, 1, 2, 3]) == [4, 9, 1]
+    assert drafter.propose([5, 6, 7, 5, 6, 8, 5, 6]) == [8, 5, 6]  # the most recent "5 6"
+    assert drafter.propose([1, 2, 3]) == []
+    assert drafter.propose([7, 7]) == [7]
+    assert NgramDrafter(num_speculative_tokens=2, min_n=2, max_n=2).propose([1, 2, 3, 9, 2]) == []
+    with pytest.raises(ValueError, match="min_n"):
+        NgramDrafter(min_n=3, max_n=2)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        NgramDrafter(num_speculative_tokens=0)
