@@ -232,6 +232,9 @@ class EngineConfig:
     # buckets up to max_graph_batch_size. None = on where the platform has a graph mode.
     capture_graphs: bool | None = None
     max_graph_batch_size: int = 64
+    # Speculative decoding: None, or a deepinfer.spec.SpeculativeConfig / dict of its fields
+    # (n-gram drafting; needs a model whose cache rolls back by position, e.g. Llama)
+    speculative: Any = None
 
     def validate(self) -> None:
         def need(ok: bool, name: str, rule: str) -> None:
@@ -261,5 +264,10 @@ class EngineConfig:
                 "ced_prefill=True needs enable_prefix_caching=False: a cached prefix holds no decoder "
                 "window for positions its own prompt never replayed"
             )
+        from deepinfer.spec.config import SpeculativeConfig
+
+        self.speculative = SpeculativeConfig.parse(self.speculative)
+        if self.speculative is not None and self.async_scheduling:
+            raise ValueError("speculative decoding needs async_scheduling=False (or None: auto)")
         for name in ("async_scheduling", "fake_quant", "compile", "capture_graphs"):
             need(getattr(self, name) in (None, True, False), name, "None (auto) or a bool")

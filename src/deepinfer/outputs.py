@@ -35,6 +35,8 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_generated_tokens: int = 0
+    num_draft_tokens: int = 0  # speculative decoding (0 without it)
+    num_accepted_tokens: int = 0
 
     @property
     def ttft(self) -> float | None:

@@ -23,7 +23,8 @@ from deepinfer.engine.model_runner import ModelRunner, PreparedStep
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.paged_cache import CacheLayout
 from deepinfer.engine.request import Request, Status
-from deepinfer.engine.scheduler import Scheduler
+from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
+from deepinfer.engine.spec_decode import SpecDecoder
 from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer.platforms import platform_for
 from deepinfer.sampling.sampler import SamplingRow, make_generator, sample
@@ -72,7 +73,22 @@ class Engine:
         )
         num_blocks = config.num_cache_blocks or self._blocks_for_budget(dtype, graph_bytes)
         self.pool = BlockPool(num_blocks)
-        self.scheduler = Scheduler(config, self.pool, self.layout.block_size, config.max_num_seqs)
+        self.spec: SpecDecoder | None = None
+        if config.speculative is not None:
+            rolling = [s for s in self.layout.specs if s.ratio or s.token_ids]
+            if rolling:
+                raise ValueError(
+                    f"speculative: {type(model).__name__} keeps compressor or token-history state that "
+                    "rejected drafts would have to roll back; not supported yet (Llama-family models are)"
+                )
+            self.spec = SpecDecoder(config.speculative, self.max_model_len)
+        self.scheduler = Scheduler(
+            config,
+            self.pool,
+            self.layout.block_size,
+            config.max_num_seqs,
+            self.spec.draft if self.spec is not None else None,
+        )
         if config.ced_prefill and getattr(model, "ced_split", None) is None:
             raise ValueError(f"ced_prefill: {type(model).__name__} has no causal encoder/decoder split")
         replay = self.layout.window if config.ced_prefill else None
@@ -91,9 +107,9 @@ class Engine:
         )
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
-        self._executor = (
-            ThreadPoolExecutor(1, thread_name_prefix="deepinfer-step") if config.async_scheduling else None
-        )
+        use_async = platform.name == "cuda" if config.async_scheduling is None else config.async_scheduling
+        use_async = use_async and self.spec is None  # drafting needs the previous step's tokens
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-step") if use_async else None
         self._inflight: tuple[PreparedStep, Future] | None = None
         block_mib = self.layout.block_bytes(dtype) / 2**20
         logger.info(
@@ -236,6 +252,8 @@ class Engine:
         for c, _ in live:
             c.request.pending_tokens = max(0, c.request.pending_tokens - 1)
         live = [(c, row) for c, row in live if not c.request.finished]
+        drafted = [(c, row) for c, row in live if c.draft]
+        live = [(c, row) for c, row in live if not c.draft]
         updated: list[Request] = []
         for c, (first, count) in zip(chunks, prepared.prompt_rows, strict=True):
             req = c.request
@@ -268,10 +286,28 @@ class Engine:
                 updated.append(req)
                 if req.finish_reason is not None:
                     self._finish(req)
+        for c, row in drafted:
+            updated.append(self._verify(c, logits[row : row + len(c.draft) + 1]))
         for c in chunks:
             if c.request.status is Status.RUNNING:
                 self.scheduler.publish_full_blocks(c.request)
         return updated
+
+    def _verify(self, c: ScheduledChunk, logits: torch.Tensor) -> Request:
+        """Append a drafted chunk's accepted tokens (one by one: stop checks apply to each) and
+        roll the computed count back to the positions whose cache rows are now valid."""
+        assert self.spec is not None
+        req = c.request
+        tokens = self.spec.verify(req, c.draft, logits)
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        for j, token in enumerate(tokens):
+            self.output_processor.append_token(req, token, logits[j])
+            if req.finish_reason is not None:
+                self._finish(req)
+                return req
+        req.num_computed_tokens = c.start + len(tokens)  # the last token is not computed yet
+        return req
 
     def _finish(self, req: Request) -> None:
         req.finished_time = time.perf_counter()
@@ -295,6 +331,8 @@ class Engine:
             first_token_time=req.first_token_time,
             finished_time=req.finished_time,
             num_generated_tokens=len(req.output_token_ids),
+            num_draft_tokens=req.num_draft_tokens,
+            num_accepted_tokens=req.num_accepted_tokens,
         )
         return RequestOutput(
             request_id=req.request_id,

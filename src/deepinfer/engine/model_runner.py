@@ -30,7 +30,8 @@ class PreparedStep:
     chunks: list[ScheduledChunk]
     positions: torch.Tensor
     batch: ForwardBatch
-    sample_rows: list[int]  # row of the returned logits for each sampling chunk (-1: none)
+    sample_rows: list[int]  # row of the returned logits for each sampling chunk (-1: none);
+    # a drafted chunk's rows are sample_rows[i] .. sample_rows[i] + len(draft)
     prompt_rows: list[tuple[int, int]]  # (first row, count) of prompt-logprob logits per chunk
     graph_bucket: int | None = None  # replayed from this bucket's captured graph
 
@@ -93,7 +94,11 @@ class ModelRunner:
                 # logits at positions p predict token p + 1 of the prompt
                 offsets = list(range(min(c.num_tokens, prompt_len - 1 - c.start)))
             prompt_rows.append((row, len(offsets)))
-            if c.samples:
+            if c.samples and c.draft:  # verification needs the logits of every drafted position
+                first = c.num_tokens - len(c.draft) - 1
+                sample_rows.append(row + len(offsets))
+                offsets += list(range(first, c.num_tokens))
+            elif c.samples:
                 if not offsets or offsets[-1] != c.num_tokens - 1:
                     offsets.append(c.num_tokens - 1)
                 sample_rows.append(row + len(offsets) - 1)
@@ -117,7 +122,7 @@ class ModelRunner:
         """Token ids of the step; read at launch time so async steps see fresh tokens."""
         ids: list[int] = []
         for c in step.chunks:
-            ids += c.request.all_token_ids[c.start : c.end]
+            ids += c.request.all_token_ids[c.start : c.end - len(c.draft)] + c.draft
         ids += [0] * (step.positions.shape[0] - len(ids))  # padded null tokens
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 

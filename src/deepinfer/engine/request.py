@@ -34,6 +34,8 @@ class Request:
     restore_overlap: bool = False  # the next chunk follows a prefix-cache hit
     num_cached_tokens: int = 0  # prefix-cache hit at first schedule
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: drafted for this request so far ...
+    num_accepted_tokens: int = 0  # ... and accepted by verification
     pending_tokens: int = 0  # tokens sampled by a step still in flight (async scheduling)
     finish_reason: str | None = None
     stop_reason: str | int | None = None

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.block_pool import BlockPool, block_hash
@@ -24,6 +25,7 @@ class ScheduledChunk:
     num_tokens: int
     restore_overlap: bool
     samples: bool  # the chunk reaches the end of the known tokens: sample the next one
+    draft: list[int] = field(default_factory=list)  # drafted tokens appended to the chunk
 
     @property
     def end(self) -> int:
@@ -31,8 +33,17 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: BlockPool, block_size: int, num_slots: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        pool: BlockPool,
+        block_size: int,
+        num_slots: int,
+        drafter: Callable[[Request, int], list[int]] | None = None,
+    ) -> None:
+        """``drafter(request, budget)``: speculative tokens for a decoding request (or [])."""
         self.config = config
+        self.drafter = drafter
         self.pool = pool
         self.block_size = block_size
         self.waiting: deque[Request] = deque()
@@ -130,6 +141,8 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(todo, budget)
+            draft = self.drafter(request, budget) if todo == 1 and self.drafter is not None else []
+            num_new += len(draft)
             while not self._ensure_blocks(request, request.num_computed_tokens + num_new):
                 victim = next((r for r in reversed(self.running) if id(r) not in scheduled), None)
                 if victim is None:
@@ -139,7 +152,7 @@ class Scheduler:
                     break
             if request.status is not Status.RUNNING or not self._has_blocks(request, num_new):
                 break
-            chunks.append(self._chunk(request, num_new))
+            chunks.append(self._chunk(request, num_new, draft))
             scheduled.add(id(request))
             budget -= num_new
             i += 1
@@ -166,13 +179,17 @@ class Scheduler:
     def _has_blocks(self, request: Request, num_new: int) -> bool:
         return len(request.block_ids) * self.block_size >= request.num_computed_tokens + num_new
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _chunk(self, request: Request, num_new: int, draft: list[int] | None = None) -> ScheduledChunk:
+        """The chunk, counted as computed; a drafted chunk is rolled back to its accepted part
+        after verification (``Engine._process``)."""
+        draft = draft or []
         chunk = ScheduledChunk(
             request,
             request.num_computed_tokens,
             num_new,
             request.restore_overlap,
-            samples=request.num_computed_tokens + num_new == request.num_tokens,
+            samples=request.num_computed_tokens + num_new - len(draft) == request.num_tokens,
+            draft=draft,
         )
         request.restore_overlap = False
         request.num_computed_tokens += num_new

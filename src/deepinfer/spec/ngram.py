@@ -1,6 +1,6 @@
 """N-gram prompt lookup (Saxena 2023, "prompt lookup decoding"; vLLM's ``ngram`` method): the
-draft for a sequence is what followed the most recent earlier occurrence of its last ``n``
-tokens, trying ``n`` from ``max_n`` down to ``min_n``. It costs no model and wins when the
+draft for a sequence is what followed an earlier occurrence of its last ``n`` tokens (the most
+recent one with a full draft after it), trying ``n`` from ``max_n`` down to ``min_n``. It costs no model and wins when the
 output repeats its input (code edits, summaries quoting the text, extraction)."""
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ class NgramDrafter:
             windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)
             starts = np.flatnonzero((windows == pattern).all(axis=1))
             if starts.size:
-                follow = int(starts[-1]) + n  # the most recent earlier occurrence
-                return arr[follow : follow + self.num_speculative_tokens].tolist()
+                # the most recent occurrence that still has a full draft after it (a periodic
+                # tail matches just before the end, leaving one token), else the earliest
+                k = self.num_speculative_tokens
+                full = starts[starts + n + k <= length]
+                follow = int(full[-1] if full.size else starts[0]) + n
+                return arr[follow : follow + k].tolist()
         return []

@@ -1,0 +1,100 @@
+"""Speculative decoding inside the engine: which requests draft, and the verification of a
+drafted chunk (``[last token, d drafts]`` computed in one step, ``d + 1`` logits rows).
+
+Drafts come from a drafter with no probabilities of its own (n-gram lookup), i.e. a one-hot
+draft distribution, so verification is the rejection sampler with ``q = one_hot(draft)``:
+accept draft j with probability ``p_j(x_j)``, resample from ``p_j`` without ``x_j`` at the first
+rejection, or take a bonus token from ``p_d`` after all d are accepted. Greedy requests reduce
+to a prefix match against the target's argmax. Either way the output distribution is the
+target's (tests/test_spec_verification.py, tests/test_spec_engine.py).
+
+Only requests whose target distribution needs no history are drafted for (no penalties, logit
+bias, pending ``min_tokens`` or logprobs); others decode one token per step as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.engine.request import Request
+from deepinfer.sampling.rejection import rejection_sample
+from deepinfer.sampling.sampler import filtered_log_probs
+from deepinfer.spec.config import SpeculativeConfig
+from deepinfer.spec.ngram import NgramDrafter
+
+
+def can_draft(req: Request) -> bool:
+    p = req.params
+    return not (
+        p.logit_bias
+        or p.repetition_penalty != 1.0
+        or p.presence_penalty
+        or p.frequency_penalty
+        or len(req.output_token_ids) < p.min_tokens
+        or p.logprobs is not None
+    )
+
+
+@dataclass
+class SpecStats:
+    """Engine-wide counters (per-request ones live on the Request)."""
+
+    verify_steps: int = 0  # drafted chunks verified
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verified chunk (accepted drafts + the final token)."""
+        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.drafter = NgramDrafter(
+            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+        )
+        self.stats = SpecStats()
+
+    def draft(self, req: Request, budget: int) -> list[int]:
+        """Tokens to verify after the request's last token this step (may be empty)."""
+        if not can_draft(req):
+            return []
+        room = min(
+            self.config.num_speculative_tokens,
+            budget - 1,
+            req.params.max_tokens - len(req.output_token_ids) - 1,
+            self.max_model_len - req.num_tokens,
+        )
+        if room <= 0:
+            return []
+        return self.drafter.propose(req.all_token_ids)[:room]
+
+    def verify(self, req: Request, draft: list[int], logits: torch.Tensor) -> list[int]:
+        """``logits`` [d + 1, V] at the chunk's positions -> tokens to append (accepted drafts,
+        then the recovered or bonus token)."""
+        d = len(draft)
+        if req.params.greedy:
+            target = logits.argmax(dim=-1).tolist()
+            accepted = next((j for j in range(d) if draft[j] != target[j]), d)
+            tokens = draft[:accepted] + [target[accepted]]
+        else:
+            probs = torch.stack([filtered_log_probs(row, req.params) for row in logits]).exp()
+            drafted = torch.tensor([draft], dtype=torch.long, device=logits.device)
+            q = torch.nn.functional.one_hot(drafted, probs.shape[-1]).to(probs.dtype)
+            gen = req.generator
+            uniform = torch.rand(1, d, generator=gen, device=logits.device)
+            noise = torch.empty(1, d + 1, probs.shape[-1], device=logits.device).exponential_(generator=gen)
+            out, emitted = rejection_sample(probs.unsqueeze(0), q, drafted, uniform, noise)
+            tokens = out[0, : int(emitted[0])].tolist()
+            accepted = len(tokens) - 1
+        self.stats.verify_steps += 1
+        self.stats.drafted += d
+        self.stats.accepted += accepted
+        req.num_draft_tokens += d
+        req.num_accepted_tokens += accepted
+        return tokens

@@ -1,0 +1,53 @@
+"""``SpeculativeConfig``: which drafter, how many tokens, how verification is scheduled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram", "mtp", "dspark")
+AVAILABLE = ("ngram",)  # mtp / dspark drafting: not built yet (issue 7 continues)
+SCHEDULES = ("static", "threshold", "hardware")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 5
+    schedule: str = "static"  # every eligible decode verifies up to num_speculative_tokens
+    prompt_lookup_min: int = 1  # n-gram sizes tried, longest first
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative.method must be one of {METHODS}, got {self.method!r}")
+        if self.method not in AVAILABLE:
+            raise ValueError(
+                f"speculative.method={self.method!r} is not implemented yet (available: {AVAILABLE})"
+            )
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"speculative.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.schedule != "static":
+            raise ValueError(
+                f"speculative.schedule={self.schedule!r} is not implemented yet (available: static)"
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative.{name} must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("speculative.prompt_lookup_min must not exceed prompt_lookup_max")
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """None, a SpeculativeConfig, or a dict of its fields (``LLM(..., speculative={...})``)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - set(cls.__dataclass_fields__)
+            if unknown:
+                raise ValueError(f"speculative: unknown field(s) {sorted(unknown)}")
+            return cls(**value)
+        raise ValueError(
+            f"speculative must be None, a dict or a SpeculativeConfig, got {type(value).__name__}"
+        )

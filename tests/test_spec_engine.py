@@ -1,0 +1,115 @@
+"""Speculative decoding in the engine (n-gram drafting): greedy outputs equal decoding without
+it, seeded sampling keeps the target distribution, the cache ends as a run without
+speculation leaves it, and models with compressor state refuse it clearly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.testing import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("spec"), arch="llama")
+
+
+def _repetitive_prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        motif = [rng.randrange(3, 200) for _ in range(rng.randrange(2, 6))]
+        prompts.append((motif * 12)[: rng.randrange(8, 60)])
+    return prompts
+
+
+def test_greedy_outputs_equal_without_speculation(llama):
+    prompts = _repetitive_prompts(12, 0)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(llama).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(llama, speculative={"method": "ngram", "num_speculative_tokens": 4}, max_num_batched_tokens=40)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    stats = llm.engine.spec.stats
+    assert stats.verify_steps > 0 and stats.accepted > 0  # tiny random models repeat themselves
+    assert sum(o.metrics.num_accepted_tokens for o in outs) == stats.accepted
+
+
+def test_sampled_first_tokens_keep_their_distribution(llama):
+    """Many seeds of one prompt: the first three generated tokens (the prompt's n-gram drafts
+    them all) are distributed as without speculation (two-sample chi-square per position on
+    the most frequent tokens)."""
+    prompt = [[7, 9, 11] * 6]
+    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(600)]
+    spec = LLM(llama, speculative={"num_speculative_tokens": 3}, max_num_seqs=64)
+    a = [
+        o.outputs[0].token_ids
+        for o in LLM(llama, max_num_seqs=64).generate(prompt * 600, params, use_tqdm=False)
+    ]
+    b = [o.outputs[0].token_ids for o in spec.generate(prompt * 600, params, use_tqdm=False)]
+    assert spec.engine.spec.stats.drafted > 0
+    for pos in range(3):
+        ca = torch.bincount(torch.tensor([t[pos] for t in a]), minlength=258).float()
+        cb = torch.bincount(torch.tensor([t[pos] for t in b]), minlength=258).float()
+        top = (ca + cb).argsort(descending=True)[:6]
+        rest = torch.ones(258, dtype=torch.bool)
+        rest[top] = False
+        ca = torch.cat([ca[top], ca[rest].sum(0, keepdim=True)])
+        cb = torch.cat([cb[top], cb[rest].sum(0, keepdim=True)])
+        total = ca + cb
+        keep = total > 0
+        expected = total[keep] / 2
+        stat = float((((ca[keep] - expected) ** 2 + (cb[keep] - expected) ** 2) / expected).sum())
+        assert stat < 24.32, (pos, stat)  # chi-square, df <= 6, p = 0.001
+
+
+def _cache_rows(engine, req, n: int, bs: int) -> torch.Tensor:
+    """K and V rows of positions 0 .. n-1 of ``req`` in every layer."""
+    pos = torch.arange(n)
+    flat = torch.tensor(req.block_ids)[pos // bs] * bs + pos % bs
+    pools = engine.runner.pools
+    return torch.cat([p.window[flat] for p in pools] + [p.values[flat] for p in pools])
+
+
+def _cache_rows(engine, req, n: int, bs: int) -> torch.Tensor:
+    """K and V rows of positions 0 .. n-1 of ``req`` in every layer."""
+    pos = torch.arange(n)
+    flat = torch.tensor(req.block_ids)[pos // bs] * bs + pos % bs
+    pools = engine.runner.pools
+    return torch.cat([p.window[flat] for p in pools] + [p.values[flat] for p in pools])
+
+
+def test_cache_after_rejections_equals_a_plain_run(llama):
+    """Mid-generation, the cache rows of every computed position hold what a run without
+    speculation holds there (rejected drafts' rows lie past the computed count and are
+    overwritten later)."""
+    prompts = _repetitive_prompts(3, 1)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    runs = []
+    for kw in ({}, {"speculative": {"num_speculative_tokens": 5}}):
+        engine = LLM(llama, **kw).engine
+        reqs = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts)]
+        while min(len(r.output_token_ids) for r in reqs) < 20:
+            engine.step()
+        runs.append((engine, reqs))
+    (plain, plain_reqs), (spec, spec_reqs) = runs
+    assert spec.spec.stats.verify_steps > 0 and spec.spec.stats.accepted < spec.spec.stats.drafted
+    bs = plain.layout.block_size
+    for a, b in zip(plain_reqs, spec_reqs, strict=True):
+        n = min(a.num_computed_tokens, b.num_computed_tokens)
+        assert a.all_token_ids[:n] == b.all_token_ids[:n]
+        assert (_cache_rows(plain, a, n, bs) - _cache_rows(spec, b, n, bs)).abs().max() <= 1e-5
+
+
+def test_models_with_compressor_state_refuse_speculation(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "v4", arch="deepseek_v4")
+    with pytest.raises(ValueError, match="roll back"):
+        LLM(path, speculative={"method": "ngram"})
+    with pytest.raises(ValueError, match="not implemented yet"):
+        LLM(path, speculative={"method": "dspark"})
+    with pytest.raises(ValueError, match="unknown field"):
+        LLM(path, speculative={"tokens": 3})
