@@ -113,3 +113,30 @@ def test_models_with_compressor_state_refuse_speculation(tmp_path):
         LLM(path, speculative={"method": "dspark"})
     with pytest.raises(ValueError, match="unknown field"):
         LLM(path, speculative={"tokens": 3})
+
+
+class _Oracle:
+    """Drafts the target's own greedy continuation (known from a plain run)."""
+
+    def __init__(self, sequences: list[list[int]], k: int) -> None:
+        self.sequences, self.k = sequences, k
+
+    def propose(self, tokens: list[int]) -> list[int]:
+        for seq in self.sequences:
+            if seq[: len(tokens)] == tokens:
+                return seq[len(tokens) : len(tokens) + self.k]
+        return []
+
+
+def test_an_oracle_drafter_is_always_accepted(llama):
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randrange(3, 30))] for _ in range(6)]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(llama).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(llama, speculative={"num_speculative_tokens": 4})
+    llm.engine.spec.drafter = _Oracle([p + o for p, o in zip(prompts, plain, strict=True)], 4)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    stats = llm.engine.spec.stats
+    assert stats.drafted > 0 and stats.accepted == stats.drafted
+    assert stats.mean_acceptance_length > 4  # 4 drafts + the bonus, bar the short tails
