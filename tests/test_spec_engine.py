@@ -140,3 +140,39 @@ def test_an_oracle_drafter_is_always_accepted(llama):
     stats = llm.engine.spec.stats
     assert stats.drafted > 0 and stats.accepted == stats.drafted
     assert stats.mean_acceptance_length > 4  # 4 drafts + the bonus, bar the short tails
+
+
+def test_speculation_under_preemption_chunking_prefix_caching_and_stops(llama):
+    """A tight cache (preemptions), small token budget (chunked prefill, drafts trimmed to the
+    budget), shared prefixes (prefix hits) and stop conditions: outputs equal plain decoding
+    and nothing leaks."""
+    rng = random.Random(5)
+    shared = _repetitive_prompts(1, 9)[0] * 3
+    prompts = [shared + p if i % 2 else p for i, p in enumerate(_repetitive_prompts(16, 7))]
+    params = []
+    for i in range(len(prompts)):
+        stop_ids = [prompts[i][-1]] if i % 3 == 0 else []  # may stop on a drafted token
+        params.append(
+            SamplingParams(
+                max_tokens=rng.randrange(1, 40),
+                temperature=0.0,
+                stop_token_ids=stop_ids,
+                ignore_eos=i % 4 != 0,
+            )
+        )
+    plain = [o.outputs[0].token_ids for o in LLM(llama).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(
+        llama,
+        speculative={"num_speculative_tokens": 6},
+        num_cache_blocks=20,
+        max_num_batched_tokens=24,
+        max_num_seqs=8,
+    )
+    engine = llm.engine
+    preempted = []
+    preempt = engine.scheduler.preempt
+    engine.scheduler.preempt = lambda req: (preempted.append(req.request_id), preempt(req))[1]
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs == plain
+    assert engine.spec.stats.verify_steps > 0 and preempted, "the workload should draft and preempt"
+    assert engine.pool.num_free == engine.num_blocks
