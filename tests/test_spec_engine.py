@@ -105,14 +105,32 @@ def test_cache_after_rejections_equals_a_plain_run(llama):
         assert (_cache_rows(plain, a, n, bs) - _cache_rows(spec, b, n, bs)).abs().max() <= 1e-5
 
 
-def test_models_with_compressor_state_refuse_speculation(tmp_path):
-    path = make_tiny_checkpoint(tmp_path / "v4", arch="deepseek_v4")
-    with pytest.raises(ValueError, match="roll back"):
-        LLM(path, speculative={"method": "ngram"})
+@pytest.mark.parametrize("arch", ["deepseek_v4", "deepseek_v41"])
+def test_compressor_models_roll_back_rejected_drafts(arch, tmp_path):
+    """V4/V4.1 compressors keep per-sequence state a rejected draft has advanced: the engine
+    restores the slot and recomputes the accepted tokens. Greedy outputs over long generations
+    (many groups closing, many rejections) equal plain decoding."""
+    path = make_tiny_checkpoint(tmp_path / arch, arch=arch)
+    prompts = _repetitive_prompts(6, 11)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(path).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(path, speculative={"num_speculative_tokens": 5}, max_num_batched_tokens=48)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs == plain
+    stats = llm.engine.spec.stats
+    assert stats.accepted > 0 and stats.accepted < stats.drafted  # both paths ran
+    assert not llm.engine._saved_slots
+
+
+def test_bad_speculative_configs_are_clear_errors(llama):
     with pytest.raises(ValueError, match="not implemented yet"):
-        LLM(path, speculative={"method": "dspark"})
+        LLM(llama, speculative={"method": "dspark"})
     with pytest.raises(ValueError, match="unknown field"):
-        LLM(path, speculative={"tokens": 3})
+        LLM(llama, speculative={"tokens": 3})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(llama, speculative={"num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM(llama, speculative={}, async_scheduling=True)
 
 
 class _Oracle:

@@ -233,7 +233,7 @@ class EngineConfig:
     capture_graphs: bool | None = None
     max_graph_batch_size: int = 64
     # Speculative decoding: None, or a deepinfer.spec.SpeculativeConfig / dict of its fields
-    # (n-gram drafting; needs a model whose cache rolls back by position, e.g. Llama)
+    # (n-gram drafting for now; forces async_scheduling off)
     speculative: Any = None
 
     def validate(self) -> None:

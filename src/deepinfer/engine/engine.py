@@ -74,13 +74,12 @@ class Engine:
         num_blocks = config.num_cache_blocks or self._blocks_for_budget(dtype, graph_bytes)
         self.pool = BlockPool(num_blocks)
         self.spec: SpecDecoder | None = None
+        # Models with compressors keep per-sequence state that a rejected draft has advanced:
+        # such a step saves the slot's state first and, on a rejection, restores it and
+        # recomputes the accepted tokens in the next step (paged rows are rewritten then).
+        self._restore_on_reject = any(s.ratio for s in self.layout.specs)
+        self._saved_slots: dict[str, list[torch.Tensor]] = {}
         if config.speculative is not None:
-            rolling = [s for s in self.layout.specs if s.ratio or s.token_ids]
-            if rolling:
-                raise ValueError(
-                    f"speculative: {type(model).__name__} keeps compressor or token-history state that "
-                    "rejected drafts would have to roll back; not supported yet (Llama-family models are)"
-                )
             self.spec = SpecDecoder(config.speculative, self.max_model_len)
         self.scheduler = Scheduler(
             config,
@@ -239,6 +238,8 @@ class Engine:
                 c.request.first_scheduled_time = now
             if c.samples and self._executor is not None:
                 c.request.pending_tokens += 1  # the token this step will sample
+            if c.draft and self._restore_on_reject:
+                self._saved_slots[c.request.request_id] = self.runner.save_slot(c.request.slot)
         return self.runner.prepare(chunks)
 
     def _launch(self, prepared: PreparedStep) -> None:
@@ -299,6 +300,7 @@ class Engine:
         assert self.spec is not None
         req = c.request
         tokens = self.spec.verify(req, c.draft, logits)
+        saved = self._saved_slots.pop(req.request_id, None)
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
         for j, token in enumerate(tokens):
@@ -306,11 +308,16 @@ class Engine:
             if req.finish_reason is not None:
                 self._finish(req)
                 return req
-        req.num_computed_tokens = c.start + len(tokens)  # the last token is not computed yet
+        if saved is not None and len(tokens) <= len(c.draft):  # a draft was rejected
+            self.runner.restore_slot(req.slot, saved)
+            req.num_computed_tokens = c.start  # recompute the anchor and accepted tokens
+        else:
+            req.num_computed_tokens = c.start + len(tokens)  # the last token is not computed yet
         return req
 
     def _finish(self, req: Request) -> None:
         req.finished_time = time.perf_counter()
+        self._saved_slots.pop(req.request_id, None)
         self.scheduler.finish(req)
 
     # ---- outputs --------------------------------------------------------------------------

@@ -62,6 +62,7 @@ class ModelRunner:
         self.device = device
         dtype = model.compute_dtype
         self.pools = allocate_pools(layout, num_blocks, num_slots, dtype, device)
+        self.num_slots = num_slots
         # Compiled steps get padded metadata (never sizes 0 or 1) so shapes stay symbolic.
         self.padding: StepPadding | None = None
         if compile_model:
@@ -117,6 +118,27 @@ class ModelRunner:
         padding = self.graphs.padding(bucket) if self.graphs is not None and bucket else self.padding
         positions, batch = build_forward_batch(self.layout, self.pools, seq_chunks, self.device, padding)
         return PreparedStep(chunks, positions, batch, sample_rows, prompt_rows, bucket)
+
+    def _slot_rows(self) -> list[tuple[torch.Tensor, int]]:
+        """Every per-slot compressor tensor (partial-group buffers, live overlap) and its
+        rows per slot."""
+        out = []
+        for pools in self.pools:
+            for comp in (pools.compressor, pools.indexer):
+                if comp is None:
+                    continue
+                for t in (comp.buf_kv, comp.buf_gate, comp.ovl_kv, comp.ovl_gate):
+                    if t is not None:
+                        out.append((t, t.shape[0] // (self.num_slots + 1)))
+        return out
+
+    def save_slot(self, slot: int) -> list[torch.Tensor]:
+        """A copy of a sequence slot's compressor state (speculative steps roll back to it)."""
+        return [t[slot * r : (slot + 1) * r].clone() for t, r in self._slot_rows()]
+
+    def restore_slot(self, slot: int, saved: list[torch.Tensor]) -> None:
+        for (t, r), rows in zip(self._slot_rows(), saved, strict=True):
+            t[slot * r : (slot + 1) * r] = rows
 
     def input_ids(self, step: PreparedStep) -> torch.Tensor:
         """Token ids of the step; read at launch time so async steps see fresh tokens."""

@@ -3,8 +3,9 @@ verification that keeps the output distribution exactly the target model's
 (``deepinfer.sampling.rejection``) and the schedulers that choose how many drafts to verify.
 
 Built: ``SpeculativeConfig`` (``config.py``), the n-gram prompt-lookup drafter (``ngram.py``)
-wired into the engine for models whose cache rolls back by position (Llama family;
-``engine/spec_decode.py``), and Algorithm 1 / lagged top-K / threshold schedulers
-(``schedule.py``, not yet driven by a confidence head). Not yet: the DSpark and MTP drafters,
-rollback of V4/V4.1 compressor and Engram state, the profiled steps-per-second table.
+wired into the engine for every model (``engine/spec_decode.py``; V4/V4.1 compressor state is
+saved and restored around drafted steps), and Algorithm 1 / lagged top-K / threshold
+schedulers (``schedule.py``, not yet driven by a confidence head). Not yet: the DSpark and MTP
+drafters, the profiled steps-per-second table, a rollback that avoids recomputing accepted
+tokens on compressor models.
 """
