@@ -36,6 +36,7 @@ def test_greedy_outputs_equal_without_speculation(llama):
     assert [o.outputs[0].token_ids for o in outs] == plain
     stats = llm.engine.spec.stats
     assert stats.verify_steps > 0 and stats.accepted > 0  # tiny random models repeat themselves
+    assert stats.engine_steps <= stats.verify_steps and stats.verified_tokens_per_step > 1
     assert sum(o.metrics.num_accepted_tokens for o in outs) == stats.accepted
 
 

@@ -287,6 +287,8 @@ class Engine:
                 updated.append(req)
                 if req.finish_reason is not None:
                     self._finish(req)
+        if drafted and self.spec is not None:
+            self.spec.stats.engine_steps += 1
         for c, row in drafted:
             updated.append(self._verify(c, logits[row : row + len(c.draft) + 1]))
         for c in chunks:

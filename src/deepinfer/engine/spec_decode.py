@@ -44,6 +44,12 @@ class SpecStats:
     verify_steps: int = 0  # drafted chunks verified
     drafted: int = 0
     accepted: int = 0
+    engine_steps: int = 0  # engine steps that verified at least one drafted chunk
+
+    @property
+    def verified_tokens_per_step(self) -> float:
+        """Tokens the target checked per such step (anchors + drafts, over all requests)."""
+        return (self.drafted + self.verify_steps) / self.engine_steps if self.engine_steps else 0.0
 
     @property
     def mean_acceptance_length(self) -> float:
