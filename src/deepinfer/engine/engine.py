@@ -313,6 +313,7 @@ class Engine:
         if saved is not None and len(tokens) <= len(c.draft):  # a draft was rejected
             self.runner.restore_slot(req.slot, saved)
             req.num_computed_tokens = c.start  # recompute the anchor and accepted tokens
+            req.restore_overlap = c.restore_overlap  # the saved state predates a prefix restore
         else:
             req.num_computed_tokens = c.start + len(tokens)  # the last token is not computed yet
         return req
