@@ -195,3 +195,25 @@ def test_speculation_under_preemption_chunking_prefix_caching_and_stops(llama):
     assert outs == plain
     assert engine.spec.stats.verify_steps > 0 and preempted, "the workload should draft and preempt"
     assert engine.pool.num_free == engine.num_blocks
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v4_short_groups", "deepseek_v41"])
+def test_drafting_after_a_prefix_hit_that_leaves_one_token(arch, tmp_path):
+    """Prompts of one cached block + one token: the first chunk restores the compressor
+    overlap from the block's snapshot, then decoding drafts and rolls back on compressor
+    models; outputs equal plain decoding."""
+    path = make_tiny_checkpoint(tmp_path / arch, arch=arch)
+    llm = LLM(path, speculative={"num_speculative_tokens": 5})
+    bs = llm.engine.layout.block_size
+    rng = random.Random(4)
+    prompts = []
+    for _ in range(4):
+        motif = [rng.randrange(3, 200) for _ in range(rng.randrange(2, 5))]
+        prompts.append((motif * (bs // 2 + 2))[: bs + 1])  # one full block + one token
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(path).generate(prompts, params, use_tqdm=False)]
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    again = llm.generate(prompts, params, use_tqdm=False)  # every prompt's block is cached now
+    assert first == plain and [o.outputs[0].token_ids for o in again] == plain
+    assert all(o.num_cached_tokens == bs for o in again)
+    assert llm.engine.spec.stats.accepted < llm.engine.spec.stats.drafted

@@ -313,7 +313,9 @@ class Engine:
         if saved is not None and len(tokens) <= len(c.draft):  # a draft was rejected
             self.runner.restore_slot(req.slot, saved)
             req.num_computed_tokens = c.start  # recompute the anchor and accepted tokens
-            req.restore_overlap = c.restore_overlap  # the saved state predates a prefix restore
+            # (a chunk that restores a prefix snapshot is a first chunk and never drafts today;
+            # if it did, the saved state would predate that restore)
+            req.restore_overlap = c.restore_overlap
         else:
             req.num_computed_tokens = c.start + len(tokens)  # the last token is not computed yet
         return req
