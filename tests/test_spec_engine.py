@@ -217,3 +217,60 @@ def test_drafting_after_a_prefix_hit_that_leaves_one_token(arch, tmp_path):
     assert first == plain and [o.outputs[0].token_ids for o in again] == plain
     assert all(o.num_cached_tokens == bs for o in again)
     assert llm.engine.spec.stats.accepted < llm.engine.spec.stats.drafted
+
+
+def _v4_state(engine, req) -> dict[int, list[torch.Tensor]]:
+    """Everything the cache holds for ``req`` that a later step can read, at its computed
+    count n: window rows of positions < n, compressed entries and index keys of groups closed
+    before n, the slot's partial-group buffer rows of positions in the open group, and the
+    overlap (the last closed group)."""
+    n = req.num_computed_tokens
+    bs = engine.layout.block_size
+    table = torch.tensor(req.block_ids)
+    pos = torch.arange(n)
+    rows = [p.window[table[pos // bs] * bs + pos % bs] for p in engine.runner.pools]
+    for spec, pools in zip(engine.layout.specs, engine.runner.pools, strict=True):
+        if spec.ratio and spec.shared_from is None:
+            epb = bs // spec.ratio
+            j = torch.arange(n // spec.ratio)
+            flat = table[j // epb] * epb + j % epb
+            rows += [t[flat] for t in (pools.entries, pools.index_keys) if t is not None]
+            r, slot = spec.ratio, req.slot
+            live = slot * r + torch.arange((n // r) * r, n) % r  # the open group's positions
+            for comp in (pools.compressor, pools.indexer):
+                if comp is None:
+                    continue
+                rows += [comp.buf_kv[live], comp.buf_gate[live]]
+                if comp.ovl_kv is not None and n >= r:
+                    rows += [comp.ovl_kv[slot * r : slot * r + r], comp.ovl_gate[slot * r : slot * r + r]]
+    return {n: rows}
+
+
+def _trace_states(llm, prompt, params) -> dict[int, list[torch.Tensor]]:
+    engine = llm.engine
+    req = engine.add_request("r", prompt, params)
+    states = {}
+    while engine.has_unfinished():
+        engine.step()
+        if not req.finished:
+            states.update(_v4_state(engine, req))
+    return states
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v4_short_groups", "deepseek_v41"])
+def test_compressor_caches_after_rejections_equal_a_plain_run(arch, tmp_path):
+    """Whenever the drafted run has computed n positions, its cache (window rows, entries,
+    index keys, the slot's compressor buffers and overlap) equals the plain run's at n."""
+    path = make_tiny_checkpoint(tmp_path / arch, arch=arch)
+    prompt = _repetitive_prompts(1, 2)[0] + [9, 9, 9, 9]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain = _trace_states(LLM(path, enable_prefix_caching=False), prompt, params)
+    spec_llm = LLM(path, enable_prefix_caching=False, speculative={"num_speculative_tokens": 5})
+    drafted = _trace_states(spec_llm, prompt, params)
+    stats = spec_llm.engine.spec.stats
+    assert stats.accepted < stats.drafted, "the run should reject some drafts"
+    common = sorted(set(plain) & set(drafted))
+    assert len(common) >= 5
+    for n in common:
+        for a, b in zip(plain[n], drafted[n], strict=True):
+            assert a.shape == b.shape and (a.numel() == 0 or (a - b).abs().max() <= 1e-5), n
