@@ -274,3 +274,39 @@ def test_compressor_caches_after_rejections_equal_a_plain_run(arch, tmp_path):
     for n in common:
         for a, b in zip(plain[n], drafted[n], strict=True):
             assert a.shape == b.shape and (a.numel() == 0 or (a - b).abs().max() <= 1e-5), n
+
+
+def test_hardware_schedule_verifies_less_as_concurrency_grows(llama):
+    """Algorithm 1 in the engine with a synthetic steps-per-second table (fast up to 16
+    tokens, half as fast beyond): one request verifies its whole oracle draft, sixteen
+    concurrent requests verify none; outputs stay equal to plain decoding."""
+    from deepinfer.spec.schedule import SpsTable
+
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randrange(3, 20))] for _ in range(16)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(llama).generate(prompts, params, use_tqdm=False)]
+    per_chunk = {}
+    for group in (1, 16):
+        llm = LLM(llama, speculative={"num_speculative_tokens": 4, "schedule": "hardware"}, max_num_seqs=16)
+        spec = llm.engine.spec
+        assert spec.sps is not None and len(spec.sps.sizes) > 1  # profiled at start
+        spec.sps = SpsTable.from_points({1: 100.0, 17: 50.0})
+        spec.drafter = _Oracle([p + o for p, o in zip(prompts, plain, strict=True)], 4)
+        spec.trials, spec.accepts = [50] * 4, [50] * 4  # a history of full acceptance
+        outs = llm.generate(prompts[:group], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == plain[:group]
+        per_chunk[group] = spec.stats.drafted / max(spec.stats.engine_steps, 1) / group
+    assert per_chunk[1] > 3 and per_chunk[16] == 0
+
+
+def test_threshold_schedule_drafts_only_above_the_threshold(llama):
+    prompts = _repetitive_prompts(4, 12)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(llama).generate(prompts, params, use_tqdm=False)]
+    never = LLM(llama, speculative={"schedule": "threshold", "confidence_threshold": 1.0})
+    assert [o.outputs[0].token_ids for o in never.generate(prompts, params, use_tqdm=False)] == plain
+    assert never.engine.spec.stats.drafted == 0  # smoothed confidences are always < 1
+    always = LLM(llama, speculative={"schedule": "threshold", "confidence_threshold": 0.0})
+    assert [o.outputs[0].token_ids for o in always.generate(prompts, params, use_tqdm=False)] == plain
+    assert always.engine.spec.stats.drafted > 0

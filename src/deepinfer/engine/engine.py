@@ -24,7 +24,7 @@ from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.paged_cache import CacheLayout
 from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
-from deepinfer.engine.spec_decode import SpecDecoder
+from deepinfer.engine.spec_decode import SpecDecoder, profile_steps_per_second
 from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer.platforms import platform_for
 from deepinfer.sampling.sampler import SamplingRow, make_generator, sample
@@ -87,6 +87,7 @@ class Engine:
             self.layout.block_size,
             config.max_num_seqs,
             self.spec.draft if self.spec is not None else None,
+            self.spec.plan if self.spec is not None else None,
         )
         if config.ced_prefill and getattr(model, "ced_split", None) is None:
             raise ValueError(f"ced_prefill: {type(model).__name__} has no causal encoder/decoder split")
@@ -104,6 +105,8 @@ class Engine:
             self.max_model_len,
             graph_batch,
         )
+        if self.spec is not None and config.speculative.schedule == "hardware":
+            self.spec.sps = profile_steps_per_second(self.runner, config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         use_async = platform.name == "cuda" if config.async_scheduling is None else config.async_scheduling

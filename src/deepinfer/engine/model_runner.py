@@ -63,6 +63,7 @@ class ModelRunner:
         dtype = model.compute_dtype
         self.pools = allocate_pools(layout, num_blocks, num_slots, dtype, device)
         self.num_slots = num_slots
+        self.null_block, self.null_slot = num_blocks, num_slots  # reserved by allocate_pools
         # Compiled steps get padded metadata (never sizes 0 or 1) so shapes stay symbolic.
         self.padding: StepPadding | None = None
         if compile_model:

@@ -40,10 +40,14 @@ class Scheduler:
         block_size: int,
         num_slots: int,
         drafter: Callable[[Request, int], list[int]] | None = None,
+        plan_drafts: Callable[[list[Request]], None] | None = None,
     ) -> None:
-        """``drafter(request, budget)``: speculative tokens for a decoding request (or [])."""
+        """``drafter(request, budget)``: speculative tokens for a decoding request (or []);
+        ``plan_drafts(requests)``: called first with this step's decoding requests, so a
+        verification schedule can size every request's draft together."""
         self.config = config
         self.drafter = drafter
+        self.plan_drafts = plan_drafts
         self.pool = pool
         self.block_size = block_size
         self.waiting: deque[Request] = deque()
@@ -133,6 +137,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
+        if self.plan_drafts is not None:
+            self.plan_drafts([r for r in self.running if r.num_tokens - r.num_computed_tokens == 1])
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]

@@ -14,6 +14,7 @@ bias, pending ``min_tokens`` or logprobs); others decode one token per step as b
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from deepinfer.sampling.rejection import rejection_sample
 from deepinfer.sampling.sampler import filtered_log_probs
 from deepinfer.spec.config import SpeculativeConfig
 from deepinfer.spec.ngram import NgramDrafter
+from deepinfer.spec.schedule import SpsTable, hardware_schedule, threshold_schedule
 
 
 def can_draft(req: Request) -> bool:
@@ -58,20 +60,49 @@ class SpecStats:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, sps: SpsTable | None = None) -> None:
+        """``sps``: the steps-per-second table the hardware schedule needs (profiled by the
+        engine at start, ``profile_steps_per_second``)."""
         self.config = config
         self.max_model_len = max_model_len
         self.drafter = NgramDrafter(
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
         )
         self.stats = SpecStats()
+        self.sps = sps
+        k = config.num_speculative_tokens
+        # acceptance history per draft position: P(accept j | drafts before j accepted). The
+        # n-gram drafter has no confidence head; these rates stand in for it. They do not
+        # depend on the drafted tokens' values, so the schedule never anticipates them.
+        self.trials, self.accepts = [0] * k, [0] * k
+        self.allowed: dict[str, int] = {}  # this step's verify lengths (hardware/threshold)
+
+    def confidences(self) -> list[float]:
+        """Laplace-smoothed acceptance rate per draft position."""
+        return [(a + 1) / (t + 2) for a, t in zip(self.accepts, self.trials, strict=True)]
+
+    def plan(self, requests: list[Request]) -> None:
+        """Before a step: how many drafts each decoding request may verify, for the whole
+        batch at once (Algorithm 1 or the threshold rule; static: no limit)."""
+        schedule = self.config.schedule
+        self.allowed = {}
+        if schedule == "static" or not requests:
+            return
+        conf = [self.confidences()] * len(requests)
+        if schedule == "hardware":
+            if self.sps is None:
+                raise RuntimeError("the hardware schedule needs a steps-per-second table")
+            lengths = hardware_schedule(conf, self.sps)
+        else:
+            lengths = threshold_schedule(conf, self.config.confidence_threshold)
+        self.allowed = {r.request_id: n for r, n in zip(requests, lengths, strict=True)}
 
     def draft(self, req: Request, budget: int) -> list[int]:
         """Tokens to verify after the request's last token this step (may be empty)."""
         if not can_draft(req):
             return []
         room = min(
-            self.config.num_speculative_tokens,
+            self.allowed.get(req.request_id, self.config.num_speculative_tokens),
             budget - 1,
             req.params.max_tokens - len(req.output_token_ids) - 1,
             self.max_model_len - req.num_tokens,
@@ -101,6 +132,37 @@ class SpecDecoder:
         self.stats.verify_steps += 1
         self.stats.drafted += d
         self.stats.accepted += accepted
+        for j in range(min(accepted + 1, d)):  # positions that were tested
+            self.trials[j] += 1
+            self.accepts[j] += j < accepted
         req.num_draft_tokens += d
         req.num_accepted_tokens += accepted
         return tokens
+
+
+def profile_steps_per_second(runner, max_tokens: int, repeats: int = 3) -> SpsTable:
+    """The target's steps per second at batch sizes 1, 2, 4, ... up to ``max_tokens`` tokens,
+    measured at engine start on steps of null tokens (they touch only the null block and
+    slot). Decode cost at short context; the schedule needs the shape of the curve."""
+    from deepinfer.engine.paged_cache import StepPadding, build_forward_batch
+
+    sizes, b = [], 1
+    while b < max_tokens:
+        sizes.append(b)
+        b *= 2
+    sizes.append(max_tokens)
+    rates = []
+    for size in sizes:
+        padding = StepPadding(runner.null_block, runner.null_slot, size)
+        positions, batch = build_forward_batch(runner.layout, runner.pools, [], runner.device, padding)
+        ids = torch.zeros(size, dtype=torch.long, device=runner.device)
+        best = float("inf")
+        with torch.inference_mode():
+            for _ in range(repeats):
+                start = time.perf_counter()
+                runner.forward(ids, positions, batch)
+                if runner.device.type == "cuda":
+                    torch.cuda.synchronize(runner.device)
+                best = min(best, time.perf_counter() - start)
+        rates.append(1.0 / best)
+    return SpsTable(tuple(sizes), tuple(rates))

@@ -14,9 +14,13 @@ SCHEDULES = ("static", "threshold", "hardware")
 class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 5
-    schedule: str = "static"  # every eligible decode verifies up to num_speculative_tokens
+    # static: every eligible decode verifies up to num_speculative_tokens; hardware: Algorithm 1
+    # over per-position confidences and a steps-per-second table profiled at engine start;
+    # threshold: the longest prefix whose expected survival stays >= confidence_threshold
+    schedule: str = "static"
     prompt_lookup_min: int = 1  # n-gram sizes tried, longest first
     prompt_lookup_max: int = 4
+    confidence_threshold: float = 0.3
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -27,10 +31,9 @@ class SpeculativeConfig:
             )
         if self.schedule not in SCHEDULES:
             raise ValueError(f"speculative.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.schedule != "static":
-            raise ValueError(
-                f"speculative.schedule={self.schedule!r} is not implemented yet (available: static)"
-            )
+        t = self.confidence_threshold
+        if not isinstance(t, float | int) or isinstance(t, bool) or not 0 <= t <= 1:
+            raise ValueError(f"speculative.confidence_threshold must be in [0, 1], got {t!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
