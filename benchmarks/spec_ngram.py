@@ -63,11 +63,14 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--schedule", default="static", choices=["static", "hardware", "threshold"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     plain = LLM("smollm2-135m", max_num_seqs=16)
     spec = LLM(
-        "smollm2-135m", max_num_seqs=16, speculative={"method": "ngram", "num_speculative_tokens": args.k}
+        "smollm2-135m",
+        max_num_seqs=16,
+        speculative={"method": "ngram", "num_speculative_tokens": args.k, "schedule": args.schedule},
     )
     tok = plain.tokenizer
     chats = [
