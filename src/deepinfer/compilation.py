@@ -12,12 +12,11 @@ opaque to the tracer, so a V4/V4.1 step traces as one graph with no graph breaks
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import inspect
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -77,27 +76,6 @@ def default_passes(device: torch.device | None = None) -> list[GraphPass]:
 RECOMPILE_LIMIT = 64
 
 
-def _metadata_dims(batch: ForwardBatch) -> Iterator[tuple[torch.Tensor, tuple[int, ...]]]:
-    """The ForwardBatch's per-step index tensors and their content-dependent dims (the cache
-    pools are fixed-size and stay static)."""
-    yield batch.window_idx, (0,)
-    yield batch.window_valid, (0,)
-    yield batch.window_write, (0,)
-    for t in (batch.logits_idx, batch.decoder_rows, batch.decoder_window_valid):
-        if t is not None:
-            yield t, (0,)
-    for meta in batch.groups.values():
-        for f in dataclasses.fields(meta):
-            t = getattr(meta, f.name)
-            yield t, ((0, 1) if f.name in ("entry_idx", "entry_valid") else (0,))
-    if batch.full is not None:
-        yield batch.full.decode_rows, (0,)
-        yield batch.full.decode_kv, (0, 1)
-        yield batch.full.decode_valid, (0, 1)
-        yield batch.full.span_meta, (0,)
-        yield batch.full.span_kv_rows, (0,)
-
-
 def mark_step_dynamic(input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> None:
     """Mark every content-dependent size dynamic before the first trace. ``dynamic=True``
     covers the step's direct tensor arguments only; tensors inside the ForwardBatch would be
@@ -105,7 +83,7 @@ def mark_step_dynamic(input_ids: torch.Tensor, positions: torch.Tensor, batch: F
     why the runner pads the metadata (``StepPadding``)."""
     torch._dynamo.maybe_mark_dynamic(input_ids, 0)
     torch._dynamo.maybe_mark_dynamic(positions, 0)
-    for t, dims in _metadata_dims(batch):
+    for t, dims in batch.metadata():
         for d in dims:
             torch._dynamo.maybe_mark_dynamic(t, d)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
@@ -74,45 +74,6 @@ def measure_step_memory(
     return int(torch.cuda.max_memory_allocated(device) - base)
 
 
-def metadata_tensors(batch: ForwardBatch) -> Iterator[torch.Tensor]:
-    """The step's index tensors in a fixed order (never the cache pools)."""
-    yield batch.window_idx
-    yield batch.window_valid
-    yield batch.window_write
-    for t in (batch.logits_idx, batch.decoder_rows, batch.decoder_window_valid):
-        if t is not None:
-            yield t
-    for ratio in sorted(batch.groups):
-        meta = batch.groups[ratio]
-        for f in dataclasses.fields(meta):
-            yield getattr(meta, f.name)
-    if batch.full is not None:
-        for f in dataclasses.fields(batch.full):
-            yield getattr(batch.full, f.name)
-
-
-def _clone_batch(batch: ForwardBatch) -> ForwardBatch:
-    """A copy whose metadata tensors are new (static) storage; pools stay shared."""
-
-    def clone(obj):
-        if obj is None:
-            return None
-        return dataclasses.replace(
-            obj, **{f.name: getattr(obj, f.name).clone() for f in dataclasses.fields(obj)}
-        )
-
-    groups = {r: clone(m) for r, m in batch.groups.items()}
-    return dataclasses.replace(
-        batch,
-        window_idx=batch.window_idx.clone(),
-        window_valid=batch.window_valid.clone(),
-        window_write=batch.window_write.clone(),
-        logits_idx=None if batch.logits_idx is None else batch.logits_idx.clone(),
-        groups=groups,
-        full=clone(batch.full),
-    )
-
-
 @dataclasses.dataclass
 class _Captured:
     input_ids: torch.Tensor
@@ -157,14 +118,10 @@ class DecodeGraphRunner:
     def capture(self, bucket: int) -> None:
         """Record the step for ``bucket`` on a batch of null tokens."""
         positions, batch = build_forward_batch(self.layout, self.pools, [], self.device, self.padding(bucket))
-        static = _Captured(
-            torch.zeros(bucket, dtype=torch.long, device=self.device),
-            positions.clone(),
-            _clone_batch(batch),
-            replay=lambda: torch.empty(0),
-        )
-        static.replay = self.capture_fn(lambda: self.step(static.input_ids, static.positions, static.batch))
-        self.graphs[bucket] = static
+        ids = torch.zeros(bucket, dtype=torch.long, device=self.device)
+        positions, batch = positions.clone(), batch.clone_metadata()
+        replay = self.capture_fn(lambda: self.step(ids, positions, batch))
+        self.graphs[bucket] = _Captured(ids, positions, batch, replay)
 
     def capture_all(self) -> None:
         for bucket in sorted(self.buckets, reverse=True):  # largest first: smaller ones reuse its pool
@@ -178,8 +135,8 @@ class DecodeGraphRunner:
         static = self.graphs[bucket]
         static.input_ids.copy_(input_ids)
         static.positions.copy_(positions)
-        pairs = zip(metadata_tensors(static.batch), metadata_tensors(batch), strict=True)
-        for dst, src in pairs:
+        pairs = zip(static.batch.metadata(), batch.metadata(), strict=True)
+        for (dst, _), (src, _) in pairs:
             if dst.shape != src.shape:
                 raise RuntimeError(f"step metadata shape {tuple(src.shape)} != captured {tuple(dst.shape)}")
             dst.copy_(src)

@@ -14,6 +14,7 @@ index tensors by the model runner, so the layers do only gathers, math and scatt
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -100,6 +101,44 @@ class ForwardBatch:
     # sequence's replay start (those never ran the decoder).
     decoder_rows: torch.Tensor | None = None
     decoder_window_valid: torch.Tensor | None = None
+
+    def metadata(self) -> Iterator[tuple[torch.Tensor, tuple[int, ...]]]:
+        """The step's index tensors (never the cache pools) in a fixed order, each with the
+        dims whose size follows the step's contents. ``torch.compile`` marks those dims
+        dynamic; a captured graph copies the tensors into its static inputs."""
+        yield self.window_idx, (0,)
+        yield self.window_valid, (0,)
+        yield self.window_write, (0,)
+        for t in (self.logits_idx, self.decoder_rows, self.decoder_window_valid):
+            if t is not None:
+                yield t, (0,)
+        for ratio in sorted(self.groups):
+            meta = self.groups[ratio]
+            for f in dataclasses.fields(meta):
+                yield getattr(meta, f.name), ((0, 1) if f.name in ("entry_idx", "entry_valid") else (0,))
+        if self.full is not None:
+            for f in dataclasses.fields(self.full):
+                yield (
+                    getattr(self.full, f.name),
+                    ((0, 1) if f.name in ("decode_kv", "decode_valid") else (0,)),
+                )
+
+    def clone_metadata(self) -> ForwardBatch:
+        """A copy with new storage for every index tensor; the pools stay shared."""
+
+        def cloned(obj):
+            changes = {
+                f.name: getattr(obj, f.name).clone()
+                for f in dataclasses.fields(obj)
+                if isinstance(getattr(obj, f.name), torch.Tensor)
+            }
+            return dataclasses.replace(obj, **changes)
+
+        return dataclasses.replace(
+            cloned(self),
+            groups={r: cloned(m) for r, m in self.groups.items()},
+            full=None if self.full is None else cloned(self.full),
+        )
 
     def decoder_batch(self) -> ForwardBatch:
         """The per-token view of the decoder rows (compressor bookkeeping is left whole: the
