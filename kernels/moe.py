@@ -14,6 +14,27 @@ import torch
 import torch.nn.functional as F
 
 
+def _sort_by_expert(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(expert id per (token, choice) pair, the pairs' order sorted by expert, their tokens'
+    rows of ``x`` in that order)."""
+    flat_ids = ids.flatten()
+    order = flat_ids.argsort(stable=True)
+    return flat_ids, order, x[order // ids.shape[1]]
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """V4's clamped SwiGLU: gate <= limit, |up| <= limit."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def _combine(
+    x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, k: int
+) -> torch.Tensor:
+    """Scatter-add the sorted pairs' expert outputs, weighted, back onto their tokens."""
+    routed = out * weights.flatten()[order].unsqueeze(1).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, order // k, routed)
+
+
 @torch.library.custom_op("deepinfer::routed_experts", mutates_args=())
 def routed_experts(
     x: torch.Tensor,
@@ -30,23 +51,17 @@ def routed_experts(
     with ``e = ids[n, j]``.
     """
     # the reference implementation (sorted dispatch); it runs on every device
-    flat_ids = ids.flatten()
-    order = flat_ids.argsort(stable=True)
+    flat_ids, order, picked = _sort_by_expert(x, ids)
     counts = torch.bincount(flat_ids, minlength=w1.shape[0]).tolist()
-    token_of = order // ids.shape[1]
-    picked = x[token_of]
     outs, start = [], 0
     for e, count in enumerate(counts):
         if count:
             rows = picked[start : start + count]
-            gate = F.linear(rows, w1[e]).clamp(max=limit)
-            up = F.linear(rows, w3[e]).clamp(min=-limit, max=limit)
-            outs.append(F.linear(F.silu(gate) * up, w2[e]))
+            outs.append(F.linear(_swiglu(F.linear(rows, w1[e]), F.linear(rows, w3[e]), limit), w2[e]))
             start += count
     if not outs:
         return torch.zeros_like(x)
-    routed = torch.cat(outs) * weights.flatten()[order].unsqueeze(1).to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, token_of, routed)
+    return _combine(x, torch.cat(outs), weights, order, ids.shape[1])
 
 
 @routed_experts.register_fake
@@ -68,26 +83,25 @@ def routed_experts_grouped(
     ``torch._grouped_mm`` running every expert's rows in one grouped GEMM (bf16; other dtypes
     gather each pair's expert weights and use ``bmm``, fine for small test models).
     Registered as the op's CUDA kernel."""
-    n, k = ids.shape
-    flat_ids = ids.flatten()
-    order = flat_ids.argsort(stable=True)
-    token_of = order // k
-    picked = x[token_of]
+    flat_ids, order, picked = _sort_by_expert(x, ids)
     if x.dtype == torch.bfloat16:
         counts = torch.zeros(w1.shape[0], dtype=torch.int32, device=x.device)
         counts.index_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
         offs = counts.cumsum(0, dtype=torch.int32)
-        gate = torch._grouped_mm(picked, w1.transpose(1, 2), offs=offs).clamp(max=limit)
-        up = torch._grouped_mm(picked, w3.transpose(1, 2), offs=offs).clamp(min=-limit, max=limit)
-        out = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+
+        def linear(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return torch._grouped_mm(rows, w.transpose(1, 2), offs=offs)
+
+        out = linear(_swiglu(linear(picked, w1), linear(picked, w3), limit), w2)
     else:
         experts = flat_ids[order]
-        rows = picked.unsqueeze(1)  # [N*k, 1, d]
-        gate = torch.bmm(rows, w1[experts].transpose(1, 2)).clamp(max=limit)
-        up = torch.bmm(rows, w3[experts].transpose(1, 2)).clamp(min=-limit, max=limit)
-        out = torch.bmm(F.silu(gate) * up, w2[experts].transpose(1, 2)).squeeze(1)
-    routed = out * weights.flatten()[order].unsqueeze(1).to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, token_of, routed)
+
+        def linear(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # rows [N*k, 1, in]
+            return torch.bmm(rows, w[experts].transpose(1, 2))
+
+        rows = picked.unsqueeze(1)
+        out = linear(_swiglu(linear(rows, w1), linear(rows, w3), limit), w2).squeeze(1)
+    return _combine(x, out, weights, order, ids.shape[1])
 
 
 routed_experts.register_kernel("cuda")(routed_experts_grouped)
