@@ -21,20 +21,21 @@ import torch
 
 from deepinfer.engine.request import Request
 from deepinfer.sampling.rejection import rejection_sample
-from deepinfer.sampling.sampler import filtered_log_probs
+from deepinfer.sampling.sampler import filtered_log_probs, needs_history
 from deepinfer.spec.config import SpeculativeConfig
 from deepinfer.spec.ngram import NgramDrafter
 from deepinfer.spec.schedule import SpsTable, hardware_schedule, threshold_schedule
 
 
 def can_draft(req: Request) -> bool:
+    """Drafts are verified against the plain filtered distribution, so a request qualifies
+    only when no processor would change it along the draft (a presence or frequency penalty
+    would, once the drafts count as output) and no logprobs are asked for."""
     p = req.params
     return not (
-        p.logit_bias
-        or p.repetition_penalty != 1.0
+        needs_history(p, req.output_token_ids)
         or p.presence_penalty
         or p.frequency_penalty
-        or len(req.output_token_ids) < p.min_tokens
         or p.logprobs is not None
     )
 

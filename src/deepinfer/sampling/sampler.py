@@ -38,7 +38,7 @@ def make_generator(params: SamplingParams, device: torch.device, offset: int = 0
 def apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """logit_bias, min_tokens blocking and the three penalties, row by row (fp32 copy, made
     only when some row needs one: the common greedy step keeps the logits as they are)."""
-    if not any(_needs_processing(row) for row in rows):
+    if not any(needs_history(row.params, row.output_ids) for row in rows):
         return logits.float()
     out = logits.float().clone()
     for i, row in enumerate(rows):
@@ -60,13 +60,14 @@ def apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     return out
 
 
-def _needs_processing(row: SamplingRow) -> bool:
-    p = row.params
+def needs_history(p: SamplingParams, output_ids: list[int]) -> bool:
+    """Whether the logits processors change this row's distribution (bias, pending
+    ``min_tokens``, penalties that depend on the tokens so far)."""
     return bool(
         p.logit_bias
-        or len(row.output_ids) < p.min_tokens
+        or len(output_ids) < p.min_tokens
         or p.repetition_penalty != 1.0
-        or ((p.presence_penalty or p.frequency_penalty) and row.output_ids)
+        or ((p.presence_penalty or p.frequency_penalty) and output_ids)
     )
 
 
