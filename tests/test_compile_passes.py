@@ -186,20 +186,19 @@ def test_new_ops_pass_opcheck():
         ),
     )
     pools = torch.randn(20, 2 * d, generator=gen)
-    torch.library.opcheck(
-        torch.ops.deepinfer.paged_attention.default,
-        (
-            torch.randn(3, 4, d, generator=gen),
-            pools,
-            pools.clone(),
-            torch.tensor([2, -1]),
-            torch.tensor([[0, 1, 2], [19, 19, 19]]),
-            torch.tensor([[True, True, False], [False, False, False]]),
-            torch.tensor([[0, 2, 3, 0], [0, 0, 0, 0]]),
-            torch.tensor([4, 5, 6, 7, 8]),
-        ),
+    paged_args = (
+        torch.randn(3, 4, d, generator=gen),
+        pools,
+        pools.clone(),
+        torch.tensor([2, -1]),  # a decode row and a padded one (all keys masked)
+        torch.tensor([[0, 1, 2], [19, 19, 19]]),
+        torch.tensor([[True, True, False], [False, False, False]]),
+        torch.tensor([[0, 2, 3, 0], [0, 0, 0, 0]]),  # a prefill span and a padded one
+        torch.tensor([4, 5, 6, 7, 8]),
     )
-    assert paged_attention is not None
+    torch.library.opcheck(torch.ops.deepinfer.paged_attention.default, paged_args)
+    out = paged_attention(*paged_args)
+    assert out.shape == (3, 4, d) and bool(torch.isfinite(out).all())  # padding leaves no NaN behind
 
 
 def test_rejection_op_equals_the_plain_sampler():
