@@ -1,6 +1,7 @@
-"""Speculative decoding in the engine (n-gram drafting): greedy outputs equal decoding without
-it, seeded sampling keeps the target distribution, the cache ends as a run without
-speculation leaves it, and models with compressor state refuse it clearly."""
+"""Speculative decoding in the engine: greedy outputs equal decoding without it (n-gram on
+every model; MTP on V4 and DSpark on V4.1 for the compressor-model paths), seeded sampling
+keeps the target distribution, the cache ends as a run without speculation leaves it, and
+bad configurations are clear errors. Model drafters' own tests: test_spec_model_drafters.py."""
 
 from __future__ import annotations
 
@@ -76,14 +77,6 @@ def _cache_rows(engine, req, n: int, bs: int) -> torch.Tensor:
     return torch.cat([p.window[flat] for p in pools] + [p.values[flat] for p in pools])
 
 
-def _cache_rows(engine, req, n: int, bs: int) -> torch.Tensor:
-    """K and V rows of positions 0 .. n-1 of ``req`` in every layer."""
-    pos = torch.arange(n)
-    flat = torch.tensor(req.block_ids)[pos // bs] * bs + pos % bs
-    pools = engine.runner.pools
-    return torch.cat([p.window[flat] for p in pools] + [p.values[flat] for p in pools])
-
-
 def test_cache_after_rejections_equals_a_plain_run(llama):
     """Mid-generation, the cache rows of every computed position hold what a run without
     speculation holds there (rejected drafts' rows lie past the computed count and are
@@ -106,32 +99,40 @@ def test_cache_after_rejections_equals_a_plain_run(llama):
         assert (_cache_rows(plain, a, n, bs) - _cache_rows(spec, b, n, bs)).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v4", "deepseek_v41"])
-def test_compressor_models_roll_back_rejected_drafts(arch, tmp_path):
+ARCH_METHODS = [
+    ("deepseek_v4", "ngram"),
+    ("deepseek_v41", "ngram"),
+    ("deepseek_v4", "mtp"),
+    ("deepseek_v41", "dspark"),
+]
+
+
+@pytest.mark.parametrize(("arch", "method"), ARCH_METHODS)
+def test_compressor_models_roll_back_rejected_drafts(arch, method, tmp_path):
     """V4/V4.1 compressors keep per-sequence state a rejected draft has advanced: the engine
     restores the slot and recomputes the accepted tokens. Greedy outputs over long generations
-    (many groups closing, many rejections) equal plain decoding."""
+    (many groups closing, many rejections) equal plain decoding, with every drafter."""
     path = make_tiny_checkpoint(tmp_path / arch, arch=arch)
     prompts = _repetitive_prompts(6, 11)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(path).generate(prompts, params, use_tqdm=False)]
-    llm = LLM(path, speculative={"num_speculative_tokens": 5}, max_num_batched_tokens=48)
+    llm = LLM(path, speculative={"method": method, "num_speculative_tokens": 3}, max_num_batched_tokens=48)
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs == plain
     stats = llm.engine.spec.stats
-    assert stats.accepted > 0 and stats.accepted < stats.drafted  # both paths ran
+    assert 0 < stats.accepted < stats.drafted if method == "ngram" else stats.drafted > 0
     assert not llm.engine._saved_slots
 
 
 def test_bad_speculative_configs_are_clear_errors(llama):
-    with pytest.raises(ValueError, match="not implemented yet"):
+    with pytest.raises(ValueError, match="needs a DeepSeek-V4.1 model"):
         LLM(llama, speculative={"method": "dspark"})
+    with pytest.raises(ValueError, match="needs a DeepSeek-V4 model"):
+        LLM(llama, speculative={"method": "mtp"})
     with pytest.raises(ValueError, match="unknown field"):
         LLM(llama, speculative={"tokens": 3})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(llama, speculative={"num_speculative_tokens": 0})
-    with pytest.raises(ValueError, match="async_scheduling"):
-        LLM(llama, speculative={}, async_scheduling=True)
 
 
 class _Oracle:
@@ -153,7 +154,7 @@ def test_an_oracle_drafter_is_always_accepted(llama):
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(llama).generate(prompts, params, use_tqdm=False)]
     llm = LLM(llama, speculative={"num_speculative_tokens": 4})
-    llm.engine.spec.drafter = _Oracle([p + o for p, o in zip(prompts, plain, strict=True)], 4)
+    llm.engine.spec.ngram = _Oracle([p + o for p, o in zip(prompts, plain, strict=True)], 4)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == plain
     stats = llm.engine.spec.stats
@@ -257,15 +258,25 @@ def _trace_states(llm, prompt, params) -> dict[int, list[torch.Tensor]]:
     return states
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v4_short_groups", "deepseek_v41"])
-def test_compressor_caches_after_rejections_equal_a_plain_run(arch, tmp_path):
+@pytest.mark.parametrize(
+    ("arch", "method"),
+    [
+        ("deepseek_v4_short_groups", "ngram"),
+        ("deepseek_v41", "ngram"),
+        ("deepseek_v4_short_groups", "mtp"),
+        ("deepseek_v41", "dspark"),
+    ],
+)
+def test_compressor_caches_after_rejections_equal_a_plain_run(arch, method, tmp_path):
     """Whenever the drafted run has computed n positions, its cache (window rows, entries,
     index keys, the slot's compressor buffers and overlap) equals the plain run's at n."""
     path = make_tiny_checkpoint(tmp_path / arch, arch=arch)
     prompt = _repetitive_prompts(1, 2)[0] + [9, 9, 9, 9]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     plain = _trace_states(LLM(path, enable_prefix_caching=False), prompt, params)
-    spec_llm = LLM(path, enable_prefix_caching=False, speculative={"num_speculative_tokens": 5})
+    spec_llm = LLM(
+        path, enable_prefix_caching=False, speculative={"method": method, "num_speculative_tokens": 4}
+    )
     drafted = _trace_states(spec_llm, prompt, params)
     stats = spec_llm.engine.spec.stats
     assert stats.accepted < stats.drafted, "the run should reject some drafts"
@@ -292,7 +303,7 @@ def test_hardware_schedule_verifies_less_as_concurrency_grows(llama):
         spec = llm.engine.spec
         assert spec.sps is not None and len(spec.sps.sizes) > 1  # profiled at start
         spec.sps = SpsTable.from_points({1: 100.0, 17: 50.0})
-        spec.drafter = _Oracle([p + o for p, o in zip(prompts, plain, strict=True)], 4)
+        spec.ngram = _Oracle([p + o for p, o in zip(prompts, plain, strict=True)], 4)
         spec.trials, spec.accepts = [50] * 4, [50] * 4  # a history of full acceptance
         outs = llm.generate(prompts[:group], params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == plain[:group]

@@ -77,6 +77,7 @@ class DeepseekV4Config:
     bos_token_id: int | None = 0
     eos_token_id: list[int] = field(default_factory=lambda: [1])
     tie_word_embeddings: bool = False
+    num_nextn_predict_layers: int = 0  # the MTP (next-n) layers after the backbone
     quantization: dict[str, Any] | None = None
     architecture: str = "DeepseekV4ForCausalLM"
     # Runtime choice, not read from config.json: apply the QAT fake-quant steps.
@@ -232,8 +233,10 @@ class EngineConfig:
     # buckets up to max_graph_batch_size. None = on where the platform has a graph mode.
     capture_graphs: bool | None = None
     max_graph_batch_size: int = 64
-    # Speculative decoding: None, or a deepinfer.spec.SpeculativeConfig / dict of its fields
-    # (n-gram drafting for now; forces async_scheduling off)
+    # Speculative decoding: None, or a deepinfer.spec.SpeculativeConfig / dict of its fields.
+    # Drafting reads the previous step's tokens, so speculative steps run synchronously; with
+    # async_scheduling on (or auto on CUDA) the hardware schedule takes its production form,
+    # whose verify capacity is known two steps ahead (lagged_topk_schedule)
     speculative: Any = None
 
     def validate(self) -> None:
@@ -267,7 +270,5 @@ class EngineConfig:
         from deepinfer.spec.config import SpeculativeConfig
 
         self.speculative = SpeculativeConfig.parse(self.speculative)
-        if self.speculative is not None and self.async_scheduling:
-            raise ValueError("speculative decoding needs async_scheduling=False (or None: auto)")
         for name in ("async_scheduling", "fake_quant", "compile", "capture_graphs"):
             need(getattr(self, name) in (None, True, False), name, "None (auto) or a bool")

@@ -24,7 +24,7 @@ from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.paged_cache import CacheLayout
 from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
-from deepinfer.engine.spec_decode import SpecDecoder, profile_steps_per_second
+from deepinfer.engine.spec_decode import SpecDecoder, build_model_drafter, profile_steps_per_second
 from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer.platforms import platform_for
 from deepinfer.sampling.sampler import SamplingRow, make_generator, sample
@@ -79,8 +79,20 @@ class Engine:
         # recomputes the accepted tokens in the next step (paged rows are rewritten then).
         self._restore_on_reject = any(s.ratio for s in self.layout.specs)
         self._saved_slots: dict[str, list[torch.Tensor]] = {}
+        platform_async = (
+            platform.name == "cuda" if config.async_scheduling is None else config.async_scheduling
+        )
         if config.speculative is not None:
-            self.spec = SpecDecoder(config.speculative, self.max_model_len)
+            drafter = build_model_drafter(model, config.speculative, config.max_num_seqs)
+            if drafter is not None and config.ced_prefill:
+                raise ValueError(
+                    f"speculative.method={config.speculative.method!r} reads every prompt row's "
+                    "features; it cannot run with ced_prefill (whose decoder skips rows)"
+                )
+            # the production schedule (lagged capacity) is what an asynchronous engine needs
+            self.spec = SpecDecoder(
+                config.speculative, self.max_model_len, drafter=drafter, lagged=platform_async
+            )
         self.scheduler = Scheduler(
             config,
             self.pool,
@@ -105,12 +117,13 @@ class Engine:
             self.max_model_len,
             graph_batch,
         )
+        if self.spec is not None and self.spec.model_drafter is not None:
+            self.runner.feature_offsets = self.spec.feature_offsets
         if self.spec is not None and config.speculative.schedule == "hardware":
             self.spec.sps = profile_steps_per_second(self.runner, config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
-        use_async = platform.name == "cuda" if config.async_scheduling is None else config.async_scheduling
-        use_async = use_async and self.spec is None  # drafting needs the previous step's tokens
+        use_async = platform_async and self.spec is None  # drafting needs the previous step's tokens
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-step") if use_async else None
         self._inflight: tuple[PreparedStep, Future] | None = None
         block_mib = self.layout.block_bytes(dtype) / 2**20
@@ -214,8 +227,8 @@ class Engine:
             prepared = self._schedule()
             if prepared is None:
                 return []
-            logits = self.runner.execute(prepared, self.runner.input_ids(prepared))
-            return self._process(prepared, logits)
+            logits, features = self.runner.execute(prepared, self.runner.input_ids(prepared))
+            return self._process(prepared, logits, features)
         if self._inflight is None:
             prepared = self._schedule()
             if prepared is None:
@@ -224,9 +237,9 @@ class Engine:
         assert self._inflight is not None
         current, future = self._inflight
         upcoming = self._schedule()  # overlaps with the running step
-        logits = future.result()
+        logits, features = future.result()
         self._inflight = None
-        updated = self._process(current, logits)
+        updated = self._process(current, logits, features)
         if upcoming is not None:
             self._launch(upcoming)
         return updated
@@ -250,7 +263,9 @@ class Engine:
         input_ids = self.runner.input_ids(prepared)
         self._inflight = (prepared, self._executor.submit(self.runner.execute, prepared, input_ids))
 
-    def _process(self, prepared: PreparedStep, logits: torch.Tensor) -> list[Request]:
+    def _process(
+        self, prepared: PreparedStep, logits: torch.Tensor, features: torch.Tensor | None = None
+    ) -> list[Request]:
         chunks = prepared.chunks
         live = [(c, row) for c, row in zip(chunks, prepared.sample_rows, strict=True) if row >= 0]
         for c, _ in live:
@@ -292,19 +307,45 @@ class Engine:
                     self._finish(req)
         if drafted and self.spec is not None:
             self.spec.stats.engine_steps += 1
+        accepted_end: dict[str, int] = {}  # drafted chunks: positions before this are accepted
         for c, row in drafted:
-            updated.append(self._verify(c, logits[row : row + len(c.draft) + 1]))
+            updated.append(self._verify(c, logits[row : row + len(c.draft) + 1], accepted_end))
         for c in chunks:
             if c.request.status is Status.RUNNING:
                 self.scheduler.publish_full_blocks(c.request)
+        if self.spec is not None and self.spec.model_drafter is not None:
+            self.spec.after_step(
+                self._accepted_rows(prepared, accepted_end), features, self.scheduler.running
+            )
         return updated
 
-    def _verify(self, c: ScheduledChunk, logits: torch.Tensor) -> Request:
+    @staticmethod
+    def _accepted_rows(
+        prepared: PreparedStep, accepted_end: dict[str, int]
+    ) -> list[tuple[Request, int, int]]:
+        """(request, position, feature row) of every featured row of the step whose token is
+        now part of its sequence (a drafted chunk's rows past the first rejection are not)."""
+        rows: list[tuple[Request, int, int]] = []
+        for c, (first_row, first_offset) in zip(prepared.chunks, prepared.feature_rows or [], strict=False):
+            req = c.request
+            if req.status is not Status.RUNNING:
+                continue
+            end = accepted_end.get(req.request_id, c.end - len(c.draft)) if c.draft else c.end
+            end = min(end, len(req.prompt_token_ids) + len(req.output_token_ids) - 1)
+            for offset in range(first_offset, c.num_tokens):
+                pos = c.start + offset
+                if pos < end:
+                    rows.append((req, pos, first_row + offset - first_offset))
+        return rows
+
+    def _verify(self, c: ScheduledChunk, logits: torch.Tensor, accepted_end: dict[str, int]) -> Request:
         """Append a drafted chunk's accepted tokens (one by one: stop checks apply to each) and
         roll the computed count back to the positions whose cache rows are now valid."""
         assert self.spec is not None
         req = c.request
         tokens = self.spec.verify(req, c.draft, logits)
+        anchor = c.end - len(c.draft) - 1  # position of the chunk's newest known token
+        accepted_end[req.request_id] = anchor + len(tokens)
         saved = self._saved_slots.pop(req.request_id, None)
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
@@ -320,12 +361,14 @@ class Engine:
             # if it did, the saved state would predate that restore)
             req.restore_overlap = c.restore_overlap
         else:
-            req.num_computed_tokens = c.start + len(tokens)  # the last token is not computed yet
+            req.num_computed_tokens = anchor + len(tokens)  # the last token is not computed yet
         return req
 
     def _finish(self, req: Request) -> None:
         req.finished_time = time.perf_counter()
         self._saved_slots.pop(req.request_id, None)
+        if self.spec is not None:
+            self.spec.forget(req)
         self.scheduler.finish(req)
 
     # ---- outputs --------------------------------------------------------------------------

@@ -5,6 +5,7 @@ It owns the physical cache pools and knows tensors, never policy (DESIGN.md §2)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,9 @@ class PreparedStep:
     # a drafted chunk's rows are sample_rows[i] .. sample_rows[i] + len(draft)
     prompt_rows: list[tuple[int, int]]  # (first row, count) of prompt-logprob logits per chunk
     graph_bucket: int | None = None  # replayed from this bucket's captured graph
+    # model drafters: per chunk, (first row of the returned features, chunk offset of it);
+    # the chunk's features cover its offsets from there to its end
+    feature_rows: list[tuple[int, int]] | None = None
 
 
 class ModelRunner:
@@ -56,6 +60,9 @@ class ModelRunner:
         ``graph_capture``: replay pure-decode steps of up to ``max_graph_batch`` sequences
         from graphs captured by this platform backend (``DecodeGraphRunner``)."""
         self.model = model
+        # speculative decoding with a model drafter: (chunk tokens, drafts) -> offsets whose
+        # draft features the step returns (set by the engine)
+        self.feature_offsets: Callable[[int, int], list[int]] | None = None
         self.ced_replay = ced_replay
         self.forward = model.step
         self.layout = layout
@@ -87,7 +94,8 @@ class ModelRunner:
 
     def prepare(self, chunks: list[ScheduledChunk]) -> PreparedStep:
         seq_chunks, sample_rows, prompt_rows = [], [], []
-        row = 0
+        feature_rows: list[tuple[int, int]] | None = [] if self.feature_offsets is not None else None
+        row = feature_row = 0
         for c in chunks:
             req = c.request
             offsets: list[int] = []
@@ -110,15 +118,29 @@ class ModelRunner:
             replay_from = 0
             if self.ced_replay is not None and req.params.prompt_logprobs is None:
                 replay_from = max(0, prompt_len - self.ced_replay)  # prompt logprobs need every row
+            features = None
+            if self.feature_offsets is not None and feature_rows is not None:
+                features = self.feature_offsets(c.num_tokens, len(c.draft))
+                feature_rows.append((feature_row, features[0] if features else c.num_tokens))
+                feature_row += len(features)
             seq_chunks.append(
                 SeqChunk(
-                    req.block_ids, req.slot, c.start, c.num_tokens, c.restore_overlap, offsets, replay_from
+                    req.block_ids,
+                    req.slot,
+                    c.start,
+                    c.num_tokens,
+                    c.restore_overlap,
+                    offsets,
+                    replay_from,
+                    features,
                 )
             )
-        bucket = self.graphs.bucket_for(seq_chunks) if self.graphs is not None else None
+        # steps that return draft features run outside the captured graphs
+        use_graphs = self.graphs is not None and feature_rows is None
+        bucket = self.graphs.bucket_for(seq_chunks) if use_graphs and self.graphs is not None else None
         padding = self.graphs.padding(bucket) if self.graphs is not None and bucket else self.padding
         positions, batch = build_forward_batch(self.layout, self.pools, seq_chunks, self.device, padding)
-        return PreparedStep(chunks, positions, batch, sample_rows, prompt_rows, bucket)
+        return PreparedStep(chunks, positions, batch, sample_rows, prompt_rows, bucket, feature_rows)
 
     def _slot_rows(self) -> list[tuple[torch.Tensor, int]]:
         """Every per-slot compressor tensor (partial-group buffers, live overlap) and its
@@ -150,7 +172,13 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def execute(self, step: PreparedStep, input_ids: torch.Tensor) -> torch.Tensor:
+    def execute(
+        self, step: PreparedStep, input_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's logits, and its draft features when the batch asked for them."""
         if step.graph_bucket is not None and self.graphs is not None:
-            return self.graphs.run(step.graph_bucket, input_ids, step.positions, step.batch)
-        return self.forward(input_ids, step.positions, step.batch)
+            return self.graphs.run(step.graph_bucket, input_ids, step.positions, step.batch), None
+        out = self.forward(input_ids, step.positions, step.batch)
+        if isinstance(out, tuple):
+            return out[0], out[1]
+        return out, None

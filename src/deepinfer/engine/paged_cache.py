@@ -172,6 +172,7 @@ class SeqChunk:
     restore_overlap: bool = False  # start follows a prefix-cache hit: restore the snapshot
     logits_offsets: list[int] = field(default_factory=list)  # chunk offsets needing logits
     replay_from: int = 0  # CED prefill: positions before this run the encoder layers only
+    feature_offsets: list[int] | None = None  # chunk offsets whose draft features are returned
 
 
 Row = tuple[str, int]  # ("c", chunk row) | ("b", buffer-pool row) | ("o", overlap-pool row)
@@ -352,12 +353,21 @@ def build_forward_batch(
     if padding is not None:  # extra rows return row 0's logits again; callers index real rows
         fixed = len(chunks) if padding.max_model_len is not None else None
         logits_idx += [0] * (_padded_len(len(logits_idx), fixed) - len(logits_idx))
+    feature_idx = None
+    if any(c.feature_offsets is not None for c in chunks):
+        rows = [
+            base + k for c, base in zip(chunks, tokens.base, strict=True) for k in c.feature_offsets or ()
+        ]
+        if padding is not None:
+            rows += [0] * (_padded_len(len(rows), None) - len(rows))
+        feature_idx = torch.tensor(rows, dtype=torch.long, device=device)
     batch = ForwardBatch(
         pools=pools,
         window_idx=rows_at(window_q),
         window_valid=window_q >= 0,
         window_write=rows_at(positions.unsqueeze(1)).squeeze(1),
         logits_idx=torch.tensor(logits_idx, dtype=torch.long, device=device),
+        feature_idx=feature_idx,
     )
     for ratio in layout.ratios:
         batch.groups[ratio] = _group_meta(layout, chunks, ratio, tokens, device, padding)

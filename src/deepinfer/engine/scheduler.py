@@ -42,7 +42,8 @@ class Scheduler:
         drafter: Callable[[Request, int], list[int]] | None = None,
         plan_drafts: Callable[[list[Request]], None] | None = None,
     ) -> None:
-        """``drafter(request, budget)``: speculative tokens for a decoding request (or []);
+        """``drafter(request, room)``: speculative tokens for a decoding request (at most
+        ``room``, or []);
         ``plan_drafts(requests)``: called first with this step's decoding requests, so a
         verification schedule can size every request's draft together."""
         self.config = config
@@ -138,7 +139,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
         if self.plan_drafts is not None:
-            self.plan_drafts([r for r in self.running if r.num_tokens - r.num_computed_tokens == 1])
+            self.plan_drafts([r for r in self.running if self._may_draft(r)])
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -147,7 +148,9 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(todo, budget)
-            draft = self.drafter(request, budget) if todo == 1 and self.drafter is not None else []
+            draft = []
+            if self.drafter is not None and self._may_draft(request):
+                draft = self.drafter(request, budget - num_new)  # drafts follow the newest token
             num_new += len(draft)
             while not self._ensure_blocks(request, request.num_computed_tokens + num_new):
                 victim = next((r for r in reversed(self.running) if id(r) not in scheduled), None)
@@ -181,6 +184,17 @@ class Scheduler:
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
         return chunks
+
+    @staticmethod
+    def _may_draft(request: Request) -> bool:
+        """Decoding one token whose value is known. (A chunk recomputing accepted tokens
+        after a rejected draft carries none: its rollback point is the chunk's start, so a
+        rejection there would recompute ever longer chunks.)"""
+        return (
+            bool(request.output_token_ids)
+            and request.pending_tokens == 0
+            and request.num_tokens - request.num_computed_tokens == 1
+        )
 
     def _has_blocks(self, request: Request, num_new: int) -> bool:
         return len(request.block_ids) * self.block_size >= request.num_computed_tokens + num_new

@@ -1,12 +1,14 @@
 """Speculative decoding inside the engine: which requests draft, and the verification of a
 drafted chunk (``[last token, d drafts]`` computed in one step, ``d + 1`` logits rows).
 
-Drafts come from a drafter with no probabilities of its own (n-gram lookup), i.e. a one-hot
-draft distribution, so verification is the rejection sampler with ``q = one_hot(draft)``:
-accept draft j with probability ``p_j(x_j)``, resample from ``p_j`` without ``x_j`` at the first
-rejection, or take a bonus token from ``p_d`` after all d are accepted. Greedy requests reduce
-to a prefix match against the target's argmax. Either way the output distribution is the
-target's (tests/test_spec_verification.py, tests/test_spec_engine.py).
+Drafters: n-gram lookup (no model, a one-hot draft distribution) or a model drafter (DSpark
+stages, the MTP layer) that reads the target's features of accepted rows after each step and
+proposes for every running request at once; its drafts carry their sampling distribution
+``q`` (and DSpark's per-token confidences). Verification is the rejection sampler: accept
+draft j with probability ``min(1, p_j(x_j) / q_j(x_j))``, resample from ``norm(max(p_j - q_j, 0))``
+at the first rejection, or take a bonus token from ``p_d`` after all d are accepted. Greedy
+requests reduce to a prefix match against the target's argmax. Either way the output
+distribution is the target's (tests/test_spec_verification.py, tests/test_spec_engine.py).
 
 Only requests whose target distribution needs no history are drafted for (no penalties, logit
 bias, pending ``min_tokens`` or logprobs); others decode one token per step as before.
@@ -23,8 +25,15 @@ from deepinfer.engine.request import Request
 from deepinfer.sampling.rejection import rejection_sample
 from deepinfer.sampling.sampler import filtered_log_probs, needs_history
 from deepinfer.spec.config import SpeculativeConfig
+from deepinfer.spec.drafter import Draft, DraftRequest, ModelDrafter
 from deepinfer.spec.ngram import NgramDrafter
-from deepinfer.spec.schedule import SpsTable, hardware_schedule, threshold_schedule
+from deepinfer.spec.schedule import (
+    SpsTable,
+    capacity_from,
+    hardware_schedule,
+    lagged_topk_schedule,
+    threshold_schedule,
+)
 
 
 def can_draft(req: Request) -> bool:
@@ -61,56 +70,153 @@ class SpecStats:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, sps: SpsTable | None = None) -> None:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        max_model_len: int,
+        sps: SpsTable | None = None,
+        drafter: ModelDrafter | None = None,
+        lagged: bool = False,
+    ) -> None:
         """``sps``: the steps-per-second table the hardware schedule needs (profiled by the
-        engine at start, ``profile_steps_per_second``)."""
+        engine at start, ``profile_steps_per_second``). ``drafter``: a model drafter (None:
+        n-gram lookup). ``lagged``: the hardware schedule's production variant (capacity
+        from confidences two steps old, top-K by current survival, no early stop)."""
         self.config = config
         self.max_model_len = max_model_len
-        self.drafter = NgramDrafter(
+        self.ngram = NgramDrafter(
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+        )
+        self.model_drafter = drafter
+        self.lagged = lagged
+        self.num_draft_tokens = (
+            drafter.num_draft_tokens if drafter is not None else config.num_speculative_tokens
         )
         self.stats = SpecStats()
         self.sps = sps
-        k = config.num_speculative_tokens
-        # acceptance history per draft position: P(accept j | drafts before j accepted). The
-        # n-gram drafter has no confidence head; these rates stand in for it. They do not
-        # depend on the drafted tokens' values, so the schedule never anticipates them.
+        k = self.num_draft_tokens
+        # acceptance history per draft position: P(accept j | drafts before j accepted). A
+        # drafter without a confidence head (n-gram, MTP) uses these rates instead. They do
+        # not depend on the drafted tokens' values, so the schedule never anticipates them.
         self.trials, self.accepts = [0] * k, [0] * k
         self.allowed: dict[str, int] = {}  # this step's verify lengths (hardware/threshold)
+        self.drafts: dict[str, Draft] = {}  # model drafts waiting for their step
+        self._old_confidences: list[list[list[float]]] = []  # lagged variant: two plans back
 
-    def confidences(self) -> list[float]:
+    # -- which rows the target returns features of --------------------------------------
+
+    def feature_offsets(self, num_tokens: int, num_draft: int) -> list[int]:
+        """Chunk offsets whose features a model drafter reads: the last ``window`` rows before
+        the drafts, and the drafted rows (the accepted ones become history)."""
+        assert self.model_drafter is not None
+        first = max(0, num_tokens - num_draft - self.model_drafter.window)
+        return list(range(first, num_tokens))
+
+    # -- scheduling ---------------------------------------------------------------------
+
+    def acceptance_rates(self) -> list[float]:
         """Laplace-smoothed acceptance rate per draft position."""
         return [(a + 1) / (t + 2) for a, t in zip(self.accepts, self.trials, strict=True)]
 
+    def confidences(self, req: Request) -> list[float]:
+        """Per-position confidences of the request's next draft: the confidence head's when
+        the drafter has one, else the positions' acceptance rates."""
+        draft = self.drafts.get(req.request_id)
+        if self.model_drafter is not None:
+            if draft is None or draft.anchor_pos != req.num_tokens - 1:
+                return []
+            if draft.confidences:
+                return draft.confidences[: len(draft.tokens)]
+            return self.acceptance_rates()[: len(draft.tokens)]
+        return self.acceptance_rates()
+
     def plan(self, requests: list[Request]) -> None:
         """Before a step: how many drafts each decoding request may verify, for the whole
-        batch at once (Algorithm 1 or the threshold rule; static: no limit)."""
+        batch at once (Algorithm 1, its lagged variant or the threshold rule; static: no
+        limit)."""
         schedule = self.config.schedule
         self.allowed = {}
         if schedule == "static" or not requests:
             return
-        conf = [self.confidences()] * len(requests)
+        conf = [self.confidences(r) for r in requests]
         if schedule == "hardware":
             if self.sps is None:
                 raise RuntimeError("the hardware schedule needs a steps-per-second table")
-            lengths = hardware_schedule(conf, self.sps)
+            if self.lagged:
+                self._old_confidences.append(conf)
+                old = self._old_confidences.pop(0) if len(self._old_confidences) > 2 else None
+                capacity = (
+                    capacity_from(old, self.sps) if old is not None else self.num_draft_tokens * len(conf)
+                )
+                lengths = lagged_topk_schedule(conf, capacity)
+            else:
+                lengths = hardware_schedule(conf, self.sps)
         else:
             lengths = threshold_schedule(conf, self.config.confidence_threshold)
         self.allowed = {r.request_id: n for r, n in zip(requests, lengths, strict=True)}
 
-    def draft(self, req: Request, budget: int) -> list[int]:
-        """Tokens to verify after the request's last token this step (may be empty)."""
+    def draft(self, req: Request, room: int) -> list[int]:
+        """Tokens to verify after the request's last token this step (may be empty);
+        ``room``: drafts that fit the step's token budget."""
         if not can_draft(req):
             return []
         room = min(
-            self.allowed.get(req.request_id, self.config.num_speculative_tokens),
-            budget - 1,
+            self.allowed.get(req.request_id, self.num_draft_tokens),
+            room,
             req.params.max_tokens - len(req.output_token_ids) - 1,
             self.max_model_len - req.num_tokens,
         )
         if room <= 0:
             return []
-        return self.drafter.propose(req.all_token_ids)[:room]
+        if self.model_drafter is None:
+            return self.ngram.propose(req.all_token_ids)[:room]
+        draft = self.drafts.get(req.request_id)
+        if draft is None or draft.anchor_pos != req.num_tokens - 1:
+            return []
+        return draft.tokens[:room]
+
+    # -- after a step -------------------------------------------------------------------
+
+    def after_step(
+        self, rows: list[tuple[Request, int, int]], features: torch.Tensor | None, running: list[Request]
+    ) -> None:
+        """Model drafters: store the features of accepted rows (``rows``: request, first
+        position, feature row of it, for every position of the step that is now accepted),
+        then propose for every running request whose newest token has been sampled."""
+        drafter = self.model_drafter
+        if drafter is None:
+            return
+        if features is not None and rows:
+            slots, positions, next_tokens, feature_rows = [], [], [], []
+            for req, pos, row in rows:
+                assert req.slot is not None
+                drafter.claim(req.slot, req.request_id)
+                slots.append(req.slot)
+                positions.append(pos)
+                next_tokens.append(req.all_token_ids[pos + 1])
+                feature_rows.append(row)
+            picked = features[torch.tensor(feature_rows, dtype=torch.long, device=features.device)]
+            drafter.observe(slots, positions, picked, next_tokens)
+        asks = []
+        for req in running:
+            self.drafts.pop(req.request_id, None)
+            if req.output_token_ids and req.slot is not None and can_draft(req) and req.pending_tokens == 0:
+                asks.append(
+                    (
+                        req,
+                        DraftRequest(
+                            req.slot, req.num_tokens - 1, req.all_token_ids[-1], req.params, req.generator
+                        ),
+                    )
+                )
+        for (req, _), draft in zip(asks, drafter.propose([a for _, a in asks]), strict=True):
+            if draft.tokens:
+                self.drafts[req.request_id] = draft
+
+    def forget(self, req: Request) -> None:
+        self.drafts.pop(req.request_id, None)
+
+    # -- verification -------------------------------------------------------------------
 
     def verify(self, req: Request, draft: list[int], logits: torch.Tensor) -> list[int]:
         """``logits`` [d + 1, V] at the chunk's positions -> tokens to append (accepted drafts,
@@ -123,7 +229,11 @@ class SpecDecoder:
         else:
             probs = torch.stack([filtered_log_probs(row, req.params) for row in logits]).exp()
             drafted = torch.tensor([draft], dtype=torch.long, device=logits.device)
-            q = torch.nn.functional.one_hot(drafted, probs.shape[-1]).to(probs.dtype)
+            model_draft = self.drafts.get(req.request_id)
+            if model_draft is not None and model_draft.q is not None:
+                q = model_draft.q[:d].to(probs.device, probs.dtype).unsqueeze(0)
+            else:  # n-gram: the draft is deterministic given the history, q is one-hot
+                q = torch.nn.functional.one_hot(drafted, probs.shape[-1]).to(probs.dtype)
             gen = req.generator
             uniform = torch.rand(1, d, generator=gen, device=logits.device)
             noise = torch.empty(1, d + 1, probs.shape[-1], device=logits.device).exponential_(generator=gen)
@@ -139,6 +249,29 @@ class SpecDecoder:
         req.num_draft_tokens += d
         req.num_accepted_tokens += accepted
         return tokens
+
+
+def build_model_drafter(model, config: SpeculativeConfig, num_slots: int) -> ModelDrafter | None:
+    """The drafter ``config.method`` names, over the target's own draft layers (None: n-gram)."""
+    if config.method == "dspark":
+        from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
+        from deepinfer.spec.dspark import DSparkDrafter
+
+        if not isinstance(model, DeepseekV41ForCausalLM):
+            raise ValueError(
+                f"speculative.method='dspark' needs a DeepSeek-V4.1 model, not {type(model).__name__}"
+            )
+        return DSparkDrafter(model, num_slots, config.num_speculative_tokens)
+    if config.method == "mtp":
+        from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+        from deepinfer.spec.mtp import MtpDrafter
+
+        if not isinstance(model, DeepseekV4ForCausalLM):
+            raise ValueError(
+                f"speculative.method='mtp' needs a DeepSeek-V4 model, not {type(model).__name__}"
+            )
+        return MtpDrafter(model, num_slots, config.num_speculative_tokens)
+    return None
 
 
 def profile_steps_per_second(runner, max_tokens: int, repeats: int = 3) -> SpsTable:

@@ -7,10 +7,12 @@ The model is a pure function of ``(input_ids, positions, ForwardBatch)``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
-from deepinfer.config import CSA, DeepseekV4Config
+from deepinfer.config import CSA, SLIDING, DeepseekV4Config
 from deepinfer.models.base import CausalLM
 from deepinfer.models.cache_spec import LayerCacheSpec
 from deepinfer.models.forward_batch import ForwardBatch, LayerPools
@@ -46,6 +48,34 @@ class Block(HyperConnectedBlock):
         return hc_expand(y, streams, post, comb)
 
 
+class MtpBlock(Block):
+    """V4's next-n (MTP) layer ``mtp.{k}`` (techniques.md §1.5; the official V4 ``MTPBlock``):
+    a sliding-window block whose input mixes the embedding of the next token with the
+    backbone's final streams, and its own ``hc_head`` collapse before the shared norm-less
+    head. Only the drafter runs it (``deepinfer.spec.mtp``)."""
+
+    def __init__(self, cfg: DeepseekV4Config, main_rope: Rotary, compress_rope: Rotary) -> None:
+        layer = cfg.num_hidden_layers
+        own = dataclasses.replace(
+            cfg, layer_kinds=[*cfg.layer_kinds, SLIDING], hash_layers=[*cfg.hash_layers, False]
+        )
+        super().__init__(own, layer, main_rope, compress_rope)
+        n, h = cfg.hc_mult, cfg.hidden_size
+        self.e_proj = nn.Linear(h, h, bias=False)
+        self.h_proj = nn.Linear(h, h, bias=False)
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hc_head_fn = nn.Parameter(torch.zeros(n, n * h, dtype=torch.float32))
+        self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
+        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+
+    def merge_input(self, token_embeds: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        """Block input [N, n, d] from the next tokens' embeddings [N, d] and the backbone's
+        (or the previous draft row's) final streams [N, n, d]."""
+        return self.e_proj(self.enorm(token_embeds)).unsqueeze(1) + self.h_proj(self.hnorm(streams))
+
+
 class DeepseekV4ForCausalLM(CausalLM):
     """The V4-Flash backbone + head. ``model(input_ids)`` returns full logits (no cache)."""
 
@@ -68,6 +98,9 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.hc_head_fn = nn.Parameter(torch.zeros(n, n * h, dtype=torch.float32))
         self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
         self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        self.mtp = nn.ModuleList(
+            MtpBlock(cfg, main_rope, compress_rope) for _ in range(min(cfg.num_nextn_predict_layers, 1))
+        )
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -92,11 +125,13 @@ class DeepseekV4ForCausalLM(CausalLM):
         return specs
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """One engine step (see ``CausalLM``): flat tokens in, logits for ``batch.logits_idx``."""
+        """One engine step (see ``CausalLM``): flat tokens in, logits for ``batch.logits_idx``;
+        with ``batch.feature_idx`` also those rows' final streams [N, n * d] (the MTP input)."""
         h = self.embed(input_ids)
         streams = h.unsqueeze(1).expand(h.shape[0], self.config.hc_mult, h.shape[-1]).contiguous()
         for layer, pools in zip(self.layers, batch.pools, strict=True):
             streams = layer(streams, positions, input_ids, pools, batch)
+        features = streams[batch.feature_idx].flatten(1) if batch.feature_idx is not None else None
         if batch.logits_idx is not None:
             streams = streams[batch.logits_idx]
         x = hc_head_collapse(
@@ -107,4 +142,5 @@ class DeepseekV4ForCausalLM(CausalLM):
             hc_eps=self.config.hc_eps,
             norm_eps=self.config.rms_norm_eps,
         )
-        return self.head(self.norm(x)).float()
+        logits = self.head(self.norm(x)).float()
+        return logits if features is None else (logits, features)

@@ -359,6 +359,8 @@ class DeepseekV41ForCausalLM(CausalLM):
         return engram_hash_ids(past, layout, self._engram_pad)
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """With ``batch.feature_idx``: ``(logits, features [N, m * d])``, the DSpark features
+        (the mean stream entering each ``dspark_target_layer_ids`` layer) of those rows."""
         cfg = self.config
         hash_ids = self.engram_ids(input_ids, batch)
         h = self.embed(input_ids)
@@ -366,9 +368,13 @@ class DeepseekV41ForCausalLM(CausalLM):
         pre_mix = first_site_pre_mix(h.shape[0], cfg.hc_mult, h.device)
         shared = _StepShared()
         narrow_at = self._ced_split_for(batch)
+        targets = set(cfg.dspark_target_layer_ids) if batch.feature_idx is not None else set()
+        features: list[torch.Tensor] = []
         for i, (layer, pools) in enumerate(zip(self.layers, batch.pools, strict=True)):
             if layer.engram is not None:
                 streams = layer.engram(streams, hash_ids[:, self._engram_slot[i]])
+            if i in targets:  # DSpark reads the mean stream entering its target layers
+                features.append(streams[batch.feature_idx].mean(dim=1))
             compressed = i == narrow_at
             if compressed:  # CED: the decoder's KV source sees every row, the decoder only some
                 assert batch.decoder_rows is not None
@@ -388,7 +394,10 @@ class DeepseekV41ForCausalLM(CausalLM):
         if batch.logits_idx is not None:
             streams, pre_mix = streams[batch.logits_idx], pre_mix[batch.logits_idx]
         x = self.norm(hc_collapse(streams, pre_mix))
-        return F.linear(x.float(), self.head.weight.float())
+        logits = F.linear(x.float(), self.head.weight.float())
+        if batch.feature_idx is not None:
+            return logits, torch.cat(features, dim=-1)
+        return logits
 
 
 def ced_split_layer(plan: list[LayerRole]) -> int | None:

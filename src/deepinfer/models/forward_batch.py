@@ -96,6 +96,9 @@ class ForwardBatch:
     groups: dict[int, GroupMeta] = field(default_factory=dict)  # by ratio
     full: FullAttentionMeta | None = None  # set when the model has full-attention layers
     logits_idx: torch.Tensor | None = None  # token rows whose logits are returned (None: all)
+    # Speculative decoding with a model drafter: rows whose draft features (the hidden states
+    # the drafter reads) the step also returns; None: the step returns logits only.
+    feature_idx: torch.Tensor | None = None
     # Causal encoder/decoder prefill (V4.1, optional): rows that run the decoder layers (None:
     # every row), and the decoder's window mask, which also hides positions before each
     # sequence's replay start (those never ran the decoder).
@@ -109,7 +112,7 @@ class ForwardBatch:
         yield self.window_idx, (0,)
         yield self.window_valid, (0,)
         yield self.window_write, (0,)
-        for t in (self.logits_idx, self.decoder_rows, self.decoder_window_valid):
+        for t in (self.logits_idx, self.feature_idx, self.decoder_rows, self.decoder_window_valid):
             if t is not None:
                 yield t, (0,)
         for ratio in sorted(self.groups):
@@ -145,6 +148,8 @@ class ForwardBatch:
         decoder's KV source compresses every row before the batch narrows)."""
         rows = self.decoder_rows
         assert rows is not None and self.decoder_window_valid is not None
+        if self.feature_idx is not None:
+            raise ValueError("draft features with CED prefill are not supported (the decoder skips rows)")
         groups = {
             r: dataclasses.replace(m, entry_idx=m.entry_idx[rows], entry_valid=m.entry_valid[rows])
             for r, m in self.groups.items()

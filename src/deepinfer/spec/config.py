@@ -6,17 +6,20 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("ngram", "mtp", "dspark")
-AVAILABLE = ("ngram",)  # mtp / dspark drafting: not built yet (issue 7 continues)
+# drafts per step when not given: MTP-1 as V4 ran it in production (more MTP drafts lose
+# throughput at high concurrency, techniques.md §1.5); DSpark's block of 5; n-gram 5
+DEFAULT_DRAFTS = {"ngram": 5, "mtp": 1, "dspark": 5}
 SCHEDULES = ("static", "threshold", "hardware")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "ngram"
-    num_speculative_tokens: int = 5
+    num_speculative_tokens: int | None = None  # None: the method's default (DEFAULT_DRAFTS)
     # static: every eligible decode verifies up to num_speculative_tokens; hardware: Algorithm 1
     # over per-position confidences and a steps-per-second table profiled at engine start;
-    # threshold: the longest prefix whose expected survival stays >= confidence_threshold
+    # threshold: the longest prefix whose expected survival stays >= confidence_threshold.
+    # Confidences: DSpark's confidence head; the other drafters' per-position acceptance rates
     schedule: str = "static"
     prompt_lookup_min: int = 1  # n-gram sizes tried, longest first
     prompt_lookup_max: int = 4
@@ -25,10 +28,8 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative.method must be one of {METHODS}, got {self.method!r}")
-        if self.method not in AVAILABLE:
-            raise ValueError(
-                f"speculative.method={self.method!r} is not implemented yet (available: {AVAILABLE})"
-            )
+        if self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens", DEFAULT_DRAFTS[self.method])
         if self.schedule not in SCHEDULES:
             raise ValueError(f"speculative.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         t = self.confidence_threshold

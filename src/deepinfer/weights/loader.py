@@ -26,6 +26,8 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # Checkpoint prefixes a model does not use unless it says otherwise (V4's MTP layer).
 IGNORED_PREFIXES = ("mtp.",)
+# Draft layers a model builds but can serve without (V4's MTP, V4.1's DSpark stages).
+OPTIONAL_PREFIX = "mtp."
 logger = logging.getLogger(__name__)
 
 
@@ -186,6 +188,18 @@ def load_weights(model: nn.Module, path: Path, dtype: torch.dtype, device: torch
     persistent = set(model.state_dict(keep_vars=True))  # not runtime buffers (stacked experts)
     expected = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()] if n in persistent}
     missing = sorted(n for n in expected if n not in reader.names)
+    if missing and all(n.startswith(OPTIONAL_PREFIX) for n in missing) and hasattr(model, "mtp"):
+        # a checkpoint without its draft layers (converted or trimmed): serve without them
+        drafts = sorted(n for n in expected if n.startswith(OPTIONAL_PREFIX))
+        if len(missing) == len(drafts):
+            logger.warning(
+                "%s: no %s* tensors; speculative decoding with mtp/dspark is unavailable",
+                path,
+                OPTIONAL_PREFIX,
+            )
+            model.mtp = nn.ModuleList()
+            expected = {n: t for n, t in expected.items() if not n.startswith(OPTIONAL_PREFIX)}
+            missing = []
     if missing:
         shown = ", ".join(repr(n) for n in missing[:5])
         raise CheckpointError(

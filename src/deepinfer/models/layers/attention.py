@@ -101,19 +101,28 @@ class LatentAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Queries, the query LoRA residual, RoPE tables and the window part (this step's K=V
         written first, so a token sees itself and its chunk's earlier tokens)."""
-        t = x.shape[0]
-        cos, sin = self.rotary(positions)  # [T, rd/2]
-        q_residual = self.q_norm(self.wq_a(x))
-        q = self.wq_b(q_residual).view(t, self.n_heads, self.head_dim)
-        if self.q_head_norm:
-            q = unweighted_rms_norm(q, self.eps)
-        q = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, D]
-        if self.fake_quant:
-            kv = fake_quant_fp8_pow2(kv)
+        q, q_residual, cos, sin = self.queries(x, positions)
+        kv = self.latent_kv(x, cos, sin)
         pools.window.index_copy_(0, batch.window_write, kv.to(pools.window.dtype))
         window = gather_rows(pools.window, batch.window_idx).to(kv.dtype)  # [T, W, D]
         return q, q_residual, cos, sin, (window, batch.window_valid)  # positions (p - W, p]
+
+    def queries(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated queries [T, H, D], the query LoRA residual and the RoPE tables at ``positions``."""
+        cos, sin = self.rotary(positions)  # [T, rd/2]
+        q_residual = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_residual).view(x.shape[0], self.n_heads, self.head_dim)
+        if self.q_head_norm:
+            q = unweighted_rms_norm(q, self.eps)
+        return apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1)), q_residual, cos, sin
+
+    def latent_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The shared K=V vector [T, D] of each row (a row-wise projection: drafters that keep
+        their own window cache compute it for committed rows without running attention)."""
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        return fake_quant_fp8_pow2(kv) if self.fake_quant else kv
 
     def attend(
         self,
