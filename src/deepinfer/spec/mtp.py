@@ -103,14 +103,14 @@ class MtpDrafter:
             attn_in = layer.attn_norm(hc_collapse(x, pre))
             q, _, cos, sin = layer.attn.queries(attn_in, pos)
             kv = layer.attn.latent_kv(attn_in, cos, sin)
-            if i == 0:
+            if i == 0:  # row P - 1 is accepted: its K=V is already in the ring
                 parts = [(ring.to(kv.dtype), self.ring.visible(slots, pos - self.window + 1, pos))]
             else:  # ring entries up to P - 1 still inside this row's window, then the draft rows
+                local.append(kv)
                 visible = self.ring.visible(slots, pos - self.window + 1, anchor_pos - 1)
-                drafts_kv = torch.stack([*local, kv], dim=1)
+                drafts_kv = torch.stack(local, dim=1)
                 own = torch.ones(drafts_kv.shape[:2], dtype=torch.bool, device=dev)
                 parts = [(ring.to(kv.dtype), visible), (drafts_kv, own)]
-            local.append(kv)
             y = layer.attn.attend(q, parts, cos, sin)
             x = hc_expand(y, x, post, comb)
             pre, post, comb = layer.mixes(x, "ffn")

@@ -1,0 +1,359 @@
+"""Model drafters: DSpark on V4.1 and MTP on V4.
+
+- each proposal equals a direct computation of the reference math (model_spec.md §2.8,
+  techniques.md §1.1/§1.5) written out densely below, for several requests batched together
+  whose windows wrap around their rings;
+- sampled outputs keep the target's distribution (drafts come from their own q);
+- DSpark's confidences drive the threshold and hardware schedules; the lagged production
+  schedule sizes a step from confidences two plans old;
+- a checkpoint without its draft layers loads and serves, and asks for them clearly.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.engine.spec_decode import SpecDecoder
+from deepinfer.models.layers.mhc import hc_collapse, hc_expand, hc_head_collapse
+from deepinfer.models.layers.rope import apply_rope
+from deepinfer.spec.config import SpeculativeConfig
+from deepinfer.spec.drafter import Draft, DraftRequest
+from deepinfer.spec.dspark import DSparkDrafter
+from deepinfer.spec.mtp import MtpDrafter
+from deepinfer.spec.schedule import SpsTable, capacity_from, survival, threshold_schedule
+from deepinfer.testing import make_tiny_checkpoint
+from deepinfer.weights.loader import load_model
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def v41(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("dspark"), arch="deepseek_v41")
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("mtp"), arch="deepseek_v4")
+
+
+def _dense_attention(attn, q, keys, cos, sin):
+    """Softmax over every key plus the per-head sink logit, K = V, then the inverse RoPE and
+    the grouped output projection (model_spec.md §2.3), written out for one sequence."""
+    scores = torch.einsum("thd,ld->thl", q, keys) * attn.head_dim**-0.5
+    sink = attn.attn_sink.view(1, -1, 1).expand(q.shape[0], -1, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    out = torch.einsum("thl,ld->thd", probs, keys)
+    out = apply_rope(out, cos.unsqueeze(1), -sin.unsqueeze(1))
+    return attn.wo_b(attn._grouped_output(out))
+
+
+def _dspark_reference(model, features, anchor, k):
+    """DSpark's proposal for one sequence whose accepted positions are 0..P-1 (features [P, m*d])."""
+    cfg = model.config
+    stages, g, w = model.mtp, cfg.dspark_block_size, cfg.sliding_window
+    p = features.shape[0]
+    ctx_pos = torch.arange(max(0, p - w), p)
+    main_x = stages[0].main_norm(stages[0].main_proj(features[ctx_pos]))
+    ids = torch.tensor([anchor] + [cfg.dspark_noise_token_id] * (g - 1))
+    pos = p + torch.arange(g)
+    h = model.embed(ids)
+    streams = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)
+    pre_mix = torch.zeros(g, cfg.hc_mult)
+    pre_mix[:, 0] = 1
+    for stage in stages:
+        attn_pre, post, comb = stage.mixes(streams, "attn")
+        x = stage.attn_norm(hc_collapse(streams, pre_mix))
+        ctx_kv = stage.attn.latent_kv(main_x, *stage.attn.rotary(ctx_pos))
+        q, _, cos, sin = stage.attn.queries(x, pos)
+        keys = torch.cat([ctx_kv, stage.attn.latent_kv(x, cos, sin)])  # context, then the block
+        streams = hc_expand(_dense_attention(stage.attn, q, keys, cos, sin), streams, post, comb)
+        ffn_pre, post, comb = stage.mixes(streams, "ffn")
+        y = stage.ffn(stage.ffn_norm(hc_collapse(streams, attn_pre)), ids)
+        streams, pre_mix = hc_expand(y, streams, post, comb), ffn_pre
+    last = stages[-1]
+    hidden = hc_collapse(streams, pre_mix)
+    logits = last.norm(hidden).float() @ model.head.weight.float().T
+    tokens, conf, prev = [], [], anchor
+    for i in range(k):
+        emb = last.markov_head.embed.weight[prev].float()
+        row = logits[i] + last.markov_head.head.weight.float() @ emb
+        tokens.append(int(row.argmax()))
+        head_in = torch.cat([hidden[i].float(), emb])
+        conf.append(float(torch.sigmoid(last.confidence_head.proj.weight.float() @ head_in)))
+        prev = tokens[-1]
+    return tokens, conf
+
+
+@torch.inference_mode()
+def test_dspark_proposals_equal_the_reference_computation(v41):
+    model = load_model(v41)
+    cfg = model.config
+    k = cfg.dspark_block_size
+    gen = torch.Generator().manual_seed(0)
+    width = cfg.hidden_size * len(cfg.dspark_target_layer_ids)
+    lengths = {0: 21, 2: 5, 1: 9}  # slot -> P (21 and 9 wrap the ring of 8)
+    feats = {s: torch.randn(p, width, generator=gen) for s, p in lengths.items()}
+    anchors = {0: 17, 2: 100, 1: 4}
+    drafter = DSparkDrafter(model, num_slots=3, num_speculative_tokens=k)
+    for s, p in lengths.items():
+        drafter.claim(s, f"r{s}")
+        for lo, hi in ((0, p // 2), (p // 2, p)):  # two steps' worth of accepted rows
+            drafter.observe([s] * (hi - lo), list(range(lo, hi)), feats[s][lo:hi], [0] * (hi - lo))
+    asks = [DraftRequest(s, p, anchors[s], GREEDY, None) for s, p in lengths.items()]
+    batched = drafter.propose(asks)
+    for ask, draft in zip(asks, batched, strict=True):
+        alone = drafter.propose([ask])[0]
+        tokens, conf = _dspark_reference(model, feats[ask.slot], ask.anchor_token, k)
+        assert draft.tokens == tokens == alone.tokens
+        assert draft.anchor_pos == ask.anchor_pos and draft.q is None
+        torch.testing.assert_close(torch.tensor(draft.confidences), torch.tensor(conf), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(torch.tensor(alone.confidences), torch.tensor(conf), atol=1e-5, rtol=1e-4)
+    # a new owner of a slot starts from an empty ring: only its own rows are read
+    drafter.claim(0, "other")
+    assert not bool((drafter.ring.pos[0] >= 0).any())
+
+
+def _v4_block(layer, x, keys_before, pos, token):
+    """The MTP block on one row (V4: each sublayer collapses with its own site's mix); its
+    window is ``keys_before`` plus the row itself."""
+    pre, post, comb = layer.mixes(x, "attn")
+    attn_in = layer.attn_norm(hc_collapse(x, pre))
+    q, _, cos, sin = layer.attn.queries(attn_in, pos)
+    kv = layer.attn.latent_kv(attn_in, cos, sin)
+    keys = torch.cat([keys_before, kv])
+    x = hc_expand(_dense_attention(layer.attn, q, keys, cos, sin), x, post, comb)
+    pre, post, comb = layer.mixes(x, "ffn")
+    y = layer.ffn(layer.ffn_norm(hc_collapse(x, pre)), token)
+    return hc_expand(y, x, post, comb), kv
+
+
+def _mtp_reference(model, streams, tokens, k):
+    """MTP-k for one sequence: streams [P, n, d] of accepted positions, tokens 0..P (P: anchor)."""
+    cfg, layer = model.config, model.mtp[0]
+    w, p = cfg.sliding_window, streams.shape[0]
+    rows = torch.arange(max(0, p - w), p)
+    x = layer.merge_input(model.embed(torch.tensor(tokens)[rows + 1]), streams[rows])
+    pre, _, _ = layer.mixes(x, "attn")
+    kv = layer.attn.latent_kv(layer.attn_norm(hc_collapse(x, pre)), *layer.attn.rotary(rows))
+    keys = kv[:-1]  # rows before P - 1; the query row adds its own
+    out, row_streams, token = [], streams[p - 1 : p], torch.tensor([tokens[p]])
+    for i in range(k):
+        pos = torch.tensor([p - 1 + i])
+        x = layer.merge_input(model.embed(token), row_streams)
+        row_streams, kv_row = _v4_block(layer, x, keys[-(w - 1) :] if w > 1 else keys[:0], pos, token)
+        keys = torch.cat([keys, kv_row])
+        collapsed = hc_head_collapse(
+            row_streams,
+            layer.hc_head_fn,
+            layer.hc_head_base,
+            layer.hc_head_scale,
+            hc_eps=cfg.hc_eps,
+            norm_eps=cfg.rms_norm_eps,
+        )
+        token = model.head(layer.norm(collapsed)).float().argmax(dim=-1)
+        out.append(int(token))
+    return out
+
+
+@torch.inference_mode()
+def test_mtp_proposals_equal_the_reference_computation(v4):
+    model = load_model(v4)
+    cfg = model.config
+    gen = torch.Generator().manual_seed(1)
+    lengths = {1: 19, 0: 4}
+    streams = {s: torch.randn(p, cfg.hc_mult, cfg.hidden_size, generator=gen) for s, p in lengths.items()}
+    tokens = {s: torch.randint(3, 250, (p + 1,), generator=gen).tolist() for s, p in lengths.items()}
+    for k in (1, 3):
+        drafter = MtpDrafter(model, num_slots=2, num_speculative_tokens=k)
+        for s, p in lengths.items():
+            drafter.claim(s, f"r{s}")
+            for lo, hi in ((0, p - 3), (p - 3, p)):
+                drafter.observe(
+                    [s] * (hi - lo),
+                    list(range(lo, hi)),
+                    streams[s][lo:hi].flatten(1),
+                    tokens[s][lo + 1 : hi + 1],
+                )
+        asks = [DraftRequest(s, p, tokens[s][p], GREEDY, None) for s, p in lengths.items()]
+        for ask, draft in zip(asks, drafter.propose(asks), strict=True):
+            assert draft.tokens == _mtp_reference(model, streams[ask.slot], tokens[ask.slot], k)
+        # a sequence whose newest accepted row is not P - 1 gets no draft
+        late = drafter.propose([DraftRequest(1, lengths[1] + 2, 5, GREEDY, None)])[0]
+        assert late.tokens == []
+
+
+def _chi_square_same(a: list[int], b: list[int], bins: int = 6) -> float:
+    """Two-sample chi-square over the most frequent tokens and one bin for the rest."""
+    ca = torch.bincount(torch.tensor(a), minlength=258).float()
+    cb = torch.bincount(torch.tensor(b), minlength=258).float()
+    top = (ca + cb).argsort(descending=True)[:bins]
+    rest = torch.ones(258, dtype=torch.bool)
+    rest[top] = False
+    ca = torch.cat([ca[top], ca[rest].sum(0, keepdim=True)])
+    cb = torch.cat([cb[top], cb[rest].sum(0, keepdim=True)])
+    total = ca + cb
+    keep = total > 0
+    expected = total[keep] / 2
+    return float((((ca[keep] - expected) ** 2 + (cb[keep] - expected) ** 2) / expected).sum())
+
+
+@pytest.mark.parametrize(("arch", "method"), [("deepseek_v41", "dspark"), ("deepseek_v4", "mtp")])
+def test_sampled_tokens_keep_the_target_distribution(arch, method, v41, v4):
+    """Many seeds of one prompt at temperature 1.5: tokens 2 and 3 (verified drafts, their
+    residual resamples or bonus tokens) are distributed as without speculation."""
+    path = v41 if arch == "deepseek_v41" else v4
+    n = 400
+    prompt = [[7, 9, 11, 13] * 3]
+    params = [SamplingParams(max_tokens=3, temperature=1.5, seed=s, ignore_eos=True) for s in range(n)]
+    plain = LLM(path, max_num_seqs=64).generate(prompt * n, params, use_tqdm=False)
+    spec = LLM(path, max_num_seqs=64, speculative={"method": method, "num_speculative_tokens": 2})
+    drafted = spec.generate(prompt * n, params, use_tqdm=False)
+    stats = spec.engine.spec.stats
+    assert stats.drafted > 0 and 0 < stats.accepted < stats.drafted  # both outcomes happened
+    for pos in (1, 2):
+        a = [o.outputs[0].token_ids[pos] for o in plain]
+        b = [o.outputs[0].token_ids[pos] for o in drafted]
+        assert _chi_square_same(a, b) < 24.32, pos  # chi-square, df <= 6, p = 0.001
+
+
+def test_dspark_greedy_outputs_and_metrics_under_chunking_preemption_and_prefix_hits(v41):
+    """Greedy DSpark equals plain decoding while prompts share prefixes (cache hits leave
+    the drafter's ring without those rows), prefill is chunked and a small cache preempts."""
+    base = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    prompts = [base + [30 + i] * (i + 1) for i in range(6)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(v41).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(
+        v41,
+        speculative={"method": "dspark", "num_speculative_tokens": 4},
+        max_num_batched_tokens=24,
+        num_cache_blocks=9,
+        max_num_seqs=4,
+    )
+    preempted = []
+    preempt = llm.engine.scheduler.preempt
+    llm.engine.scheduler.preempt = lambda r: (preempted.append(r.request_id), preempt(r))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert preempted  # the small cache forced recomputation
+    stats = llm.engine.spec.stats
+    assert sum(o.metrics.num_draft_tokens for o in outs) == stats.drafted > 0
+    assert sum(o.metrics.num_accepted_tokens for o in outs) == stats.accepted
+    assert any(o.num_cached_tokens for o in outs)
+    assert not llm.engine.spec.drafts  # finished requests leave no drafts behind
+
+
+def test_dspark_confidences_drive_the_threshold_schedule(v41):
+    prompts = [[3, 4, 5, 6, 7], [40, 41, 42]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(v41).generate(prompts, params, use_tqdm=False)]
+    for threshold in (0.0, 0.5, 1.0):
+        llm = LLM(
+            v41, speculative={"method": "dspark", "schedule": "threshold", "confidence_threshold": threshold}
+        )
+        engine, spec = llm.engine, llm.engine.spec
+        reqs = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts)]
+        checked = 0
+        while engine.has_unfinished():
+            engine.step()
+            live = [r for r in reqs if not r.finished and r.request_id in spec.drafts]
+            spec.plan(live)
+            for r in live:
+                conf = spec.drafts[r.request_id].confidences
+                assert spec.confidences(r) == conf  # the head's, not acceptance rates
+                assert spec.allowed[r.request_id] == threshold_schedule([conf], threshold)[0]
+                checked += 1
+        assert checked > 0
+        assert [r.output_token_ids for r in reqs] == plain
+        if threshold == 1.0:
+            assert spec.stats.drafted == 0  # a sigmoid never reaches 1
+        if threshold == 0.0:
+            assert spec.stats.drafted > 0
+
+
+class _FakeDrafter:
+    num_draft_tokens = 3
+    window = 4
+
+
+def test_lagged_schedule_sizes_a_step_from_confidences_two_plans_old(v41):
+    sps = SpsTable.from_points({1: 100.0, 3: 90.0, 5: 80.0, 9: 10.0})
+    spec = SpecDecoder(
+        SpeculativeConfig(method="dspark", schedule="hardware"), 64, sps, _FakeDrafter(), lagged=True
+    )
+
+    class Req:
+        def __init__(self, rid):
+            self.request_id, self.num_tokens = rid, 10
+
+    reqs = [Req("a"), Req("b")]
+    low, high = [0.01, 0.01, 0.01], [0.99, 0.98, 0.97]
+
+    def plan(conf):
+        for r in reqs:
+            spec.drafts[r.request_id] = Draft(9, [1, 2, 3], None, conf)
+        spec.plan(reqs)
+        return [spec.allowed[r.request_id] for r in reqs]
+
+    assert plan(low) == [3, 3]  # no history yet: every draft fits
+    assert plan(high) == [3, 3]
+    assert capacity_from([low, low], sps) == 0
+    assert plan(high) == [0, 0]  # capacity from `low` (two plans back), ranked by `high`
+    assert capacity_from([high, high], sps) > 0
+    got = plan(low)  # capacity from the first `high`: top-K of the current (low) survivals
+    assert sum(got) == capacity_from([high, high], sps) and survival(low)[0] > 0
+    # in the engine: async_scheduling=True selects the lagged form; outputs stay exact
+    prompts = [[3, 4, 5, 6, 7], [40, 41, 42]]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(v41).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(v41, speculative={"method": "dspark", "schedule": "hardware"}, async_scheduling=True)
+    assert llm.engine.spec.lagged and llm.engine._executor is None  # drafting steps run in order
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
+
+
+def test_checkpoint_without_draft_layers_loads_and_asks_for_them(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_checkpoint(tmp_path / "v4", arch="deepseek_v4")
+    files = sorted(path.glob("*.safetensors"))
+    for f in files:
+        state = {k: v for k, v in load_file(f).items() if not k.startswith("mtp.")}
+        save_file(state, f)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {k: v for k, v in data["weight_map"].items() if not k.startswith("mtp.")}
+        index.write_text(json.dumps(data))
+    model = load_model(path)
+    assert len(model.mtp) == 0
+    out = LLM(path).generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match="needs a V4 checkpoint with its MTP layer"):
+        LLM(path, speculative={"method": "mtp"})
+
+
+def test_dspark_with_ced_prefill_is_a_clear_error(v41):
+    with pytest.raises(ValueError, match="ced_prefill"):
+        LLM(v41, speculative={"method": "dspark"}, ced_prefill=True)
+
+
+def test_draft_sampling_uses_the_requests_filters():
+    """Non-greedy drafts come from the request's filtered distribution (top-k 1 = argmax)."""
+    from deepinfer.spec.drafter import sample_drafts
+
+    logits = torch.tensor([[0.0, 3.0, 1.0, -1.0], [2.0, 0.0, 0.0, 5.0]])
+    reqs = [
+        DraftRequest(
+            0, 5, 1, SamplingParams(temperature=1.0, top_k=1, seed=0), torch.Generator().manual_seed(0)
+        ),
+        DraftRequest(1, 5, 1, GREEDY, None),
+    ]
+    tokens, qs = sample_drafts(logits, reqs)
+    assert tokens.tolist() == [1, 3] and qs[1] is None
+    torch.testing.assert_close(qs[0], F.one_hot(torch.tensor(1), 4).float())
