@@ -117,6 +117,8 @@ def test_compressor_models_roll_back_rejected_drafts(arch, method, tmp_path):
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(path).generate(prompts, params, use_tqdm=False)]
     llm = LLM(path, speculative={"method": method, "num_speculative_tokens": 3}, max_num_batched_tokens=48)
+    if arch == "deepseek_v41":  # no overlap state: rejections never need a saved copy
+        llm.engine.runner.save_slot = None
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs == plain
     stats = llm.engine.spec.stats
@@ -321,3 +323,17 @@ def test_threshold_schedule_drafts_only_above_the_threshold(llama):
     always = LLM(llama, speculative={"schedule": "threshold", "confidence_threshold": 0.0})
     assert [o.outputs[0].token_ids for o in always.generate(prompts, params, use_tqdm=False)] == plain
     assert always.engine.spec.stats.drafted > 0
+
+
+def test_rollback_point_recomputes_only_what_a_closed_group_consumed():
+    """A drafted chunk [10, 15) (anchor 10, four drafts); ``accepted_end``: positions before it
+    were accepted."""
+    from deepinfer.engine.engine import rollback_point
+
+    assert rollback_point(10, 15, 12, [1, 2], []) == 12  # ratio 2's open group [12, 12) is empty
+    assert rollback_point(10, 15, 13, [1, 2], []) == 12  # group [12, 14) closed: row 12 consumed
+    assert rollback_point(10, 13, 13, [2], []) == 13  # group [12, 14) still open: row 12 buffered
+    assert rollback_point(10, 15, 11, [4], []) == 10  # group [8, 12) closed: recompute from the start
+    assert rollback_point(10, 15, 15, [1, 2, 4], [4]) == 15  # all accepted
+    assert rollback_point(10, 15, 13, [4], [4]) == 13  # the overlap's last group [8, 12) was accepted
+    assert rollback_point(10, 15, 11, [4], [4]) is None  # the overlap now holds a rejected token

@@ -33,6 +33,30 @@ from deepinfer.sampling_params import SamplingParams
 logger = logging.getLogger("deepinfer")
 
 
+def rollback_point(
+    start: int, chunk_end: int, accepted_end: int, ratios: list[int], overlap_ratios: list[int]
+) -> int | None:
+    """Where a drafted chunk ``[start, chunk_end)`` whose positions ``< accepted_end`` were
+    accepted leaves the sequence's computed count, so the cache needs no copy restored.
+
+    Paged rows (window K=V, entries, index keys, Engram history) of rejected positions are
+    rewritten before anything reads them. A compressor's partial-group buffer holds row
+    ``p % r`` of each position of the open group, so it stays right for accepted positions,
+    except those of a group this chunk closed (closing consumes the rows without storing
+    them): those few positions are recomputed. An overlap (V4's CSA: the last closed group)
+    overwritten by a group holding rejected tokens cannot be rebuilt that way: None, restore
+    the saved slot state and recompute from ``start``.
+    """
+    if any((chunk_end // r) * r > accepted_end for r in overlap_ratios):
+        return None
+    point = accepted_end
+    for r in ratios:
+        open_group = (accepted_end // r) * r
+        if accepted_end > open_group and chunk_end // r > accepted_end // r:
+            point = min(point, max(start, open_group))
+    return point
+
+
 def available_memory_bytes(device: torch.device) -> int:
     """Free memory where the cache will live: device memory on CUDA, MemAvailable on CPU."""
     if device.type == "cuda":
@@ -74,10 +98,11 @@ class Engine:
         num_blocks = config.num_cache_blocks or self._blocks_for_budget(dtype, graph_bytes)
         self.pool = BlockPool(num_blocks)
         self.spec: SpecDecoder | None = None
-        # Models with compressors keep per-sequence state that a rejected draft has advanced:
-        # such a step saves the slot's state first and, on a rejection, restores it and
-        # recomputes the accepted tokens in the next step (paged rows are rewritten then).
-        self._restore_on_reject = any(s.ratio for s in self.layout.specs)
+        # Compressors keep per-sequence state a rejected draft may have advanced (see
+        # ``rollback_point``): their ratios, and those whose state includes the overlap (the
+        # last closed group), which only a saved copy can bring back.
+        self._ratios = sorted({s.ratio for s in self.layout.specs if s.ratio})
+        self._overlap_ratios = sorted({s.ratio for s in self.layout.specs if s.ratio and s.overlap})
         self._saved_slots: dict[str, list[torch.Tensor]] = {}
         platform_async = (
             platform.name == "cuda" if config.async_scheduling is None else config.async_scheduling
@@ -100,6 +125,7 @@ class Engine:
             config.max_num_seqs,
             self.spec.draft if self.spec is not None else None,
             self.spec.plan if self.spec is not None else None,
+            drafts_after_recompute=not self._overlap_ratios,
         )
         if config.ced_prefill and getattr(model, "ced_split", None) is None:
             raise ValueError(f"ced_prefill: {type(model).__name__} has no causal encoder/decoder split")
@@ -254,7 +280,7 @@ class Engine:
                 c.request.first_scheduled_time = now
             if c.samples and self._executor is not None:
                 c.request.pending_tokens += 1  # the token this step will sample
-            if c.draft and self._restore_on_reject:
+            if c.draft and self._overlap_ratios:
                 self._saved_slots[c.request.request_id] = self.runner.save_slot(c.request.slot)
         return self.runner.prepare(chunks)
 
@@ -354,14 +380,17 @@ class Engine:
             if req.finish_reason is not None:
                 self._finish(req)
                 return req
-        if saved is not None and len(tokens) <= len(c.draft):  # a draft was rejected
+        end = anchor + len(tokens)  # the last token is not computed yet
+        point = rollback_point(c.start, c.end, end, self._ratios, self._overlap_ratios)
+        if point is None:  # an overlap was overwritten by a group holding rejected tokens
+            assert saved is not None
             self.runner.restore_slot(req.slot, saved)
             req.num_computed_tokens = c.start  # recompute the anchor and accepted tokens
             # (a chunk that restores a prefix snapshot is a first chunk and never drafts today;
             # if it did, the saved state would predate that restore)
             req.restore_overlap = c.restore_overlap
         else:
-            req.num_computed_tokens = anchor + len(tokens)  # the last token is not computed yet
+            req.num_computed_tokens = point
         return req
 
     def _finish(self, req: Request) -> None:

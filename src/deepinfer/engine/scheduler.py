@@ -41,12 +41,17 @@ class Scheduler:
         num_slots: int,
         drafter: Callable[[Request, int], list[int]] | None = None,
         plan_drafts: Callable[[list[Request]], None] | None = None,
+        drafts_after_recompute: bool = False,
     ) -> None:
         """``drafter(request, room)``: speculative tokens for a decoding request (at most
         ``room``, or []);
         ``plan_drafts(requests)``: called first with this step's decoding requests, so a
-        verification schedule can size every request's draft together."""
+        verification schedule can size every request's draft together.
+        ``drafts_after_recompute``: a chunk that recomputes the last few accepted tokens after
+        a rejection may carry drafts (when a rejection never rolls back past the chunk's own
+        accepted part, ``Engine.rollback_point``; else recomputed chunks would keep growing)."""
         self.config = config
+        self.drafts_after_recompute = drafts_after_recompute
         self.drafter = drafter
         self.plan_drafts = plan_drafts
         self.pool = pool
@@ -149,7 +154,7 @@ class Scheduler:
                 continue
             num_new = min(todo, budget)
             draft = []
-            if self.drafter is not None and self._may_draft(request):
+            if self.drafter is not None and num_new == todo and self._may_draft(request):
                 draft = self.drafter(request, budget - num_new)  # drafts follow the newest token
             num_new += len(draft)
             while not self._ensure_blocks(request, request.num_computed_tokens + num_new):
@@ -185,15 +190,14 @@ class Scheduler:
             budget -= num_new
         return chunks
 
-    @staticmethod
-    def _may_draft(request: Request) -> bool:
-        """Decoding one token whose value is known. (A chunk recomputing accepted tokens
-        after a rejected draft carries none: its rollback point is the chunk's start, so a
-        rejection there would recompute ever longer chunks.)"""
+    def _may_draft(self, request: Request) -> bool:
+        """Decoding, with every known token's value known; one token left to compute, or a
+        few accepted ones to recompute when ``drafts_after_recompute``."""
+        todo = request.num_tokens - request.num_computed_tokens
         return (
             bool(request.output_token_ids)
             and request.pending_tokens == 0
-            and request.num_tokens - request.num_computed_tokens == 1
+            and (todo == 1 or (todo > 1 and self.drafts_after_recompute))
         )
 
     def _has_blocks(self, request: Request, num_new: int) -> bool:
