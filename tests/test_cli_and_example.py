@@ -33,6 +33,23 @@ def test_make_tiny_then_generate(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert out.count("tokens:") == 2 and "tokens/s" in out
+    # the same checkpoint (V4 with its MTP layer) with MTP drafting: same tokens
+    args = [
+        "generate",
+        "--model",
+        str(tmp_path / "ck"),
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+    ]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "--speculative-method", "mtp", "--speculative-schedule", "hardware"]) == 0
+    drafted = capsys.readouterr().out
+    assert "speculative (mtp):" in drafted and "drafted" in drafted
+    assert plain.split("tokens:")[1].split("\n")[0] == drafted.split("tokens:")[1].split("\n")[0]
 
 
 def test_generate_reports_bad_input(tmp_path, capsys):

@@ -29,7 +29,12 @@ def _make_tiny(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from deepinfer import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    speculative = None
+    if args.speculative_method is not None:
+        speculative = {"method": args.speculative_method, "schedule": args.speculative_schedule}
+        if args.num_speculative_tokens is not None:
+            speculative["num_speculative_tokens"] = args.num_speculative_tokens
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative=speculative)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -49,6 +54,14 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"  tokens: {completion.token_ids}")
         print(f"  text:   {completion.text!r}  ({completion.finish_reason})")
     print(f"{generated} tokens in {elapsed:.3f}s: {generated / elapsed:.1f} tokens/s")
+    spec = llm.engine.spec
+    if spec is not None:
+        s = spec.stats
+        print(
+            f"speculative ({spec.config.method}): {s.drafted} drafted, {s.accepted} accepted, "
+            f"mean acceptance length {s.mean_acceptance_length:.2f}, "
+            f"{s.verified_tokens_per_step:.2f} verified tokens per step"
+        )
     return 0
 
 
@@ -218,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--dtype", default="float32")
     gen.add_argument("--device", default="cpu")
+    gen.add_argument("--speculative-method", choices=["ngram", "mtp", "dspark"], default=None)
+    gen.add_argument("--num-speculative-tokens", type=int, default=None)
+    gen.add_argument("--speculative-schedule", choices=["static", "threshold", "hardware"], default="static")
     gen.set_defaults(func=_generate)
 
     bench = sub.add_parser("bench", help="benchmarks against transformers on the same weights")

@@ -95,7 +95,17 @@ class Engine:
             if use_graphs
             else 0
         )
-        num_blocks = config.num_cache_blocks or self._blocks_for_budget(dtype, graph_bytes)
+        drafter = None
+        if config.speculative is not None:
+            drafter = build_model_drafter(model, config.speculative, config.max_num_seqs)
+            if drafter is not None and config.ced_prefill:
+                raise ValueError(
+                    f"speculative.method={config.speculative.method!r} reads every prompt row's "
+                    "features; it cannot run with ced_prefill (whose decoder skips rows)"
+                )
+        # a model drafter's private window caches come out of the same budget
+        side_bytes = graph_bytes + (drafter.cache_bytes if drafter is not None else 0)
+        num_blocks = config.num_cache_blocks or self._blocks_for_budget(dtype, side_bytes)
         self.pool = BlockPool(num_blocks)
         self.spec: SpecDecoder | None = None
         # Compressors keep per-sequence state a rejected draft may have advanced (see
@@ -108,12 +118,6 @@ class Engine:
             platform.name == "cuda" if config.async_scheduling is None else config.async_scheduling
         )
         if config.speculative is not None:
-            drafter = build_model_drafter(model, config.speculative, config.max_num_seqs)
-            if drafter is not None and config.ced_prefill:
-                raise ValueError(
-                    f"speculative.method={config.speculative.method!r} reads every prompt row's "
-                    "features; it cannot run with ced_prefill (whose decoder skips rows)"
-                )
             # the production schedule (lagged capacity) is what an asynchronous engine needs
             self.spec = SpecDecoder(
                 config.speculative, self.max_model_len, drafter=drafter, lagged=platform_async
@@ -164,7 +168,7 @@ class Engine:
 
     def _blocks_for_budget(self, dtype: torch.dtype, graph_bytes: int = 0) -> int:
         """Blocks that fit the budget after the sequence slots, the null block and slot, and
-        the captured graphs' memory pool (``graph_bytes``)."""
+        ``graph_bytes`` (the captured graphs' memory pool, a drafter's own caches)."""
         cfg = self.config
         budget = cfg.cache_memory_bytes or int(
             cfg.cache_memory_fraction * available_memory_bytes(self.device)

@@ -1,12 +1,16 @@
-"""Speculative decoding (issue 7, in progress): drafters that guess the next tokens, the
-verification that keeps the output distribution exactly the target model's
-(``deepinfer.sampling.rejection``) and the schedulers that choose how many drafts to verify.
+"""Speculative decoding (issue 7): drafters that guess the next tokens, the verification that
+keeps the output distribution exactly the target model's (``deepinfer.sampling.rejection``)
+and the schedulers that choose how many drafts to verify.
 
-Built: ``SpeculativeConfig`` (``config.py``); the n-gram prompt-lookup drafter (``ngram.py``)
-wired into the engine for every model (``engine/spec_decode.py``; V4/V4.1 compressor state is
-saved and restored around drafted steps); Algorithm 1 / lagged top-K / threshold schedulers
-(``schedule.py``), driven in the engine by per-position acceptance rates and a steps-per-second
-table profiled at engine start. Not yet: the DSpark and MTP drafters (and with them real
-per-token confidences and the lagged production variant), a rollback that avoids recomputing
-accepted tokens on compressor models.
+- ``config.py``: ``SpeculativeConfig(method="ngram"|"mtp"|"dspark", num_speculative_tokens,
+  schedule="static"|"threshold"|"hardware")``;
+- ``ngram.py``: prompt lookup, any model;
+- ``dspark.py``: V4.1's DSpark stages (block drafting, Markov head, confidence head);
+- ``mtp.py``: V4's next-n layer, one draft by default;
+- ``draft_ring.py``: the model drafters' private per-sequence window caches;
+- ``drafter.py``: the ``Draft`` a model drafter hands to verification, draft sampling;
+- ``schedule.py``: Algorithm 1, its lagged production variant, the threshold rule.
+
+The engine side (which requests draft, features from the target step, verification and
+rollback) is ``deepinfer.engine.spec_decode`` and ``Engine._verify``.
 """

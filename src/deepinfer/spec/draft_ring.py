@@ -25,6 +25,10 @@ class DraftRing:
         self.pos = torch.full((num_slots, window), -1, dtype=torch.long, device=device)
         self.owner: list[str | None] = [None] * num_slots
 
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size() + self.pos.numel() * self.pos.element_size()
+
     def claim(self, slot: int, request_id: str) -> None:
         """Give ``slot`` to ``request_id``; a new owner starts with an empty ring."""
         if self.owner[slot] != request_id:

@@ -38,6 +38,7 @@ class ModelDrafter(Protocol):
 
     num_draft_tokens: int  # the most drafts one proposal yields
     window: int  # positions of history its private cache keeps (and feature rows it needs)
+    cache_bytes: int  # memory of its per-slot state (taken from the KV-cache budget)
 
     def claim(self, slot: int, request_id: str) -> None: ...
 

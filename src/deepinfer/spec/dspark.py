@@ -51,6 +51,11 @@ class DSparkDrafter:
             len(self.stages), num_slots, self.window, cfg.head_dim, model.compute_dtype, p.device
         )
 
+    @property
+    def cache_bytes(self) -> int:
+        """Memory of the drafter's per-slot state."""
+        return self.ring.nbytes
+
     def claim(self, slot: int, request_id: str) -> None:
         self.ring.claim(slot, request_id)
 

@@ -45,6 +45,11 @@ class MtpDrafter:
         self.last_streams = torch.zeros(num_slots, cfg.hc_mult, cfg.hidden_size, dtype=dtype, device=dev)
         self.last_pos = [-1] * num_slots
 
+    @property
+    def cache_bytes(self) -> int:
+        """Memory of the drafter's per-slot state."""
+        return self.ring.nbytes + self.last_streams.numel() * self.last_streams.element_size()
+
     def claim(self, slot: int, request_id: str) -> None:
         if self.ring.owner[slot] != request_id:
             self.last_pos[slot] = -1
