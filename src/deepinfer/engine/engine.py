@@ -345,7 +345,9 @@ class Engine:
                 self.scheduler.publish_full_blocks(c.request)
         if self.spec is not None and self.spec.model_drafter is not None:
             self.spec.after_step(
-                self._accepted_rows(prepared, accepted_end), features, self.scheduler.running
+                self._accepted_rows(prepared, accepted_end),
+                features,
+                [r for r in self.scheduler.running if self.scheduler.may_draft(r)],
             )
         return updated
 

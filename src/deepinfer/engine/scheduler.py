@@ -144,7 +144,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
         if self.plan_drafts is not None:
-            self.plan_drafts([r for r in self.running if self._may_draft(r)])
+            self.plan_drafts([r for r in self.running if self.may_draft(r)])
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -154,7 +154,7 @@ class Scheduler:
                 continue
             num_new = min(todo, budget)
             draft = []
-            if self.drafter is not None and num_new == todo and self._may_draft(request):
+            if self.drafter is not None and num_new == todo and self.may_draft(request):
                 draft = self.drafter(request, budget - num_new)  # drafts follow the newest token
             num_new += len(draft)
             while not self._ensure_blocks(request, request.num_computed_tokens + num_new):
@@ -190,7 +190,7 @@ class Scheduler:
             budget -= num_new
         return chunks
 
-    def _may_draft(self, request: Request) -> bool:
+    def may_draft(self, request: Request) -> bool:
         """Decoding, with every known token's value known; one token left to compute, or a
         few accepted ones to recompute when ``drafts_after_recompute``."""
         todo = request.num_tokens - request.num_computed_tokens

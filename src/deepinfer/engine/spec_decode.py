@@ -178,11 +178,12 @@ class SpecDecoder:
     # -- after a step -------------------------------------------------------------------
 
     def after_step(
-        self, rows: list[tuple[Request, int, int]], features: torch.Tensor | None, running: list[Request]
+        self, rows: list[tuple[Request, int, int]], features: torch.Tensor | None, ready: list[Request]
     ) -> None:
-        """Model drafters: store the features of accepted rows (``rows``: request, first
-        position, feature row of it, for every position of the step that is now accepted),
-        then propose for every running request whose newest token has been sampled."""
+        """Model drafters: store the features of accepted rows (``rows``: request, position,
+        its feature row, for every position of the step that is now accepted), then propose
+        for the requests ``ready`` to draft next step (all in one batch) unless their draft
+        still follows their newest token."""
         drafter = self.model_drafter
         if drafter is None:
             return
@@ -198,9 +199,12 @@ class SpecDecoder:
             picked = features[torch.tensor(feature_rows, dtype=torch.long, device=features.device)]
             drafter.observe(slots, positions, picked, next_tokens)
         asks = []
-        for req in running:
+        for req in ready:
+            draft = self.drafts.get(req.request_id)
+            if draft is not None and draft.anchor_pos == req.num_tokens - 1:
+                continue  # not stepped since: its ring and newest token are unchanged
             self.drafts.pop(req.request_id, None)
-            if req.output_token_ids and req.slot is not None and can_draft(req) and req.pending_tokens == 0:
+            if req.slot is not None and can_draft(req):
                 asks.append(
                     (
                         req,
