@@ -51,7 +51,7 @@ class Block(HyperConnectedBlock):
 class MtpBlock(Block):
     """V4's next-n (MTP) layer ``mtp.{k}`` (techniques.md §1.5; the official V4 ``MTPBlock``):
     a sliding-window block whose input mixes the embedding of the next token with the
-    backbone's final streams, and its own ``hc_head`` collapse before the shared norm-less
+    backbone's final streams, with its own ``hc_head`` collapse and norm before the shared
     head. Only the drafter runs it (``deepinfer.spec.mtp``)."""
 
     def __init__(self, cfg: DeepseekV4Config, main_rope: Rotary, compress_rope: Rotary) -> None:
