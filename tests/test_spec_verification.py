@@ -87,3 +87,47 @@ def test_ngram_drafter_proposes_what_followed_the_last_match():
         NgramDrafter(min_n=3, max_n=2)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         NgramDrafter(num_speculative_tokens=0)
+
+
+def test_one_batched_verification_equals_each_request_verified_alone():
+    """Drafts of different lengths, greedy and sampled, n-gram (one-hot q) and model drafts
+    (their own q): verifying the step's chunks in one call gives each request the tokens
+    a lone verification with the same generator state gives, and the same counters."""
+    from deepinfer.engine.request import Request
+    from deepinfer.engine.spec_decode import SpecDecoder
+    from deepinfer.sampling_params import SamplingParams
+    from deepinfer.spec.config import SpeculativeConfig
+    from deepinfer.spec.drafter import Draft
+
+    vocab = 11
+    gen = torch.Generator().manual_seed(3)
+    cases = []  # (params, draft, logits, model q or None)
+    for i, (d, temp) in enumerate([(3, 1.0), (1, 0.0), (5, 0.7), (2, 1.3), (4, 0.0), (3, 1.0)]):
+        params = SamplingParams(temperature=temp, top_k=7 if i == 2 else -1, seed=100 + i)
+        logits = torch.randn(d + 1, vocab, generator=gen) * 2
+        draft = torch.randint(0, vocab, (d,), generator=gen).tolist()
+        q = torch.softmax(torch.randn(d, vocab, generator=gen), -1) if i in (3, 5) else None
+        cases.append((params, draft, logits, q))
+
+    def run(indices):
+        spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=5), 100)
+        items = []
+        for i in indices:
+            params, draft, logits, q = cases[i]
+            generator = None if params.greedy else torch.Generator().manual_seed(params.seed)
+            req = Request(str(i), None, [1, 2], params, generator, 0.0)
+            if q is not None:
+                spec.drafts[str(i)] = Draft(1, draft, q, [])
+            items.append((req, draft, logits))
+        return spec.verify(items), spec.stats
+
+    together, stats = run(range(len(cases)))
+    alone = [run([i])[0][0] for i in range(len(cases))]
+    assert together == alone
+    assert stats.verify_steps == len(cases) and stats.drafted == sum(len(c[1]) for c in cases)
+    assert stats.accepted == sum(len(t) - 1 for t in together)
+    for (params, draft, logits, _), tokens in zip(cases, together, strict=True):
+        assert 1 <= len(tokens) <= len(draft) + 1 and tokens[:-1] == draft[: len(tokens) - 1]
+        if params.greedy:
+            target = logits.argmax(-1).tolist()
+            assert tokens[-1] == target[len(tokens) - 1]

@@ -338,8 +338,14 @@ class Engine:
         if drafted and self.spec is not None:
             self.spec.stats.engine_steps += 1
         accepted_end: dict[str, int] = {}  # drafted chunks: positions before this are accepted
-        for c, row in drafted:
-            updated.append(self._verify(c, logits[row : row + len(c.draft) + 1], accepted_end))
+        if drafted:
+            assert self.spec is not None
+            rows = [logits[row : row + len(c.draft) + 1] for c, row in drafted]
+            verified = self.spec.verify(
+                [(c.request, c.draft, r) for (c, _), r in zip(drafted, rows, strict=True)]
+            )
+            for (c, _), r, tokens in zip(drafted, rows, verified, strict=True):
+                updated.append(self._verify(c, r, tokens, accepted_end))
         for c in chunks:
             if c.request.status is Status.RUNNING:
                 self.scheduler.publish_full_blocks(c.request)
@@ -370,12 +376,12 @@ class Engine:
                     rows.append((req, pos, first_row + offset - first_offset))
         return rows
 
-    def _verify(self, c: ScheduledChunk, logits: torch.Tensor, accepted_end: dict[str, int]) -> Request:
-        """Append a drafted chunk's accepted tokens (one by one: stop checks apply to each) and
-        roll the computed count back to the positions whose cache rows are now valid."""
-        assert self.spec is not None
+    def _verify(
+        self, c: ScheduledChunk, logits: torch.Tensor, tokens: list[int], accepted_end: dict[str, int]
+    ) -> Request:
+        """Append a drafted chunk's verified ``tokens`` (one by one: stop checks apply to
+        each) and roll the computed count back to the positions whose cache rows are valid."""
         req = c.request
-        tokens = self.spec.verify(req, c.draft, logits)
         anchor = c.end - len(c.draft) - 1  # position of the chunk's newest known token
         accepted_end[req.request_id] = anchor + len(tokens)
         saved = self._saved_slots.pop(req.request_id, None)

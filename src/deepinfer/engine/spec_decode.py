@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.engine.request import Request
-from deepinfer.sampling.rejection import rejection_sample
-from deepinfer.sampling.sampler import filtered_log_probs, needs_history
+from deepinfer.sampling.rejection import acceptance_and_recovery, assemble_tokens
+from deepinfer.sampling.sampler import filter_log_probs, needs_history
 from deepinfer.spec.config import SpeculativeConfig
 from deepinfer.spec.drafter import Draft, DraftRequest, ModelDrafter
 from deepinfer.spec.ngram import NgramDrafter
@@ -222,37 +222,86 @@ class SpecDecoder:
 
     # -- verification -------------------------------------------------------------------
 
-    def verify(self, req: Request, draft: list[int], logits: torch.Tensor) -> list[int]:
-        """``logits`` [d + 1, V] at the chunk's positions -> tokens to append (accepted drafts,
-        then the recovered or bonus token)."""
-        d = len(draft)
-        if req.params.greedy:
-            target = logits.argmax(dim=-1).tolist()
-            accepted = next((j for j in range(d) if draft[j] != target[j]), d)
-            tokens = draft[:accepted] + [target[accepted]]
-        else:
-            probs = torch.stack([filtered_log_probs(row, req.params) for row in logits]).exp()
-            drafted = torch.tensor([draft], dtype=torch.long, device=logits.device)
+    def verify(self, items: list[tuple[Request, list[int], torch.Tensor]]) -> list[list[int]]:
+        """Verify every drafted chunk of a step together. ``items``: (request, draft of d
+        tokens, logits [d + 1, V] at the chunk's last d + 1 positions). Returns per item the
+        tokens to append (accepted drafts, then the recovered or bonus token).
+
+        Greedy requests: one argmax over all their rows, then a prefix match. Sampled ones:
+        one rejection-sampling call over the batch padded to the longest draft (a padded
+        position has q = 0 and is cut off after, so the token after a row's last draft comes
+        from its own p: the bonus); each request's randomness comes from its own generator in
+        the order a lone verification would draw it."""
+        out: list[list[int] | None] = [None] * len(items)
+        greedy = [i for i, (req, _, _) in enumerate(items) if req.params.greedy]
+        if greedy:
+            target = torch.cat([items[i][2] for i in greedy]).argmax(dim=-1).tolist()
+            row = 0
+            for i in greedy:
+                draft = items[i][1]
+                mine = target[row : row + len(draft) + 1]
+                row += len(draft) + 1
+                accepted = next((j for j in range(len(draft)) if draft[j] != mine[j]), len(draft))
+                out[i] = draft[:accepted] + [mine[accepted]]
+        sampled = [i for i in range(len(items)) if out[i] is None]
+        if sampled:
+            for i, tokens in zip(sampled, self._rejection_sample([items[i] for i in sampled]), strict=True):
+                out[i] = tokens
+        results: list[list[int]] = []
+        for (req, draft, _), tokens in zip(items, out, strict=True):
+            assert tokens is not None
+            self._count(req, len(draft), len(tokens) - 1)
+            results.append(tokens)
+        return results
+
+    def _rejection_sample(self, items: list[tuple[Request, list[int], torch.Tensor]]) -> list[list[int]]:
+        dev = items[0][2].device
+        k = max(len(draft) for _, draft, _ in items)
+        vocab = items[0][2].shape[-1]
+        rows = torch.cat([logits for _, _, logits in items])
+        params = [req.params for req, draft, _ in items for _ in range(len(draft) + 1)]
+        probs_flat = filter_log_probs(
+            rows.float(),
+            torch.tensor([p.temperature for p in params], device=dev),
+            torch.tensor([p.top_k for p in params], device=dev),
+            torch.tensor([p.top_p for p in params], device=dev),
+            torch.tensor([p.min_p for p in params], device=dev),
+        ).exp()
+        n = len(items)
+        probs = torch.full((n, k + 1, vocab), 1.0 / vocab, device=dev)
+        q = torch.zeros(n, k, vocab, device=dev)
+        drafted = torch.zeros(n, k, dtype=torch.long, device=dev)
+        uniform = torch.zeros(n, k, device=dev)
+        noise = torch.ones(n, k + 1, vocab, device=dev)
+        row = 0
+        for b, (req, draft, _) in enumerate(items):
+            d = len(draft)
+            probs[b, : d + 1] = probs_flat[row : row + d + 1]
+            row += d + 1
+            drafted[b, :d] = torch.tensor(draft, dtype=torch.long, device=dev)
             model_draft = self.drafts.get(req.request_id)
             if model_draft is not None and model_draft.q is not None:
-                q = model_draft.q[:d].to(probs.device, probs.dtype).unsqueeze(0)
+                q[b, :d] = model_draft.q[:d].to(dev, q.dtype)
             else:  # n-gram: the draft is deterministic given the history, q is one-hot
-                q = torch.nn.functional.one_hot(drafted, probs.shape[-1]).to(probs.dtype)
+                q[b, torch.arange(d, device=dev), drafted[b, :d]] = 1.0
             gen = req.generator
-            uniform = torch.rand(1, d, generator=gen, device=logits.device)
-            noise = torch.empty(1, d + 1, probs.shape[-1], device=logits.device).exponential_(generator=gen)
-            out, emitted = rejection_sample(probs.unsqueeze(0), q, drafted, uniform, noise)
-            tokens = out[0, : int(emitted[0])].tolist()
-            accepted = len(tokens) - 1
+            uniform[b, :d] = torch.rand(d, generator=gen, device=dev)
+            noise[b, : d + 1] = torch.empty(d + 1, vocab, device=dev).exponential_(generator=gen)
+        accepted, recovered = acceptance_and_recovery(probs, q, drafted, uniform, noise)
+        lengths = torch.tensor([len(draft) for _, draft, _ in items], device=dev)
+        accepted = torch.minimum(accepted, lengths)
+        tokens = assemble_tokens(drafted, accepted, recovered).tolist()
+        return [t[: int(a) + 1] for t, a in zip(tokens, accepted.tolist(), strict=True)]
+
+    def _count(self, req: Request, drafted: int, accepted: int) -> None:
         self.stats.verify_steps += 1
-        self.stats.drafted += d
+        self.stats.drafted += drafted
         self.stats.accepted += accepted
-        for j in range(min(accepted + 1, d)):  # positions that were tested
+        for j in range(min(accepted + 1, drafted)):  # positions that were tested
             self.trials[j] += 1
             self.accepts[j] += j < accepted
-        req.num_draft_tokens += d
+        req.num_draft_tokens += drafted
         req.num_accepted_tokens += accepted
-        return tokens
 
 
 def build_model_drafter(model, config: SpeculativeConfig, num_slots: int) -> ModelDrafter | None:
