@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from chi_square import two_sample_chi_square
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.testing import make_tiny_checkpoint
@@ -55,17 +56,7 @@ def test_sampled_first_tokens_keep_their_distribution(llama):
     b = [o.outputs[0].token_ids for o in spec.generate(prompt * 600, params, use_tqdm=False)]
     assert spec.engine.spec.stats.drafted > 0
     for pos in range(3):
-        ca = torch.bincount(torch.tensor([t[pos] for t in a]), minlength=258).float()
-        cb = torch.bincount(torch.tensor([t[pos] for t in b]), minlength=258).float()
-        top = (ca + cb).argsort(descending=True)[:6]
-        rest = torch.ones(258, dtype=torch.bool)
-        rest[top] = False
-        ca = torch.cat([ca[top], ca[rest].sum(0, keepdim=True)])
-        cb = torch.cat([cb[top], cb[rest].sum(0, keepdim=True)])
-        total = ca + cb
-        keep = total > 0
-        expected = total[keep] / 2
-        stat = float((((ca[keep] - expected) ** 2 + (cb[keep] - expected) ** 2) / expected).sum())
+        stat = two_sample_chi_square([t[pos] for t in a], [t[pos] for t in b], 258)
         assert stat < 24.32, (pos, stat)  # chi-square, df <= 6, p = 0.001
 
 

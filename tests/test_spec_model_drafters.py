@@ -16,6 +16,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from chi_square import two_sample_chi_square
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.spec_decode import SpecDecoder
@@ -188,21 +189,6 @@ def test_mtp_proposals_equal_the_reference_computation(v4):
         assert late.tokens == []
 
 
-def _chi_square_same(a: list[int], b: list[int], bins: int = 6) -> float:
-    """Two-sample chi-square over the most frequent tokens and one bin for the rest."""
-    ca = torch.bincount(torch.tensor(a), minlength=258).float()
-    cb = torch.bincount(torch.tensor(b), minlength=258).float()
-    top = (ca + cb).argsort(descending=True)[:bins]
-    rest = torch.ones(258, dtype=torch.bool)
-    rest[top] = False
-    ca = torch.cat([ca[top], ca[rest].sum(0, keepdim=True)])
-    cb = torch.cat([cb[top], cb[rest].sum(0, keepdim=True)])
-    total = ca + cb
-    keep = total > 0
-    expected = total[keep] / 2
-    return float((((ca[keep] - expected) ** 2 + (cb[keep] - expected) ** 2) / expected).sum())
-
-
 @pytest.mark.parametrize(("arch", "method"), [("deepseek_v41", "dspark"), ("deepseek_v4", "mtp")])
 def test_sampled_tokens_keep_the_target_distribution(arch, method, v41, v4):
     """Many seeds of one prompt at temperature 1.5: tokens 2 and 3 (verified drafts, their
@@ -219,7 +205,7 @@ def test_sampled_tokens_keep_the_target_distribution(arch, method, v41, v4):
     for pos in (1, 2):
         a = [o.outputs[0].token_ids[pos] for o in plain]
         b = [o.outputs[0].token_ids[pos] for o in drafted]
-        assert _chi_square_same(a, b) < 24.32, pos  # chi-square, df <= 6, p = 0.001
+        assert two_sample_chi_square(a, b, 258) < 24.32, pos  # chi-square, df <= 6, p = 0.001
 
 
 def test_dspark_greedy_outputs_and_metrics_under_chunking_preemption_and_prefix_hits(v41):

@@ -59,3 +59,19 @@ def latest_rows(slots: list[int], positions: list[int], window: int) -> list[int
     for s, p in zip(slots, positions, strict=True):
         top[s] = max(top.get(s, p), p)
     return [i for i, (s, p) in enumerate(zip(slots, positions, strict=True)) if p > top[s] - window]
+
+
+def kept_rows(
+    slots: list[int], positions: list[int], window: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``latest_rows`` as tensors on ``device``: (row indices, their slots, their positions),
+    or None when there is nothing to store."""
+    keep = latest_rows(slots, positions, window)
+    if not keep:
+        return None
+    rows = torch.tensor(keep, dtype=torch.long, device=device)
+    return (
+        rows,
+        torch.tensor([slots[i] for i in keep], dtype=torch.long, device=device),
+        torch.tensor([positions[i] for i in keep], dtype=torch.long, device=device),
+    )

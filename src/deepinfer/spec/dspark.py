@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM, first_site_pre_mix
 from deepinfer.models.layers.mhc import hc_collapse, hc_expand
-from deepinfer.spec.draft_ring import DraftRing, latest_rows
+from deepinfer.spec.draft_ring import DraftRing, kept_rows
 from deepinfer.spec.drafter import Draft, DraftRequest, sample_drafts
 
 
@@ -63,19 +63,17 @@ class DSparkDrafter:
     def observe(
         self, slots: list[int], positions: list[int], features: torch.Tensor, next_tokens: list[int]
     ) -> None:
-        keep = latest_rows(slots, positions, self.window)
-        if not keep:
+        kept = kept_rows(slots, positions, self.window, features.device)
+        if kept is None:
             return
-        dev = features.device
-        rows = torch.tensor(keep, dtype=torch.long, device=dev)
-        pos = torch.tensor([positions[i] for i in keep], dtype=torch.long, device=dev)
+        rows, slot_t, pos = kept
         first = self.stages[0]
         main_x = first.main_norm(first.main_proj(features[rows].to(self.model.compute_dtype)))
         kvs = []
         for stage in self.stages:
             cos, sin = stage.attn.rotary(pos)
             kvs.append(stage.attn.latent_kv(main_x, cos, sin))
-        self.ring.write(torch.tensor([slots[i] for i in keep], device=dev), pos, torch.stack(kvs))
+        self.ring.write(slot_t, pos, torch.stack(kvs))
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:

@@ -23,7 +23,7 @@ import torch
 
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from deepinfer.models.layers.mhc import hc_collapse, hc_expand, hc_head_collapse
-from deepinfer.spec.draft_ring import DraftRing, latest_rows
+from deepinfer.spec.draft_ring import DraftRing, kept_rows
 from deepinfer.spec.drafter import Draft, DraftRequest, sample_drafts
 
 
@@ -62,26 +62,23 @@ class MtpDrafter:
     def observe(
         self, slots: list[int], positions: list[int], features: torch.Tensor, next_tokens: list[int]
     ) -> None:
-        keep = latest_rows(slots, positions, self.window)
-        if not keep:
+        kept = kept_rows(slots, positions, self.window, features.device)
+        if kept is None:
             return
+        rows, slot_t, pos = kept
         cfg = self.model.config
-        dev = features.device
-        rows = torch.tensor(keep, dtype=torch.long, device=dev)
-        pos = torch.tensor([positions[i] for i in keep], dtype=torch.long, device=dev)
-        streams = features[rows].view(len(keep), cfg.hc_mult, cfg.hidden_size).to(self.model.compute_dtype)
-        nxt = torch.tensor([next_tokens[i] for i in keep], dtype=torch.long, device=dev)
+        streams = features[rows].view(-1, cfg.hc_mult, cfg.hidden_size).to(self.model.compute_dtype)
+        nxt = torch.tensor(next_tokens, dtype=torch.long, device=features.device)[rows]
         x = self._input(streams, nxt)
         pre, _, _ = self.layer.mixes(x, "attn")
         attn_in = self.layer.attn_norm(hc_collapse(x, pre))
         cos, sin = self.layer.attn.rotary(pos)
         kv = self.layer.attn.latent_kv(attn_in, cos, sin)
-        slot_t = torch.tensor([slots[i] for i in keep], dtype=torch.long, device=dev)
         self.ring.write(slot_t, pos, kv.unsqueeze(0))
-        for j, i in enumerate(keep):  # the newest row per slot feeds the next proposal
-            if positions[i] >= self.last_pos[slots[i]]:
-                self.last_pos[slots[i]] = positions[i]
-                self.last_streams[slots[i]] = streams[j]
+        for j, (slot, p) in enumerate(zip(slot_t.tolist(), pos.tolist(), strict=True)):
+            if p >= self.last_pos[slot]:  # the newest row per slot feeds the next proposal
+                self.last_pos[slot] = p
+                self.last_streams[slot] = streams[j]
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
