@@ -324,7 +324,11 @@ def test_checkpoint_without_draft_layers_loads_and_asks_for_them(tmp_path):
         LLM(path, speculative={"method": "mtp"})
 
 
-def test_dspark_with_ced_prefill_is_a_clear_error(v41):
+def test_dspark_drafts_its_block_and_refuses_bad_configs(v41):
+    llm = LLM(v41, speculative={"method": "dspark"})
+    assert llm.engine.spec.num_draft_tokens == llm.engine.model.config.dspark_block_size == 4
+    with pytest.raises(ValueError, match="exceeds the DSpark block"):
+        LLM(v41, speculative={"method": "dspark", "num_speculative_tokens": 5})
     with pytest.raises(ValueError, match="ced_prefill"):
         LLM(v41, speculative={"method": "dspark"}, ced_prefill=True)
 

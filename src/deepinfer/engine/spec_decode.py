@@ -84,9 +84,12 @@ class SpecDecoder:
         from confidences two steps old, top-K by current survival, no early stop)."""
         self.config = config
         self.max_model_len = max_model_len
-        self.ngram = NgramDrafter(
-            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
-        )
+        self.ngram: NgramDrafter | None = None
+        if drafter is None:
+            assert config.num_speculative_tokens is not None
+            self.ngram = NgramDrafter(
+                config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+            )
         self.model_drafter = drafter
         self.lagged = lagged
         self.num_draft_tokens = (
@@ -168,7 +171,7 @@ class SpecDecoder:
         )
         if room <= 0:
             return []
-        if self.model_drafter is None:
+        if self.ngram is not None:
             return self.ngram.propose(req.all_token_ids)[:room]
         draft = self.drafts.get(req.request_id)
         if draft is None or draft.anchor_pos != req.num_tokens - 1:

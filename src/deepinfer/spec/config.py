@@ -7,8 +7,9 @@ from typing import Any
 
 METHODS = ("ngram", "mtp", "dspark")
 # drafts per step when not given: MTP-1 as V4 ran it in production (more MTP drafts lose
-# throughput at high concurrency, techniques.md §1.5); DSpark's block of 5; n-gram 5
-DEFAULT_DRAFTS = {"ngram": 5, "mtp": 1, "dspark": 5}
+# throughput at high concurrency, techniques.md §1.5); n-gram 5; DSpark: None, its block
+# (``dspark_block_size`` of the checkpoint, 5 in V4.1-Flash), known once the model is
+DEFAULT_DRAFTS: dict[str, int | None] = {"ngram": 5, "mtp": 1, "dspark": None}
 SCHEDULES = ("static", "threshold", "hardware")
 
 
@@ -35,7 +36,8 @@ class SpeculativeConfig:
         t = self.confidence_threshold
         if not isinstance(t, float | int) or isinstance(t, bool) or not 0 <= t <= 1:
             raise ValueError(f"speculative.confidence_threshold must be in [0, 1], got {t!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        names = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+        for name in names if self.num_speculative_tokens is not None else names[1:]:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative.{name} must be an integer >= 1, got {value!r}")

@@ -33,7 +33,10 @@ from deepinfer.spec.drafter import Draft, DraftRequest, sample_drafts
 
 
 class DSparkDrafter:
-    def __init__(self, model: DeepseekV41ForCausalLM, num_slots: int, num_speculative_tokens: int) -> None:
+    def __init__(
+        self, model: DeepseekV41ForCausalLM, num_slots: int, num_speculative_tokens: int | None
+    ) -> None:
+        """``num_speculative_tokens``: drafts per proposal, at most the block (None: the block)."""
         cfg = model.config
         if not len(model.mtp):
             raise ValueError(
@@ -44,7 +47,12 @@ class DSparkDrafter:
         self.stages = model.mtp
         self.block_size = cfg.dspark_block_size
         self.noise_token = cfg.dspark_noise_token_id
-        self.num_draft_tokens = min(num_speculative_tokens, self.block_size)
+        if num_speculative_tokens is not None and num_speculative_tokens > self.block_size:
+            raise ValueError(
+                f"speculative.num_speculative_tokens={num_speculative_tokens} exceeds the DSpark "
+                f"block of this checkpoint (dspark_block_size={self.block_size})"
+            )
+        self.num_draft_tokens = num_speculative_tokens or self.block_size
         self.window = cfg.sliding_window
         p = next(model.parameters())
         self.ring = DraftRing(
