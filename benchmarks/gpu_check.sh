@@ -2,7 +2,8 @@
 # One prepared check for an NVIDIA machine (budget: under 8 minutes on one H200).
 #   bash benchmarks/gpu_check.sh
 # 1. installs the project (keeping the machine's CUDA build of torch),
-# 2. runs the CUDA tests (gpu_tests/: graphs + compile == eager, Triton kernels on CUDA),
+# 2. runs the CUDA tests (gpu_tests/: graphs + compile == eager, Triton kernels on CUDA,
+#    speculative decoding with every drafter),
 # 3. prints bs=1/8/64 decode step times for eager, compiled and CUDA-graph modes on a
 #    ~1.9B-parameter V4-shaped model, with the HBM-bandwidth bound and transformers.
 # Record what it prints in benchmarks/RESULTS.md with the date and this command.
