@@ -192,12 +192,16 @@ class SpecDecoder:
             return
         if features is not None and rows:
             slots, positions, next_tokens, feature_rows = [], [], [], []
+            sequences: dict[str, list[int]] = {}
             for req, pos, row in rows:
                 assert req.slot is not None
-                drafter.claim(req.slot, req.request_id)
+                tokens = sequences.get(req.request_id)
+                if tokens is None:
+                    drafter.claim(req.slot, req.request_id)
+                    tokens = sequences[req.request_id] = req.all_token_ids
                 slots.append(req.slot)
                 positions.append(pos)
-                next_tokens.append(req.all_token_ids[pos + 1])
+                next_tokens.append(tokens[pos + 1])
                 feature_rows.append(row)
             picked = features[torch.tensor(feature_rows, dtype=torch.long, device=features.device)]
             drafter.observe(slots, positions, picked, next_tokens)
@@ -212,7 +216,7 @@ class SpecDecoder:
                     (
                         req,
                         DraftRequest(
-                            req.slot, req.num_tokens - 1, req.all_token_ids[-1], req.params, req.generator
+                            req.slot, req.num_tokens - 1, req.output_token_ids[-1], req.params, req.generator
                         ),
                     )
                 )
