@@ -26,7 +26,7 @@ from deepinfer.spec.config import SpeculativeConfig
 from deepinfer.spec.drafter import Draft, DraftRequest
 from deepinfer.spec.dspark import DSparkDrafter
 from deepinfer.spec.mtp import MtpDrafter
-from deepinfer.spec.schedule import SpsTable, capacity_from, survival, threshold_schedule
+from deepinfer.spec.schedule import SpsTable, capacity_from, threshold_schedule
 from deepinfer.testing import make_tiny_checkpoint
 from deepinfer.weights.loader import load_model
 
@@ -293,7 +293,7 @@ def test_lagged_schedule_sizes_a_step_from_confidences_two_plans_old(v41):
     assert plan(high) == [0, 0]  # capacity from `low` (two plans back), ranked by `high`
     assert capacity_from([high, high], sps) > 0
     got = plan(low)  # capacity from the first `high`: top-K of the current (low) survivals
-    assert sum(got) == capacity_from([high, high], sps) and survival(low)[0] > 0
+    assert sum(got) == capacity_from([high, high], sps) == 6
     # in the engine: async_scheduling=True selects the lagged form; outputs stay exact
     prompts = [[3, 4, 5, 6, 7], [40, 41, 42]]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
