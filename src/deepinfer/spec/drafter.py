@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from deepinfer.sampling.sampler import filtered_log_probs
+from deepinfer.sampling.sampler import filter_log_probs
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -54,16 +54,27 @@ def sample_drafts(
     logits: torch.Tensor, requests: list[DraftRequest]
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """One draft token per row of ``logits`` [B, V] with each request's own filters
-    (temperature, top-k/p, min-p) and generator; greedy requests take the argmax. Returns the
-    tokens [B] and each row's draft distribution (None for greedy rows)."""
+    (temperature, top-k/p, min-p; one batched call) and generator; greedy requests take the
+    argmax. Returns the tokens [B] and each row's draft distribution (None for greedy rows)."""
     tokens = logits.argmax(dim=-1)
-    qs: list[torch.Tensor | None] = []
-    for i, r in enumerate(requests):
-        if r.params.greedy:
-            qs.append(None)
-            continue
-        q = filtered_log_probs(logits[i], r.params).exp()
-        noise = torch.empty_like(q).exponential_(generator=r.generator)
-        tokens[i] = (q / noise).argmax()  # Gumbel-max (exponential race): a sample from q
-        qs.append(q)
+    qs: list[torch.Tensor | None] = [None] * len(requests)
+    sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+    if not sampled:
+        return tokens, qs
+    dev = logits.device
+    params = [requests[i].params for i in sampled]
+    q = filter_log_probs(
+        logits[torch.tensor(sampled, device=dev)].float(),
+        torch.tensor([p.temperature for p in params], device=dev),
+        torch.tensor([p.top_k for p in params], device=dev),
+        torch.tensor([p.top_p for p in params], device=dev),
+        torch.tensor([p.min_p for p in params], device=dev),
+    ).exp()
+    noise = torch.stack(
+        [torch.empty_like(q[0]).exponential_(generator=requests[i].generator) for i in sampled]
+    )
+    # Gumbel-max (an exponential race): argmax(q / Exp(1)) is a sample from q
+    tokens[torch.tensor(sampled, device=dev)] = (q / noise).argmax(dim=-1)
+    for j, i in enumerate(sampled):
+        qs[i] = q[j]
     return tokens, qs
