@@ -55,6 +55,18 @@ def _probs(gen, *shape):
     return torch.softmax(torch.randn(*shape, generator=gen) * 2, dim=-1)
 
 
+def _rejection_args(gen, n: int, k: int, v: int) -> tuple[torch.Tensor, ...]:
+    """Random inputs of the rejection sampler: target and draft probabilities, drafted ids,
+    uniforms and exponential noise for n requests of k drafts over v tokens."""
+    return (
+        _probs(gen, n, k + 1, v),
+        _probs(gen, n, k, v),
+        torch.randint(0, v, (n, k), generator=gen),
+        torch.rand(n, k, generator=gen),
+        torch.empty(n, k + 1, v).exponential_(generator=gen),
+    )
+
+
 def test_verification_pass_fuses_the_rejection_sampler():
     from deepinfer.compile_passes import PASSES
 
@@ -65,13 +77,7 @@ def test_verification_pass_fuses_the_rejection_sampler():
     compiled = torch.compile(rejection_sample, backend=backend, dynamic=True)
     gen = torch.Generator().manual_seed(0)
     for n, k, v in ((6, 3, 11), (9, 5, 17)):
-        args = (
-            _probs(gen, n, k + 1, v),
-            _probs(gen, n, k, v),
-            torch.randint(0, v, (n, k), generator=gen),
-            torch.rand(n, k, generator=gen),
-            torch.empty(n, k + 1, v).exponential_(generator=gen),
-        )
+        args = _rejection_args(gen, n, k, v)
         for got, ref in zip(compiled(*args), rejection_sample(*args), strict=True):
             assert torch.equal(got, ref)
     assert backend.manager.counts["fuse_rejection_sampling"] == 1  # one graph for both shapes
@@ -204,13 +210,7 @@ def test_new_ops_pass_opcheck():
 def test_rejection_op_equals_the_plain_sampler():
     gen = torch.Generator().manual_seed(6)
     n, k, v = 64, 4, 9
-    args = (
-        _probs(gen, n, k + 1, v),
-        _probs(gen, n, k, v),
-        torch.randint(0, v, (n, k), generator=gen),
-        torch.rand(n, k, generator=gen),
-        torch.empty(n, k + 1, v).exponential_(generator=gen),
-    )
+    args = _rejection_args(gen, n, k, v)
     for got, ref in zip(
         torch.ops.deepinfer.rejection_sample(*args), acceptance_and_recovery(*args), strict=True
     ):
