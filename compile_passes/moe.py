@@ -89,10 +89,15 @@ def fuse_moe(graph: torch.fx.Graph) -> int:
         if found is None:
             continue
         *head, scale, limit = found
-        if isinstance(scale, float):
+        if isinstance(scale, float):  # a 0-d tensor on the experts' device (never a host
+            # tensor: Inductor would emit a CPU kernel inside a CUDA graph)
+            x_val = val(head[0])
+            device = x_val.device if x_val is not None else None
             with graph.inserting_before(node):
-                scale = graph.call_function(aten.scalar_tensor.default, (scale,))
-                scale.meta["val"] = torch.empty(())
+                scale = graph.call_function(
+                    aten.scalar_tensor.default, (scale,), {"dtype": torch.float32, "device": device}
+                )
+                scale.meta["val"] = torch.empty((), device=device)
         replace_output(graph, node, torch.ops.deepinfer.fused_moe.default, (*head, scale, limit))
         count += 1
     return count

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 from chi_square import two_sample_chi_square
+from rounding import assert_equal_up_to_rounding_flips
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.testing import make_tiny_checkpoint
@@ -275,9 +276,9 @@ def test_compressor_caches_after_rejections_equal_a_plain_run(arch, method, tmp_
     assert stats.accepted < stats.drafted, "the run should reject some drafts"
     common = sorted(set(plain) & set(drafted))
     assert len(common) >= 5
-    for n in common:
+    for n in common:  # V4.1 rounds its caches (QAT): a drafted step's shapes may flip a step
         for a, b in zip(plain[n], drafted[n], strict=True):
-            assert a.shape == b.shape and (a.numel() == 0 or (a - b).abs().max() <= 1e-5), n
+            assert_equal_up_to_rounding_flips(a, b, 1e-5, f"computed {n}")
 
 
 def test_hardware_schedule_verifies_less_as_concurrency_grows(llama):

@@ -95,6 +95,8 @@ def _prepare_model(model: nn.Module) -> None:
         for value in vars(module).values():
             if isinstance(value, Rotary):  # fixed-size table: keep its size a constant
                 torch._dynamo.mark_static(value.inv_freq(device))
+    for table in getattr(model, "step_tables", lambda _: [])(device):  # the model's own tables
+        torch._dynamo.mark_static(table)
 
 
 class PostGradBackend:

@@ -147,6 +147,10 @@ class Engine:
             self.max_model_len,
             graph_batch,
         )
+        if self.runner.graphs is not None:
+            # every bucket now, on this thread, before any step (and before the asynchronous
+            # worker exists): a capture must never overlap the host preparing another step
+            self.runner.graphs.capture_all()
         if self.spec is not None and self.spec.model_drafter is not None:
             self.runner.feature_offsets = self.spec.feature_offsets
         if self.spec is not None and config.speculative.schedule == "hardware":

@@ -130,9 +130,9 @@ class DecodeGraphRunner:
 
     def run(self, bucket: int, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch):
         """Copy the step's values into the bucket's static tensors and replay its graph."""
-        if bucket not in self.graphs:
-            self.capture(bucket)
-        static = self.graphs[bucket]
+        static = self.graphs.get(bucket)
+        if static is None:
+            raise RuntimeError(f"no graph captured for batch size {bucket}: call capture_all() first")
         static.input_ids.copy_(input_ids)
         static.positions.copy_(positions)
         pairs = zip(static.batch.metadata(), batch.metadata(), strict=True)

@@ -310,6 +310,17 @@ def _group_meta(
     )
 
 
+HOST = torch.device("cpu")
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> ``device`` without blocking the host: from pinned memory on CUDA, so building
+    step N+1 never waits for step N's kernels (asynchronous scheduling)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def build_forward_batch(
     layout: CacheLayout,
     pools: list[LayerPools],
@@ -319,8 +330,24 @@ def build_forward_batch(
 ) -> tuple[torch.Tensor, ForwardBatch]:
     """Positions [T] and the ForwardBatch for a step made of ``chunks`` (in token order).
 
+    Every index tensor is computed on the host and copied to ``device`` once at the end, so
+    the data-dependent sizes (``nonzero``, maxima) never read device memory: no device sync
+    on the thread that prepares the next step. ``span_meta`` stays on the host.
+
     With ``padding`` the step may hold extra null tokens after the real ones (their input ids
     are the caller's to append, any valid id) and padded metadata; see ``StepPadding``."""
+    positions, batch = _build_on_host(layout, pools, chunks, padding)
+    moved = batch.map_metadata(lambda t: to_device(t, device), keep_on_host=("span_meta",))
+    return to_device(positions, device), moved
+
+
+def _build_on_host(
+    layout: CacheLayout,
+    pools: list[LayerPools],
+    chunks: list[SeqChunk],
+    padding: StepPadding | None,
+) -> tuple[torch.Tensor, ForwardBatch]:
+    device = HOST
     bs, w = layout.block_size, layout.window
     if padding is not None:
         real = sum(c.num_tokens for c in chunks)
@@ -336,10 +363,10 @@ def build_forward_batch(
     tables = torch.tensor([c.block_table + [0] * (max_blocks - len(c.block_table)) for c in chunks])
     slots = torch.tensor([c.slot for c in chunks], dtype=torch.long)
     tokens = _TokenLayout(
-        positions=positions.to(device),
-        token_block=tables[seq_of_token].to(device),
-        slot=slots[seq_of_token].to(device),
-        end=(starts + lengths)[seq_of_token].to(device),
+        positions=positions,
+        token_block=tables[seq_of_token],
+        slot=slots[seq_of_token],
+        end=(starts + lengths)[seq_of_token],
         base=first_row.tolist(),
     )
     positions = tokens.positions
@@ -372,7 +399,7 @@ def build_forward_batch(
     for ratio in layout.ratios:
         batch.groups[ratio] = _group_meta(layout, chunks, ratio, tokens, device, padding)
     if any(c.replay_from > 0 for c in chunks):
-        replay = torch.tensor([c.replay_from for c in chunks], dtype=torch.long)[seq_of_token].to(device)
+        replay = torch.tensor([c.replay_from for c in chunks], dtype=torch.long)[seq_of_token]
         rows = torch.nonzero(positions >= replay).squeeze(1)
         window_valid = batch.window_valid & (window_q >= replay.unsqueeze(1))
         if rows.numel() < positions.numel() or not torch.equal(window_valid, batch.window_valid):

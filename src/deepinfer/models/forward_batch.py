@@ -14,7 +14,7 @@ index tensors by the model runner, so the layers do only gathers, math and scatt
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -128,19 +128,26 @@ class ForwardBatch:
 
     def clone_metadata(self) -> ForwardBatch:
         """A copy with new storage for every index tensor; the pools stay shared."""
+        return self.map_metadata(torch.Tensor.clone)
 
-        def cloned(obj):
+    def map_metadata(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], keep_on_host: tuple[str, ...] = ()
+    ) -> ForwardBatch:
+        """A copy with ``fn`` applied to every index tensor (not the pools), except the
+        fields named in ``keep_on_host``, which are shared as they are."""
+
+        def mapped(obj):
             changes = {
-                f.name: getattr(obj, f.name).clone()
+                f.name: fn(getattr(obj, f.name))
                 for f in dataclasses.fields(obj)
-                if isinstance(getattr(obj, f.name), torch.Tensor)
+                if isinstance(getattr(obj, f.name), torch.Tensor) and f.name not in keep_on_host
             }
             return dataclasses.replace(obj, **changes)
 
         return dataclasses.replace(
-            cloned(self),
-            groups={r: cloned(m) for r, m in self.groups.items()},
-            full=None if self.full is None else cloned(self.full),
+            mapped(self),
+            groups={r: mapped(m) for r, m in self.groups.items()},
+            full=None if self.full is None else mapped(self.full),
         )
 
     def decoder_batch(self) -> ForwardBatch:

@@ -203,7 +203,8 @@ class LlamaForCausalLM(CausalLM):
         self.model = LlamaModel(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self._inv_freq = llama_inv_freq(cfg)
+        self._inv_freq = llama_inv_freq(cfg)  # host copy; the step reads a per-device one
+        self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -219,9 +220,21 @@ class LlamaForCausalLM(CausalLM):
         kv_dim = self.config.num_key_value_heads * self.config.head_dim
         return [LayerCacheSpec(window=0, kv_dim=kv_dim, separate_values=True)] * self.config.num_hidden_layers
 
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """RoPE frequencies on ``device``, copied once: a step captured as a CUDA graph must
+        not copy from the host (the capture's warm-up run fills this cache)."""
+        inv = self._inv_freq_by_device.get(device)
+        if inv is None:
+            inv = self._inv_freq_by_device.setdefault(device, self._inv_freq.to(device))
+        return inv
+
+    def step_tables(self, device: torch.device) -> list[torch.Tensor]:
+        """Per-device tables the step reads, made before ``torch.compile`` traces it."""
+        return [self.inv_freq(device)]
+
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """One engine step (see ``CausalLM``): flat tokens in, logits for ``batch.logits_idx``."""
-        freqs = positions.unsqueeze(-1).float() * self._inv_freq.to(positions.device)
+        freqs = positions.unsqueeze(-1).float() * self.inv_freq(positions.device)
         cos, sin = freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
         h = self.model.embed_tokens(input_ids)
         for layer, pools in zip(self.model.layers, batch.pools, strict=True):

@@ -50,12 +50,14 @@ def apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
             if blocked:
                 out[i, blocked] = float("-inf")
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long)
+            seen = sorted(set(row.prompt_ids) | set(row.output_ids))
+            seen = torch.tensor(seen, dtype=torch.long, device=out.device)
             if seen.numel():
                 vals = out[i, seen]
                 out[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
-            counts = torch.bincount(torch.tensor(row.output_ids), minlength=out.shape[1]).float()
+            ids = torch.tensor(row.output_ids, dtype=torch.long, device=out.device)
+            counts = out.new_zeros(out.shape[1]).index_add_(0, ids, out.new_ones(ids.shape[0]))
             out[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
     return out
 

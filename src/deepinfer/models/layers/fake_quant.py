@@ -19,7 +19,7 @@ from deepinfer.weights.quant import pow2_scale
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
-_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor | None:
@@ -29,14 +29,16 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor | None:
 
 
 def _round_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """Round to the nearest e2m1 value (ties to the even code, as hardware casts do)."""
-    grid = torch.tensor(_E2M1_GRID, device=x.device)
-    mids = (grid[1:] + grid[:-1]) / 2
+    """Round to the nearest e2m1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6), ties to the even code as
+    hardware casts do. The grid's spacing is 0.5 below 2, 1 below 4 and 2 up to 6, so each
+    range is ``round`` (half to even) at its own step; an even code is an even multiple of the
+    step there. Pure arithmetic: no constant table is copied to the device inside a step."""
     mag = x.abs().clamp(max=FP4_MAX)
-    idx = torch.bucketize(mag, mids)  # an exact midpoint lands on the lower neighbour
-    tie = mag == mids[idx.clamp(max=len(mids) - 1)]
-    idx = torch.where(tie & (idx % 2 == 1), idx + 1, idx)
-    return torch.copysign(grid[idx], x)
+    fine = torch.round(mag * 2) / 2
+    mid = torch.round(mag)
+    coarse = torch.round(mag / 2) * 2
+    value = torch.where(mag < 2, fine, torch.where(mag < 4, mid, coarse))
+    return torch.copysign(value, x)
 
 
 def _pow2_scale(blocks: torch.Tensor, qmax: float) -> torch.Tensor:
