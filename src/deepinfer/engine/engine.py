@@ -338,7 +338,7 @@ class Engine:
                 self.output_processor.append_token(req, token, row_logits)
                 updated.append(req)
                 if req.finish_reason is not None:
-                    self._finish(req)
+                    self._finish(req, computed=req.num_computed_tokens)
         if drafted and self.spec is not None:
             self.spec.stats.engine_steps += 1
         accepted_end: dict[str, int] = {}  # drafted chunks: positions before this are accepted
@@ -393,8 +393,8 @@ class Engine:
             req.first_token_time = time.perf_counter()
         for j, token in enumerate(tokens):
             self.output_processor.append_token(req, token, logits[j])
-            if req.finish_reason is not None:
-                self._finish(req)
+            if req.finish_reason is not None:  # rows up to the anchor and accepted drafts are valid
+                self._finish(req, computed=anchor + j + 1)
                 return req
         end = anchor + len(tokens)  # the last token is not computed yet
         point = rollback_point(c.start, c.end, end, self._ratios, self._overlap_ratios)
@@ -409,12 +409,15 @@ class Engine:
             req.num_computed_tokens = point
         return req
 
-    def _finish(self, req: Request) -> None:
+    def _finish(self, req: Request, computed: int | None = None) -> None:
+        """``computed``: positions whose cache rows this request has validly written; their
+        full blocks are published to the prefix cache before the blocks are freed (None: an
+        abort, nothing published)."""
         req.finished_time = time.perf_counter()
         self._saved_slots.pop(req.request_id, None)
         if self.spec is not None:
             self.spec.forget(req)
-        self.scheduler.finish(req)
+        self.scheduler.finish(req, computed)
 
     # ---- outputs --------------------------------------------------------------------------
 

@@ -107,13 +107,16 @@ class Scheduler:
         if request.num_preemptions == 0:
             request.num_cached_tokens = request.num_computed_tokens
 
-    def publish_full_blocks(self, request: Request) -> None:
-        """After a step: publish newly completed blocks under their prefix hashes."""
+    def publish_full_blocks(self, request: Request, computed: int | None = None) -> None:
+        """After a step (or as a request finishes): publish newly completed blocks under their
+        prefix hashes. ``computed`` bounds the positions whose rows are valid (default: the
+        computed count)."""
         if not self.config.enable_prefix_caching or request.status is not Status.RUNNING:
             return
         tokens = request.all_token_ids
         bs = self.block_size
-        full = min(request.num_computed_tokens, len(tokens)) // bs
+        computed = request.num_computed_tokens if computed is None else computed
+        full = min(computed, len(tokens)) // bs
         parent = request.block_hashes[-1] if request.block_hashes else None
         for k in range(len(request.block_hashes), full):
             parent = block_hash(parent, tokens[k * bs : (k + 1) * bs])
@@ -131,7 +134,11 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def finish(self, request: Request) -> None:
+    def finish(self, request: Request, computed: int | None = None) -> None:
+        """``computed``: the rows written validly; their full blocks stay in the prefix cache
+        (a request that ends with its prefill still shares its prompt). None publishes none."""
+        if computed is not None:
+            self.publish_full_blocks(request, computed)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

@@ -15,6 +15,7 @@ from deepinfer.models.layers.compressor import Compressor
 from deepinfer.models.layers.fake_quant import fake_quant_fp4_pow2
 from deepinfer.models.layers.gather import gather_rows
 from deepinfer.models.layers.rope import Rotary, apply_rope
+from deepinfer.models.layers.topk import stable_topk
 
 
 class Indexer(nn.Module):
@@ -60,6 +61,6 @@ class Indexer(nn.Module):
         weights = self.weights_proj(x).float() * self.n_heads**-0.5
         index_scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [T, E]
         index_scores = index_scores.masked_fill(~meta.entry_valid, float("-inf"))
-        picks = index_scores.topk(min(self.topk, e), dim=-1).indices
+        _, picks = stable_topk(index_scores, self.topk)  # ties: the older entry wins
         chosen = torch.zeros_like(meta.entry_valid)
         return chosen.scatter(1, picks, meta.entry_valid.gather(1, picks))

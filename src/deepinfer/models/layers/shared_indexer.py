@@ -30,6 +30,7 @@ from deepinfer.models.layers.fake_quant import fake_quant_fp4_pow2
 from deepinfer.models.layers.gather import gather_rows
 from deepinfer.models.layers.norms import RMSNorm
 from deepinfer.models.layers.rope import Rotary, apply_rope
+from deepinfer.models.layers.topk import stable_topk
 
 
 def select_candidate_blocks(
@@ -51,13 +52,6 @@ def select_candidate_blocks(
     keep = torch.zeros_like(block_max, dtype=torch.bool).scatter_(1, indices, values > float("-inf"))
     entry_block = torch.div(torch.arange(e, device=scores.device), block, rounding_mode="floor")
     return keep[:, entry_block]  # [T, E] (indexing, not a slice: E need not divide by block)
-
-
-def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` largest per row; equal scores keep their column order (older first)."""
-    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
-    k = min(k, scores.shape[-1])
-    return values[..., :k], indices[..., :k]
 
 
 class SharedIndexer(nn.Module):

@@ -1,0 +1,370 @@
+"""Config fuzzer (DESIGN.md §5): random valid model configs and random workloads.
+
+For each generated config and workload:
+- the reference: every request's chosen-token logprobs (prefill, then incremental decode over
+  the engine's tokens) equal the reference's within ``TOL`` and its tokens are the
+  reference's argmax except at near-ties: transformers with its own cache for V4 (indexer
+  top-k patched to the spec's tie rule, model_spec.md §2.5 item 7) and Llama, the dense
+  spec re-implementation ``v41_reference.py`` for V4.1;
+- the engine: each request alone == all of them batched in a random order == prefill chunked
+  at a random budget == preempted by a small cache == served again from the prefix cache;
+  tokens identical, chosen-token logprobs within ``TOL``. V4.1 runs without its QAT rounding
+  (``fake_quant=False``): rounding turns the last-bit differences of other matrix shapes into
+  whole grid steps, which only a batch-invariant mode can rule out.
+
+CI runs a fixed (derandomized) set; ``DEEPINFER_FUZZ_EXAMPLES=N`` runs N examples per family
+with fresh randomness (``DEEPINFER_FUZZ_SEED`` to replay one run).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.testing import make_tiny_checkpoint
+from deepinfer.weights.loader import load_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from stable_topk_patch import stable_indexer_topk  # noqa: E402
+
+TOL = 1e-4
+NEAR_TIE = 1e-4
+LONG_FUZZ = int(os.environ.get("DEEPINFER_FUZZ_EXAMPLES", "0"))
+
+
+def fuzz_settings(ci_examples: int):
+    return settings(
+        max_examples=LONG_FUZZ or ci_examples,
+        derandomize=not LONG_FUZZ,
+        deadline=None,
+        database=None,
+        phases=(Phase.explicit, Phase.generate),  # each example costs seconds: no shrinking
+        suppress_health_check=list(HealthCheck),
+    )
+
+
+# ---- configs ----------------------------------------------------------------------------
+
+V4_KINDS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+
+
+@st.composite
+def v4_configs(draw) -> dict:
+    """Layer kinds in any order (the first layer included), hash-routed layers anywhere,
+    HCA ratios 8/16/128, windows, index top-k below and above the entry count, few index
+    heads (exact-zero score ties), query heads and output groups, experts and top-k."""
+    n = draw(st.integers(2, 5))
+    heads = draw(st.sampled_from([2, 4, 8]))
+    experts = draw(st.sampled_from([4, 8]))
+    return {
+        "num_hidden_layers": n,
+        "layer_types": draw(st.lists(st.sampled_from(V4_KINDS), min_size=n, max_size=n)),
+        "mlp_layer_types": draw(st.lists(st.sampled_from(["hash_moe", "moe"]), min_size=n, max_size=n)),
+        "compress_rates": {
+            "compressed_sparse_attention": 4,
+            "heavily_compressed_attention": draw(st.sampled_from([8, 16, 128])),
+        },
+        "sliding_window": draw(st.sampled_from([4, 8, 16, 32])),
+        "index_topk": draw(st.sampled_from([1, 2, 3, 5, 8, 64])),
+        "index_n_heads": draw(st.sampled_from([1, 2, 8])),
+        "num_attention_heads": heads,
+        "o_groups": draw(st.sampled_from([g for g in (1, 2, 4) if heads % g == 0])),
+        "n_routed_experts": experts,
+        "num_experts_per_tok": draw(st.integers(1, min(3, experts))),
+    }
+
+
+@st.composite
+def v41_configs(draw) -> dict:
+    """The tiny V4.1 layer plan (SWA, Engram, ratio-2 source and reuse, ratio-1 source and
+    candidate source, ratio-1 reindex) with windows, top-k, candidate blocks, index heads and
+    Engram on or off drawn."""
+    cfg = {
+        "sliding_window": draw(st.sampled_from([4, 8, 16])),
+        "index_topk": draw(st.sampled_from([1, 2, 3, 4, 8, 1024])),
+        "candidate_topk_blocks": draw(st.sampled_from([1, 2, 3, 1024])),
+        "candidate_block_size": draw(st.sampled_from([2, 4, 8])),
+        "index_n_heads": draw(st.sampled_from([1, 2])),
+    }
+    if not draw(st.booleans()):
+        cfg.update(engram_layer_ids=[], engram_num_embeddings=[])
+    return cfg
+
+
+@st.composite
+def llama_configs(draw) -> dict:
+    kv = draw(st.sampled_from([1, 2, 4]))
+    return {
+        "num_hidden_layers": draw(st.integers(1, 3)),
+        "num_attention_heads": kv * draw(st.sampled_from([1, 2])),
+        "num_key_value_heads": kv,
+        "tie_word_embeddings": draw(st.booleans()),
+    }
+
+
+# ---- workloads --------------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    order: list[int]  # the batched run's submission order
+    chunk_budget: int
+
+    def params(self, i: int) -> SamplingParams:
+        return SamplingParams(max_tokens=self.max_tokens[i], temperature=0.0, ignore_eos=True, logprobs=1)
+
+
+def make_workload(seed: int, longest: int) -> Workload:
+    """Prompts of 1..longest tokens (every other one sharing a prefix, so the prefix cache
+    hits), 1-8 tokens out each, a random submission order and chunk budget."""
+    rng = random.Random(seed)
+    n = rng.randrange(3, 8)
+    prefix = [rng.randrange(2, 250) for _ in range(rng.randrange(longest // 3, longest // 2 + 2))]
+    prompts = []
+    for i in range(n):
+        if i % 2:
+            prompts.append(prefix + [rng.randrange(2, 250) for _ in range(rng.randrange(1, longest // 2))])
+        else:
+            prompts.append([rng.randrange(2, 250) for _ in range(rng.randrange(1, longest + 1))])
+    order = list(range(n))
+    rng.shuffle(order)
+    return Workload(prompts, [rng.randrange(1, 9) for _ in range(n)], order, rng.randrange(5, 49))
+
+
+def workloads(longest: int) -> st.SearchStrategy[Workload]:
+    return st.integers(0, 2**32 - 1).map(lambda seed: make_workload(seed, longest))
+
+
+# ---- runs -------------------------------------------------------------------------------
+
+Result = tuple[list[int], list[float]]  # tokens, chosen-token logprobs
+
+
+def _result(out) -> Result:
+    c = out.outputs[0]
+    return list(c.token_ids), [step[t].logprob for t, step in zip(c.token_ids, c.logprobs, strict=True)]
+
+
+def _generate(llm: LLM, work: Workload, indices: list[int]) -> dict[int, Result]:
+    outs = llm.generate([work.prompts[i] for i in indices], [work.params(i) for i in indices], use_tqdm=False)
+    engine = llm.engine
+    assert engine.pool.num_free == engine.num_blocks or engine.config.enable_prefix_caching, "blocks leaked"
+    return {i: _result(o) for i, o in zip(indices, outs, strict=True)}
+
+
+def engine_modes(ckpt: Path, work: Workload, **options) -> dict[str, dict[int, Result]]:
+    """The workload alone, batched, chunked, preempted and prefix-cached (``options``: more
+    engine options for every run)."""
+    n = len(work.prompts)
+    base = {"async_scheduling": False, "max_num_batched_tokens": 4096, **options}
+    alone_llm = LLM(ckpt, enable_prefix_caching=False, **base)
+    runs = {"alone": {}}
+    for i in range(n):
+        runs["alone"].update(_generate(alone_llm, work, [i]))
+    block = alone_llm.engine.layout.block_size
+    runs["batched"] = _generate(
+        LLM(ckpt, enable_prefix_caching=False, max_num_seqs=n, **base), work, work.order
+    )
+    chunked = LLM(ckpt, enable_prefix_caching=False, **{**base, "max_num_batched_tokens": work.chunk_budget})
+    runs["chunked"] = _generate(chunked, work, work.order)
+    longest = max(len(p) + m for p, m in zip(work.prompts, work.max_tokens, strict=True))
+    tight = LLM(ckpt, enable_prefix_caching=False, num_cache_blocks=math.ceil(longest / block) + 1, **base)
+    preemptions = []
+    original = tight.engine.scheduler.preempt
+    tight.engine.scheduler.preempt = lambda r: (preemptions.append(r.request_id), original(r))
+    runs["preempted"] = _generate(tight, work, work.order)
+    cached = LLM(ckpt, enable_prefix_caching=True, max_num_seqs=n, **{**base, "max_num_batched_tokens": 64})
+    _generate(cached, work, work.order)  # fills the cache
+    runs["cached"] = _generate(cached, work, list(range(n)))
+    if max(len(p) for p in work.prompts) > block:  # a hit leaves at least one token to compute
+        assert cached.engine.pool.hit_blocks > 0, "the second pass found nothing in the prefix cache"
+    return runs
+
+
+def assert_modes_equal_alone(runs: dict[str, dict[int, Result]]) -> None:
+    alone = runs["alone"]
+    for mode, results in runs.items():
+        for i, (tokens, logprobs) in results.items():
+            assert tokens == alone[i][0], f"{mode}: request {i} tokens {tokens} != alone {alone[i][0]}"
+            diff = max((abs(a - b) for a, b in zip(logprobs, alone[i][1], strict=True)), default=0.0)
+            assert diff <= TOL, f"{mode}: request {i} logprobs moved by {diff:.2e}"
+
+
+def assert_matches_reference(alone: dict[int, Result], reference_rows, work: Workload) -> None:
+    """``reference_rows(prompt, tokens)`` gives the reference's log-softmax rows [len(tokens), V]
+    predicting each generated token."""
+    for i, (tokens, logprobs) in alone.items():
+        rows = reference_rows(work.prompts[i], tokens)
+        ref = rows.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+        diff = (ref - torch.tensor(logprobs)).abs().max().item()
+        assert diff <= TOL, f"request {i}: logprobs differ from the reference by {diff:.2e}"
+        top2 = rows.topk(2, dim=-1).values
+        for step, token in enumerate(tokens):
+            near_tie = top2[step, 0] - top2[step, 1] < NEAR_TIE
+            assert token == int(rows[step].argmax()) or near_tie, f"request {i} step {step}: not the argmax"
+
+
+def hf_incremental_rows(model):
+    """Log-softmax rows of a transformers model fed the prompt, then each token with its own
+    cache (the incremental decode path)."""
+
+    def rows(prompt: list[int], tokens: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            out = model(torch.tensor([prompt]), use_cache=True)
+            logits, past = [out.logits[0, -1]], out.past_key_values
+            for t in tokens[:-1]:
+                out = model(torch.tensor([[t]]), past_key_values=past, use_cache=True)
+                logits.append(out.logits[0, -1])
+                past = out.past_key_values
+        return torch.log_softmax(torch.stack(logits).float(), dim=-1)
+
+    return rows
+
+
+def _hf_model(ckpt: Path):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+
+
+# ---- the fuzz tests ---------------------------------------------------------------------
+
+
+@fuzz_settings(ci_examples=40)
+@given(config=v4_configs(), data=st.data())
+def test_fuzz_deepseek_v4(config, data):
+    hca = config["compress_rates"]["heavily_compressed_attention"]
+    check_v4(config, data.draw(workloads(longest=min(2 * hca + 8, 150))))
+
+
+def check_v4(config: dict, work: Workload) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = make_tiny_checkpoint(Path(tmp) / "v4", arch="deepseek_v4_short_groups", **config)
+        runs = engine_modes(ckpt, work)
+        assert_modes_equal_alone(runs)
+        hf = stable_indexer_topk(_hf_model(ckpt))
+        assert_matches_reference(runs["alone"], hf_incremental_rows(hf), work)
+
+
+@fuzz_settings(ci_examples=12)
+@given(config=llama_configs(), data=st.data())
+def test_fuzz_llama(config, data):
+    work = data.draw(workloads(longest=80))
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = make_tiny_checkpoint(Path(tmp) / "llama", arch="llama", **config)
+        runs = engine_modes(ckpt, work)
+        assert_modes_equal_alone(runs)
+        assert_matches_reference(runs["alone"], hf_incremental_rows(_hf_model(ckpt)), work)
+
+
+@fuzz_settings(ci_examples=12)
+@given(config=v41_configs(), data=st.data())
+def test_fuzz_deepseek_v41(config, data):
+    from v41_reference import reference_logits
+
+    work = data.draw(workloads(longest=60))
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = make_tiny_checkpoint(Path(tmp) / "v41", arch="deepseek_v41", **config)
+        runs = engine_modes(ckpt, work, fake_quant=False)
+        assert_modes_equal_alone(runs)
+        model = load_model(ckpt, fake_quant=False)
+        state = dict(model.state_dict())
+
+        def rows(prompt: list[int], tokens: list[int]) -> torch.Tensor:
+            ids = torch.tensor([prompt + tokens[:-1]])
+            logits = reference_logits(state, model.config, ids, model.token_map, fake_quant=False)
+            return torch.log_softmax(logits[0, len(prompt) - 1 :].float(), dim=-1)
+
+        assert_matches_reference(runs["alone"], rows, work)
+
+
+@pytest.mark.parametrize("family", ["v4", "llama", "v41"])
+def test_fuzz_covers_what_it_claims(family):
+    """Guards the generators: the drawn configs reach the shapes the fuzzer is for."""
+    strategy = {"v4": v4_configs(), "llama": llama_configs(), "v41": v41_configs()}[family]
+    seen = [strategy.example() for _ in range(60)]
+    if family == "v4":
+        assert any(
+            c["layer_types"][0] != "sliding_attention" and c["mlp_layer_types"][0] == "hash_moe" for c in seen
+        )
+        assert any(c["layer_types"].count("heavily_compressed_attention") >= 2 for c in seen)
+        assert any(c["index_topk"] < 4 for c in seen) and any(c["index_topk"] == 64 for c in seen)
+    if family == "v41":
+        assert any(c.get("engram_layer_ids") == [] for c in seen) and any(
+            "engram_layer_ids" not in c for c in seen
+        )
+
+
+# ---- regressions the fuzzer found (each failed before the tie rule, model_spec.md §2.5) ----
+
+REGRESSIONS = {
+    # a ratio-128 first layer, hash-routed, one index head: ReLU ties at the top-k boundary
+    "hca_first_layer_hash_routed": {
+        "num_hidden_layers": 2,
+        "layer_types": ["heavily_compressed_attention", "compressed_sparse_attention"],
+        "mlp_layer_types": ["hash_moe", "hash_moe"],
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        "sliding_window": 4,
+        "index_topk": 8,
+        "index_n_heads": 1,
+        "num_attention_heads": 4,
+        "o_groups": 2,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    # a compressed, hash-routed first layer, two HCA layers, index_topk 3 below the entries
+    "csa_first_layer_two_hca_small_topk": {
+        "num_hidden_layers": 4,
+        "layer_types": [
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "sliding_attention",
+            "heavily_compressed_attention",
+        ],
+        "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        "sliding_window": 8,
+        "index_topk": 3,
+        "index_n_heads": 1,
+        "num_attention_heads": 8,
+        "o_groups": 4,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(REGRESSIONS))
+def test_fuzz_regression(name):
+    config = REGRESSIONS[name]
+    hca = config["compress_rates"]["heavily_compressed_attention"]
+    check_v4(config, make_workload(0, min(2 * hca + 8, 150)))
+
+
+def test_a_request_that_ends_with_its_prefill_still_shares_its_prompt(tmp_path):
+    """Found by the fuzzer: blocks were published only for requests still running after a
+    step, so a prompt whose request finished at its first token (max_tokens=1, a stop
+    token) never reached the prefix cache."""
+    ckpt = make_tiny_checkpoint(tmp_path / "v4", arch="deepseek_v4_short_groups")
+    llm = LLM(ckpt, async_scheduling=False)
+    prompt = list(range(3, 3 + llm.engine.layout.block_size + 5))
+    first = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    again = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    assert again[0].num_cached_tokens == llm.engine.layout.block_size
+    assert again[0].outputs[0].token_ids[:1] == first[0].outputs[0].token_ids
