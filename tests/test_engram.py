@@ -117,3 +117,36 @@ def test_tiny_model_uses_the_tokenizer_map(model):
     a, upper_a = 2 + ord("a"), 2 + ord("A")
     assert tm[a] == tm[upper_a]
     assert tm[2 + ord(" ")] == tm[2 + ord("\n")] == tm[2 + ord("\t")]
+
+
+def test_identity_map_without_a_tokenizer_is_made_on_the_weights_device(tmp_path):
+    """A checkpoint without tokenizer.json whose compressed vocabulary is the identity loads
+    and runs (the map used to be built on the meta device and crashed the first forward),
+    with the logits of the spec reference under the identity map."""
+    from v41_reference import reference_logits
+
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.testing import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "v41", arch="deepseek_v41", tokenizer=False)
+    model = load_model(ckpt)
+    assert model.token_map.device == model.head.weight.device
+    assert torch.equal(model.token_map, torch.arange(model.config.vocab_size))
+    ids = torch.randint(2, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(ids)
+    state = dict(model.state_dict())
+    ref = reference_logits(state, model.config, ids, torch.arange(model.config.vocab_size), fake_quant=True)
+    assert (ours - ref).abs().max() <= 1e-4
+    out = LLM(ckpt).generate([[3, 4, 5]], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_non_identity_map_without_a_tokenizer_is_a_clear_error(tmp_path):
+    from deepinfer.errors import CheckpointError
+    from deepinfer.testing import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "v41", arch="deepseek_v41")
+    (ckpt / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match="tokenizer.json"):
+        load_model(ckpt)

@@ -253,9 +253,10 @@ class DeepseekV41ForCausalLM(CausalLM):
 
         self.mtp = build_dspark_stages(cfg, main_rope)
         # Engram's token normalisation map (vocab -> compressed id); see ``bind_tokenizer``.
+        # An identity map (compressed vocabulary == vocabulary) needs no tokenizer; it is made
+        # after loading, on the weights' device (the model is built on the meta device).
         self.token_map: torch.Tensor | None = None
-        if cfg.engram_compressed_vocab_size == cfg.vocab_size:
-            self.token_map = torch.arange(cfg.vocab_size)
+        self._identity_map = cfg.engram_compressed_vocab_size == cfg.vocab_size
         self._engram_pad = cfg.engram_pad_token_id  # the pad's compressed id (identity map)
         self._engram_slot = {layer: k for k, layer in enumerate(cfg.engram_layer_ids)}
         self._history_layer = min(cfg.engram_layer_ids) if cfg.engram_layer_ids else None
@@ -305,13 +306,14 @@ class DeepseekV41ForCausalLM(CausalLM):
             from tokenizers import Tokenizer
 
             self.bind_tokenizer(Tokenizer.from_file(str(file)))
-        elif self.token_map is None:
+        elif not self._identity_map:
             raise CheckpointError(
                 f"{path}: Engram needs the tokenizer (tokenizer.json) to build its token map; "
                 "none was found and the compressed vocabulary is not the identity"
             )
         else:
             logger.warning("%s: no tokenizer.json; Engram uses the identity token map", path)
+            self.token_map = torch.arange(self.config.vocab_size, device=self.head.weight.device)
 
     # -- engine interface ------------------------------------------------------------------
 
@@ -347,6 +349,8 @@ class DeepseekV41ForCausalLM(CausalLM):
         layout = self.engram_layout
         if layout is None:
             return None
+        if self.token_map is None and self._identity_map:
+            self.token_map = torch.arange(self.config.vocab_size, device=input_ids.device)
         if self.token_map is None:
             raise RuntimeError("Engram's token map is unbound: call bind_tokenizer(tokenizer) first")
         if self.token_map.device != input_ids.device:
