@@ -86,3 +86,17 @@ def test_engine_modes_equal_alone(llama_ckpt):
 def test_fake_quant_is_refused_for_models_without_it(llama_ckpt):
     with pytest.raises(ValueError, match="fake_quant"):
         load_model(llama_ckpt, fake_quant=True)
+
+
+def test_tiny_llama_continuation_depends_on_the_context(llama_ckpt):
+    """Guard for every Llama test that claims to exercise attention: changing only the
+    first prompt token changes the greedy continuation (a tiny model that repeats its last
+    token whatever came before would make batching, chunking and drafting tests vacuous)."""
+    rng = random.Random(0)
+    tail = [rng.randrange(3, 250) for _ in range(20)]
+    llm = LLM(llama_ckpt)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([[first] + tail for first in range(3, 13)], params, use_tqdm=False)
+    continuations = {tuple(o.outputs[0].token_ids) for o in outs}
+    assert len(continuations) >= 6, continuations
+    assert any(t != tail[-1] for o in outs for t in o.outputs[0].token_ids)

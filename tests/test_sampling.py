@@ -60,6 +60,15 @@ def _expected(
     ],
 )
 def test_sampled_frequencies_match_the_target_distribution(temperature, top_k, top_p, min_p):
+    outside, chi2, df = _sampler_chi_square(temperature, top_k, top_p, min_p)
+    assert outside == 0, "sampled a token outside top-k/top-p/min-p"
+    if df > 0:
+        assert chi2 < _chi2_critical(df), f"chi2={chi2:.1f} df={df}"
+
+
+def _sampler_chi_square(temperature: float, top_k: int, top_p: float, min_p: float) -> tuple[int, float, int]:
+    """(samples outside the target's support, chi-square over the support, df) of 20000
+    draws of the engine's sampler against the distribution written from the definitions."""
     logits = torch.randn(12, generator=torch.Generator().manual_seed(1)) * 1.5
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=123)
     gen = make_generator(params, torch.device("cpu"))
@@ -68,12 +77,29 @@ def test_sampled_frequencies_match_the_target_distribution(temperature, top_k, t
     counts = torch.bincount(torch.tensor(sample(logits.expand(n, -1), rows)), minlength=12)
     target = _expected(logits, temperature, top_k, top_p, min_p)
     support = target > 0
-    assert counts[~support].sum() == 0, "sampled a token outside top-k/top-p"
     exp = target[support] * n
     chi2 = (((counts[support].double() - exp) ** 2) / exp).sum().item()
-    df = int(support.sum()) - 1
-    if df > 0:
-        assert chi2 < _chi2_critical(df), f"chi2={chi2:.1f} df={df}"
+    return int(counts[~support].sum()), chi2, int(support.sum()) - 1
+
+
+@pytest.mark.parametrize("broken", ["top_p", "temperature"])
+def test_a_broken_sampler_fails_the_frequency_test(broken, monkeypatch):
+    """Mutation check: a sampler that ignores top-p (or temperature) is caught by the test
+    above (samples outside the support, or a chi-square past its critical value)."""
+    from deepinfer.sampling import sampler
+
+    original = sampler.filter_log_probs
+
+    def ignoring(logits, temperature, top_k, top_p, min_p):
+        if broken == "top_p":
+            top_p = torch.ones_like(top_p)
+        else:
+            temperature = torch.ones_like(temperature)
+        return original(logits, temperature, top_k, top_p, min_p)
+
+    monkeypatch.setattr(sampler, "filter_log_probs", ignoring)
+    outside, chi2, df = _sampler_chi_square(0.7, -1, 0.8, 0.0)
+    assert outside > 0 or chi2 > _chi2_critical(df)
 
 
 def test_filtered_distribution_equals_definition():

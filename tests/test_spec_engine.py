@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from chi_square import two_sample_chi_square
+from chi_square import conditional_p_value, exact_next_token
 from rounding import assert_equal_up_to_rounding_flips
 
 from deepinfer import LLM, SamplingParams
@@ -43,22 +43,56 @@ def test_greedy_outputs_equal_without_speculation(llama):
     assert sum(o.metrics.num_accepted_tokens for o in outs) == stats.accepted
 
 
-def test_sampled_first_tokens_keep_their_distribution(llama):
-    """Many seeds of one prompt: the first three generated tokens (the prompt's n-gram drafts
-    them all) are distributed as without speculation (two-sample chi-square per position on
-    the most frequent tokens)."""
-    prompt = [[7, 9, 11] * 6]
-    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(600)]
-    spec = LLM(llama, speculative={"num_speculative_tokens": 3}, max_num_seqs=64)
-    a = [
-        o.outputs[0].token_ids
-        for o in LLM(llama, max_num_seqs=64).generate(prompt * 600, params, use_tqdm=False)
+class _FixedDrafts:
+    """Drafts the same tokens after any context: right only sometimes, so both accepted and
+    rejected drafts (and their residual resamples) occur."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def propose(self, tokens: list[int]) -> list[int]:
+        return list(self.tokens)
+
+
+def _drafted_positions_p_value(path, broken_verifier: bool, monkeypatch) -> tuple[float, object]:
+    """Many seeds of one prompt with speculation: the tokens at drafted positions 1 to 3,
+    given the tokens before them, follow the target's exact conditional distribution."""
+    prompt, temperature, n = [5, 17, 33, 8, 90, 41, 7, 12], 3.0, 800
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    plain = LLM(path).generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    if broken_verifier:  # mutation: every draft accepted
+        from deepinfer.engine import spec_decode
+
+        original = spec_decode.acceptance_and_recovery
+
+        def accept_all(*args):
+            accepted, recovered = original(*args)
+            return torch.ones_like(accepted), recovered
+
+        monkeypatch.setattr(spec_decode, "acceptance_and_recovery", accept_all)
+    llm = LLM(path, speculative={"num_speculative_tokens": 2}, max_num_seqs=64)
+    llm.engine.spec.ngram = _FixedDrafts(plain[1:3])
+    params = [
+        SamplingParams(max_tokens=3, temperature=temperature, seed=s, ignore_eos=True) for s in range(n)
     ]
-    b = [o.outputs[0].token_ids for o in spec.generate(prompt * 600, params, use_tqdm=False)]
-    assert spec.engine.spec.stats.drafted > 0
-    for pos in range(3):
-        stat = two_sample_chi_square([t[pos] for t in a], [t[pos] for t in b], 258)
-        assert stat < 24.32, (pos, stat)  # chi-square, df <= 6, p = 0.001
+    outs = [o.outputs[0].token_ids for o in llm.generate([prompt] * n, params, use_tqdm=False)]
+    p, used = conditional_p_value(outs, (1, 2, 3), exact_next_token(path, prompt, temperature))
+    assert used >= n // 2, f"only {used} samples fell in groups large enough to test"
+    return p, llm.engine.spec.stats
+
+
+def test_drafted_positions_keep_the_exact_distribution(llama, monkeypatch):
+    """One-sample chi-square at the drafted positions against the target's exact
+    conditionals (bins expected >= 5 times), with accepted and rejected drafts."""
+    p, stats = _drafted_positions_p_value(llama, False, monkeypatch)
+    assert 0 < stats.accepted < stats.drafted
+    assert p > 1e-3, p
+
+
+def test_a_verifier_accepting_everything_fails_the_distribution_test(llama, monkeypatch):
+    """Mutation check of the test above."""
+    p, _ = _drafted_positions_p_value(llama, True, monkeypatch)
+    assert p < 1e-6, p
 
 
 def _cache_rows(engine, req, n: int, bs: int) -> torch.Tensor:
@@ -75,15 +109,19 @@ def test_cache_after_rejections_equals_a_plain_run(llama):
     overwritten later)."""
     prompts = _repetitive_prompts(3, 1)
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(llama).generate(prompts, params, use_tqdm=False)]
     runs = []
     for kw in ({}, {"speculative": {"num_speculative_tokens": 5}}):
         engine = LLM(llama, **kw).engine
+        if engine.spec is not None:
+            engine.spec.ngram = _DivergingOracle([p + o for p, o in zip(prompts, plain, strict=True)], 5, 0)
         reqs = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts)]
         while min(len(r.output_token_ids) for r in reqs) < 20:
             engine.step()
         runs.append((engine, reqs))
     (plain, plain_reqs), (spec, spec_reqs) = runs
-    assert spec.spec.stats.verify_steps > 0 and spec.spec.stats.accepted < spec.spec.stats.drafted
+    stats = spec.spec.stats
+    assert stats.verify_steps > 0 and 0 < stats.accepted < stats.drafted
     bs = plain.layout.block_size
     for a, b in zip(plain_reqs, spec_reqs, strict=True):
         n = min(a.num_computed_tokens, b.num_computed_tokens)
@@ -140,6 +178,20 @@ class _Oracle:
             if seq[: len(tokens)] == tokens:
                 return seq[len(tokens) : len(tokens) + self.k]
         return []
+
+
+class _DivergingOracle(_Oracle):
+    """The target's greedy continuation, wrong from a random depth on (sometimes never):
+    drafts accepted in part, so partial acceptance and its rollback are exercised."""
+
+    def __init__(self, sequences: list[list[int]], k: int, seed: int) -> None:
+        super().__init__(sequences, k)
+        self.rng = random.Random(seed)
+
+    def propose(self, tokens: list[int]) -> list[int]:
+        draft = super().propose(tokens)
+        depth = self.rng.randrange(len(draft) + 1)
+        return draft[:depth] + [(t + 1) % 250 + 3 for t in draft[depth:]]
 
 
 def test_an_oracle_drafter_is_always_accepted(llama):

@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from chi_square import two_sample_chi_square
+from chi_square import conditional_p_value, exact_next_token
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.spec_decode import SpecDecoder
@@ -189,23 +189,44 @@ def test_mtp_proposals_equal_the_reference_computation(v4):
         assert late.tokens == []
 
 
-@pytest.mark.parametrize(("arch", "method"), [("deepseek_v41", "dspark"), ("deepseek_v4", "mtp")])
-def test_sampled_tokens_keep_the_target_distribution(arch, method, v41, v4):
-    """Many seeds of one prompt at temperature 1.5: tokens 2 and 3 (verified drafts, their
-    residual resamples or bonus tokens) are distributed as without speculation."""
-    path = v41 if arch == "deepseek_v41" else v4
-    n = 400
-    prompt = [[7, 9, 11, 13] * 3]
-    params = [SamplingParams(max_tokens=3, temperature=1.5, seed=s, ignore_eos=True) for s in range(n)]
-    plain = LLM(path, max_num_seqs=64).generate(prompt * n, params, use_tqdm=False)
+def _drafted_positions_p_value(path, method: str, broken_verifier: bool, monkeypatch):
+    """Many seeds of one prompt at temperature 0.3: the tokens at positions 1 and 2 (verified
+    drafts, their residual resamples or bonus tokens), given the tokens before them, follow
+    the target's exact conditional distribution (one-sample chi-square, bins expected >= 5)."""
+    n, temperature = 600, 0.3
+    prompt = [7, 9, 11, 13] * 3
+    if broken_verifier:  # mutation: every draft accepted
+        from deepinfer.engine import spec_decode
+
+        original = spec_decode.acceptance_and_recovery
+
+        def accept_all(*args):
+            accepted, recovered = original(*args)
+            return torch.ones_like(accepted), recovered
+
+        monkeypatch.setattr(spec_decode, "acceptance_and_recovery", accept_all)
+    params = [
+        SamplingParams(max_tokens=3, temperature=temperature, seed=s, ignore_eos=True) for s in range(n)
+    ]
     spec = LLM(path, max_num_seqs=64, speculative={"method": method, "num_speculative_tokens": 2})
-    drafted = spec.generate(prompt * n, params, use_tqdm=False)
-    stats = spec.engine.spec.stats
+    outs = [o.outputs[0].token_ids for o in spec.generate([prompt] * n, params, use_tqdm=False)]
+    p, used = conditional_p_value(outs, (1, 2), exact_next_token(path, prompt, temperature))
+    assert used >= n // 3, f"only {used} samples fell in groups large enough to test"
+    return p, spec.engine.spec.stats
+
+
+@pytest.mark.parametrize(("arch", "method"), [("deepseek_v41", "dspark"), ("deepseek_v4", "mtp")])
+def test_sampled_tokens_keep_the_target_distribution(arch, method, v41, v4, monkeypatch):
+    p, stats = _drafted_positions_p_value(v41 if arch == "deepseek_v41" else v4, method, False, monkeypatch)
     assert stats.drafted > 0 and 0 < stats.accepted < stats.drafted  # both outcomes happened
-    for pos in (1, 2):
-        a = [o.outputs[0].token_ids[pos] for o in plain]
-        b = [o.outputs[0].token_ids[pos] for o in drafted]
-        assert two_sample_chi_square(a, b, 258) < 24.32, pos  # chi-square, df <= 6, p = 0.001
+    assert p > 1e-3, p
+
+
+@pytest.mark.parametrize(("arch", "method"), [("deepseek_v41", "dspark"), ("deepseek_v4", "mtp")])
+def test_a_verifier_accepting_everything_fails(arch, method, v41, v4, monkeypatch):
+    """Mutation check of the test above."""
+    p, _ = _drafted_positions_p_value(v41 if arch == "deepseek_v41" else v4, method, True, monkeypatch)
+    assert p < 1e-6, p
 
 
 def test_dspark_greedy_outputs_and_metrics_under_chunking_preemption_and_prefix_hits(v41):
@@ -347,3 +368,52 @@ def test_draft_sampling_uses_the_requests_filters():
     tokens, qs = sample_drafts(logits, reqs)
     assert tokens.tolist() == [1, 3] and qs[1] is None
     torch.testing.assert_close(qs[0], F.one_hot(torch.tensor(1), 4).float())
+
+
+# Without QAT rounding: rounded caches turn the last-bit differences of a drafted chunk's
+# matrix shapes into whole grid steps that compound over a long greedy run (measured: a
+# divergence after 36 tokens at a 4e-2 top-2 gap, with per-step logprob drift growing from
+# 1e-6 to 5e-2; batched vs alone moves V4.1's logprobs as much). Exact equality under
+# rounding needs a batch-invariant mode.
+FQ = False
+
+
+@pytest.mark.parametrize(("arch", "method"), [("deepseek_v41", "dspark"), ("deepseek_v4", "mtp")])
+def test_partly_accepted_drafts_keep_greedy_outputs(arch, method, v41, v4):
+    """The random tiny drafters are almost never right, so their own drafts test rejection
+    only. Here each proposal (made by the drafter, so its rings and features advance as
+    usual) is replaced by the target's greedy continuation, wrong from a random depth on:
+    drafts are accepted in part, and the accepted rows, the rollback of compressor state
+    and the drafter's rings must leave greedy outputs equal to plain decoding."""
+    import random
+
+    path = v41 if arch == "deepseek_v41" else v4
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(4, 40))] for _ in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain = [
+        o.outputs[0].token_ids for o in LLM(path, fake_quant=FQ).generate(prompts, params, use_tqdm=False)
+    ]
+    full = {tuple(p): p + o for p, o in zip(prompts, plain, strict=True)}
+    llm = LLM(path, speculative={"method": method}, max_num_batched_tokens=48, max_num_seqs=4, fake_quant=FQ)
+    engine = llm.engine
+    drafter = engine.spec.model_drafter
+    propose = drafter.propose
+
+    def diverging(asks):
+        drafts = propose(asks)
+        for ask, draft in zip(asks, drafts, strict=True):
+            req = next(r for r in engine.requests.values() if r.slot == ask.slot and not r.finished)
+            truth = full[tuple(req.prompt_token_ids)][ask.anchor_pos + 1 :]
+            k = min(drafter.num_draft_tokens, len(truth))
+            depth = rng.randrange(k + 1)
+            draft.tokens = truth[:depth] + [(t + 1) % 250 + 3 for t in truth[depth:k]]
+            draft.confidences = draft.confidences[:k] + [0.5] * (k - len(draft.confidences[:k]))
+            draft.q = None  # greedy verification
+        return drafts
+
+    drafter.propose = diverging
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    stats = engine.spec.stats
+    assert 0 < stats.accepted < stats.drafted and stats.accepted >= stats.drafted // 4, stats

@@ -21,6 +21,7 @@ from deepinfer.models.registry import resolve
 from deepinfer.weights.quant import quantize_fp4, quantize_fp8_blocks
 
 BOS_ID, EOS_ID, BYTE_OFFSET = 0, 1, 2
+LLAMA_BRANCH_GAIN = 8.0
 TINY_VOCAB = 258  # <bos>, <eos>, then one token per byte
 
 _V4_TINY: dict[str, Any] = {
@@ -268,6 +269,10 @@ def random_state_dict(raw_config: dict[str, Any], seed: int) -> dict[str, torch.
             state[name] = randn(*shape, std=0.5)
         elif name in ("embed.weight", "model.embed_tokens.weight") or name.endswith("engram.embed.weight"):
             state[name] = randn(*shape, std=1.0)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):  # Llama's residual writers
+            # outweigh the token's own embedding: with a tied head a weaker residual branch
+            # makes the model repeat its last input token whatever the context
+            state[name] = randn(*shape, std=LLAMA_BRANCH_GAIN / math.sqrt(shape[-1]))
         else:  # linear weights: unit-variance outputs so every block does visible work
             state[name] = randn(*shape, std=1.0 / math.sqrt(shape[-1]))
     return state
