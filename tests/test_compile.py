@@ -119,3 +119,30 @@ def test_inductor_compiled_step_matches_eager_on_the_other_tiny_models(arch, tmp
         eager = other.step(*_step_inputs(other, lengths, starts, seed=3, padded=False))
         got = compiled(*_step_inputs(other, lengths, starts, seed=3, padded=True))
     assert (eager - got[: eager.shape[0]]).abs().max() <= 1e-4
+
+
+def test_inductor_decode_with_every_fusion_pass_equals_eager_past_group_boundaries(tmp_path, monkeypatch):
+    """The CUDA pipeline on the CPU: every fusion pass on (fused attention and MoE ops then
+    run through Inductor's code generation), the engine decoding 40 tokens over HCA groups
+    of 8 and CSA groups of 4, so many compressor groups close inside compiled steps: the
+    eager engine's tokens, and chosen-token logprobs within 1e-4."""
+    from deepinfer.compile_passes import PASSES
+
+    from deepinfer import LLM, SamplingParams, compilation
+
+    monkeypatch.setattr(compilation, "default_passes", lambda device=None: list(PASSES))
+    path = make_tiny_checkpoint(tmp_path / "short", arch="deepseek_v4_short_groups", num_hidden_layers=3)
+    prompts = [[3 + (7 * i + j) % 250 for j in range(n)] for i, n in enumerate((5, 13, 30))]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1)
+    eager = LLM(path).generate(prompts, params, use_tqdm=False)
+    llm = LLM(path, compile=True, max_num_batched_tokens=32)
+    compiled = llm.generate(prompts, params, use_tqdm=False)
+    assert sum(llm.engine.runner.forward.pass_manager.counts.values()) > 0  # the fusions matched
+    for a, b in zip(eager, compiled, strict=True):
+        x, y = a.outputs[0], b.outputs[0]
+        assert x.token_ids == y.token_ids
+        diff = max(
+            abs(p[t].logprob - q[t].logprob)
+            for t, p, q in zip(x.token_ids, x.logprobs, y.logprobs, strict=True)
+        )
+        assert diff <= 1e-4, diff

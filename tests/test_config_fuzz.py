@@ -294,6 +294,7 @@ def test_fuzz_deepseek_v41(config, data):
         assert_matches_reference(runs["alone"], rows, work)
 
 
+@pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")
 @pytest.mark.parametrize("family", ["v4", "llama", "v41"])
 def test_fuzz_covers_what_it_claims(family):
     """Guards the generators: the drawn configs reach the shapes the fuzzer is for."""

@@ -88,19 +88,38 @@ def load_transformers_peer(path: Path, dtype: torch.dtype = torch.float32) -> nn
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
 
 
-def transformers_throughput(model: nn.Module, work: Workload, batch_size: int, pad_id: int = 0) -> float:
-    """Output tokens/s of ``transformers.generate`` in left-padded batches of ``batch_size``.
+@dataclass
+class PeerRun:
+    """One ``transformers.generate`` pass over a workload."""
+
+    tok_s: float  # requested output tokens per second (what a user receives)
+    computed_tokens: int  # tokens it decoded: each batch runs to its longest request
+    credited_tokens: int  # tokens the requests asked for
+    sort: bool  # batches formed from requests sorted by length
+
+
+def transformers_throughput(
+    model: nn.Module, work: Workload, batch_size: int, pad_id: int = 0, sort: bool = True
+) -> PeerRun:
+    """``transformers.generate`` over ``work`` in left-padded batches of ``batch_size``.
 
     Each batch decodes until its longest request is done; only the tokens the requests asked
-    for count, as a user would see it.
-    """
+    for are credited, and the tokens it computed are reported beside them. ``sort`` forms the
+    batches from requests sorted by (output, prompt) length, the fair way to batch a static
+    engine (little padding, little decoding past a request's end)."""
+    order = list(range(len(work.prompts)))
+    if sort:
+        order.sort(key=lambda i: (work.output_lens[i], len(work.prompts[i])))
+    computed = 0
     start = time.perf_counter()
-    for i in range(0, len(work.prompts), batch_size):
-        prompts = work.prompts[i : i + batch_size]
+    for k in range(0, len(order), batch_size):
+        batch = order[k : k + batch_size]
+        prompts = [work.prompts[i] for i in batch]
         longest = max(len(p) for p in prompts)
         ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
-        new = max(work.output_lens[i : i + batch_size])
+        new = max(work.output_lens[i] for i in batch)
+        computed += new * len(batch)
         with torch.no_grad():
             model.generate(
                 ids,
@@ -110,7 +129,16 @@ def transformers_throughput(model: nn.Module, work: Workload, batch_size: int, p
                 min_new_tokens=new,
                 pad_token_id=pad_id,
             )
-    return work.output_tokens / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    return PeerRun(work.output_tokens / elapsed, computed, work.output_tokens, sort)
+
+
+def best_transformers_throughput(model: nn.Module, work: Workload, batch_sizes: list[int]) -> list[PeerRun]:
+    """Every batch size, sorted and unsorted; the caller reports the best (the strongest
+    peer) and the others."""
+    return [
+        transformers_throughput(model, work, bs, sort=sort) for bs in batch_sizes for sort in (True, False)
+    ]
 
 
 def decode_bs1(llm, prompt_len: int = 32, new_tokens: int = 128) -> dict[str, float]:
@@ -134,12 +162,18 @@ def peak_rss_mib() -> float:
     return float("nan")
 
 
+def latency_workload(concurrency: int, prompt_len: int, output_len: int, vocab: int) -> Workload:
+    """Fresh prompts for each concurrency level (seeded by it): an engine measured at several
+    levels must not find the previous level's prompts in its prefix cache."""
+    return random_workload(
+        concurrency, (prompt_len, prompt_len), (output_len, output_len), vocab, seed=1000 + concurrency
+    )
+
+
 def deepinfer_latency(llm, concurrency: int, prompt_len: int, output_len: int) -> dict[str, float]:
     """Mean TTFT and time per output token with ``concurrency`` requests in flight, plus the
     output tok/s of the whole batch."""
-    work = random_workload(
-        concurrency, (prompt_len, prompt_len), (output_len, output_len), llm.vocab_size, seed=2
-    )
+    work = latency_workload(concurrency, prompt_len, output_len, llm.vocab_size)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     outs = llm.generate(work.prompts, params, use_tqdm=False)
@@ -153,7 +187,7 @@ def transformers_latency(
     model: nn.Module, concurrency: int, prompt_len: int, output_len: int, vocab: int
 ) -> dict:
     """The same measurement for ``transformers.generate`` with a batch of ``concurrency``."""
-    work = random_workload(concurrency, (prompt_len, prompt_len), (output_len, output_len), vocab, seed=2)
+    work = latency_workload(concurrency, prompt_len, output_len, vocab)
     ids = torch.tensor(work.prompts)
 
     def run(new: int) -> float:
