@@ -10,6 +10,7 @@ the block's end. Per sequence *slot*: the compressors' partial-group buffers and
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
@@ -175,9 +176,6 @@ class SeqChunk:
     feature_offsets: list[int] | None = None  # chunk offsets whose draft features are returned
 
 
-Row = tuple[str, int]  # ("c", chunk row) | ("b", buffer-pool row) | ("o", overlap-pool row)
-
-
 @dataclass
 class _TokenLayout:
     """Per-token facts of a step, shared by every ratio's bookkeeping."""
@@ -189,12 +187,117 @@ class _TokenLayout:
     base: list[int]  # first token row of each chunk
 
 
-def _row(q: int, c: SeqChunk, base: int, ratio: int) -> Row:
-    """Where position q's projections are this step: chunk, buffer or overlap pool."""
-    if q >= c.start:
-        return ("c", base + q - c.start)
-    group_start = (c.start // ratio) * ratio
-    return ("b" if q >= group_start else "o", c.slot * ratio + q % ratio)
+class Source(enum.Enum):
+    """Where a position's compressor projections (kv and gate rows) are found in a step."""
+
+    CHUNK = "chunk"  # projected this step: a row of the step's tokens
+    BUFFER = "buffer"  # projected earlier, in the slot's open (partial) group buffer
+    OVERLAP = "overlap"  # projected earlier, in the slot's copy of its last closed group
+
+
+@dataclass(frozen=True)
+class SourceRow:
+    source: Source
+    index: int  # token row of the step (CHUNK) or row of the buffer / overlap pool
+
+
+PADDING_ROW = SourceRow(Source.CHUNK, 0)  # what padded entries point at (outputs discarded)
+
+
+def _source_of(position: int, chunk: SeqChunk, first_row: int, ratio: int) -> SourceRow:
+    """Where ``position``'s projections are this step: computed now if the chunk covers it;
+    else in the open group's buffer (same group as the chunk's start) or in the overlap
+    copy (the group before that)."""
+    if position >= chunk.start:
+        return SourceRow(Source.CHUNK, first_row + position - chunk.start)
+    open_group_start = (chunk.start // ratio) * ratio
+    kind = Source.BUFFER if position >= open_group_start else Source.OVERLAP
+    return SourceRow(kind, chunk.slot * ratio + position % ratio)
+
+
+@dataclass
+class _ClosedGroups:
+    """The groups of one ratio that close in a step, and the copies that follow from them,
+    as Python lists (one entry per group, or per row for the copies)."""
+
+    members: list[list[SourceRow]] = field(default_factory=list)  # each group's ratio rows
+    previous: list[list[SourceRow] | None] = field(default_factory=list)  # the group before
+    first_position: list[int] = field(default_factory=list)
+    entry_row: list[int] = field(default_factory=list)  # entry-pool row receiving its entry
+    overlap_from: list[SourceRow] = field(default_factory=list)  # a sequence's newest group ...
+    overlap_to: list[int] = field(default_factory=list)  # ... becomes its overlap rows
+    snapshot_from: list[SourceRow] = field(default_factory=list)  # a group ending a block ...
+    snapshot_to: list[int] = field(default_factory=list)  # ... is kept as that block's snapshot
+    restore_from: list[int] = field(default_factory=list)  # a prefix hit's snapshot rows ...
+    restore_to: list[int] = field(default_factory=list)  # ... restored into the slot's overlap
+
+    def rows_read(self) -> list[SourceRow]:
+        rows = [row for group in self.members for row in group]
+        rows += [row for group in self.previous if group for row in group]
+        return rows + self.overlap_from + self.snapshot_from
+
+
+def _closed_groups(
+    layout: CacheLayout, chunks: list[SeqChunk], first_rows: list[int], ratio: int
+) -> _ClosedGroups:
+    """Walk the groups each chunk closes (decode steps close at most one per sequence)."""
+    bs, r = layout.block_size, ratio
+    entries_per_block = bs // r
+    out = _ClosedGroups()
+    for chunk, first_row in zip(chunks, first_rows, strict=True):
+        start, end = chunk.start, chunk.start + chunk.num_tokens
+        if chunk.restore_overlap and start > 0:  # the snapshot kept with the block before start
+            block = chunk.block_table[start // bs - 1]
+            out.restore_from += range(block * r, (block + 1) * r)
+            out.restore_to += range(chunk.slot * r, (chunk.slot + 1) * r)
+        if end // r == start // r:
+            continue  # no group closes: the common decode case
+
+        def rows_of(group: int, chunk: SeqChunk = chunk, first_row: int = first_row) -> list[SourceRow]:
+            return [_source_of(q, chunk, first_row, r) for q in range(group * r, (group + 1) * r)]
+
+        for group in range(start // r, end // r):
+            members = rows_of(group)
+            out.members.append(members)
+            out.previous.append(rows_of(group - 1) if group > 0 else None)
+            out.first_position.append(group * r)
+            block_of_entry = chunk.block_table[group // entries_per_block]
+            out.entry_row.append(block_of_entry * entries_per_block + group % entries_per_block)
+            group_end = (group + 1) * r
+            if group_end % bs == 0:  # the group ends a block: snapshot the overlap there
+                block = chunk.block_table[(group_end - 1) // bs]
+                out.snapshot_from += members
+                out.snapshot_to += range(block * r, (block + 1) * r)
+        out.overlap_from += out.members[-1]
+        out.overlap_to += range(chunk.slot * r, (chunk.slot + 1) * r)
+    return out
+
+
+def _pad_to(values: list, fill, bound: int | None) -> list:
+    return values + [fill] * (_padded_len(len(values), bound) - len(values))
+
+
+def _pad_closed_groups(
+    groups: _ClosedGroups, padding: StepPadding, ratio: int, epb: int, t_total: int
+) -> None:
+    """Pad every list in place with entries that touch only the null block or slot. With
+    ``max_model_len`` (a captured bucket) each list takes the largest size a decode step of
+    ``t_total`` tokens can need, so the shapes do not follow the step's contents."""
+    fixed = padding.max_model_len is not None
+    per_row = t_total * ratio if fixed else None  # rows of at most one group per token
+    per_group = t_total if fixed else None
+    null_slot_row, null_snapshot_row = padding.null_slot * ratio, padding.null_block * ratio
+    n = _padded_len(len(groups.members), per_group)
+    groups.members += [[PADDING_ROW] * ratio] * (n - len(groups.members))
+    groups.previous += [None] * (n - len(groups.previous))
+    groups.first_position = _pad_to(groups.first_position, 0, per_group)
+    groups.entry_row = _pad_to(groups.entry_row, padding.null_block * epb, per_group)
+    groups.overlap_from = _pad_to(groups.overlap_from, PADDING_ROW, per_row)
+    groups.overlap_to = _pad_to(groups.overlap_to, null_slot_row, per_row)
+    groups.snapshot_from = _pad_to(groups.snapshot_from, PADDING_ROW, per_row)
+    groups.snapshot_to = _pad_to(groups.snapshot_to, null_snapshot_row, per_row)
+    groups.restore_from = _pad_to(groups.restore_from, null_snapshot_row, per_row)
+    groups.restore_to = _pad_to(groups.restore_to, null_slot_row, per_row)
 
 
 def _group_meta(
@@ -207,104 +310,68 @@ def _group_meta(
 ) -> GroupMeta:
     """Compressor bookkeeping for one ratio (see ``GroupMeta``).
 
-    Per-token work (the trailing partial group) is vectorised; Python loops only over the
-    groups that close this step and the sequences restoring a prefix-cache snapshot.
+    Per-token work (the trailing partial group, the visible entries) is vectorised; Python
+    walks only the groups that close this step and the prefix-cache restores.
     """
-    bs, r = layout.block_size, ratio
-    epb = bs // r
-    group_rows: list[list[Row]] = []
-    prev_rows: list[list[Row] | None] = []
-    group_pos, entry_slot, ovl_src, ovl_dst = [], [], [], []
-    snap_src, snap_dst, restore_src, restore_dst = [], [], [], []
-    for c, base in zip(chunks, tokens.base, strict=True):
-        s, e = c.start, c.start + c.num_tokens
-        if c.restore_overlap and s > 0:
-            block = c.block_table[s // bs - 1]
-            restore_src += range(block * r, block * r + r)
-            restore_dst += range(c.slot * r, c.slot * r + r)
-        if e // r == s // r:
-            continue  # no group closes: the common decode case
-        for j in range(s // r, e // r):
-            rows = [_row(q, c, base, r) for q in range(j * r, (j + 1) * r)]
-            group_rows.append(rows)
-            prev_rows.append([_row(q, c, base, r) for q in range((j - 1) * r, j * r)] if j > 0 else None)
-            group_pos.append(j * r)
-            entry_slot.append(c.block_table[j // epb] * epb + j % epb)
-            if ((j + 1) * r) % bs == 0:  # this group ends a block: snapshot the overlap there
-                snap_src += rows
-                block = c.block_table[((j + 1) * r - 1) // bs]
-                snap_dst += range(block * r, block * r + r)
-        ovl_src += group_rows[-1]  # the last closed group becomes the sequence's overlap
-        ovl_dst += range(c.slot * r, c.slot * r + r)
-
+    r = ratio
+    epb = layout.block_size // r  # entries per block
     t_total = int(tokens.positions.shape[0])
-    all_rows = [x for g in group_rows for x in g] + [x for g in prev_rows if g for x in g]
-    all_rows += ovl_src + snap_src
-    buf_pool = sorted({i for kind, i in all_rows if kind == "b"})
-    ovl_pool = sorted({i for kind, i in all_rows if kind == "o"})
+    groups = _closed_groups(layout, chunks, tokens.base, r)
 
+    # Rows of earlier steps that this step reads, by pool.
+    buffer_rows = sorted({row.index for row in groups.rows_read() if row.source is Source.BUFFER})
+    overlap_rows = sorted({row.index for row in groups.rows_read() if row.source is Source.OVERLAP})
+
+    # Tokens past their chunk's last group boundary start or extend its open group.
     pos = tokens.positions
-    in_tail = pos >= (tokens.end // r) * r  # tokens of each chunk's new trailing partial group
-    buf_src = torch.nonzero(in_tail).squeeze(1)
+    in_open_group = pos >= (tokens.end // r) * r
+    buf_src = torch.nonzero(in_open_group).squeeze(1)
     buf_dst = tokens.slot[buf_src] * r + pos[buf_src] % r
     visible = (pos + 1) // r  # entries each token may read
-    e_max = int(visible.max()) if visible.numel() else 0
+    num_entries = int(visible.max()) if visible.numel() else 0
 
-    if padding is not None:  # pad every list with rows of the null block / slot
+    if padding is not None:
+        _pad_closed_groups(groups, padding, r, epb, t_total)
         fixed = padding.max_model_len is not None
-        flat = t_total * r if fixed else None  # bound of a decode step's per-row lists
-        per_token = t_total if fixed else None
-        null_slot_row, null_snap_row = padding.null_slot * r, padding.null_block * r
-
-        def pad(values: list, fill, bound: int | None) -> list:
-            return values + [fill] * (_padded_len(len(values), bound) - len(values))
-
-        buf_pool = pad(buf_pool, null_slot_row, flat)
-        ovl_pool = pad(ovl_pool, null_slot_row, flat)
-        n_groups = _padded_len(len(group_rows), per_token)
-        group_rows += [[("c", 0)] * r] * (n_groups - len(group_rows))
-        prev_rows += [None] * (n_groups - len(prev_rows))
-        group_pos = pad(group_pos, 0, per_token)
-        entry_slot = pad(entry_slot, padding.null_block * epb, per_token)
-        ovl_src, ovl_dst = pad(ovl_src, ("c", 0), flat), pad(ovl_dst, null_slot_row, flat)
-        snap_src, snap_dst = pad(snap_src, ("c", 0), flat), pad(snap_dst, null_snap_row, flat)
-        restore_src = pad(restore_src, null_snap_row, flat)
-        restore_dst = pad(restore_dst, null_slot_row, flat)
-        extra = _padded_len(buf_src.shape[0], per_token) - buf_src.shape[0]
+        per_row = t_total * r if fixed else None
+        buffer_rows = _pad_to(buffer_rows, padding.null_slot * r, per_row)
+        overlap_rows = _pad_to(overlap_rows, padding.null_slot * r, per_row)
+        extra = _padded_len(buf_src.shape[0], t_total if fixed else None) - buf_src.shape[0]
         buf_src = torch.cat([buf_src, buf_src.new_zeros(extra)])
-        buf_dst = torch.cat([buf_dst, buf_dst.new_full((extra,), null_slot_row)])
-        e_max = padding.max_model_len // r if fixed else max(e_max, MIN_ROWS)
+        buf_dst = torch.cat([buf_dst, buf_dst.new_full((extra,), padding.null_slot * r)])
+        num_entries = padding.max_model_len // r if fixed else max(num_entries, MIN_ROWS)
 
-    offset = {"b": {p: t_total + k for k, p in enumerate(buf_pool)}}
-    offset["o"] = {p: t_total + len(buf_pool) + k for k, p in enumerate(ovl_pool)}
+    # The layers gather one "source" = cat(step rows [T], buffer_rows, overlap_rows).
+    numbering = {Source.BUFFER: {p: t_total + k for k, p in enumerate(buffer_rows)}}
+    numbering[Source.OVERLAP] = {p: t_total + len(buffer_rows) + k for k, p in enumerate(overlap_rows)}
 
-    def resolve(rows: list[Row]) -> list[int]:
-        return [i if kind == "c" else offset[kind][i] for kind, i in rows]
+    def numbered(rows: list[SourceRow]) -> list[int]:
+        return [row.index if row.source is Source.CHUNK else numbering[row.source][row.index] for row in rows]
 
     def long(values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    j = torch.arange(e_max, device=device)
+    j = torch.arange(num_entries, device=device)
     block_col = (j // epb).clamp(max=tokens.token_block.shape[1] - 1).expand(len(pos), -1)
     entry_valid = j.unsqueeze(0) < visible.unsqueeze(1)
     entry_idx = tokens.token_block.gather(1, block_col) * epb + j % epb
     if padding is not None:  # entries past a sequence's table point at the null block
         entry_idx = torch.where(entry_valid, entry_idx, padding.null_block * epb)
     return GroupMeta(
-        src_buf_rows=long(buf_pool),
-        src_ovl_rows=long(ovl_pool),
-        group_rows=long([resolve(g) for g in group_rows]).view(-1, r),
-        prev_rows=long([resolve(g) if g else [-1] * r for g in prev_rows]).view(-1, r),
-        group_pos=long(group_pos),
-        entry_slot=long(entry_slot),
+        src_buf_rows=long(buffer_rows),
+        src_ovl_rows=long(overlap_rows),
+        group_rows=long([numbered(g) for g in groups.members]).view(-1, r),
+        prev_rows=long([numbered(g) if g else [-1] * r for g in groups.previous]).view(-1, r),
+        group_pos=long(groups.first_position),
+        entry_slot=long(groups.entry_row),
         buf_src=buf_src,
         buf_dst=buf_dst,
-        ovl_src=long(resolve(ovl_src)),
-        ovl_dst=long(ovl_dst),
-        snap_src=long(resolve(snap_src)),
-        snap_dst=long(snap_dst),
-        restore_src=long(restore_src),
-        restore_dst=long(restore_dst),
+        ovl_src=long(numbered(groups.overlap_from)),
+        ovl_dst=long(groups.overlap_to),
+        snap_src=long(numbered(groups.snapshot_from)),
+        snap_dst=long(groups.snapshot_to),
+        restore_src=long(groups.restore_from),
+        restore_dst=long(groups.restore_to),
         entry_idx=entry_idx,
         entry_valid=entry_valid,
     )
