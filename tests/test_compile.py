@@ -136,7 +136,11 @@ def test_inductor_decode_with_every_fusion_pass_equals_eager_past_group_boundari
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1)
     eager = LLM(path).generate(prompts, params, use_tqdm=False)
     llm = LLM(path, compile=True, max_num_batched_tokens=32)
-    compiled = llm.generate(prompts, params, use_tqdm=False)
+    # compile for real: a graph-cache hit would skip the passes whose matches are counted
+    no_cache = torch._inductor.config.patch(fx_graph_cache=False)
+    no_aot_cache = torch._functorch.config.patch(enable_autograd_cache=False)
+    with no_cache, no_aot_cache:
+        compiled = llm.generate(prompts, params, use_tqdm=False)
     assert sum(llm.engine.runner.forward.pass_manager.counts.values()) > 0  # the fusions matched
     for a, b in zip(eager, compiled, strict=True):
         x, y = a.outputs[0], b.outputs[0]

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
 from deepinfer import LLM, SamplingParams
@@ -86,20 +86,56 @@ def v4_configs(draw) -> dict:
 
 
 @st.composite
+def v41_plans(draw) -> dict:
+    """A random valid V4.1 layer plan (model_spec.md §1.4): ratios 0/1/2 per layer; a
+    compressed layer whose ratio differs from the nearest KV source before it becomes a
+    source itself, any other may; index sources are the KV sources plus any compressed
+    layers that re-index; an optional candidate source among the KV sources (kept only when
+    every later re-indexing layer shares its ratio); Engram on layers 1 and 3 or off; DSpark
+    reads three distinct layers."""
+    n = draw(st.integers(2, 6))
+    ratios = draw(st.lists(st.sampled_from([0, 1, 2]), min_size=n, max_size=n))
+    if not any(ratios):
+        ratios[draw(st.integers(0, n - 1))] = draw(st.sampled_from([1, 2]))
+    kv_sources, index_sources, current = [], [], None
+    for i, r in enumerate(ratios):
+        if not r:
+            continue
+        if current is None or ratios[current] != r or draw(st.booleans()):
+            kv_sources.append(i)
+            index_sources.append(i)
+            current = i
+        elif draw(st.booleans()):
+            index_sources.append(i)  # re-indexes inside its source's entries
+    candidate = draw(st.sampled_from([None, *kv_sources]))
+    if candidate is not None and any(i > candidate and ratios[i] != ratios[candidate] for i in index_sources):
+        candidate = None
+    engram = n >= 4 and draw(st.booleans())
+    return {
+        "num_hidden_layers": n,
+        "compress_ratios": ratios + [0, 0, 0],  # the three DSpark stages: sliding only
+        "kv_source_layer_ids": kv_sources,
+        "index_source_layer_ids": index_sources,
+        "candidate_source_layer_id": candidate,
+        "engram_layer_ids": [1, 3] if engram else [],
+        "engram_num_embeddings": [152, 220] if engram else [],
+        "dspark_target_layer_ids": sorted(
+            draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=3, unique=True))
+        ),
+    }
+
+
+@st.composite
 def v41_configs(draw) -> dict:
-    """The tiny V4.1 layer plan (SWA, Engram, ratio-2 source and reuse, ratio-1 source and
-    candidate source, ratio-1 reindex) with windows, top-k, candidate blocks, index heads and
-    Engram on or off drawn."""
-    cfg = {
+    """A random layer plan with windows, top-k, candidate blocks and index heads drawn."""
+    return {
+        **draw(v41_plans()),
         "sliding_window": draw(st.sampled_from([4, 8, 16])),
         "index_topk": draw(st.sampled_from([1, 2, 3, 4, 8, 1024])),
         "candidate_topk_blocks": draw(st.sampled_from([1, 2, 3, 1024])),
         "candidate_block_size": draw(st.sampled_from([2, 4, 8])),
         "index_n_heads": draw(st.sampled_from([1, 2])),
     }
-    if not draw(st.booleans()):
-        cfg.update(engram_layer_ids=[], engram_num_embeddings=[])
-    return cfg
 
 
 @st.composite
@@ -294,22 +330,34 @@ def test_fuzz_deepseek_v41(config, data):
         assert_matches_reference(runs["alone"], rows, work)
 
 
-@pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")
-@pytest.mark.parametrize("family", ["v4", "llama", "v41"])
+COVERAGE = {
+    "v4": [
+        lambda c: c["layer_types"][0] != "sliding_attention" and c["mlp_layer_types"][0] == "hash_moe",
+        lambda c: c["layer_types"].count("heavily_compressed_attention") >= 2,
+        lambda c: c["index_topk"] < 4 and c["index_n_heads"] == 1,
+        lambda c: c["index_topk"] == 64,
+    ],
+    "v41": [
+        lambda c: bool(c["engram_layer_ids"]),
+        lambda c: not c["engram_layer_ids"],
+        lambda c: c["candidate_source_layer_id"] is not None,
+        lambda c: len(c["kv_source_layer_ids"]) >= 2,
+        lambda c: len(c["index_source_layer_ids"]) > len(c["kv_source_layer_ids"]),
+        lambda c: c["compress_ratios"][0] > 0,
+    ],
+    "llama": [
+        lambda c: c["num_attention_heads"] > c["num_key_value_heads"],
+        lambda c: not c["tie_word_embeddings"],
+    ],
+}
+
+
+@pytest.mark.parametrize("family", sorted(COVERAGE))
 def test_fuzz_covers_what_it_claims(family):
-    """Guards the generators: the drawn configs reach the shapes the fuzzer is for."""
+    """Guards the generators: each shape the fuzzer is for can be drawn."""
     strategy = {"v4": v4_configs(), "llama": llama_configs(), "v41": v41_configs()}[family]
-    seen = [strategy.example() for _ in range(60)]
-    if family == "v4":
-        assert any(
-            c["layer_types"][0] != "sliding_attention" and c["mlp_layer_types"][0] == "hash_moe" for c in seen
-        )
-        assert any(c["layer_types"].count("heavily_compressed_attention") >= 2 for c in seen)
-        assert any(c["index_topk"] < 4 for c in seen) and any(c["index_topk"] == 64 for c in seen)
-    if family == "v41":
-        assert any(c.get("engram_layer_ids") == [] for c in seen) and any(
-            "engram_layer_ids" not in c for c in seen
-        )
+    for wanted in COVERAGE[family]:
+        find(strategy, wanted, settings=settings(max_examples=2000, database=None))
 
 
 # ---- regressions the fuzzer found (each failed before the tie rule, model_spec.md §2.5) ----
