@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 from chi_square import conditional_p_value, exact_next_token
+from mutations import accept_every_draft
 from rounding import assert_equal_up_to_rounding_flips
 
 from deepinfer import LLM, SamplingParams
@@ -61,15 +62,7 @@ def _drafted_positions_p_value(path, broken_verifier: bool, monkeypatch) -> tupl
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     plain = LLM(path).generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
     if broken_verifier:  # mutation: every draft accepted
-        from deepinfer.engine import spec_decode
-
-        original = spec_decode.acceptance_and_recovery
-
-        def accept_all(*args):
-            accepted, recovered = original(*args)
-            return torch.ones_like(accepted), recovered
-
-        monkeypatch.setattr(spec_decode, "acceptance_and_recovery", accept_all)
+        accept_every_draft(monkeypatch)
     llm = LLM(path, speculative={"num_speculative_tokens": 2}, max_num_seqs=64)
     llm.engine.spec.ngram = _FixedDrafts(plain[1:3])
     params = [

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from chi_square import conditional_p_value, exact_next_token
+from mutations import accept_every_draft
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.spec_decode import SpecDecoder
@@ -196,15 +197,7 @@ def _drafted_positions_p_value(path, method: str, broken_verifier: bool, monkeyp
     n, temperature = 600, 0.3
     prompt = [7, 9, 11, 13] * 3
     if broken_verifier:  # mutation: every draft accepted
-        from deepinfer.engine import spec_decode
-
-        original = spec_decode.acceptance_and_recovery
-
-        def accept_all(*args):
-            accepted, recovered = original(*args)
-            return torch.ones_like(accepted), recovered
-
-        monkeypatch.setattr(spec_decode, "acceptance_and_recovery", accept_all)
+        accept_every_draft(monkeypatch)
     params = [
         SamplingParams(max_tokens=3, temperature=temperature, seed=s, ignore_eos=True) for s in range(n)
     ]
