@@ -337,8 +337,9 @@ class Engine:
                     req.first_token_time = now
                 self.output_processor.append_token(req, token, row_logits)
                 updated.append(req)
-                if req.finish_reason is not None:
-                    self._finish(req, computed=req.num_computed_tokens)
+                if req.finish_reason is not None:  # the token just sampled has no row yet (an
+                    # asynchronous engine may count the next step's row already)
+                    self._finish(req, computed=min(req.num_computed_tokens, req.num_tokens - 1))
         if drafted and self.spec is not None:
             self.spec.stats.engine_steps += 1
         accepted_end: dict[str, int] = {}  # drafted chunks: positions before this are accepted
