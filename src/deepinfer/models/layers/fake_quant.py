@@ -19,7 +19,6 @@ from deepinfer.weights.quant import pow2_scale
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
-E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor | None:
