@@ -59,3 +59,36 @@ def test_gpu_check_goes_on_past_a_failing_stage(tmp_path):
     decode = (tmp_path / "decode.log").read_text()
     assert "| 1 | eager |" in decode and "| 4 | eager |" in decode
     assert "| 1 | transformers |" in decode
+
+
+def test_gpu_decode_reports_a_failing_peer_and_keeps_our_rows(monkeypatch, capsys):
+    """A peer that cannot load the checkpoint (e.g. an older transformers) prints its error
+    in its row; the engine's rows, measured first, are all there."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_decode", ROOT / "benchmarks" / "gpu_decode.py")
+    gpu_decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_decode)
+
+    def no_peer(*args):
+        raise ValueError("unknown model type deepseek_v4")
+
+    monkeypatch.setattr(gpu_decode, "transformers_step_times", no_peer)
+    argv = [
+        "gpu_decode.py",
+        "--small",
+        "--device",
+        "cpu",
+        "--batches",
+        "1",
+        "2",
+        "--steps",
+        "2",
+        "--modes",
+        "eager",
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
+    gpu_decode.main()
+    out = capsys.readouterr().out
+    assert "| 1 | eager |" in out and "| 2 | eager |" in out
+    assert "| - | transformers | failed: ValueError: unknown model type deepseek_v4" in out
