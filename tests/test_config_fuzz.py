@@ -23,6 +23,7 @@ import os
 import random
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,7 @@ from stable_topk_patch import stable_indexer_topk  # noqa: E402
 
 TOL = 1e-4
 NEAR_TIE = 1e-4
+PREEMPTED_RUNS: Counter[bool] = Counter()  # did the "preempted" run preempt (reported, checked below)
 LONG_FUZZ = int(os.environ.get("DEEPINFER_FUZZ_EXAMPLES", "0"))
 
 
@@ -158,6 +160,7 @@ class Workload:
     max_tokens: list[int]
     order: list[int]  # the batched run's submission order
     chunk_budget: int
+    block_size: int  # the chunked run's cache block (rounded up to a multiple of every ratio)
 
     def params(self, i: int) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens[i], temperature=0.0, ignore_eos=True, logprobs=1)
@@ -177,7 +180,8 @@ def make_workload(seed: int, longest: int) -> Workload:
             prompts.append([rng.randrange(2, 250) for _ in range(rng.randrange(1, longest + 1))])
     order = list(range(n))
     rng.shuffle(order)
-    return Workload(prompts, [rng.randrange(1, 9) for _ in range(n)], order, rng.randrange(5, 49))
+    max_tokens = [rng.randrange(1, 9) for _ in range(n)]
+    return Workload(prompts, max_tokens, order, rng.randrange(5, 49), rng.choice([16, 32, 64]))
 
 
 def workloads(longest: int) -> st.SearchStrategy[Workload]:
@@ -201,9 +205,32 @@ def _generate(llm: LLM, work: Workload, indices: list[int]) -> dict[int, Result]
     return {i: _result(o) for i, o in zip(indices, outs, strict=True)}
 
 
+def _force_preemptions(llm: LLM, rng: random.Random) -> list[str]:
+    """Preempt by recompute as a full cache would: before about a third of the steps, one
+    running request (drawn by ``rng``) loses its blocks and starts over. The cache is also
+    sized for the longest request alone, so real preemptions happen as well. Returns the
+    preempted request ids as they happen."""
+    scheduler = llm.engine.scheduler
+    preemptions: list[str] = []
+    preempt, schedule = scheduler.preempt, scheduler.schedule
+
+    def counting_preempt(request) -> None:
+        preemptions.append(request.request_id)
+        preempt(request)
+
+    def schedule_with_preemptions():
+        if scheduler.running and rng.random() < 0.3:
+            counting_preempt(rng.choice(scheduler.running))
+        return schedule()
+
+    scheduler.preempt, scheduler.schedule = counting_preempt, schedule_with_preemptions
+    return preemptions
+
+
 def engine_modes(ckpt: Path, work: Workload, **options) -> dict[str, dict[int, Result]]:
-    """The workload alone, batched, chunked, preempted and prefix-cached (``options``: more
-    engine options for every run)."""
+    """The workload alone; batched (asynchronous scheduling); chunked (another block size);
+    preempted (forced, and a cache that holds only the longest request); prefix-cached. ``options``:
+    more engine options for every run."""
     n = len(work.prompts)
     base = {"async_scheduling": False, "max_num_batched_tokens": 4096, **options}
     alone_llm = LLM(ckpt, enable_prefix_caching=False, **base)
@@ -211,17 +238,19 @@ def engine_modes(ckpt: Path, work: Workload, **options) -> dict[str, dict[int, R
     for i in range(n):
         runs["alone"].update(_generate(alone_llm, work, [i]))
     block = alone_llm.engine.layout.block_size
-    runs["batched"] = _generate(
-        LLM(ckpt, enable_prefix_caching=False, max_num_seqs=n, **base), work, work.order
+    batched = LLM(ckpt, enable_prefix_caching=False, max_num_seqs=n, **{**base, "async_scheduling": True})
+    runs["batched"] = _generate(batched, work, work.order)
+    chunked = LLM(
+        ckpt,
+        enable_prefix_caching=False,
+        **{**base, "max_num_batched_tokens": work.chunk_budget, "block_size": work.block_size},
     )
-    chunked = LLM(ckpt, enable_prefix_caching=False, **{**base, "max_num_batched_tokens": work.chunk_budget})
     runs["chunked"] = _generate(chunked, work, work.order)
     longest = max(len(p) + m for p, m in zip(work.prompts, work.max_tokens, strict=True))
-    tight = LLM(ckpt, enable_prefix_caching=False, num_cache_blocks=math.ceil(longest / block) + 1, **base)
-    preemptions = []
-    original = tight.engine.scheduler.preempt
-    tight.engine.scheduler.preempt = lambda r: (preemptions.append(r.request_id), original(r))
+    tight = LLM(ckpt, enable_prefix_caching=False, num_cache_blocks=math.ceil(longest / block), **base)
+    preemptions = _force_preemptions(tight, random.Random(work.chunk_budget))
     runs["preempted"] = _generate(tight, work, work.order)
+    PREEMPTED_RUNS[bool(preemptions)] += 1
     cached = LLM(ckpt, enable_prefix_caching=True, max_num_seqs=n, **{**base, "max_num_batched_tokens": 64})
     _generate(cached, work, work.order)  # fills the cache
     runs["cached"] = _generate(cached, work, list(range(n)))
@@ -403,7 +432,9 @@ REGRESSIONS = {
 def test_fuzz_regression(name):
     config = REGRESSIONS[name]
     hca = config["compress_rates"]["heavily_compressed_attention"]
+    before = PREEMPTED_RUNS[True]
     check_v4(config, make_workload(0, min(2 * hca + 8, 150)))
+    assert PREEMPTED_RUNS[True] == before + 1, "the preempted run did not preempt"
 
 
 def test_a_request_that_ends_with_its_prefill_still_shares_its_prompt(tmp_path):
