@@ -305,7 +305,6 @@ def _group_meta(
     chunks: list[SeqChunk],
     ratio: int,
     tokens: _TokenLayout,
-    device: torch.device,
     padding: StepPadding | None,
 ) -> GroupMeta:
     """Compressor bookkeeping for one ratio (see ``GroupMeta``).
@@ -349,9 +348,9 @@ def _group_meta(
         return [row.index if row.source is Source.CHUNK else numbering[row.source][row.index] for row in rows]
 
     def long(values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
+        return torch.tensor(values, dtype=torch.long)
 
-    j = torch.arange(num_entries, device=device)
+    j = torch.arange(num_entries)
     block_col = (j // epb).clamp(max=tokens.token_block.shape[1] - 1).expand(len(pos), -1)
     entry_valid = j.unsqueeze(0) < visible.unsqueeze(1)
     entry_idx = tokens.token_block.gather(1, block_col) * epb + j % epb
@@ -375,9 +374,6 @@ def _group_meta(
         entry_idx=entry_idx,
         entry_valid=entry_valid,
     )
-
-
-HOST = torch.device("cpu")
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -414,7 +410,7 @@ def _build_on_host(
     chunks: list[SeqChunk],
     padding: StepPadding | None,
 ) -> tuple[torch.Tensor, ForwardBatch]:
-    device = HOST
+    """``build_forward_batch``'s work; every tensor is made on the host (CPU)."""
     bs, w = layout.block_size, layout.window
     if padding is not None:
         real = sum(c.num_tokens for c in chunks)
@@ -442,7 +438,7 @@ def _build_on_host(
         qc = q.clamp(min=0)
         return tokens.token_block.gather(1, qc // bs) * bs + qc % bs
 
-    window_q = positions.unsqueeze(1) - torch.arange(w, device=device)  # [T, W]
+    window_q = positions.unsqueeze(1) - torch.arange(w)  # [T, W]
     logits_idx = [base + k for c, base in zip(chunks, tokens.base, strict=True) for k in c.logits_offsets]
     if padding is not None:  # extra rows return row 0's logits again; callers index real rows
         fixed = len(chunks) if padding.max_model_len is not None else None
@@ -454,17 +450,17 @@ def _build_on_host(
         ]
         if padding is not None:
             rows += [0] * (_padded_len(len(rows), None) - len(rows))
-        feature_idx = torch.tensor(rows, dtype=torch.long, device=device)
+        feature_idx = torch.tensor(rows, dtype=torch.long)
     batch = ForwardBatch(
         pools=pools,
         window_idx=rows_at(window_q),
         window_valid=window_q >= 0,
         window_write=rows_at(positions.unsqueeze(1)).squeeze(1),
-        logits_idx=torch.tensor(logits_idx, dtype=torch.long, device=device),
+        logits_idx=torch.tensor(logits_idx, dtype=torch.long),
         feature_idx=feature_idx,
     )
     for ratio in layout.ratios:
-        batch.groups[ratio] = _group_meta(layout, chunks, ratio, tokens, device, padding)
+        batch.groups[ratio] = _group_meta(layout, chunks, ratio, tokens, padding)
     if any(c.replay_from > 0 for c in chunks):
         replay = torch.tensor([c.replay_from for c in chunks], dtype=torch.long)[seq_of_token]
         rows = torch.nonzero(positions >= replay).squeeze(1)
@@ -472,7 +468,7 @@ def _build_on_host(
         if rows.numel() < positions.numel() or not torch.equal(window_valid, batch.window_valid):
             batch.decoder_rows, batch.decoder_window_valid = rows, window_valid
     if w == 0:
-        batch.full = _full_attention_meta(layout, chunks, tokens, device, padding)
+        batch.full = _full_attention_meta(layout, chunks, tokens, padding)
     return positions, batch
 
 
@@ -485,7 +481,6 @@ def _full_attention_meta(
     layout: CacheLayout,
     chunks: list[SeqChunk],
     tokens: _TokenLayout,
-    device: torch.device,
     padding: StepPadding | None = None,
 ) -> FullAttentionMeta:
     """Decode rows and prefill spans. Padding adds decode rows of -1 and spans of 0 tokens,
@@ -507,14 +502,14 @@ def _full_attention_meta(
         decode += [-1] * (n_decode - len(decode))
         spans += [[0, 0, 0, 0]] * (_padded_len(len(spans), None) - len(spans))
         span_rows += [null_row] * (_padded_len(len(span_rows), None) - len(span_rows))
-    rows = torch.tensor(decode, dtype=torch.long, device=device)
+    rows = torch.tensor(decode, dtype=torch.long)
     pos = tokens.positions[rows.clamp(min=0)]  # each decode token reads positions 0 .. pos
     length = int(pos.max()) + 1 if len(decode) else 0
     if fixed_len is not None:
         length = fixed_len  # a captured graph reads max_model_len positions
     elif padding is not None:
         length = max(length, MIN_ROWS)
-    q = torch.arange(length, device=device).unsqueeze(0).expand(len(decode), -1)
+    q = torch.arange(length).unsqueeze(0).expand(len(decode), -1)
     valid = (q <= pos.unsqueeze(1)) & (rows >= 0).unsqueeze(1)
     qc = torch.where(valid, q, 0)
     kv = tokens.token_block[rows.clamp(min=0)].gather(1, qc // bs) * bs + qc % bs
@@ -525,5 +520,5 @@ def _full_attention_meta(
         kv,
         valid,
         torch.tensor(spans, dtype=torch.long).view(-1, 4),  # stays on the CPU: read by the host
-        torch.tensor(span_rows, dtype=torch.long, device=device),
+        torch.tensor(span_rows, dtype=torch.long),
     )
