@@ -66,23 +66,6 @@ def conditional_p_value(
     return p_value(stat, df), used
 
 
-def two_sample_chi_square(a: list[int], b: list[int], vocab: int, bins: int = 6) -> float:
-    """p-value that two samples come from one distribution, over the ``bins`` most frequent
-    tokens plus one bin for the rest (df = bins used - 1)."""
-    ca = torch.bincount(torch.tensor(a), minlength=vocab).float()
-    cb = torch.bincount(torch.tensor(b), minlength=vocab).float()
-    top = (ca + cb).argsort(descending=True)[:bins]
-    rest = torch.ones(vocab, dtype=torch.bool)
-    rest[top] = False
-    ca = torch.cat([ca[top], ca[rest].sum(0, keepdim=True)])
-    cb = torch.cat([cb[top], cb[rest].sum(0, keepdim=True)])
-    total = ca + cb
-    keep = total > 0
-    expected = total[keep] / 2
-    stat = float((((ca[keep] - expected) ** 2 + (cb[keep] - expected) ** 2) / expected).sum())
-    return p_value(stat, int(keep.sum()) - 1)
-
-
 def exact_next_token(
     path, prompt: list[int], temperature: float
 ) -> Callable[[tuple[int, ...]], torch.Tensor]:

@@ -92,10 +92,11 @@ def load_transformers_peer(path: Path, dtype: torch.dtype = torch.float32) -> nn
 class PeerRun:
     """One ``transformers.generate`` pass over a workload."""
 
+    batch_size: int
+    sort: bool  # batches formed from requests sorted by length
     tok_s: float  # requested output tokens per second (what a user receives)
     computed_tokens: int  # tokens it decoded: each batch runs to its longest request
     credited_tokens: int  # tokens the requests asked for
-    sort: bool  # batches formed from requests sorted by length
 
 
 def transformers_throughput(
@@ -130,12 +131,11 @@ def transformers_throughput(
                 pad_token_id=pad_id,
             )
     elapsed = time.perf_counter() - start
-    return PeerRun(work.output_tokens / elapsed, computed, work.output_tokens, sort)
+    return PeerRun(batch_size, sort, work.output_tokens / elapsed, computed, work.output_tokens)
 
 
-def best_transformers_throughput(model: nn.Module, work: Workload, batch_sizes: list[int]) -> list[PeerRun]:
-    """Every batch size, sorted and unsorted; the caller reports the best (the strongest
-    peer) and the others."""
+def transformers_throughput_runs(model: nn.Module, work: Workload, batch_sizes: list[int]) -> list[PeerRun]:
+    """Every batch size, length-sorted and in arrival order (the best is the peer to beat)."""
     return [
         transformers_throughput(model, work, bs, sort=sort) for bs in batch_sizes for sort in (True, False)
     ]

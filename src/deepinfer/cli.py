@@ -71,11 +71,11 @@ def _bench_throughput(args: argparse.Namespace) -> int:
 
     from deepinfer import LLM
     from deepinfer.benchmarking import (
-        best_transformers_throughput,
         decode_bs1,
         deepinfer_throughput,
         load_transformers_peer,
         random_workload,
+        transformers_throughput_runs,
     )
     from deepinfer.testing import make_tiny_checkpoint
 
@@ -94,10 +94,11 @@ def _bench_throughput(args: argparse.Namespace) -> int:
         )
         if args.peer_batch_sizes:
             peer = load_transformers_peer(llm.path)
-            runs = best_transformers_throughput(peer, work, args.peer_batch_sizes)
-            for bs, run in zip([b for b in args.peer_batch_sizes for _ in (0, 1)], runs, strict=True):
+            runs = transformers_throughput_runs(peer, work, args.peer_batch_sizes)
+            for run in runs:
+                order = "length-sorted" if run.sort else "arrival order"
                 print(
-                    f"transformers.generate batch {bs}, {'length-sorted' if run.sort else 'arrival order'}: "
+                    f"transformers.generate batch {run.batch_size}, {order}: "
                     f"{run.tok_s:.1f} output tok/s ({run.computed_tokens} tokens computed for "
                     f"{run.credited_tokens} requested)"
                 )
