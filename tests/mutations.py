@@ -1,4 +1,5 @@
-"""Deliberately broken variants the statistical tests must catch (their mutation checks)."""
+"""Deliberately broken variants: those the statistical tests must catch (their mutation
+checks), and drafts wrong from a chosen depth."""
 
 from __future__ import annotations
 
@@ -16,3 +17,9 @@ def accept_every_draft(monkeypatch) -> None:
         return torch.ones_like(accepted), recovered
 
     monkeypatch.setattr(spec_decode, "acceptance_and_recovery", accept_all)
+
+
+def wrong_from(tokens: list[int], depth: int) -> list[int]:
+    """``tokens`` with every token from ``depth`` on replaced by a different one: a draft
+    right up to ``depth`` and wrong after it."""
+    return tokens[:depth] + [(t + 1) % 250 + 3 for t in tokens[depth:]]

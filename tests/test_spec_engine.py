@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 from chi_square import conditional_p_value, exact_next_token
-from mutations import accept_every_draft
+from mutations import accept_every_draft, wrong_from
 from rounding import assert_equal_up_to_rounding_flips
 
 from deepinfer import LLM, SamplingParams
@@ -183,8 +183,7 @@ class _DivergingOracle(_Oracle):
 
     def propose(self, tokens: list[int]) -> list[int]:
         draft = super().propose(tokens)
-        depth = self.rng.randrange(len(draft) + 1)
-        return draft[:depth] + [(t + 1) % 250 + 3 for t in draft[depth:]]
+        return wrong_from(draft, self.rng.randrange(len(draft) + 1))
 
 
 def test_an_oracle_drafter_is_always_accepted(llama):

@@ -12,12 +12,13 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 from chi_square import conditional_p_value, exact_next_token
-from mutations import accept_every_draft
+from mutations import accept_every_draft, wrong_from
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.spec_decode import SpecDecoder
@@ -363,32 +364,29 @@ def test_draft_sampling_uses_the_requests_filters():
     torch.testing.assert_close(qs[0], F.one_hot(torch.tensor(1), 4).float())
 
 
-# Without QAT rounding: rounded caches turn the last-bit differences of a drafted chunk's
-# matrix shapes into whole grid steps that compound over a long greedy run (measured: a
-# divergence after 36 tokens at a 4e-2 top-2 gap, with per-step logprob drift growing from
-# 1e-6 to 5e-2; batched vs alone moves V4.1's logprobs as much). Exact equality under
-# rounding needs a batch-invariant mode.
-FQ = False
-
-
 @pytest.mark.parametrize(("arch", "method"), [("deepseek_v41", "dspark"), ("deepseek_v4", "mtp")])
 def test_partly_accepted_drafts_keep_greedy_outputs(arch, method, v41, v4):
     """The random tiny drafters are almost never right, so their own drafts test rejection
     only. Here each proposal (made by the drafter, so its rings and features advance as
     usual) is replaced by the target's greedy continuation, wrong from a random depth on:
     drafts are accepted in part, and the accepted rows, the rollback of compressor state
-    and the drafter's rings must leave greedy outputs equal to plain decoding."""
-    import random
+    and the drafter's rings must leave greedy outputs equal to plain decoding.
 
+    Without QAT rounding (``fake_quant=False``): rounded caches turn the last-bit differences
+    of a drafted chunk's matrix shapes into whole grid steps that compound over a long greedy
+    run (measured: a divergence after 36 tokens at a 4e-2 top-2 gap). Exact equality under
+    rounding needs a batch-invariant mode."""
     path = v41 if arch == "deepseek_v41" else v4
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(4, 40))] for _ in range(6)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     plain = [
-        o.outputs[0].token_ids for o in LLM(path, fake_quant=FQ).generate(prompts, params, use_tqdm=False)
+        o.outputs[0].token_ids for o in LLM(path, fake_quant=False).generate(prompts, params, use_tqdm=False)
     ]
     full = {tuple(p): p + o for p, o in zip(prompts, plain, strict=True)}
-    llm = LLM(path, speculative={"method": method}, max_num_batched_tokens=48, max_num_seqs=4, fake_quant=FQ)
+    llm = LLM(
+        path, speculative={"method": method}, max_num_batched_tokens=48, max_num_seqs=4, fake_quant=False
+    )
     engine = llm.engine
     drafter = engine.spec.model_drafter
     propose = drafter.propose
@@ -399,8 +397,7 @@ def test_partly_accepted_drafts_keep_greedy_outputs(arch, method, v41, v4):
             req = next(r for r in engine.requests.values() if r.slot == ask.slot and not r.finished)
             truth = full[tuple(req.prompt_token_ids)][ask.anchor_pos + 1 :]
             k = min(drafter.num_draft_tokens, len(truth))
-            depth = rng.randrange(k + 1)
-            draft.tokens = truth[:depth] + [(t + 1) % 250 + 3 for t in truth[depth:k]]
+            draft.tokens = wrong_from(truth[:k], rng.randrange(k + 1))
             draft.confidences = draft.confidences[:k] + [0.5] * (k - len(draft.confidences[:k]))
             draft.q = None  # greedy verification
         return drafts
