@@ -16,14 +16,9 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.cache.pools import CacheLayout, allocate_pools
+from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch
 from deepinfer.compilation import compile_step
-from deepinfer.engine.paged_cache import (
-    CacheLayout,
-    SeqChunk,
-    StepPadding,
-    allocate_pools,
-    build_forward_batch,
-)
 from deepinfer.testing import make_tiny_checkpoint
 from deepinfer.weights.loader import load_model
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.engine.session import Session
+from deepinfer.cache.session import Session
 from deepinfer.testing import make_tiny_checkpoint
 from deepinfer.weights.loader import load_model
 

@@ -10,15 +10,10 @@ import pytest
 import torch
 from capture_guard import META, CaptureGuard, guarded_capture
 
+from deepinfer.cache.layer_spec import LayerCacheSpec
+from deepinfer.cache.pools import CacheLayout, allocate_pools
+from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch
 from deepinfer.engine.graph_runner import DecodeGraphRunner
-from deepinfer.engine.paged_cache import (
-    CacheLayout,
-    SeqChunk,
-    StepPadding,
-    allocate_pools,
-    build_forward_batch,
-)
-from deepinfer.models.cache_spec import LayerCacheSpec
 from deepinfer.sampling.sampler import SamplingRow, apply_processors
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.testing import make_tiny_checkpoint

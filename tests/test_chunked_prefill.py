@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deepinfer import load_model
-from deepinfer.engine.session import Session
+from deepinfer.cache.session import Session
 
 TOL = 1e-4
 

@@ -11,14 +11,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from deepinfer.cache.pools import CacheLayout, allocate_pools
+from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch
 from deepinfer.compilation import PassManager, compile_step
-from deepinfer.engine.paged_cache import (
-    CacheLayout,
-    SeqChunk,
-    StepPadding,
-    allocate_pools,
-    build_forward_batch,
-)
 from deepinfer.testing import make_tiny_checkpoint
 from deepinfer.weights.loader import load_model
 

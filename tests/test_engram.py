@@ -11,7 +11,7 @@ import pytest
 import torch
 from v41_reference import engram_hash, engram_layout
 
-from deepinfer.engine.session import Session
+from deepinfer.cache.session import Session
 from deepinfer.models.layers.engram import (
     DEAD,
     EngramLayout,

@@ -7,7 +7,7 @@ import torch
 from rounding import assert_equal_up_to_rounding_flips
 
 from deepinfer import load_model
-from deepinfer.engine.session import Session
+from deepinfer.cache.session import Session
 from deepinfer.models.layers.fake_quant import (
     fake_quant_fp4_e4m3_scale,
     fake_quant_fp4_pow2,

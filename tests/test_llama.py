@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams, load_model
-from deepinfer.engine.session import Session
+from deepinfer.cache.session import Session
 from deepinfer.testing import make_tiny_checkpoint
 
 

@@ -15,15 +15,10 @@ import torch
 from torch._dynamo.utils import counters
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.cache.pools import CacheLayout, allocate_pools
+from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch
 from deepinfer.engine import engine as engine_module
 from deepinfer.engine.graph_runner import DecodeGraphRunner, decode_buckets
-from deepinfer.engine.paged_cache import (
-    CacheLayout,
-    SeqChunk,
-    StepPadding,
-    allocate_pools,
-    build_forward_batch,
-)
 from deepinfer.platforms import Platform
 from deepinfer.platforms.cpu import replay_eagerly
 from deepinfer.testing import make_tiny_checkpoint

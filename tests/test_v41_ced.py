@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.engine.session import Session
+from deepinfer.cache.session import Session
 from deepinfer.weights.loader import load_model
 
 

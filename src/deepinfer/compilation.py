@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from deepinfer.models.forward_batch import ForwardBatch
+from deepinfer.cache.forward_batch import ForwardBatch
 from deepinfer.models.layers.rope import Rotary
 
 logger = logging.getLogger(__name__)

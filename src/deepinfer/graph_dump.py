@@ -16,15 +16,10 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.cache.pools import CacheLayout, allocate_pools
+from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch
 from deepinfer.compilation import compile_step
 from deepinfer.compile_passes import PASSES
-from deepinfer.engine.paged_cache import (
-    CacheLayout,
-    SeqChunk,
-    StepPadding,
-    allocate_pools,
-    build_forward_batch,
-)
 
 GRAPH_ARCHS = ("deepseek_v4", "deepseek_v41", "llama")
 # (chunk lengths, chunk starts) per step; chosen so both steps stay in one top-k regime

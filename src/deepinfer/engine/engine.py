@@ -16,12 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from deepinfer.cache.pools import CacheLayout
 from deepinfer.config import EngineConfig
 from deepinfer.engine.block_pool import BlockPool
 from deepinfer.engine.graph_runner import measure_step_memory
 from deepinfer.engine.model_runner import ModelRunner, PreparedStep
 from deepinfer.engine.output_processor import OutputProcessor
-from deepinfer.engine.paged_cache import CacheLayout
 from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
 from deepinfer.engine.spec_decode import SpecDecoder, build_model_drafter, profile_steps_per_second

@@ -18,14 +18,9 @@ from collections.abc import Callable
 
 import torch
 
-from deepinfer.engine.paged_cache import (
-    CacheLayout,
-    SeqChunk,
-    StepPadding,
-    allocate_pools,
-    build_forward_batch,
-)
-from deepinfer.models.forward_batch import ForwardBatch, LayerPools
+from deepinfer.cache.forward_batch import ForwardBatch, LayerPools
+from deepinfer.cache.pools import CacheLayout, allocate_pools
+from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch
 from deepinfer.platforms import GraphCapture
 
 logger = logging.getLogger(__name__)

@@ -11,16 +11,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from deepinfer.cache.forward_batch import ForwardBatch
+from deepinfer.cache.pools import CacheLayout, allocate_pools
+from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch
 from deepinfer.engine.graph_runner import DecodeGraphRunner
-from deepinfer.engine.paged_cache import (
-    CacheLayout,
-    SeqChunk,
-    StepPadding,
-    allocate_pools,
-    build_forward_batch,
-)
 from deepinfer.engine.scheduler import ScheduledChunk
-from deepinfer.models.forward_batch import ForwardBatch
 from deepinfer.platforms import GraphCapture
 
 

@@ -338,7 +338,7 @@ def profile_steps_per_second(runner, max_tokens: int, repeats: int = 3) -> SpsTa
     """The target's steps per second at batch sizes 1, 2, 4, ... up to ``max_tokens`` tokens,
     measured at engine start on steps of null tokens (they touch only the null block and
     slot). Decode cost at short context; the schedule needs the shape of the curve."""
-    from deepinfer.engine.paged_cache import StepPadding, build_forward_batch
+    from deepinfer.cache.step_metadata import StepPadding, build_forward_batch
 
     sizes, b = [], 1
     while b < max_tokens:

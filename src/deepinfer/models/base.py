@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.models.cache_spec import LayerCacheSpec
-from deepinfer.models.forward_batch import ForwardBatch
+from deepinfer.cache.forward_batch import ForwardBatch
+from deepinfer.cache.layer_spec import LayerCacheSpec
+from deepinfer.cache.session import one_shot_logits
 
 
 class CausalLM(nn.Module):
@@ -36,8 +37,6 @@ class CausalLM(nn.Module):
         batch: ForwardBatch | None = None,
     ) -> torch.Tensor:
         if batch is None:
-            from deepinfer.engine.session import one_shot_logits
-
             return one_shot_logits(self, input_ids)
         if input_ids.dim() != 1 or positions is None or positions.shape != input_ids.shape:
             raise ValueError("with a ForwardBatch, input_ids and positions must both be flat [T] tensors")

@@ -12,10 +12,10 @@ import dataclasses
 import torch
 from torch import nn
 
+from deepinfer.cache.forward_batch import ForwardBatch, LayerPools
+from deepinfer.cache.layer_spec import LayerCacheSpec
 from deepinfer.config import CSA, SLIDING, DeepseekV4Config
 from deepinfer.models.base import CausalLM
-from deepinfer.models.cache_spec import LayerCacheSpec
-from deepinfer.models.forward_batch import ForwardBatch, LayerPools
 from deepinfer.models.layers.attention import Attention
 from deepinfer.models.layers.mhc import HyperConnectedBlock, hc_collapse, hc_expand, hc_head_collapse
 from deepinfer.models.layers.moe import MoE

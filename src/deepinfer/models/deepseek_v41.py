@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.cache.forward_batch import ForwardBatch, LayerPools
+from deepinfer.cache.layer_spec import LayerCacheSpec
 from deepinfer.config_v41 import DeepseekV41Config, LayerRole
 from deepinfer.errors import CheckpointError
 from deepinfer.models.base import CausalLM
-from deepinfer.models.cache_spec import LayerCacheSpec
-from deepinfer.models.forward_batch import ForwardBatch, LayerPools
 from deepinfer.models.layers.attention import LatentAttention
 from deepinfer.models.layers.compressor import Compressor
 from deepinfer.models.layers.engram import (

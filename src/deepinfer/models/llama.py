@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.cache.forward_batch import ForwardBatch, LayerPools
+from deepinfer.cache.layer_spec import LayerCacheSpec
 from deepinfer.errors import CheckpointError
 from deepinfer.kernels.paged_attention import paged_attention
 from deepinfer.models.base import CausalLM
-from deepinfer.models.cache_spec import LayerCacheSpec
-from deepinfer.models.forward_batch import ForwardBatch, LayerPools
 from deepinfer.models.layers.norms import RMSNorm
 
 

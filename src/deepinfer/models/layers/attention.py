@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer.cache.forward_batch import ForwardBatch, LayerPools
 from deepinfer.config import CSA, HCA, DeepseekV4Config
-from deepinfer.models.forward_batch import ForwardBatch, LayerPools
 from deepinfer.models.layers.compressor import Compressor
 from deepinfer.models.layers.fake_quant import fake_quant_fp4_e4m3_scale, fake_quant_fp8_pow2
 from deepinfer.models.layers.gather import gather_rows

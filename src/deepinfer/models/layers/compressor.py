@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from deepinfer.models.forward_batch import CompressorPools, GroupMeta
+from deepinfer.cache.forward_batch import CompressorPools, GroupMeta
 from deepinfer.models.layers.gather import gather_rows
 from deepinfer.models.layers.norms import RMSNorm
 from deepinfer.models.layers.rope import Rotary, apply_rope

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.models.forward_batch import GroupMeta
+from deepinfer.cache.forward_batch import GroupMeta
 from deepinfer.models.layers.fake_quant import fake_quant_fp4_pow2
 from deepinfer.models.layers.gather import gather_rows
 from deepinfer.models.layers.norms import RMSNorm

@@ -12,7 +12,8 @@ import math
 import torch
 from torch import nn
 
-from deepinfer.engine.paged_cache import CacheLayout, SeqChunk, allocate_pools, build_forward_batch
+from deepinfer.cache.pools import CacheLayout, allocate_pools
+from deepinfer.cache.step_metadata import SeqChunk, build_forward_batch
 
 DEFAULT_BLOCK_SIZE = 16
 

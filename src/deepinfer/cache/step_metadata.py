@@ -1,84 +1,18 @@
-"""Paged cache: physical pools sized from ``model.cache_spec()`` and the per-step index
-tensors (``ForwardBatch``) that tell the layers where each token's rows live.
-
-A block covers ``block_size`` tokens, a multiple of every compression ratio, so each block
-holds whole compressed groups and a block boundary is a group boundary (prefix caching
-needs no partial-group state). Per block and layer: the window K=V vectors of its tokens,
-its compressed entries and indexer keys, and (CSA) a snapshot of the compressor overlap at
-the block's end. Per sequence *slot*: the compressors' partial-group buffers and live overlap.
+"""The step-metadata builder: turns one step's chunks (which positions of which sequences
+run, and where their blocks are) into a ``ForwardBatch`` of index tensors, so the layers do
+only gathers, math and scatters. ``StepPadding`` keeps the tensor shapes independent of the
+step's contents for compiled steps and captured graphs.
 """
 
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.models.cache_spec import LayerCacheSpec
-from deepinfer.models.forward_batch import (
-    CompressorPools,
-    ForwardBatch,
-    FullAttentionMeta,
-    GroupMeta,
-    LayerPools,
-)
-
-
-@dataclass(frozen=True)
-class CacheLayout:
-    """Block geometry shared by the cache manager and the batch builder."""
-
-    specs: tuple[LayerCacheSpec, ...]
-    block_size: int
-    window: int
-    ratios: tuple[int, ...]  # distinct compression ratios, ascending
-
-    @classmethod
-    def from_specs(cls, specs: list[LayerCacheSpec], block_size: int) -> CacheLayout:
-        ratios = tuple(sorted({s.ratio for s in specs if s.ratio}))
-        unit = math.lcm(*ratios) if ratios else 1
-        rounded = math.ceil(block_size / unit) * unit
-        windows = {s.window for s in specs}
-        if len(windows) != 1:
-            raise ValueError(f"every layer must share one window size, got {sorted(windows)}")
-        return cls(tuple(specs), rounded, windows.pop(), ratios)
-
-    def block_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes one block costs across all layers (window, entries, keys, snapshots)."""
-        elems = fp32_elems = 0
-        for s in self.specs:
-            elems += self.block_size * s.kv_dim * (2 if s.separate_values else 1)
-            if s.ratio and s.shared_from is None:
-                per = self.block_size // s.ratio
-                elems += per * (s.kv_dim + s.index_dim)
-                if s.overlap:  # overlap snapshots, fp32
-                    fp32_elems += 2 * s.ratio * (s.compressor_width + s.index_width)
-        token_bytes = sum(self.block_size * 8 for s in self.specs if s.token_ids)
-        return elems * torch.empty(0, dtype=dtype).element_size() + fp32_elems * 4 + token_bytes
-
-    def slot_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes one sequence slot costs (partial-group buffers and live overlap)."""
-        elems = 0
-        for s in self.specs:
-            if s.ratio and s.shared_from is None:
-                copies = 2 if s.overlap else 1
-                elems += copies * 2 * s.ratio * (s.compressor_width + s.index_width)
-        return elems * 4  # compressor state is fp32
-
-
-def _compressor_pools(
-    ratio: int, width: int, overlap: bool, num_blocks: int, num_slots: int, dtype: torch.dtype, device
-) -> CompressorPools:
-    def zeros(rows: int) -> torch.Tensor:
-        return torch.zeros(rows, width, dtype=dtype, device=device)
-
-    pools = CompressorPools(buf_kv=zeros(num_slots * ratio), buf_gate=zeros(num_slots * ratio))
-    if overlap:
-        pools.ovl_kv, pools.ovl_gate = zeros(num_slots * ratio), zeros(num_slots * ratio)
-        pools.snap_kv, pools.snap_gate = zeros(num_blocks * ratio), zeros(num_blocks * ratio)
-    return pools
+from deepinfer.cache.forward_batch import ForwardBatch, FullAttentionMeta, GroupMeta, LayerPools
+from deepinfer.cache.pools import CacheLayout
 
 
 @dataclass(frozen=True)
@@ -115,51 +49,6 @@ def _padded_len(n: int, fixed: int | None) -> int:
             raise ValueError(f"step needs {n} rows, more than the padded size {fixed}")
         return fixed
     return max(n, MIN_ROWS)
-
-
-def allocate_pools(
-    layout: CacheLayout, num_blocks: int, num_slots: int, dtype: torch.dtype, device: torch.device
-) -> list[LayerPools]:
-    """Physical pools for ``num_blocks`` blocks and ``num_slots`` sequences, plus one null
-    block (id ``num_blocks``) and one null slot (id ``num_slots``) for padded rows.
-
-    Every pool starts zeroed: masked rows are still gathered (a masked score is zeroed, and
-    ``0 * NaN`` would poison the sum), and some masked rows were never written by their
-    sequence (V4.1's CED prefill skips the decoder layers' window rows before the replay);
-    a row left by an earlier owner of the block is finite. Compressor state stays fp32 (V4.1
-    pools in fp32, and a group split across steps must not round half of itself).
-    """
-    for i, spec in enumerate(layout.specs):
-        src = spec.shared_from
-        owner = layout.specs[src] if src is not None and 0 <= src < i else None
-        if src is not None and (owner is None or owner.shared_from is not None or owner.ratio != spec.ratio):
-            raise ValueError(f"cache_spec: layer {i} shares the entries of layer {src}, not an earlier owner")
-    pools: list[LayerPools] = []
-    bs = layout.block_size
-    num_blocks, num_slots = num_blocks + 1, num_slots + 1  # + the null block and slot
-    for s in layout.specs:
-        layer = LayerPools(window=torch.zeros(num_blocks * bs, s.kv_dim, dtype=dtype, device=device))
-        if s.separate_values:
-            layer.values = torch.zeros(num_blocks * bs, s.kv_dim, dtype=dtype, device=device)
-        if s.token_ids:
-            layer.token_ids = torch.zeros(num_blocks * bs, dtype=torch.long, device=device)
-        if s.ratio and s.shared_from is not None:
-            source = pools[s.shared_from]
-            layer.entries, layer.index_keys = source.entries, source.index_keys
-        elif s.ratio:
-            entries = num_blocks * (bs // s.ratio)
-            layer.entries = torch.zeros(entries, s.kv_dim, dtype=dtype, device=device)
-            layer.compressor = _compressor_pools(
-                s.ratio, s.compressor_width, s.overlap, num_blocks, num_slots, torch.float32, device
-            )
-            if s.index_dim:
-                layer.index_keys = torch.zeros(entries, s.index_dim, dtype=dtype, device=device)
-            if s.index_width:
-                layer.indexer = _compressor_pools(
-                    s.ratio, s.index_width, True, num_blocks, num_slots, torch.float32, device
-                )
-        pools.append(layer)
-    return pools
 
 
 @dataclass
