@@ -19,8 +19,8 @@ import torch
 from deepinfer.cache.pools import CacheLayout, allocate_pools
 from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch
 from deepinfer.compilation import compile_step
-from deepinfer.testing import make_tiny_checkpoint
-from deepinfer.weights.loader import load_model
+from deepinfer.models.loading import load_model
+from deepinfer.tiny import make_tiny_checkpoint
 
 
 def decode_inputs(model, batch: int, position: int, padded: bool):

@@ -19,7 +19,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.benchmarking import decode_weight_bytes, measured_bandwidth_gbs
-from deepinfer.testing import make_tiny_checkpoint
+from deepinfer.tiny import make_tiny_checkpoint
 
 
 def _time(fn, repeats: int) -> float:

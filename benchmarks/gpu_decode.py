@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.testing import make_tiny_checkpoint
+from deepinfer.tiny import make_tiny_checkpoint
 
 # ~1.9B parameters (3.8 GB in bf16): 8 layers, 32 experts of 2048 x 1024, top-6
 BIG = {

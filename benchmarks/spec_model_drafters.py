@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.testing import make_tiny_checkpoint
+from deepinfer.tiny import make_tiny_checkpoint
 
 
 class Timed:

@@ -11,7 +11,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.benchmarking import load_transformers_peer, random_workload
-from deepinfer.models.catalog import resolve_model
+from deepinfer.weights.catalog import resolve_model
 
 NEW = 32
 

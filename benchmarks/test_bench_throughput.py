@@ -15,7 +15,7 @@ from deepinfer.benchmarking import (
     random_workload,
     transformers_throughput,
 )
-from deepinfer.testing import make_tiny_checkpoint
+from deepinfer.tiny import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

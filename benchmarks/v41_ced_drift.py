@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from deepinfer.cache.session import Session
-from deepinfer.testing import make_tiny_checkpoint
-from deepinfer.weights.loader import load_model
+from deepinfer.models.loading import load_model
+from deepinfer.tiny import make_tiny_checkpoint
 
 
 def measure(model, prompt: torch.Tensor, steps: int) -> dict[str, float]:

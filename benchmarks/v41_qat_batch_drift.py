@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.testing import make_tiny_checkpoint
+from deepinfer.tiny import make_tiny_checkpoint
 
 
 def drift(path: Path, fake_quant: bool, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.testing import make_tiny_checkpoint
+from deepinfer.tiny import make_tiny_checkpoint
 
 QUESTIONS = [
     "What is the capital of France?",

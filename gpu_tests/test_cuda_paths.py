@@ -23,7 +23,7 @@ import torch
 from greedy_compare import assert_same_up_to_near_ties, greedy_params
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.testing import make_tiny_checkpoint
+from deepinfer.tiny import make_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 ARCHS = ["deepseek_v4", "deepseek_v41", "llama"]

@@ -71,7 +71,7 @@ def exact_next_token(
 ) -> Callable[[tuple[int, ...]], torch.Tensor]:
     """The target's exact sampling distribution (no filters) after ``prompt + prefix``,
     from the plain model forward over the whole sequence."""
-    from deepinfer.weights.loader import load_model
+    from deepinfer.models.loading import load_model
 
     model = load_model(path)
 

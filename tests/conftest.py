@@ -8,7 +8,7 @@ import pytest
 import torch
 from stable_topk_patch import stable_indexer_topk
 
-from deepinfer.testing import make_tiny_checkpoint
+from deepinfer.tiny import make_tiny_checkpoint
 
 torch.set_num_threads(2)
 

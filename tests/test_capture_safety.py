@@ -14,10 +14,10 @@ from deepinfer.cache.layer_spec import LayerCacheSpec
 from deepinfer.cache.pools import CacheLayout, allocate_pools
 from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch
 from deepinfer.engine.graph_runner import DecodeGraphRunner
+from deepinfer.models.loading import load_model
 from deepinfer.sampling.sampler import SamplingRow, apply_processors
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.testing import make_tiny_checkpoint
-from deepinfer.weights.loader import load_model
+from deepinfer.tiny import make_tiny_checkpoint
 
 
 def _item(x):

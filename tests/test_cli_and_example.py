@@ -72,7 +72,7 @@ def test_offline_inference_example_runs_the_real_model():
 
 
 def test_offline_inference_example_on_a_checkpoint_dir(tmp_path):
-    from deepinfer.testing import make_tiny_checkpoint
+    from deepinfer.tiny import make_tiny_checkpoint
 
     ck = make_tiny_checkpoint(tmp_path / "ck")
     run = subprocess.run(

@@ -14,8 +14,8 @@ from torch._dynamo.utils import counters
 from deepinfer.cache.pools import CacheLayout, allocate_pools
 from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch
 from deepinfer.compilation import PassManager, compile_step
-from deepinfer.testing import make_tiny_checkpoint
-from deepinfer.weights.loader import load_model
+from deepinfer.models.loading import load_model
+from deepinfer.tiny import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -33,8 +33,8 @@ from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.testing import make_tiny_checkpoint
-from deepinfer.weights.loader import load_model
+from deepinfer.models.loading import load_model
+from deepinfer.tiny import make_tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 from stable_topk_patch import stable_indexer_topk  # noqa: E402

@@ -20,7 +20,7 @@ from deepinfer.models.layers.engram import (
     engram_multipliers,
     engram_primes,
 )
-from deepinfer.weights.loader import load_model
+from deepinfer.models.loading import load_model
 
 
 def test_real_tokenizer_map_has_the_released_size():
@@ -126,7 +126,7 @@ def test_identity_map_without_a_tokenizer_is_made_on_the_weights_device(tmp_path
     from v41_reference import reference_logits
 
     from deepinfer import LLM, SamplingParams
-    from deepinfer.testing import make_tiny_checkpoint
+    from deepinfer.tiny import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path / "v41", arch="deepseek_v41", tokenizer=False)
     model = load_model(ckpt)
@@ -144,7 +144,7 @@ def test_identity_map_without_a_tokenizer_is_made_on_the_weights_device(tmp_path
 
 def test_non_identity_map_without_a_tokenizer_is_a_clear_error(tmp_path):
     from deepinfer.errors import CheckpointError
-    from deepinfer.testing import make_tiny_checkpoint
+    from deepinfer.tiny import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path / "v41", arch="deepseek_v41")
     (ckpt / "tokenizer.json").unlink()

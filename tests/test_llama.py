@@ -9,7 +9,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams, load_model
 from deepinfer.cache.session import Session
-from deepinfer.testing import make_tiny_checkpoint
+from deepinfer.tiny import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module", params=["llama", "llama_untied_llama3_rope"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.testing import EOS_ID
+from deepinfer.tiny import EOS_ID
 
 
 @pytest.fixture(scope="module")

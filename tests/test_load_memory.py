@@ -6,7 +6,7 @@ import subprocess
 import sys
 import textwrap
 
-from deepinfer.testing import make_tiny_checkpoint
+from deepinfer.tiny import make_tiny_checkpoint
 
 _MEASURE = textwrap.dedent(
     """

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deepinfer import load_model
-from deepinfer.config import CSA, HCA
+from deepinfer.models.deepseek_v4_config import CSA, HCA
 
 TOL = 1e-4
 

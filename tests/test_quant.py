@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from deepinfer import load_model
-from deepinfer.testing import random_state_dict, tiny_config, write_safetensors
+from deepinfer.tiny import random_state_dict, tiny_config
 from deepinfer.weights.quant import dequantize_fp4, dequantize_fp8_blocks, quantize_fp4, quantize_fp8_blocks
+from deepinfer.weights.writer import write_safetensors
 
 
 def test_fp4_decoding_follows_the_e2m1_code_table():
@@ -77,10 +78,11 @@ def test_fp8_checkpoint_matches_its_dequantized_twin(v4_fp8_ckpt, tmp_path, hf_r
 
 def test_quantization_changes_weights_but_only_slightly():
     """The fp8/fp4 tiny checkpoint is a faithful quantization of the fp32 random weights."""
-    from deepinfer.testing import quantize_state_dict
+    from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from deepinfer.weights.writer import quantize_state_dict
 
     state = random_state_dict(tiny_config(), seed=3)
-    q = quantize_state_dict(state, (32, 32))
+    q = quantize_state_dict(state, (32, 32), DeepseekV4ForCausalLM.fp32_param_markers)
     name = "layers.1.ffn.experts.0.w1.weight"
     back = dequantize_fp4(q[name], q[name[: -len("weight")] + "scale"])
     rel = (back - state[name]).norm() / state[name].norm()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, CheckpointError, SamplingParams, load_model
-from deepinfer.models.catalog import resolve_model, smollm2_gguf_path
+from deepinfer.weights.catalog import resolve_model, smollm2_gguf_path
 from deepinfer.weights.gguf_convert import convert_gguf_llama
 
 QUESTIONS = [

@@ -14,7 +14,7 @@ from mutations import accept_every_draft, wrong_from
 from rounding import assert_equal_up_to_rounding_flips
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.testing import make_tiny_checkpoint
+from deepinfer.tiny import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -329,7 +329,7 @@ def test_hardware_schedule_verifies_less_as_concurrency_grows(llama):
     """Algorithm 1 in the engine with a synthetic steps-per-second table (fast up to 16
     tokens, half as fast beyond): one request verifies its whole oracle draft, sixteen
     concurrent requests verify none; outputs stay equal to plain decoding."""
-    from deepinfer.spec.schedule import SpsTable
+    from deepinfer.speculative.schedule import SpsTable
 
     rng = random.Random(8)
     prompts = [[rng.randrange(3, 200) for _ in range(rng.randrange(3, 20))] for _ in range(16)]

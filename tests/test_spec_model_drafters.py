@@ -24,13 +24,13 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.engine.spec_decode import SpecDecoder
 from deepinfer.models.layers.mhc import hc_collapse, hc_expand, hc_head_collapse
 from deepinfer.models.layers.rope import apply_rope
-from deepinfer.spec.config import SpeculativeConfig
-from deepinfer.spec.drafter import Draft, DraftRequest
-from deepinfer.spec.dspark import DSparkDrafter
-from deepinfer.spec.mtp import MtpDrafter
-from deepinfer.spec.schedule import SpsTable, capacity_from, threshold_schedule
-from deepinfer.testing import make_tiny_checkpoint
-from deepinfer.weights.loader import load_model
+from deepinfer.models.loading import load_model
+from deepinfer.speculative.config import SpeculativeConfig
+from deepinfer.speculative.drafter import Draft, DraftRequest
+from deepinfer.speculative.dspark import DSparkDrafter
+from deepinfer.speculative.mtp import MtpDrafter
+from deepinfer.speculative.schedule import SpsTable, capacity_from, threshold_schedule
+from deepinfer.tiny import make_tiny_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -350,7 +350,7 @@ def test_dspark_drafts_its_block_and_refuses_bad_configs(v41):
 
 def test_draft_sampling_uses_the_requests_filters():
     """Non-greedy drafts come from the request's filtered distribution (top-k 1 = argmax)."""
-    from deepinfer.spec.drafter import sample_drafts
+    from deepinfer.speculative.drafter import sample_drafts
 
     logits = torch.tensor([[0.0, 3.0, 1.0, -1.0], [2.0, 0.0, 0.0, 5.0]])
     reqs = [

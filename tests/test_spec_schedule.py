@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.spec.schedule import (
+from deepinfer.speculative.schedule import (
     SpsTable,
     capacity_from,
     hardware_schedule,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deepinfer.sampling.rejection import rejection_sample
-from deepinfer.spec.ngram import NgramDrafter
+from deepinfer.speculative.ngram import NgramDrafter
 
 # chi-square critical values at p = 0.001 (df -> value), from standard tables
 CHI2_999 = {4: 18.47, 24: 51.18}
@@ -96,8 +96,8 @@ def test_one_batched_verification_equals_each_request_verified_alone():
     from deepinfer.engine.request import Request
     from deepinfer.engine.spec_decode import SpecDecoder
     from deepinfer.sampling_params import SamplingParams
-    from deepinfer.spec.config import SpeculativeConfig
-    from deepinfer.spec.drafter import Draft
+    from deepinfer.speculative.config import SpeculativeConfig
+    from deepinfer.speculative.drafter import Draft
 
     vocab = 11
     gen = torch.Generator().manual_seed(3)

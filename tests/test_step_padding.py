@@ -19,10 +19,10 @@ from deepinfer.cache.pools import CacheLayout, allocate_pools
 from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch
 from deepinfer.engine import engine as engine_module
 from deepinfer.engine.graph_runner import DecodeGraphRunner, decode_buckets
+from deepinfer.models.loading import load_model
 from deepinfer.platforms import Platform
 from deepinfer.platforms.cpu import replay_eagerly
-from deepinfer.testing import make_tiny_checkpoint
-from deepinfer.weights.loader import load_model
+from deepinfer.tiny import make_tiny_checkpoint
 
 ARCHS = ["deepseek_v4", "deepseek_v41", "llama"]
 BLOCKS, SLOTS, PER_SEQ = 24, 4, 6

@@ -11,7 +11,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.cache.session import Session
-from deepinfer.weights.loader import load_model
+from deepinfer.models.loading import load_model
 
 
 @pytest.fixture(scope="module")

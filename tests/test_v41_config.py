@@ -9,9 +9,9 @@ import copy
 import pytest
 import torch
 
-from deepinfer.config_v41 import deepseek_v41_config_from_dict
 from deepinfer.errors import CheckpointError
 from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
+from deepinfer.models.deepseek_v41_config import deepseek_v41_config_from_dict
 from deepinfer.models.param_count import count_parameters
 from deepinfer.models.registry import resolve
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.weights.loader import load_model
+from deepinfer.models.loading import load_model
 
 
 def test_mixing_matrices_are_doubly_stochastic(v41_ckpt):

@@ -13,9 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 from deepinfer.errors import CheckpointError
-from deepinfer.testing import make_tiny_checkpoint, write_safetensors
-from deepinfer.weights.loader import load_model
+from deepinfer.models.loading import load_model
+from deepinfer.tiny import make_tiny_checkpoint
 from deepinfer.weights.quant import dequantize_fp4
+from deepinfer.weights.writer import write_safetensors
 
 
 @pytest.fixture(scope="module")

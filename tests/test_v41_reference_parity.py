@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer.testing import make_tiny_checkpoint
-from deepinfer.weights.loader import load_model
+from deepinfer.models.loading import load_model
+from deepinfer.tiny import make_tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 from v41_reference import reference_logits  # noqa: E402

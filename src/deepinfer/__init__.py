@@ -2,9 +2,9 @@
 
 from deepinfer.errors import CheckpointError
 from deepinfer.llm import LLM
+from deepinfer.models.loading import load_model
 from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.weights.loader import load_model
 
 __all__ = [
     "LLM",

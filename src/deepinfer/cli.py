@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.testing import TINY_CONFIGS
+from deepinfer.tiny import TINY_CONFIGS
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
-    from deepinfer.testing import make_tiny_checkpoint
+    from deepinfer.tiny import make_tiny_checkpoint
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     quant = None if args.quant == "none" else args.quant
@@ -77,7 +77,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
         random_workload,
         transformers_throughput_runs,
     )
-    from deepinfer.testing import make_tiny_checkpoint
+    from deepinfer.tiny import make_tiny_checkpoint
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -123,7 +123,7 @@ if kind == "deepinfer":
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
 else:
     from deepinfer.benchmarking import load_transformers_peer
-    from deepinfer.models.catalog import resolve_model
+    from deepinfer.weights.catalog import resolve_model
     peer = load_transformers_peer(resolve_model(model))
     with torch.no_grad():
         peer.generate(torch.tensor([[5, 6, 7]]), do_sample=False, max_new_tokens=1)

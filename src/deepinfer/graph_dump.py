@@ -97,8 +97,8 @@ def _step_inputs(model, lengths: list[int], starts: list[int]):
 
 
 def trace_tiny(arch: str, workdir: Path | None = None) -> TracedTiny:
-    from deepinfer.testing import make_tiny_checkpoint
-    from deepinfer.weights.loader import load_model
+    from deepinfer.models.loading import load_model
+    from deepinfer.tiny import make_tiny_checkpoint
 
     workdir = Path(workdir or tempfile.mkdtemp(prefix="deepinfer-graphs-"))
     model = load_model(make_tiny_checkpoint(workdir / arch, arch=arch, seed=0))

@@ -13,9 +13,9 @@ import torch
 from deepinfer.config import EngineConfig
 from deepinfer.engine.engine import Engine
 from deepinfer.engine.request import Request
+from deepinfer.models.loading import load_model
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.weights.loader import load_model
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -57,7 +57,7 @@ class LLM:
 
     def __init__(self, model: str | Path, **engine_kwargs: Any) -> None:
         self.config = engine_config(**engine_kwargs)
-        from deepinfer.models.catalog import resolve_model
+        from deepinfer.weights.catalog import resolve_model
 
         self.path = resolve_model(model)
         self.model = load_model(

@@ -24,10 +24,10 @@ import torch
 from deepinfer.engine.request import Request
 from deepinfer.sampling.rejection import acceptance_and_recovery, assemble_tokens
 from deepinfer.sampling.sampler import filter_log_probs, needs_history
-from deepinfer.spec.config import SpeculativeConfig
-from deepinfer.spec.drafter import Draft, DraftRequest, ModelDrafter
-from deepinfer.spec.ngram import NgramDrafter
-from deepinfer.spec.schedule import (
+from deepinfer.speculative.config import SpeculativeConfig
+from deepinfer.speculative.drafter import Draft, DraftRequest, ModelDrafter
+from deepinfer.speculative.ngram import NgramDrafter
+from deepinfer.speculative.schedule import (
     SpsTable,
     capacity_from,
     hardware_schedule,
@@ -315,7 +315,7 @@ def build_model_drafter(model, config: SpeculativeConfig, num_slots: int) -> Mod
     """The drafter ``config.method`` names, over the target's own draft layers (None: n-gram)."""
     if config.method == "dspark":
         from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
-        from deepinfer.spec.dspark import DSparkDrafter
+        from deepinfer.speculative.dspark import DSparkDrafter
 
         if not isinstance(model, DeepseekV41ForCausalLM):
             raise ValueError(
@@ -324,7 +324,7 @@ def build_model_drafter(model, config: SpeculativeConfig, num_slots: int) -> Mod
         return DSparkDrafter(model, num_slots, config.num_speculative_tokens)
     if config.method == "mtp":
         from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
-        from deepinfer.spec.mtp import MtpDrafter
+        from deepinfer.speculative.mtp import MtpDrafter
 
         if not isinstance(model, DeepseekV4ForCausalLM):
             raise ValueError(

@@ -14,8 +14,8 @@ from torch import nn
 
 from deepinfer.cache.forward_batch import ForwardBatch, LayerPools
 from deepinfer.cache.layer_spec import LayerCacheSpec
-from deepinfer.config import CSA, SLIDING, DeepseekV4Config
 from deepinfer.models.base import CausalLM
+from deepinfer.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config
 from deepinfer.models.layers.attention import Attention
 from deepinfer.models.layers.mhc import HyperConnectedBlock, hc_collapse, hc_expand, hc_head_collapse
 from deepinfer.models.layers.moe import MoE
@@ -52,7 +52,7 @@ class MtpBlock(Block):
     """V4's next-n (MTP) layer ``mtp.{k}`` (techniques.md §1.5; the official V4 ``MTPBlock``):
     a sliding-window block whose input mixes the embedding of the next token with the
     backbone's final streams, with its own ``hc_head`` collapse and norm before the shared
-    head. Only the drafter runs it (``deepinfer.spec.mtp``)."""
+    head. Only the drafter runs it (``deepinfer.speculative.mtp``)."""
 
     def __init__(self, cfg: DeepseekV4Config, main_rope: Rotary, compress_rope: Rotary) -> None:
         layer = cfg.num_hidden_layers
@@ -80,7 +80,10 @@ class DeepseekV4ForCausalLM(CausalLM):
     """The V4-Flash backbone + head. ``model(input_ids)`` returns full logits (no cache)."""
 
     # Parameters the reference keeps in fp32 whatever the compute dtype (model_spec.md §2.10).
-    FP32_PARAM_MARKERS = ("norm.weight", "hc_", "attn_sink", ".ape", "gate.bias")
+    fp32_param_markers = ("norm.weight", "hc_", "attn_sink", ".ape", "gate.bias")
+    # The MTP layer: unused when the config asks for none, optional when it does.
+    ignored_checkpoint_prefixes = ("mtp.",)
+    optional_checkpoint_prefix = "mtp."
 
     def __init__(self, cfg: DeepseekV4Config) -> None:
         super().__init__()
@@ -105,6 +108,9 @@ class DeepseekV4ForCausalLM(CausalLM):
     @property
     def compute_dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
+
+    def drop_optional_layers(self) -> None:
+        self.mtp = nn.ModuleList()
 
     def cache_spec(self) -> list[LayerCacheSpec]:
         cfg = self.config

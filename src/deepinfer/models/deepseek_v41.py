@@ -27,15 +27,16 @@ from torch import nn
 
 from deepinfer.cache.forward_batch import ForwardBatch, LayerPools
 from deepinfer.cache.layer_spec import LayerCacheSpec
-from deepinfer.config_v41 import DeepseekV41Config, LayerRole
 from deepinfer.errors import CheckpointError
 from deepinfer.models.base import CausalLM
+from deepinfer.models.deepseek_v41_config import DeepseekV41Config, LayerRole
 from deepinfer.models.layers.attention import LatentAttention
 from deepinfer.models.layers.compressor import Compressor
 from deepinfer.models.layers.engram import (
     DEAD,
     Engram,
     EngramLayout,
+    EngramTable,
     build_compressed_token_map,
     engram_hash_ids,
 )
@@ -203,7 +204,7 @@ class DeepseekV41ForCausalLM(CausalLM):
 
     # Kept in fp32 whatever the compute dtype (model_spec.md §2.10; REF keeps the pooling
     # compressor, the head and the DSpark confidence head in fp32 too).
-    FP32_PARAM_MARKERS = (
+    fp32_param_markers = (
         "norm.weight",
         "hc_",
         "attn_sink",
@@ -213,8 +214,11 @@ class DeepseekV41ForCausalLM(CausalLM):
         "confidence_head",
     )
     # Vision tower and the image routing bias: deepinfer serves text (skipped with one warning).
-    SKIPPED_CHECKPOINT_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
-    SKIPPED_CHECKPOINT_SUFFIXES = (".bias_vl",)
+    skipped_checkpoint_prefixes = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
+    skipped_checkpoint_suffixes = (".bias_vl",)
+    # The DSpark stages: unused when the config asks for none, optional when it does.
+    ignored_checkpoint_prefixes = ("mtp.",)
+    optional_checkpoint_prefix = "mtp."
 
     def __init__(self, cfg: DeepseekV41Config) -> None:
         super().__init__()
@@ -269,11 +273,24 @@ class DeepseekV41ForCausalLM(CausalLM):
     def keeps_fp32(self, name: str) -> bool:
         """Whether a loaded tensor stays fp32: the markers, plus the pooling (ratio > 1)
         compressor's ``wkv``; the ratio-1 compressor is a plain projection in compute dtype."""
-        if any(m in name for m in self.FP32_PARAM_MARKERS):
+        if super().keeps_fp32(name):
             return True
         if name.endswith("attn.compressor.wkv.weight") and name.startswith("layers."):
             return self.plan[int(name.split(".")[1])].ratio > 1
         return False
+
+    def keeps_stored(self, name: str) -> bool:
+        """Engram tables stay fp8 with their per-32 scales (dequantised per looked-up row)."""
+        owner, _, leaf = name.rpartition(".")
+        return leaf == "weight" and isinstance(self.get_submodule(owner), EngramTable)
+
+    def keep_stored(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        table = self.get_submodule(name.rpartition(".")[0])
+        assert isinstance(table, EngramTable)
+        table.keep_stored(weight, scale)
+
+    def drop_optional_layers(self) -> None:
+        self.mtp = nn.ModuleList()
 
     # -- Engram token map ------------------------------------------------------------------
 
@@ -297,7 +314,7 @@ class DeepseekV41ForCausalLM(CausalLM):
         self.token_map = torch.tensor(lookup + [pad] * (cfg.vocab_size - len(lookup)), dtype=torch.long)
         self._engram_pad = pad
 
-    def bind_checkpoint(self, path: Path) -> None:
+    def post_load(self, path: Path) -> None:
         """After loading: bind the checkpoint's tokenizer for Engram (when the model has it)."""
         if not self.config.engram_layer_ids:
             return

@@ -4,7 +4,7 @@ Each stage is a sliding-window-only V4.1 block with its own smaller MoE. Stage 0
 the target layers' input means (``main_proj``, ``main_norm``); the last stage carries the final
 ``norm``, the Markov head (a rank-``dspark_markov_rank`` bigram logit bias) and the confidence
 head. The stages share ``embed`` and ``head`` with the backbone. This module holds the weights;
-the drafting loop that runs them belongs to speculative decoding (``deepinfer.spec``).
+the drafting loop that runs them belongs to speculative decoding (``deepinfer.speculative``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from deepinfer.config_v41 import DeepseekV41Config, LayerRole
+from deepinfer.models.deepseek_v41_config import DeepseekV41Config, LayerRole
 from deepinfer.models.layers.norms import RMSNorm
 from deepinfer.models.layers.rope import Rotary
 

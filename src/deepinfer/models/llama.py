@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -195,8 +196,6 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    FP32_PARAM_MARKERS = ()
-
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -210,7 +209,7 @@ class LlamaForCausalLM(CausalLM):
     def compute_dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
-    def post_load(self) -> None:
+    def post_load(self, path: Path) -> None:
         """Called by the loader once weights are in place: fuse q/k/v and gate/up."""
         for layer in self.model.layers:
             layer.self_attn.fuse()

@@ -1,4 +1,4 @@
-"""Load a checkpoint directory into a model built on the meta device.
+"""Load a checkpoint directory into a model built on the meta device (``load_weights``).
 
 Tensors are read one at a time from safetensors files (format by the ``safetensors``
 project; read here with plain file reads, see ``SafetensorsFile``) and assigned in place, so
@@ -12,22 +12,18 @@ import json
 import logging
 import math
 import struct
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from deepinfer.errors import CheckpointError
-from deepinfer.models.registry import resolve
 from deepinfer.weights.quant import PACKED_FP4_DTYPES, dequantize_fp4, dequantize_fp8_blocks
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-# Checkpoint prefixes a model does not use unless it says otherwise (V4's MTP layer).
-IGNORED_PREFIXES = ("mtp.",)
-# Draft layers a model builds but can serve without (V4's MTP, V4.1's DSpark stages).
-OPTIONAL_PREFIX = "mtp."
 logger = logging.getLogger(__name__)
 
 
@@ -182,23 +178,43 @@ def _check_dtype(name: str, file: Path, tensor: torch.Tensor, expected: torch.Te
         raise CheckpointError(f"{file}: tensor {name!r} has dtype {tensor.dtype}, expected an integer dtype")
 
 
-def load_weights(model: nn.Module, path: Path, dtype: torch.dtype, device: torch.device, quant: Any) -> None:
+class LoadableModel(Protocol):
+    """What the loader asks of a model: the ``nn.Module`` calls it makes and the hooks every
+    ``deepinfer.models.base.CausalLM`` declares with defaults."""
+
+    ignored_checkpoint_prefixes: tuple[str, ...]
+    skipped_checkpoint_prefixes: tuple[str, ...]
+    skipped_checkpoint_suffixes: tuple[str, ...]
+    optional_checkpoint_prefix: str | None
+
+    def keeps_fp32(self, name: str) -> bool: ...
+    def keeps_stored(self, name: str) -> bool: ...
+    def keep_stored(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> None: ...
+    def drop_optional_layers(self) -> None: ...
+    def state_dict(self, *, keep_vars: bool) -> dict[str, Any]: ...
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+    def get_submodule(self, target: str) -> nn.Module: ...
+
+
+def load_weights(
+    model: LoadableModel, path: Path, dtype: torch.dtype, device: torch.device, quant: Any
+) -> None:
     """Fill a meta-device ``model`` from the checkpoint at ``path`` (strict: all and only)."""
     reader = _Reader(checkpoint_files(path))
     persistent = set(model.state_dict(keep_vars=True))  # not runtime buffers (stacked experts)
     expected = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()] if n in persistent}
     missing = sorted(n for n in expected if n not in reader.names)
-    if missing and all(n.startswith(OPTIONAL_PREFIX) for n in missing) and hasattr(model, "mtp"):
+    optional = model.optional_checkpoint_prefix
+    if missing and optional is not None and all(n.startswith(optional) for n in missing):
         # a checkpoint without its draft layers (converted or trimmed): serve without them
-        drafts = sorted(n for n in expected if n.startswith(OPTIONAL_PREFIX))
+        drafts = sorted(n for n in expected if n.startswith(optional))
         if len(missing) == len(drafts):
             logger.warning(
-                "%s: no %s* tensors; speculative decoding with mtp/dspark is unavailable",
-                path,
-                OPTIONAL_PREFIX,
+                "%s: no %s* tensors; speculative decoding with mtp/dspark is unavailable", path, optional
             )
-            model.mtp = nn.ModuleList()
-            expected = {n: t for n, t in expected.items() if not n.startswith(OPTIONAL_PREFIX)}
+            model.drop_optional_layers()
+            expected = {n: t for n, t in expected.items() if not n.startswith(optional)}
             missing = []
     if missing:
         shown = ", ".join(repr(n) for n in missing[:5])
@@ -207,8 +223,6 @@ def load_weights(model: nn.Module, path: Path, dtype: torch.dtype, device: torch
             "(does config.json match these weights?)"
         )
     consumed: set[str] = set()
-    markers = getattr(model, "FP32_PARAM_MARKERS", ())
-    keeps_fp32 = getattr(model, "keeps_fp32", lambda n: any(m in n for m in markers))
     for name, slot in expected.items():
         if _keep_stored(model, reader, name, device):
             consumed |= {name, name[: -len("weight")] + "scale"}
@@ -223,14 +237,12 @@ def load_weights(model: nn.Module, path: Path, dtype: torch.dtype, device: torch
                 f"{tuple(slot.shape)} (does config.json match these weights?)"
             )
         if slot.is_floating_point():
-            target = torch.float32 if keeps_fp32(name) else dtype
+            target = torch.float32 if model.keeps_fp32(name) else dtype
             tensor = tensor.to(device=device, dtype=target)
         else:
             tensor = tensor.to(device=device, dtype=slot.dtype)
         _assign(model, name, tensor)
-    ignored = getattr(model, "IGNORED_CHECKPOINT_PREFIXES", IGNORED_PREFIXES)
-    skip_prefixes = getattr(model, "SKIPPED_CHECKPOINT_PREFIXES", ())
-    skip_suffixes = getattr(model, "SKIPPED_CHECKPOINT_SUFFIXES", ())
+    skip_prefixes, skip_suffixes = model.skipped_checkpoint_prefixes, model.skipped_checkpoint_suffixes
     skipped = [n for n in reader.names if n.startswith(skip_prefixes) or n.endswith(skip_suffixes)]
     if skipped:
         logger.warning(
@@ -240,6 +252,7 @@ def load_weights(model: nn.Module, path: Path, dtype: torch.dtype, device: torch
             ", ".join(sorted(skipped)[:2]),
         )
     consumed |= set(skipped)
+    ignored = model.ignored_checkpoint_prefixes
     unexpected = sorted(n for n in reader.names if n not in consumed and not n.startswith(ignored))
     if unexpected:
         shown = ", ".join(f"{n!r} ({reader.file_of(n).name})" for n in unexpected[:5])
@@ -249,25 +262,23 @@ def load_weights(model: nn.Module, path: Path, dtype: torch.dtype, device: torch
         )
 
 
-def _keep_stored(model: nn.Module, reader: _Reader, name: str, device: torch.device) -> bool:
-    """Hand an fp8 tensor and its scale as stored to a module that keeps them (Engram tables,
-    dequantised per looked-up row) instead of dequantising on load."""
-    owner_name, _, leaf = name.rpartition(".")
-    owner = model.get_submodule(owner_name) if owner_name else model
-    if leaf != "weight" or not hasattr(owner, "keep_stored") or reader.dtype_of(name) != torch.float8_e4m3fn:
+def _keep_stored(model: LoadableModel, reader: _Reader, name: str, device: torch.device) -> bool:
+    """Hand an fp8 tensor and its scale as stored to the model when it keeps them (Engram
+    tables, dequantised per looked-up row) instead of dequantising on load."""
+    if not model.keeps_stored(name) or reader.dtype_of(name) != torch.float8_e4m3fn:
         return False
     raw = reader.get(name)
     scale_name = name[: -len("weight")] + "scale"
     if scale_name not in reader.names:
         raise CheckpointError(f"{reader.file_of(name)}: fp8 tensor {name!r} has no {scale_name!r}")
     try:
-        owner.keep_stored(raw.to(device), reader.get(scale_name).to(device))
+        model.keep_stored(name, raw.to(device), reader.get(scale_name).to(device))
     except ValueError as exc:
         raise CheckpointError(f"{reader.file_of(name)}: tensor {name!r}: {exc}") from exc
     return True
 
 
-def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+def _assign(model: LoadableModel, name: str, tensor: torch.Tensor) -> None:
     owner_name, _, leaf = name.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
     current = owner._parameters.get(leaf)
@@ -278,48 +289,3 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
         owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
     else:
         owner._buffers[leaf] = tensor
-
-
-def load_model(
-    path: str | Path,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    fake_quant: bool | None = None,
-) -> nn.Module:
-    """Build the architecture named in ``config.json`` and load its weights.
-
-    Returns an ``nn.Module`` in eval mode; ``model(input_ids)`` gives full fp32 logits.
-    ``fake_quant`` applies the QAT activation rounding of the released models; None takes the
-    model's default (off for V4, as transformers 5.24 applies none; on for V4.1, whose
-    reference forward rounds).
-    """
-    from deepinfer.config import load_config_json
-    from deepinfer.models.catalog import NAMED_MODELS, resolve_model
-    from deepinfer.platforms import resolve_device
-
-    device = resolve_device(device)
-    path = resolve_model(path)
-    if not path.is_dir():
-        raise CheckpointError(
-            f"checkpoint directory {path} does not exist (named models: {', '.join(NAMED_MODELS)})"
-        )
-    raw = load_config_json(path)
-    cfg, cls = resolve(raw)
-    if fake_quant and not hasattr(cfg, "fake_quant"):
-        raise ValueError(f"fake_quant: {type(cfg).__name__} has no QAT fake-quant steps")
-    if hasattr(cfg, "fake_quant") and fake_quant is not None:
-        cfg.fake_quant = fake_quant
-    with torch.device("meta"):
-        model = cls(cfg)
-    for module in model.modules():  # MoE: experts load straight into stacked per-layer tensors
-        if hasattr(module, "allocate_stacked_experts"):
-            module.allocate_stacked_experts(dtype, torch.device(device))
-    # the parsed config knows the fp8 block size also when config.json is the flat reference one
-    quant = getattr(cfg, "quantization", None) or raw.get("quantization_config")
-    load_weights(model, path, dtype, torch.device(device), quant)
-    if hasattr(model, "post_load"):
-        model.post_load()
-
-    if hasattr(model, "bind_checkpoint"):
-        model.bind_checkpoint(path)
-    return model.eval()

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from deepinfer.cache.forward_batch import ForwardBatch, LayerPools
-from deepinfer.config import CSA, HCA, DeepseekV4Config
+from deepinfer.models.deepseek_v4_config import CSA, HCA, DeepseekV4Config
 from deepinfer.models.layers.compressor import Compressor
 from deepinfer.models.layers.fake_quant import fake_quant_fp4_e4m3_scale, fake_quant_fp8_pow2
 from deepinfer.models.layers.gather import gather_rows

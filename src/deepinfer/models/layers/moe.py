@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.config import DeepseekV4Config
 from deepinfer.kernels.moe import routed_experts
+from deepinfer.models.deepseek_v4_config import DeepseekV4Config
 
 
 class Expert(nn.Module):

@@ -8,10 +8,19 @@ V4 rotates *adjacent* channel pairs of the last ``rope_dim`` channels of a vecto
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from deepinfer.config import YarnParams
+
+@dataclass
+class YarnParams:
+    """YaRN frequency scaling (no mscale: attention_factor is 1.0 for V4)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
 
 
 def rope_inv_freq(rope_dim: int, theta: float, yarn: YarnParams | None) -> torch.Tensor:

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM, first_site_pre_mix
 from deepinfer.models.layers.mhc import hc_collapse, hc_expand
-from deepinfer.spec.draft_ring import DraftRing, kept_rows
-from deepinfer.spec.drafter import Draft, DraftRequest, sample_drafts
+from deepinfer.speculative.draft_ring import DraftRing, kept_rows
+from deepinfer.speculative.drafter import Draft, DraftRequest, sample_drafts
 
 
 class DSparkDrafter:

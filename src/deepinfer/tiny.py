@@ -14,11 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from deepinfer.models.registry import resolve
-from deepinfer.weights.quant import quantize_fp4, quantize_fp8_blocks
+from deepinfer.weights.writer import quantize_state_dict, write_safetensors
 
 BOS_ID, EOS_ID, BYTE_OFFSET = 0, 1, 2
 LLAMA_BRANCH_GAIN = 8.0
@@ -211,20 +209,6 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     },
 }
 
-# Official fp8 checkpoints keep these in bf16 (compressor, indexer weights_proj, wo_a, gate).
-_FP8_LINEARS = (
-    "attn.wq_a.",
-    "attn.wq_b.",
-    "attn.wkv.",
-    "attn.wo_b.",
-    "indexer.wq_b.",
-    "shared_experts.",
-    "engram.wkv.",
-    "main_proj.",
-)
-# Engram tables: fp8 rows with one ue8m0 scale per 32 channels.
-_FP8_ROW_TABLES = ("engram.embed.weight",)
-
 
 def tiny_config(arch: str = "deepseek_v4", **overrides: Any) -> dict[str, Any]:
     """The raw ``config.json`` dict of a tiny architecture, with optional field overrides
@@ -276,47 +260,6 @@ def random_state_dict(raw_config: dict[str, Any], seed: int) -> dict[str, torch.
         else:  # linear weights: unit-variance outputs so every block does visible work
             state[name] = randn(*shape, std=1.0 / math.sqrt(shape[-1]))
     return state
-
-
-def quantize_state_dict(
-    state: dict[str, torch.Tensor], block: tuple[int, int], fp32_markers: tuple[str, ...] = ()
-) -> dict[str, torch.Tensor]:
-    """fp8 e4m3 block-scaled attention/shared-expert linears, fp4 routed experts, fp8 Engram
-    rows with per-32 scales, bf16 rest (``fp32_markers`` name what stays fp32)."""
-    markers = fp32_markers or DeepseekV4ForCausalLM.FP32_PARAM_MARKERS
-    out: dict[str, torch.Tensor] = {}
-    for name, t in state.items():
-        scale_name = name[: -len("weight")] + "scale"
-        if ".experts." in name and name.endswith(".weight"):
-            out[name], out[scale_name] = quantize_fp4(t)
-        elif name.endswith(_FP8_ROW_TABLES):
-            out[name], out[scale_name] = quantize_fp8_blocks(t, (1, 32))
-        elif name.endswith(".weight") and any(m in name for m in _FP8_LINEARS):
-            out[name], out[scale_name] = quantize_fp8_blocks(t, block)
-        elif t.is_floating_point() and not any(m in name for m in markers):
-            out[name] = t.to(torch.bfloat16)
-        else:
-            out[name] = t
-    return out
-
-
-def write_safetensors(state: dict[str, torch.Tensor], path: Path, shards: int = 1) -> None:
-    """Write one ``model.safetensors`` or ``shards`` files plus ``model.safetensors.index.json``."""
-    path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in state.items()}
-    if shards <= 1:
-        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-        return
-    names = sorted(state)
-    weight_map: dict[str, str] = {}
-    for i in range(shards):
-        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: state[n] for n in names[i::shards]}
-        save_file(part, str(path / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(part, file))
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def write_byte_tokenizer(path: Path) -> None:
@@ -381,7 +324,7 @@ def make_tiny_checkpoint(
         raw["expert_dtype"] = "fp4"
         raw["torch_dtype"] = "bfloat16"
         _, cls = resolve(raw)
-        state = quantize_state_dict(state, block, getattr(cls, "FP32_PARAM_MARKERS", ()))
+        state = quantize_state_dict(state, block, cls.fp32_param_markers)
     else:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         raw["torch_dtype"] = str(dtype).removeprefix("torch.")

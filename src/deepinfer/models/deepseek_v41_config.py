@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from deepinfer.config import YarnParams, check_shared_fields, parse_compress_rope
 from deepinfer.errors import CheckpointError
+from deepinfer.models.deepseek_config import DeepseekConfig, parse_compress_rope, token_id_list
+from deepinfer.models.layers.rope import YarnParams
 
 # Flat reference names (inference/config.json) -> our (transformers-style) names.
 _FLAT_NAMES = {
@@ -38,32 +39,18 @@ _FLAT_NAMES = {
 
 
 @dataclass
-class DeepseekV41Config:
-    """Every field the V4.1-Flash forward needs, with the released values as defaults."""
+class DeepseekV41Config(DeepseekConfig):
+    """V4.1-Flash: the shared fields (with V4.1's released values where they differ from V4) plus
+    KV/top-k sharing, the candidate top-k, Engram and the DSpark draft stages."""
 
-    vocab_size: int = 129280
     hidden_size: int = 5120
     num_hidden_layers: int = 40
-    num_attention_heads: int = 64
     num_key_value_heads: int = 1
-    head_dim: int = 512
-    qk_rope_head_dim: int = 64
     q_lora_rank: int = 1280
-    o_groups: int = 8
-    o_lora_rank: int = 1024
     n_routed_experts: int = 384
-    num_experts_per_tok: int = 6
-    n_shared_experts: int = 1
     moe_intermediate_size: int = 2304
-    scoring_func: str = "sqrtsoftplus"
-    norm_topk_prob: bool = True
-    routed_scaling_factor: float = 1.5
-    swiglu_limit: float = 10.0
     rms_norm_eps: float = 1e-20
-    rope_theta: float = 10000.0
-    compress_rope_theta: float = 160000.0
     yarn: YarnParams | None = field(default_factory=lambda: YarnParams(16.0, 65536, 32.0, 1.0))
-    sliding_window: int = 128
     compress_ratios: list[int] = field(default_factory=lambda: [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0])
     kv_source_layer_ids: list[int] = field(default_factory=lambda: [2, 8, 14, 20])
     index_source_layer_ids: list[int] = field(default_factory=lambda: [2, 8, 14, 20, 24, 28, 32, 36])
@@ -71,11 +58,6 @@ class DeepseekV41Config:
     candidate_topk_blocks: int = 2048
     candidate_block_size: int = 8
     index_n_heads: int = 32
-    index_head_dim: int = 128
-    index_topk: int = 512
-    hc_mult: int = 4
-    hc_sinkhorn_iters: int = 20
-    hc_eps: float = 1e-6
     engram_layer_ids: list[int] = field(default_factory=lambda: [1, 14])
     engram_num_embeddings: list[int] = field(default_factory=lambda: [384006168, 384016682])
     engram_max_ngram_size: int = 4
@@ -91,11 +73,6 @@ class DeepseekV41Config:
     dspark_markov_rank: int = 256
     dspark_n_routed_experts: int = 128
     dspark_num_experts_per_tok: int = 3
-    max_position_embeddings: int = 1048576
-    bos_token_id: int | None = 0
-    eos_token_id: list[int] = field(default_factory=lambda: [1])
-    tie_word_embeddings: bool = False
-    quantization: dict[str, Any] | None = None
     architecture: str = "DeepseekV41ForCausalLM"
     # Runtime choice, not read from config.json: the QAT rounding is part of V4.1's reference
     # forward (and of transformers' V4.1 port), so it is on unless a caller turns it off.
@@ -114,7 +91,7 @@ class DeepseekV41Config:
 
     def validate(self) -> None:
         layer_plan(self)  # raises on any broken role rule
-        check_shared_fields(self)
+        self.check_shared_fields()
         if self.qk_rope_head_dim > self.index_head_dim:
             _fail("qk_rope_head_dim", f"must be <= index_head_dim ({self.index_head_dim})")
         if self.num_key_value_heads != 1:
@@ -257,8 +234,7 @@ def deepseek_v41_config_from_dict(raw: dict[str, Any]) -> DeepseekV41Config:
         cfg.candidate_source_layer_id = None  # the reference's "-1: no candidate level"
     cfg.compress_ratios = [int(r) for r in cfg.compress_ratios]
     cfg.yarn = _yarn(text, cfg)
-    eos = text.get("eos_token_id", raw.get("eos_token_id", 1))
-    cfg.eos_token_id = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+    cfg.eos_token_id = token_id_list(text.get("eos_token_id", raw.get("eos_token_id", 1)))
     cfg.bos_token_id = text.get("bos_token_id", raw.get("bos_token_id", cfg.bos_token_id))
     cfg.quantization = raw.get("quantization_config") or text.get("quantization_config")
     if cfg.quantization is None and text.get("dtype") == "fp8":  # flat reference config

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from deepinfer.errors import CheckpointError
+from deepinfer.weights.gguf_convert import convert_gguf_llama
 
 SMOLLM2 = "smollm2-135m"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -42,6 +43,4 @@ def resolve_model(name_or_path: str | Path) -> Path:
     target = cache_root() / "smollm2-135m-instruct"
     if (target / "config.json").is_file():
         return target
-    from deepinfer.weights.gguf_convert import convert_gguf_llama
-
     return convert_gguf_llama(smollm2_gguf_path(), target)

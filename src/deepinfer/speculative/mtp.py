@@ -23,8 +23,8 @@ import torch
 
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from deepinfer.models.layers.mhc import hc_collapse, hc_expand, hc_head_collapse
-from deepinfer.spec.draft_ring import DraftRing, kept_rows
-from deepinfer.spec.drafter import Draft, DraftRequest, sample_drafts
+from deepinfer.speculative.draft_ring import DraftRing, kept_rows
+from deepinfer.speculative.drafter import Draft, DraftRequest, sample_drafts
 
 
 class MtpDrafter:
