@@ -87,10 +87,10 @@ def main() -> None:
                     llm = LLM(
                         path,
                         max_num_seqs=conc,
-                        speculative={"method": method, "num_speculative_tokens": args.k},
+                        speculative_config={"method": method, "num_speculative_tokens": args.k},
                     )
                     timed = Timed(
-                        llm.engine.spec.model_drafter, _OwnerKeyed(llm, prompts, plain) if oracle else None
+                        llm.engine.spec.drafter, _OwnerKeyed(llm, prompts, plain) if oracle else None
                     )
                     rate, outs, wall = run(llm, prompts, params, conc)
                     assert outs == plain, "speculation changed greedy outputs"

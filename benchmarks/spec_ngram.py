@@ -70,7 +70,7 @@ def main() -> None:
     spec = LLM(
         "smollm2-135m",
         max_num_seqs=16,
-        speculative={"method": "ngram", "num_speculative_tokens": args.k, "schedule": args.schedule},
+        speculative_config={"method": "ngram", "num_speculative_tokens": args.k, "schedule": args.schedule},
     )
     tok = plain.tokenizer
     chats = [

@@ -90,7 +90,7 @@ def test_speculative_decoding_on_cuda_equals_plain_greedy(arch, method, tmp_path
     params = greedy_params(16)
     eager = {"compile": False, "capture_graphs": False}
     plain = LLM(path, device="cuda", max_num_seqs=8, **eager).generate(prompts, params, use_tqdm=False)
-    llm = LLM(path, device="cuda", max_num_seqs=8, speculative={"method": method}, **eager)
+    llm = LLM(path, device="cuda", max_num_seqs=8, speculative_config={"method": method}, **eager)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.spec.stats.drafted > 0
     assert_same_up_to_near_ties(plain, outs)

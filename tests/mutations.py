@@ -8,15 +8,15 @@ import torch
 
 def accept_every_draft(monkeypatch) -> None:
     """Speculative verification that accepts every drafted token, whatever the target says."""
-    from deepinfer.engine import spec_decode
+    from deepinfer.speculative import verify
 
-    original = spec_decode.acceptance_and_recovery
+    original = verify.acceptance_and_recovery
 
     def accept_all(*args):
         accepted, recovered = original(*args)
         return torch.ones_like(accepted), recovered
 
-    monkeypatch.setattr(spec_decode, "acceptance_and_recovery", accept_all)
+    monkeypatch.setattr(verify, "acceptance_and_recovery", accept_all)
 
 
 def wrong_from(tokens: list[int], depth: int) -> list[int]:

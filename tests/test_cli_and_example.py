@@ -46,7 +46,7 @@ def test_make_tiny_then_generate(tmp_path, capsys):
     ]
     assert main(args) == 0
     plain = capsys.readouterr().out
-    assert main([*args, "--speculative-method", "mtp", "--speculative-schedule", "hardware"]) == 0
+    assert main([*args, "--speculative-config", '{"method": "mtp", "schedule": "hardware"}']) == 0
     drafted = capsys.readouterr().out
     assert "speculative (mtp):" in drafted and "drafted" in drafted
     assert plain.split("tokens:")[1].split("\n")[0] == drafted.split("tokens:")[1].split("\n")[0]

@@ -138,7 +138,7 @@ def test_identity_map_without_a_tokenizer_is_made_on_the_weights_device(tmp_path
     state = dict(model.state_dict())
     ref = reference_logits(state, model.config, ids, torch.arange(model.config.vocab_size), fake_quant=True)
     assert (ours - ref).abs().max() <= 1e-4
-    out = LLM(ckpt).generate([[3, 4, 5]], SamplingParams(max_tokens=3), use_tqdm=False)
+    out = LLM(ckpt).generate([[3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
 
 

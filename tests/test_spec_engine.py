@@ -6,6 +6,7 @@ bad configurations are clear errors. Model drafters' own tests: test_spec_model_
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from mutations import accept_every_draft, wrong_from
 from rounding import assert_equal_up_to_rounding_flips
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.speculative.ngram import NgramDrafter
 from deepinfer.tiny import make_tiny_checkpoint
 
 
@@ -35,7 +37,9 @@ def test_greedy_outputs_equal_without_speculation(llama):
     prompts = _repetitive_prompts(12, 0)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(llama).generate(prompts, params, use_tqdm=False)]
-    llm = LLM(llama, speculative={"method": "ngram", "num_speculative_tokens": 4}, max_num_batched_tokens=40)
+    llm = LLM(
+        llama, speculative_config={"method": "ngram", "num_speculative_tokens": 4}, max_num_batched_tokens=40
+    )
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == plain
     stats = llm.engine.spec.stats
@@ -44,14 +48,15 @@ def test_greedy_outputs_equal_without_speculation(llama):
     assert sum(o.metrics.num_accepted_tokens for o in outs) == stats.accepted
 
 
-class _FixedDrafts:
+class _FixedDrafts(NgramDrafter):
     """Drafts the same tokens after any context: right only sometimes, so both accepted and
     rejected drafts (and their residual resamples) occur."""
 
     def __init__(self, tokens: list[int]) -> None:
+        super().__init__(len(tokens))
         self.tokens = tokens
 
-    def propose(self, tokens: list[int]) -> list[int]:
+    def lookup(self, tokens: Sequence[int]) -> list[int]:
         return list(self.tokens)
 
 
@@ -63,8 +68,8 @@ def _drafted_positions_p_value(path, broken_verifier: bool, monkeypatch) -> tupl
     plain = LLM(path).generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
     if broken_verifier:  # mutation: every draft accepted
         accept_every_draft(monkeypatch)
-    llm = LLM(path, speculative={"num_speculative_tokens": 2}, max_num_seqs=64)
-    llm.engine.spec.ngram = _FixedDrafts(plain[1:3])
+    llm = LLM(path, speculative_config={"num_speculative_tokens": 2}, max_num_seqs=64)
+    llm.engine.spec.drafter = _FixedDrafts(plain[1:3])
     params = [
         SamplingParams(max_tokens=3, temperature=temperature, seed=s, ignore_eos=True) for s in range(n)
     ]
@@ -104,10 +109,10 @@ def test_cache_after_rejections_equals_a_plain_run(llama):
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(llama).generate(prompts, params, use_tqdm=False)]
     runs = []
-    for kw in ({}, {"speculative": {"num_speculative_tokens": 5}}):
+    for kw in ({}, {"speculative_config": {"num_speculative_tokens": 5}}):
         engine = LLM(llama, **kw).engine
         if engine.spec is not None:
-            engine.spec.ngram = _DivergingOracle([p + o for p, o in zip(prompts, plain, strict=True)], 5, 0)
+            engine.spec.drafter = _DivergingOracle([p + o for p, o in zip(prompts, plain, strict=True)], 5, 0)
         reqs = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts)]
         while min(len(r.output_token_ids) for r in reqs) < 20:
             engine.step()
@@ -139,34 +144,38 @@ def test_compressor_models_roll_back_rejected_drafts(arch, method, tmp_path):
     prompts = _repetitive_prompts(6, 11)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(path).generate(prompts, params, use_tqdm=False)]
-    llm = LLM(path, speculative={"method": method, "num_speculative_tokens": 3}, max_num_batched_tokens=48)
+    llm = LLM(
+        path, speculative_config={"method": method, "num_speculative_tokens": 3}, max_num_batched_tokens=48
+    )
     if arch == "deepseek_v41":  # no overlap state: rejections never need a saved copy
         llm.engine.runner.save_slot = None
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs == plain
     stats = llm.engine.spec.stats
     assert 0 < stats.accepted < stats.drafted if method == "ngram" else stats.drafted > 0
-    assert not llm.engine._saved_slots
+    assert not llm.engine.spec.rollback.saved
 
 
 def test_bad_speculative_configs_are_clear_errors(llama):
     with pytest.raises(ValueError, match="needs a DeepSeek-V4.1 model"):
-        LLM(llama, speculative={"method": "dspark"})
+        LLM(llama, speculative_config={"method": "dspark"})
     with pytest.raises(ValueError, match="needs a DeepSeek-V4 model"):
-        LLM(llama, speculative={"method": "mtp"})
+        LLM(llama, speculative_config={"method": "mtp"})
     with pytest.raises(ValueError, match="unknown field"):
-        LLM(llama, speculative={"tokens": 3})
+        LLM(llama, speculative_config={"tokens": 3})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        LLM(llama, speculative={"num_speculative_tokens": 0})
+        LLM(llama, speculative_config={"num_speculative_tokens": 0})
 
 
-class _Oracle:
+class _Oracle(NgramDrafter):
     """Drafts the target's own greedy continuation (known from a plain run)."""
 
     def __init__(self, sequences: list[list[int]], k: int) -> None:
+        super().__init__(k)
         self.sequences, self.k = sequences, k
 
-    def propose(self, tokens: list[int]) -> list[int]:
+    def lookup(self, tokens: Sequence[int]) -> list[int]:
+        tokens = list(tokens)
         for seq in self.sequences:
             if seq[: len(tokens)] == tokens:
                 return seq[len(tokens) : len(tokens) + self.k]
@@ -181,8 +190,8 @@ class _DivergingOracle(_Oracle):
         super().__init__(sequences, k)
         self.rng = random.Random(seed)
 
-    def propose(self, tokens: list[int]) -> list[int]:
-        draft = super().propose(tokens)
+    def lookup(self, tokens: Sequence[int]) -> list[int]:
+        draft = super().lookup(tokens)
         return wrong_from(draft, self.rng.randrange(len(draft) + 1))
 
 
@@ -191,8 +200,8 @@ def test_an_oracle_drafter_is_always_accepted(llama):
     prompts = [[rng.randrange(3, 200) for _ in range(rng.randrange(3, 30))] for _ in range(6)]
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(llama).generate(prompts, params, use_tqdm=False)]
-    llm = LLM(llama, speculative={"num_speculative_tokens": 4})
-    llm.engine.spec.ngram = _Oracle([p + o for p, o in zip(prompts, plain, strict=True)], 4)
+    llm = LLM(llama, speculative_config={"num_speculative_tokens": 4})
+    llm.engine.spec.drafter = _Oracle([p + o for p, o in zip(prompts, plain, strict=True)], 4)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == plain
     stats = llm.engine.spec.stats
@@ -221,7 +230,7 @@ def test_speculation_under_preemption_chunking_prefix_caching_and_stops(llama):
     plain = [o.outputs[0].token_ids for o in LLM(llama).generate(prompts, params, use_tqdm=False)]
     llm = LLM(
         llama,
-        speculative={"num_speculative_tokens": 6},
+        speculative_config={"num_speculative_tokens": 6},
         num_cache_blocks=20,
         max_num_batched_tokens=24,
         max_num_seqs=8,
@@ -242,7 +251,7 @@ def test_drafting_after_a_prefix_hit_that_leaves_one_token(arch, tmp_path):
     overlap from the block's snapshot, then decoding drafts and rolls back on compressor
     models; outputs equal plain decoding."""
     path = make_tiny_checkpoint(tmp_path / arch, arch=arch)
-    llm = LLM(path, speculative={"num_speculative_tokens": 5})
+    llm = LLM(path, speculative_config={"num_speculative_tokens": 5})
     bs = llm.engine.layout.block_size
     rng = random.Random(4)
     prompts = []
@@ -313,7 +322,7 @@ def test_compressor_caches_after_rejections_equal_a_plain_run(arch, method, tmp_
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     plain = _trace_states(LLM(path, enable_prefix_caching=False), prompt, params)
     spec_llm = LLM(
-        path, enable_prefix_caching=False, speculative={"method": method, "num_speculative_tokens": 4}
+        path, enable_prefix_caching=False, speculative_config={"method": method, "num_speculative_tokens": 4}
     )
     drafted = _trace_states(spec_llm, prompt, params)
     stats = spec_llm.engine.spec.stats
@@ -337,11 +346,13 @@ def test_hardware_schedule_verifies_less_as_concurrency_grows(llama):
     plain = [o.outputs[0].token_ids for o in LLM(llama).generate(prompts, params, use_tqdm=False)]
     per_chunk = {}
     for group in (1, 16):
-        llm = LLM(llama, speculative={"num_speculative_tokens": 4, "schedule": "hardware"}, max_num_seqs=16)
+        llm = LLM(
+            llama, speculative_config={"num_speculative_tokens": 4, "schedule": "hardware"}, max_num_seqs=16
+        )
         spec = llm.engine.spec
         assert spec.sps is not None and len(spec.sps.sizes) > 1  # profiled at start
         spec.sps = SpsTable.from_points({1: 100.0, 17: 50.0})
-        spec.ngram = _Oracle([p + o for p, o in zip(prompts, plain, strict=True)], 4)
+        spec.drafter = _Oracle([p + o for p, o in zip(prompts, plain, strict=True)], 4)
         spec.trials, spec.accepts = [50] * 4, [50] * 4  # a history of full acceptance
         outs = llm.generate(prompts[:group], params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == plain[:group]
@@ -353,10 +364,10 @@ def test_threshold_schedule_drafts_only_above_the_threshold(llama):
     prompts = _repetitive_prompts(4, 12)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(llama).generate(prompts, params, use_tqdm=False)]
-    never = LLM(llama, speculative={"schedule": "threshold", "confidence_threshold": 1.0})
+    never = LLM(llama, speculative_config={"schedule": "threshold", "confidence_threshold": 1.0})
     assert [o.outputs[0].token_ids for o in never.generate(prompts, params, use_tqdm=False)] == plain
     assert never.engine.spec.stats.drafted == 0  # smoothed confidences are always < 1
-    always = LLM(llama, speculative={"schedule": "threshold", "confidence_threshold": 0.0})
+    always = LLM(llama, speculative_config={"schedule": "threshold", "confidence_threshold": 0.0})
     assert [o.outputs[0].token_ids for o in always.generate(prompts, params, use_tqdm=False)] == plain
     assert always.engine.spec.stats.drafted > 0
 
@@ -364,7 +375,7 @@ def test_threshold_schedule_drafts_only_above_the_threshold(llama):
 def test_rollback_point_recomputes_only_what_a_closed_group_consumed():
     """A drafted chunk [10, 15) (anchor 10, four drafts); ``accepted_end``: positions before it
     were accepted."""
-    from deepinfer.engine.engine import rollback_point
+    from deepinfer.speculative.rollback import rollback_point
 
     assert rollback_point(10, 15, 12, [1, 2], []) == 12  # ratio 2's open group [12, 12) is empty
     assert rollback_point(10, 15, 13, [1, 2], []) == 12  # group [12, 14) closed: row 12 consumed

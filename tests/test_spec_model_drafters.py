@@ -21,14 +21,15 @@ from chi_square import conditional_p_value, exact_next_token
 from mutations import accept_every_draft, wrong_from
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.engine.spec_decode import SpecDecoder
 from deepinfer.models.layers.mhc import hc_collapse, hc_expand, hc_head_collapse
 from deepinfer.models.layers.rope import apply_rope
 from deepinfer.models.loading import load_model
 from deepinfer.speculative.config import SpeculativeConfig
+from deepinfer.speculative.decoder import SpeculativeDecoder
 from deepinfer.speculative.drafter import Draft, DraftRequest
 from deepinfer.speculative.dspark import DSparkDrafter
 from deepinfer.speculative.mtp import MtpDrafter
+from deepinfer.speculative.rollback import Rollback
 from deepinfer.speculative.schedule import SpsTable, capacity_from, threshold_schedule
 from deepinfer.tiny import make_tiny_checkpoint
 
@@ -103,7 +104,7 @@ def test_dspark_proposals_equal_the_reference_computation(v41):
     lengths = {0: 21, 2: 5, 1: 9}  # slot -> P (21 and 9 wrap the ring of 8)
     feats = {s: torch.randn(p, width, generator=gen) for s, p in lengths.items()}
     anchors = {0: 17, 2: 100, 1: 4}
-    drafter = DSparkDrafter(model, num_slots=3, num_speculative_tokens=k)
+    drafter = DSparkDrafter(model.draft_model("dspark"), num_slots=3, num_speculative_tokens=k)
     for s, p in lengths.items():
         drafter.claim(s, f"r{s}")
         for lo, hi in ((0, p // 2), (p // 2, p)):  # two steps' worth of accepted rows
@@ -173,7 +174,7 @@ def test_mtp_proposals_equal_the_reference_computation(v4):
     streams = {s: torch.randn(p, cfg.hc_mult, cfg.hidden_size, generator=gen) for s, p in lengths.items()}
     tokens = {s: torch.randint(3, 250, (p + 1,), generator=gen).tolist() for s, p in lengths.items()}
     for k in (1, 3):
-        drafter = MtpDrafter(model, num_slots=2, num_speculative_tokens=k)
+        drafter = MtpDrafter(model.draft_model("mtp"), num_slots=2, num_speculative_tokens=k)
         for s, p in lengths.items():
             drafter.claim(s, f"r{s}")
             for lo, hi in ((0, p - 3), (p - 3, p)):
@@ -202,7 +203,7 @@ def _drafted_positions_p_value(path, method: str, broken_verifier: bool, monkeyp
     params = [
         SamplingParams(max_tokens=3, temperature=temperature, seed=s, ignore_eos=True) for s in range(n)
     ]
-    spec = LLM(path, max_num_seqs=64, speculative={"method": method, "num_speculative_tokens": 2})
+    spec = LLM(path, max_num_seqs=64, speculative_config={"method": method, "num_speculative_tokens": 2})
     outs = [o.outputs[0].token_ids for o in spec.generate([prompt] * n, params, use_tqdm=False)]
     p, used = conditional_p_value(outs, (1, 2), exact_next_token(path, prompt, temperature))
     assert used >= n // 3, f"only {used} samples fell in groups large enough to test"
@@ -232,7 +233,7 @@ def test_dspark_greedy_outputs_and_metrics_under_chunking_preemption_and_prefix_
     plain = [o.outputs[0].token_ids for o in LLM(v41).generate(prompts, params, use_tqdm=False)]
     llm = LLM(
         v41,
-        speculative={"method": "dspark", "num_speculative_tokens": 4},
+        speculative_config={"method": "dspark", "num_speculative_tokens": 4},
         max_num_batched_tokens=24,
         num_cache_blocks=9,
         max_num_seqs=4,
@@ -256,7 +257,12 @@ def test_dspark_confidences_drive_the_threshold_schedule(v41):
     plain = [o.outputs[0].token_ids for o in LLM(v41).generate(prompts, params, use_tqdm=False)]
     for threshold in (0.0, 0.5, 1.0):
         llm = LLM(
-            v41, speculative={"method": "dspark", "schedule": "threshold", "confidence_threshold": threshold}
+            v41,
+            speculative_config={
+                "method": "dspark",
+                "schedule": "threshold",
+                "confidence_threshold": threshold,
+            },
         )
         engine, spec = llm.engine, llm.engine.spec
         reqs = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts)]
@@ -285,9 +291,8 @@ class _FakeDrafter:
 
 def test_lagged_schedule_sizes_a_step_from_confidences_two_plans_old(v41):
     sps = SpsTable.from_points({1: 100.0, 3: 90.0, 5: 80.0, 9: 10.0})
-    spec = SpecDecoder(
-        SpeculativeConfig(method="dspark", schedule="hardware"), 64, sps, _FakeDrafter(), lagged=True
-    )
+    config = SpeculativeConfig(method="dspark", schedule="hardware")
+    spec = SpeculativeDecoder(config, _FakeDrafter(), 64, Rollback([], [], slots=None), sps, lagged=True)
 
     class Req:
         def __init__(self, rid):
@@ -313,7 +318,7 @@ def test_lagged_schedule_sizes_a_step_from_confidences_two_plans_old(v41):
     prompts = [[3, 4, 5, 6, 7], [40, 41, 42]]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(v41).generate(prompts, params, use_tqdm=False)]
-    llm = LLM(v41, speculative={"method": "dspark", "schedule": "hardware"}, async_scheduling=True)
+    llm = LLM(v41, speculative_config={"method": "dspark", "schedule": "hardware"}, async_scheduling=True)
     assert llm.engine.spec.lagged and llm.engine._executor is None  # drafting steps run in order
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
 
@@ -335,17 +340,17 @@ def test_checkpoint_without_draft_layers_loads_and_asks_for_them(tmp_path):
     assert len(model.mtp) == 0
     out = LLM(path).generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
-    with pytest.raises(ValueError, match="needs a V4 checkpoint with its MTP layer"):
-        LLM(path, speculative={"method": "mtp"})
+    with pytest.raises(ValueError, match="with its MTP layer"):
+        LLM(path, speculative_config={"method": "mtp"})
 
 
 def test_dspark_drafts_its_block_and_refuses_bad_configs(v41):
-    llm = LLM(v41, speculative={"method": "dspark"})
+    llm = LLM(v41, speculative_config={"method": "dspark"})
     assert llm.engine.spec.num_draft_tokens == llm.engine.model.config.dspark_block_size == 4
     with pytest.raises(ValueError, match="exceeds the DSpark block"):
-        LLM(v41, speculative={"method": "dspark", "num_speculative_tokens": 5})
+        LLM(v41, speculative_config={"method": "dspark", "num_speculative_tokens": 5})
     with pytest.raises(ValueError, match="ced_prefill"):
-        LLM(v41, speculative={"method": "dspark"}, ced_prefill=True)
+        LLM(v41, speculative_config={"method": "dspark"}, ced_prefill=True)
 
 
 def test_draft_sampling_uses_the_requests_filters():
@@ -385,10 +390,14 @@ def test_partly_accepted_drafts_keep_greedy_outputs(arch, method, v41, v4):
     ]
     full = {tuple(p): p + o for p, o in zip(prompts, plain, strict=True)}
     llm = LLM(
-        path, speculative={"method": method}, max_num_batched_tokens=48, max_num_seqs=4, fake_quant=False
+        path,
+        speculative_config={"method": method},
+        max_num_batched_tokens=48,
+        max_num_seqs=4,
+        fake_quant=False,
     )
     engine = llm.engine
-    drafter = engine.spec.model_drafter
+    drafter = engine.spec.drafter
     propose = drafter.propose
 
     def diverging(asks):

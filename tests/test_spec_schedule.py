@@ -1,4 +1,4 @@
-"""Verification schedulers (spec/schedule.py): Algorithm 1's early stop never looks ahead at a
+"""Verification schedulers (speculative/schedule.py): Algorithm 1's early stop never looks ahead at a
 token's own value (the paper's Appendix A counterexample), the verified tokens per request
 shrink as concurrency grows under a synthetic steps-per-second table, and the lagged top-K,
 threshold and table lookups do what they say."""

@@ -78,11 +78,11 @@ def test_greedy_verification_is_a_prefix_match():
 
 def test_ngram_drafter_proposes_what_followed_the_last_match():
     drafter = NgramDrafter(num_speculative_tokens=3, min_n=1, max_n=3)
-    assert drafter.propose([1, 2, 3, 4, 9, 1, 2, 3]) == [4, 9, 1]
-    assert drafter.propose([5, 6, 7, 5, 6, 8, 5, 6]) == [8, 5, 6]  # the most recent "5 6"
-    assert drafter.propose([1, 2, 3]) == []
-    assert drafter.propose([7, 7]) == [7]
-    assert NgramDrafter(num_speculative_tokens=2, min_n=2, max_n=2).propose([1, 2, 3, 9, 2]) == []
+    assert drafter.lookup([1, 2, 3, 4, 9, 1, 2, 3]) == [4, 9, 1]
+    assert drafter.lookup([5, 6, 7, 5, 6, 8, 5, 6]) == [8, 5, 6]  # the most recent "5 6"
+    assert drafter.lookup([1, 2, 3]) == []
+    assert drafter.lookup([7, 7]) == [7]
+    assert NgramDrafter(num_speculative_tokens=2, min_n=2, max_n=2).lookup([1, 2, 3, 9, 2]) == []
     with pytest.raises(ValueError, match="min_n"):
         NgramDrafter(min_n=3, max_n=2)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
@@ -94,10 +94,12 @@ def test_one_batched_verification_equals_each_request_verified_alone():
     (their own q): verifying the step's chunks in one call gives each request the tokens
     a lone verification with the same generator state gives, and the same counters."""
     from deepinfer.engine.request import Request
-    from deepinfer.engine.spec_decode import SpecDecoder
+    from deepinfer.engine.scheduler import ScheduledChunk
     from deepinfer.sampling_params import SamplingParams
     from deepinfer.speculative.config import SpeculativeConfig
+    from deepinfer.speculative.decoder import SpeculativeDecoder
     from deepinfer.speculative.drafter import Draft
+    from deepinfer.speculative.rollback import Rollback
 
     vocab = 11
     gen = torch.Generator().manual_seed(3)
@@ -110,7 +112,8 @@ def test_one_batched_verification_equals_each_request_verified_alone():
         cases.append((params, draft, logits, q))
 
     def run(indices):
-        spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=5), 100)
+        config = SpeculativeConfig(num_speculative_tokens=5)
+        spec = SpeculativeDecoder(config, NgramDrafter(5), 100, Rollback([], [], slots=None))
         items = []
         for i in indices:
             params, draft, logits, q = cases[i]
@@ -118,8 +121,9 @@ def test_one_batched_verification_equals_each_request_verified_alone():
             req = Request(str(i), None, [1, 2], params, generator, 0.0)
             if q is not None:
                 spec.drafts[str(i)] = Draft(1, draft, q, [])
-            items.append((req, draft, logits))
-        return spec.verify(items), spec.stats
+            chunk = ScheduledChunk(req, 1, len(draft) + 1, False, samples=True, draft=draft)
+            items.append((chunk, logits))
+        return [v.tokens for v in spec.verify(items)], spec.stats
 
     together, stats = run(range(len(cases)))
     alone = [run([i])[0][0] for i in range(len(cases))]

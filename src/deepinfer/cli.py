@@ -4,6 +4,7 @@ and ``dump-graphs`` (``serve`` lands with its issue)."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -26,15 +27,21 @@ def _make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _json_object(text: str) -> dict:
+    """An argparse type: a JSON object (vLLM's ``--speculative-config`` spelling)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 def _generate(args: argparse.Namespace) -> int:
     from deepinfer import LLM, SamplingParams
 
-    speculative = None
-    if args.speculative_method is not None:
-        speculative = {"method": args.speculative_method, "schedule": args.speculative_schedule}
-        if args.num_speculative_tokens is not None:
-            speculative["num_speculative_tokens"] = args.num_speculative_tokens
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative=speculative)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -235,9 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--dtype", default="float32")
     gen.add_argument("--device", default="cpu")
-    gen.add_argument("--speculative-method", choices=["ngram", "mtp", "dspark"], default=None)
-    gen.add_argument("--num-speculative-tokens", type=int, default=None)
-    gen.add_argument("--speculative-schedule", choices=["static", "threshold", "hardware"], default="static")
+    gen.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        help='speculative decoding, as in vLLM: \'{"method": "ngram"|"mtp"|"dspark", '
+        '"num_speculative_tokens": k, "schedule": "static"|"threshold"|"hardware"}\'',
+    )
     gen.set_defaults(func=_generate)
 
     bench = sub.add_parser("bench", help="benchmarks against transformers on the same weights")

@@ -19,10 +19,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from deepinfer.cache.forward_batch import ForwardBatch
+from deepinfer.models.base import CausalLM
 from deepinfer.models.layers.rope import Rotary
 
 logger = logging.getLogger(__name__)
@@ -88,14 +88,14 @@ def mark_step_dynamic(input_ids: torch.Tensor, positions: torch.Tensor, batch: F
             torch._dynamo.maybe_mark_dynamic(t, d)
 
 
-def _prepare_model(model: nn.Module) -> None:
+def _prepare_model(model: CausalLM) -> None:
     """Create per-device tables the step would otherwise create lazily inside the trace."""
     device = next(model.parameters()).device
     for module in model.modules():
         for value in vars(module).values():
             if isinstance(value, Rotary):  # fixed-size table: keep its size a constant
                 torch._dynamo.mark_static(value.inv_freq(device))
-    for table in getattr(model, "step_tables", lambda _: [])(device):  # the model's own tables
+    for table in model.step_tables(device):  # the model's own tables
         torch._dynamo.mark_static(table)
 
 
@@ -133,7 +133,7 @@ class PostGradBackend:
 
 
 def compile_step(
-    model: nn.Module, backend: str = "inductor", passes: Sequence[GraphPass] | None = None
+    model: CausalLM, backend: str = "inductor", passes: Sequence[GraphPass] | None = None
 ) -> Callable[..., torch.Tensor]:
     """A compiled ``model.step(input_ids, positions, batch)`` with every content-dependent size
     symbolic. Duck sizing is turned off (process-wide): two metadata tensors that happen to

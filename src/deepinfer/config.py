@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from deepinfer.speculative.config import SpeculativeConfig
+
 
 @dataclass
 class EngineConfig:
@@ -17,31 +19,31 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    cache_memory_bytes: int | None = None  # KV budget; default: a fraction of free memory
+    kv_cache_memory_bytes: int | None = None  # KV budget; default: a fraction of free memory
     cache_memory_fraction: float = 0.25
     num_cache_blocks: int | None = None  # exact block count (overrides the budget); tests
     enable_prefix_caching: bool = True
     # None = auto: on for CUDA (the GPU computes while the CPU schedules), off on CPU, where
-    # the model and the scheduler compete for the same cores (measured 2.4x slower on 2 cores)
+    # the model and the scheduler compete for the same cores (benchmarks/RESULTS.md)
     async_scheduling: bool | None = None
     fake_quant: bool | None = None  # None: the model's default (V4 off, V4.1 on)
     # V4.1's causal encoder/decoder prefill (model_spec.md §2.9): decoder layers run only over
     # each prompt's last window; approximate (not the reference forward), so off by default
     ced_prefill: bool = False
     # torch.compile the model step (compilation.py). None = the platform's default: on for
-    # CUDA, off on CPU, where the compiled tiny-V4 decode step is 1.5-2x faster but the first
-    # compile costs ~50 s on 2 cores (~20 s from the warm compile cache; benchmarks/RESULTS.md)
+    # CUDA, off on CPU, where the first compile costs more than short runs gain (compile vs
+    # eager: benchmarks/RESULTS.md)
     compile: bool | None = None
     compile_backend: str = "inductor"  # any torch.compile backend ("eager" checks guards fast)
     # Replay pure-decode steps from captured graphs (CUDA graphs; NPU graph mode) in batch-size
     # buckets up to max_graph_batch_size. None = on where the platform has a graph mode.
     capture_graphs: bool | None = None
     max_graph_batch_size: int = 64
-    # Speculative decoding: None, or a deepinfer.speculative.SpeculativeConfig / dict of its fields.
+    # Speculative decoding (vLLM's name): None, or a SpeculativeConfig / dict of its fields.
     # Drafting reads the previous step's tokens, so speculative steps run synchronously; with
     # async_scheduling on (or auto on CUDA) the hardware schedule takes its production form,
     # whose verify capacity is known two steps ahead (lagged_topk_schedule)
-    speculative: Any = None
+    speculative_config: Any = None
 
     def validate(self) -> None:
         def need(ok: bool, name: str, rule: str) -> None:
@@ -56,7 +58,7 @@ class EngineConfig:
 
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_graph_batch_size"):
             positive_int(name)
-        for name in ("max_model_len", "cache_memory_bytes", "num_cache_blocks"):
+        for name in ("max_model_len", "kv_cache_memory_bytes", "num_cache_blocks"):
             if getattr(self, name) is not None:
                 positive_int(name)
         frac = self.cache_memory_fraction
@@ -71,8 +73,6 @@ class EngineConfig:
                 "ced_prefill=True needs enable_prefix_caching=False: a cached prefix holds no decoder "
                 "window for positions its own prompt never replayed"
             )
-        from deepinfer.speculative.config import SpeculativeConfig
-
-        self.speculative = SpeculativeConfig.parse(self.speculative)
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         for name in ("async_scheduling", "fake_quant", "compile", "capture_graphs"):
             need(getattr(self, name) in (None, True, False), name, "None (auto) or a bool")

@@ -14,7 +14,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch import nn
 
 from deepinfer.cache.pools import CacheLayout
 from deepinfer.config import EngineConfig
@@ -24,37 +23,17 @@ from deepinfer.engine.model_runner import ModelRunner, PreparedStep
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
-from deepinfer.engine.spec_decode import SpecDecoder, build_model_drafter, profile_steps_per_second
+from deepinfer.models.base import CausalLM
 from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from deepinfer.platforms import platform_for
+from deepinfer.platforms import Platform, platform_for
 from deepinfer.sampling.sampler import SamplingRow, make_generator, sample
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.speculative.config import SpeculativeConfig
+from deepinfer.speculative.decoder import SpeculativeDecoder, VerifiedChunk, build_drafter
+from deepinfer.speculative.drafter import Drafter, feature_offsets_for
+from deepinfer.speculative.rollback import Rollback
 
 logger = logging.getLogger("deepinfer")
-
-
-def rollback_point(
-    start: int, chunk_end: int, accepted_end: int, ratios: list[int], overlap_ratios: list[int]
-) -> int | None:
-    """Where a drafted chunk ``[start, chunk_end)`` whose positions ``< accepted_end`` were
-    accepted leaves the sequence's computed count, so the cache needs no copy restored.
-
-    Paged rows (window K=V, entries, index keys, Engram history) of rejected positions are
-    rewritten before anything reads them. A compressor's partial-group buffer holds row
-    ``p % r`` of each position of the open group, so it stays right for accepted positions,
-    except those of a group this chunk closed (closing consumes the rows without storing
-    them): those few positions are recomputed. An overlap (V4's CSA: the last closed group)
-    overwritten by a group holding rejected tokens cannot be rebuilt that way: None, restore
-    the saved slot state and recompute from ``start``.
-    """
-    if any((chunk_end // r) * r > accepted_end for r in overlap_ratios):
-        return None
-    point = accepted_end
-    for r in ratios:
-        open_group = (accepted_end // r) * r
-        if accepted_end > open_group and chunk_end // r > accepted_end // r:
-            point = min(point, max(start, open_group))
-    return point
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -72,7 +51,13 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 class Engine:
-    def __init__(self, model: nn.Module, config: EngineConfig, tokenizer: Any = None) -> None:
+    """Requests in, outputs out: owns the scheduler, the block pool, the model runner and
+    (with ``speculative_config``) the speculative decoder, and runs one step at a time
+    (DESIGN.md §2). ``LLM`` and the server drive it through ``add_request``, ``step``,
+    ``abort`` and ``make_output``; with ``async_scheduling`` the model runs a step on a worker
+    thread while this thread prepares the next."""
+
+    def __init__(self, model: CausalLM, config: EngineConfig, tokenizer: Any = None) -> None:
         config.validate()
         self.model = model
         self.config = config
@@ -84,44 +69,42 @@ class Engine:
         dtype = model.compute_dtype
         self.layout = CacheLayout.from_specs(model.cache_spec(), config.block_size)
         platform = platform_for(self.device)
-        use_compile = platform.compile_by_default if config.compile is None else config.compile
-        use_graphs = platform.capture is not None if config.capture_graphs is None else config.capture_graphs
-        if use_graphs and platform.capture is None:
-            raise ValueError(f"capture_graphs=True: the {platform.name} platform has no graph mode")
+        use_compile, use_graphs = self._execution_modes(platform)
+        drafter = self._drafter()
         graph_batch = min(config.max_graph_batch_size, config.max_num_seqs)
-        # the graphs' memory pool holds about one largest-bucket step's activations
-        graph_bytes = (
+        # the graphs' memory pool holds about one largest-bucket step's activations, and a
+        # model drafter's private window caches come out of the same budget
+        side_bytes = (drafter.cache_bytes if drafter is not None else 0) + (
             measure_step_memory(model, self.layout, dtype, self.device, graph_batch, self.max_model_len)
             if use_graphs
             else 0
         )
-        drafter = None
-        if config.speculative is not None:
-            drafter = build_model_drafter(model, config.speculative, config.max_num_seqs)
-            if drafter is not None and config.ced_prefill:
-                raise ValueError(
-                    f"speculative.method={config.speculative.method!r} reads every prompt row's "
-                    "features; it cannot run with ced_prefill (whose decoder skips rows)"
-                )
-        # a model drafter's private window caches come out of the same budget
-        side_bytes = graph_bytes + (drafter.cache_bytes if drafter is not None else 0)
         num_blocks = config.num_cache_blocks or self._blocks_for_budget(dtype, side_bytes)
         self.pool = BlockPool(num_blocks)
-        self.spec: SpecDecoder | None = None
-        # Compressors keep per-sequence state a rejected draft may have advanced (see
-        # ``rollback_point``): their ratios, and those whose state includes the overlap (the
-        # last closed group), which only a saved copy can bring back.
-        self._ratios = sorted({s.ratio for s in self.layout.specs if s.ratio})
-        self._overlap_ratios = sorted({s.ratio for s in self.layout.specs if s.ratio and s.overlap})
-        self._saved_slots: dict[str, list[torch.Tensor]] = {}
+        self.runner = ModelRunner(
+            model,
+            self.layout,
+            num_blocks=num_blocks,
+            num_slots=config.max_num_seqs,
+            device=self.device,
+            ced_replay=self.layout.window if config.ced_prefill else None,
+            compile_model=use_compile,
+            compile_backend=config.compile_backend,
+            graph_capture=platform.capture if use_graphs else None,
+            max_model_len=self.max_model_len,
+            max_graph_batch=graph_batch,
+            feature_offsets=feature_offsets_for(drafter) if drafter is not None else None,
+        )
+        if self.runner.graphs is not None:
+            # every bucket now, on this thread, before any step (and before the asynchronous
+            # worker exists): a capture must never overlap the host preparing another step
+            self.runner.graphs.capture_all()
         platform_async = (
             platform.name == "cuda" if config.async_scheduling is None else config.async_scheduling
         )
-        if config.speculative is not None:
-            # the production schedule (lagged capacity) is what an asynchronous engine needs
-            self.spec = SpecDecoder(
-                config.speculative, self.max_model_len, drafter=drafter, lagged=platform_async
-            )
+        self.spec: SpeculativeDecoder | None = None
+        if config.speculative_config is not None and drafter is not None:
+            self.spec = self._speculative_decoder(config.speculative_config, drafter, lagged=platform_async)
         self.scheduler = Scheduler(
             config,
             self.pool,
@@ -129,32 +112,8 @@ class Engine:
             config.max_num_seqs,
             self.spec.draft if self.spec is not None else None,
             self.spec.plan if self.spec is not None else None,
-            drafts_after_recompute=not self._overlap_ratios,
+            drafts_after_recompute=self.spec is not None and self.spec.rollback.drafts_after_recompute,
         )
-        if config.ced_prefill and getattr(model, "ced_split", None) is None:
-            raise ValueError(f"ced_prefill: {type(model).__name__} has no causal encoder/decoder split")
-        replay = self.layout.window if config.ced_prefill else None
-        self.runner = ModelRunner(
-            model,
-            self.layout,
-            num_blocks,
-            config.max_num_seqs,
-            self.device,
-            replay,
-            use_compile,
-            config.compile_backend,
-            platform.capture if use_graphs else None,
-            self.max_model_len,
-            graph_batch,
-        )
-        if self.runner.graphs is not None:
-            # every bucket now, on this thread, before any step (and before the asynchronous
-            # worker exists): a capture must never overlap the host preparing another step
-            self.runner.graphs.capture_all()
-        if self.spec is not None and self.spec.model_drafter is not None:
-            self.runner.feature_offsets = self.spec.feature_offsets
-        if self.spec is not None and config.speculative.schedule == "hardware":
-            self.spec.sps = profile_steps_per_second(self.runner, config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         use_async = platform_async and self.spec is None  # drafting needs the previous step's tokens
@@ -170,11 +129,54 @@ class Engine:
             block_mib,
         )
 
+    def _execution_modes(self, platform: Platform) -> tuple[bool, bool]:
+        """(compile the step, replay decode steps from captured graphs), from the options or
+        the platform's defaults; refuses what the platform or the model cannot do."""
+        config = self.config
+        use_compile = platform.compile_by_default if config.compile is None else config.compile
+        use_graphs = platform.capture is not None if config.capture_graphs is None else config.capture_graphs
+        if use_graphs and platform.capture is None:
+            raise ValueError(f"capture_graphs=True: the {platform.name} platform has no graph mode")
+        if config.ced_prefill and self.model.ced_split is None:
+            raise ValueError(f"ced_prefill: {type(self.model).__name__} has no causal encoder/decoder split")
+        return use_compile, use_graphs
+
+    def _drafter(self) -> Drafter | None:
+        """The drafter ``speculative_config`` asks for (None without speculative decoding)."""
+        spec_config = self.config.speculative_config
+        if spec_config is None:
+            return None
+        drafter = build_drafter(self.model, spec_config, self.config.max_num_seqs)
+        if drafter.window and self.config.ced_prefill:
+            raise ValueError(
+                f"speculative_config.method={spec_config.method!r} reads every prompt row's "
+                "features; it cannot run with ced_prefill (whose decoder skips rows)"
+            )
+        return drafter
+
+    def _speculative_decoder(
+        self, config: SpeculativeConfig, drafter: Drafter, lagged: bool
+    ) -> SpeculativeDecoder:
+        """The decoder over the runner: its rollback saves and restores the runner's slots,
+        and the hardware schedule gets the runner's measured steps per second. ``lagged``:
+        the production schedule (capacity known two steps ahead), which an asynchronous
+        engine needs."""
+        specs = self.layout.specs
+        # Compressors keep per-sequence state a rejected draft may have advanced: their
+        # ratios, and those whose state includes the overlap (the last closed group)
+        ratios = sorted({s.ratio for s in specs if s.ratio})
+        overlap_ratios = sorted({s.ratio for s in specs if s.ratio and s.overlap})
+        sps = None
+        if config.schedule == "hardware":
+            sps = self.runner.steps_per_second(self.config.max_num_batched_tokens)
+        rollback = Rollback(ratios, overlap_ratios, self.runner)
+        return SpeculativeDecoder(config, drafter, self.max_model_len, rollback, sps, lagged)
+
     def _blocks_for_budget(self, dtype: torch.dtype, graph_bytes: int = 0) -> int:
         """Blocks that fit the budget after the sequence slots, the null block and slot, and
         ``graph_bytes`` (the captured graphs' memory pool, a drafter's own caches)."""
         cfg = self.config
-        budget = cfg.cache_memory_bytes or int(
+        budget = cfg.kv_cache_memory_bytes or int(
             cfg.cache_memory_fraction * available_memory_bytes(self.device)
         )
         budget -= (cfg.max_num_seqs + 1) * self.layout.slot_bytes(dtype) + graph_bytes
@@ -183,7 +185,9 @@ class Engine:
         # never more than every slot filled to max_model_len needs
         blocks = min(blocks, cfg.max_num_seqs * math.ceil(self.max_model_len / self.layout.block_size))
         if blocks < 1:
-            raise ValueError(f"cache_memory_bytes={cfg.cache_memory_bytes} is too small for one cache block")
+            raise ValueError(
+                f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes} is too small for one cache block"
+            )
         return int(blocks)
 
     @property
@@ -288,8 +292,8 @@ class Engine:
                 c.request.first_scheduled_time = now
             if c.samples and self._executor is not None:
                 c.request.pending_tokens += 1  # the token this step will sample
-            if c.draft and self._overlap_ratios:
-                self._saved_slots[c.request.request_id] = self.runner.save_slot(c.request.slot)
+        if self.spec is not None:
+            self.spec.before_step(chunks)
         return self.runner.prepare(chunks)
 
     def _launch(self, prepared: PreparedStep) -> None:
@@ -300,15 +304,33 @@ class Engine:
     def _process(
         self, prepared: PreparedStep, logits: torch.Tensor, features: torch.Tensor | None = None
     ) -> list[Request]:
+        """Turn a finished step's logits into tokens: prompt logprobs, sampling, verification
+        of drafted chunks, prefix-cache publishing, then the drafter's turn."""
         chunks = prepared.chunks
         live = [(c, row) for c, row in zip(chunks, prepared.sample_rows, strict=True) if row >= 0]
         for c, _ in live:
             c.request.pending_tokens = max(0, c.request.pending_tokens - 1)
         live = [(c, row) for c, row in live if not c.request.finished]
-        drafted = [(c, row) for c, row in live if c.draft]
-        live = [(c, row) for c, row in live if not c.draft]
-        updated: list[Request] = []
-        for c, (first, count) in zip(chunks, prepared.prompt_rows, strict=True):
+        self._prompt_logprobs(prepared, logits)
+        updated = self._sample([(c, row) for c, row in live if not c.draft], logits)
+        if self.spec is not None:
+            drafted = [(c, logits[row : row + len(c.draft) + 1]) for c, row in live if c.draft]
+            updated += [self._append_verified(v) for v in self.spec.verify(drafted)]
+        for c in chunks:
+            if c.request.status is Status.RUNNING:
+                self.scheduler.publish_full_blocks(c.request)
+        if self.spec is not None:
+            featured = [
+                (c, rows)
+                for c, rows in zip(chunks, prepared.feature_rows or [], strict=False)
+                if c.request.status is Status.RUNNING
+            ]
+            ready = [r for r in self.scheduler.running if self.scheduler.may_draft(r)]
+            self.spec.after_step(featured, features, ready)
+        return updated
+
+    def _prompt_logprobs(self, prepared: PreparedStep, logits: torch.Tensor) -> None:
+        for c, (first, count) in zip(prepared.chunks, prepared.prompt_rows, strict=True):
             req = c.request
             if count and not req.finished:
                 entries = self.output_processor.prompt_logprobs(
@@ -317,97 +339,51 @@ class Engine:
                 have = req.prompt_logprobs or [None]  # entry i is for prompt token i
                 have += entries[len(have) - c.start - 1 :]  # a recompute after preemption adds none twice
                 req.prompt_logprobs = have
-        if live:
-            rows = [
-                SamplingRow(
-                    c.request.params,
-                    c.request.generator,
-                    c.request.prompt_token_ids,
-                    c.request.output_token_ids,
-                    self.eos_token_ids,
-                )
-                for c, _ in live
-            ]
-            sampled_logits = logits[torch.tensor([row for _, row in live])]
-            tokens = sample(sampled_logits, rows)
-            now = time.perf_counter()
-            for (c, _), token, row_logits in zip(live, tokens, sampled_logits, strict=True):
-                req = c.request
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                self.output_processor.append_token(req, token, row_logits)
-                updated.append(req)
-                if req.finish_reason is not None:  # the token just sampled has no row yet (an
-                    # asynchronous engine may count the next step's row already)
-                    self._finish(req, computed=min(req.num_computed_tokens, req.num_tokens - 1))
-        if drafted and self.spec is not None:
-            self.spec.stats.engine_steps += 1
-        accepted_end: dict[str, int] = {}  # drafted chunks: positions before this are accepted
-        if drafted:
-            assert self.spec is not None
-            rows = [logits[row : row + len(c.draft) + 1] for c, row in drafted]
-            verified = self.spec.verify(
-                [(c.request, c.draft, r) for (c, _), r in zip(drafted, rows, strict=True)]
+
+    def _sample(self, live: list[tuple[ScheduledChunk, int]], logits: torch.Tensor) -> list[Request]:
+        """One token for each chunk that reached its sequence's end (``live``: chunk and its
+        logits row), with stop checks."""
+        if not live:
+            return []
+        rows = [
+            SamplingRow(
+                c.request.params,
+                c.request.generator,
+                c.request.prompt_token_ids,
+                c.request.output_token_ids,
+                self.eos_token_ids,
             )
-            for (c, _), r, tokens in zip(drafted, rows, verified, strict=True):
-                updated.append(self._verify(c, r, tokens, accepted_end))
-        for c in chunks:
-            if c.request.status is Status.RUNNING:
-                self.scheduler.publish_full_blocks(c.request)
-        if self.spec is not None and self.spec.model_drafter is not None:
-            self.spec.after_step(
-                self._accepted_rows(prepared, accepted_end),
-                features,
-                [r for r in self.scheduler.running if self.scheduler.may_draft(r)],
-            )
+            for c, _ in live
+        ]
+        sampled_logits = logits[torch.tensor([row for _, row in live])]
+        tokens = sample(sampled_logits, rows)
+        now = time.perf_counter()
+        updated = []
+        for (c, _), token, row_logits in zip(live, tokens, sampled_logits, strict=True):
+            req = c.request
+            if req.first_token_time is None:
+                req.first_token_time = now
+            self.output_processor.append_token(req, token, row_logits)
+            updated.append(req)
+            if req.finish_reason is not None:  # the token just sampled has no row yet (an
+                # asynchronous engine may count the next step's row already)
+                self._finish(req, computed=min(req.num_computed_tokens, req.num_tokens - 1))
         return updated
 
-    @staticmethod
-    def _accepted_rows(
-        prepared: PreparedStep, accepted_end: dict[str, int]
-    ) -> list[tuple[Request, int, int]]:
-        """(request, position, feature row) of every featured row of the step whose token is
-        now part of its sequence (a drafted chunk's rows past the first rejection are not)."""
-        rows: list[tuple[Request, int, int]] = []
-        for c, (first_row, first_offset) in zip(prepared.chunks, prepared.feature_rows or [], strict=False):
-            req = c.request
-            if req.status is not Status.RUNNING:
-                continue
-            end = accepted_end.get(req.request_id, c.end - len(c.draft)) if c.draft else c.end
-            end = min(end, len(req.prompt_token_ids) + len(req.output_token_ids) - 1)
-            for offset in range(first_offset, c.num_tokens):
-                pos = c.start + offset
-                if pos < end:
-                    rows.append((req, pos, first_row + offset - first_offset))
-        return rows
-
-    def _verify(
-        self, c: ScheduledChunk, logits: torch.Tensor, tokens: list[int], accepted_end: dict[str, int]
-    ) -> Request:
-        """Append a drafted chunk's verified ``tokens`` (one by one: stop checks apply to
-        each) and roll the computed count back to the positions whose cache rows are valid."""
-        req = c.request
-        anchor = c.end - len(c.draft) - 1  # position of the chunk's newest known token
-        accepted_end[req.request_id] = anchor + len(tokens)
-        saved = self._saved_slots.pop(req.request_id, None)
+    def _append_verified(self, verified: VerifiedChunk) -> Request:
+        """Append a drafted chunk's verified tokens one by one (stop checks apply to each),
+        then let the speculative decoder roll the computed count back to the valid rows."""
+        req = verified.chunk.request
+        assert isinstance(req, Request)
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
-        for j, token in enumerate(tokens):
-            self.output_processor.append_token(req, token, logits[j])
+        for j, token in enumerate(verified.tokens):
+            self.output_processor.append_token(req, token, verified.logits[j])
             if req.finish_reason is not None:  # rows up to the anchor and accepted drafts are valid
-                self._finish(req, computed=anchor + j + 1)
+                self._finish(req, computed=verified.anchor + j + 1)
                 return req
-        end = anchor + len(tokens)  # the last token is not computed yet
-        point = rollback_point(c.start, c.end, end, self._ratios, self._overlap_ratios)
-        if point is None:  # an overlap was overwritten by a group holding rejected tokens
-            assert saved is not None
-            self.runner.restore_slot(req.slot, saved)
-            req.num_computed_tokens = c.start  # recompute the anchor and accepted tokens
-            # (a chunk that restores a prefix snapshot is a first chunk and never drafts today;
-            # if it did, the saved state would predate that restore)
-            req.restore_overlap = c.restore_overlap
-        else:
-            req.num_computed_tokens = point
+        assert self.spec is not None
+        self.spec.roll_back(verified)
         return req
 
     def _finish(self, req: Request, computed: int | None = None) -> None:
@@ -415,9 +391,8 @@ class Engine:
         full blocks are published to the prefix cache before the blocks are freed (None: an
         abort, nothing published)."""
         req.finished_time = time.perf_counter()
-        self._saved_slots.pop(req.request_id, None)
         if self.spec is not None:
-            self.spec.forget(req)
+            self.spec.forget(req.request_id)
         self.scheduler.finish(req, computed)
 
     # ---- outputs --------------------------------------------------------------------------

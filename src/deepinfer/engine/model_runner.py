@@ -5,18 +5,20 @@ It owns the physical cache pools and knows tensors, never policy (DESIGN.md §2)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from deepinfer.cache.forward_batch import ForwardBatch
 from deepinfer.cache.pools import CacheLayout, allocate_pools
 from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch
 from deepinfer.engine.graph_runner import DecodeGraphRunner
 from deepinfer.engine.scheduler import ScheduledChunk
+from deepinfer.models.base import CausalLM
 from deepinfer.platforms import GraphCapture
+from deepinfer.speculative.schedule import SpsTable
 
 
 @dataclass
@@ -36,10 +38,15 @@ class PreparedStep:
 
 
 class ModelRunner:
+    """Owns the physical cache pools and runs steps: ``prepare`` turns scheduled chunks into a
+    ``PreparedStep`` (positions and ``ForwardBatch`` index tensors), ``execute`` runs the
+    eager, compiled or graph-replayed model on it. Tensors only, never policy."""
+
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM,
         layout: CacheLayout,
+        *,
         num_blocks: int,
         num_slots: int,
         device: torch.device,
@@ -49,15 +56,16 @@ class ModelRunner:
         graph_capture: GraphCapture | None = None,
         max_model_len: int = 0,
         max_graph_batch: int = 0,
+        feature_offsets: Callable[[int, int], list[int]] | None = None,
     ) -> None:
         """``ced_replay``: with CED prefill, how many trailing prompt tokens run the decoder.
         ``compile_model``: run the step through ``torch.compile`` (``deepinfer.compilation``).
         ``graph_capture``: replay pure-decode steps of up to ``max_graph_batch`` sequences
-        from graphs captured by this platform backend (``DecodeGraphRunner``)."""
+        from graphs captured by this platform backend (``DecodeGraphRunner``).
+        ``feature_offsets``: (chunk tokens, drafts) -> chunk offsets whose draft features a
+        step returns, for a model drafter (None: logits only)."""
         self.model = model
-        # speculative decoding with a model drafter: (chunk tokens, drafts) -> offsets whose
-        # draft features the step returns (set by the engine)
-        self.feature_offsets: Callable[[int, int], list[int]] | None = None
+        self.feature_offsets = feature_offsets
         self.ced_replay = ced_replay
         self.forward = model.step
         self.layout = layout
@@ -165,6 +173,32 @@ class ModelRunner:
             ids += c.request.all_token_ids[c.start : c.end - len(c.draft)] + c.draft
         ids += [0] * (step.positions.shape[0] - len(ids))  # padded null tokens
         return torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    def steps_per_second(self, max_tokens: int, repeats: int = 3) -> SpsTable:
+        """Steps per second at batch sizes 1, 2, 4, ... up to ``max_tokens`` tokens (for the
+        hardware verification schedule), measured on steps of null tokens (they touch only
+        the null block and slot). Decode cost at short context: the schedule needs the shape
+        of the curve."""
+        sizes, b = [], 1
+        while b < max_tokens:
+            sizes.append(b)
+            b *= 2
+        sizes.append(max_tokens)
+        rates = []
+        for size in sizes:
+            padding = StepPadding(self.null_block, self.null_slot, size)
+            positions, batch = build_forward_batch(self.layout, self.pools, [], self.device, padding)
+            ids = torch.zeros(size, dtype=torch.long, device=self.device)
+            best = float("inf")
+            with torch.inference_mode():
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    self.forward(ids, positions, batch)
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    best = min(best, time.perf_counter() - start)
+            rates.append(1.0 / best)
+        return SpsTable(tuple(sizes), tuple(rates))
 
     @torch.inference_mode()
     def execute(

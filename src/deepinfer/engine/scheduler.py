@@ -33,6 +33,12 @@ class ScheduledChunk:
 
 
 class Scheduler:
+    """Decides each step's chunks from requests, a token budget and free blocks, never
+    tensors: running requests first (decodes, the rest of chunked prefills, drafts within the
+    budget), preempting the newest when blocks run out, then waiting requests with their
+    longest cached prefix. It owns block and slot allocation and the prefix cache's
+    publishing; the engine reports finishes."""
+
     def __init__(
         self,
         config: EngineConfig,
@@ -49,7 +55,7 @@ class Scheduler:
         verification schedule can size every request's draft together.
         ``drafts_after_recompute``: a chunk that recomputes the last few accepted tokens after
         a rejection may carry drafts (when a rejection never rolls back past the chunk's own
-        accepted part, ``Engine.rollback_point``; else recomputed chunks would keep growing)."""
+        accepted part, ``speculative.rollback``; else recomputed chunks would keep growing)."""
         self.config = config
         self.drafts_after_recompute = drafts_after_recompute
         self.drafter = drafter

@@ -77,9 +77,18 @@ class CausalLM(nn.Module):
 
     # -- engine interface ------------------------------------------------------------------
 
+    # V4.1's causal encoder/decoder prefill: the first decoder layer (None: no such split,
+    # ``ced_prefill`` is refused).
+    ced_split: int | None = None
+
     @property
     def compute_dtype(self) -> torch.dtype:
         raise NotImplementedError
+
+    def step_tables(self, device: torch.device) -> list[torch.Tensor]:
+        """Per-device tensors the step reads that are neither parameters nor buffers (RoPE
+        tables); ``torch.compile`` marks them static so a new device copy recompiles nothing."""
+        return []
 
     def cache_spec(self) -> list[LayerCacheSpec]:
         raise NotImplementedError

@@ -52,7 +52,7 @@ class MtpBlock(Block):
     """V4's next-n (MTP) layer ``mtp.{k}`` (techniques.md §1.5; the official V4 ``MTPBlock``):
     a sliding-window block whose input mixes the embedding of the next token with the
     backbone's final streams, with its own ``hc_head`` collapse and norm before the shared
-    head. Only the drafter runs it (``deepinfer.speculative.mtp``)."""
+    head. Only the drafter runs it (through ``MtpDraftModel``)."""
 
     def __init__(self, cfg: DeepseekV4Config, main_rope: Rotary, compress_rope: Rotary) -> None:
         layer = cfg.num_hidden_layers
@@ -61,6 +61,7 @@ class MtpBlock(Block):
         )
         super().__init__(own, layer, main_rope, compress_rope)
         n, h = cfg.hc_mult, cfg.hidden_size
+        self.hc_eps, self.norm_eps = cfg.hc_eps, cfg.rms_norm_eps
         self.e_proj = nn.Linear(h, h, bias=False)
         self.h_proj = nn.Linear(h, h, bias=False)
         self.enorm = RMSNorm(h, cfg.rms_norm_eps)
@@ -74,6 +75,86 @@ class MtpBlock(Block):
         """Block input [N, n, d] from the next tokens' embeddings [N, d] and the backbone's
         (or the previous draft row's) final streams [N, n, d]."""
         return self.e_proj(self.enorm(token_embeds)).unsqueeze(1) + self.h_proj(self.hnorm(streams))
+
+    def window_kv(
+        self, token_embeds: torch.Tensor, streams: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The K=V vector [N, D] of row t (streams of t, the embedding of token t + 1) at
+        position t: a row-wise projection of the block input, kept for later rows' windows."""
+        x = self.merge_input(token_embeds, streams)
+        pre, _, _ = self.mixes(x, "attn")
+        attn_in = self.attn_norm(hc_collapse(x, pre))
+        cos, sin = self.attn.rotary(positions)
+        return self.attn.latent_kv(attn_in, cos, sin)
+
+    def forward(  # type: ignore[override]  (a draft row, not a backbone step)
+        self,
+        streams: torch.Tensor,
+        token_embeds: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        window: tuple[torch.Tensor, torch.Tensor],
+        earlier: list[torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One draft row per sequence: the block over (``streams``, next ``tokens``) at
+        ``positions``, attending to ``window`` (ring rows [N, W, D], visibility [N, W]) and,
+        unless ``earlier`` is None (the row is accepted: its K=V is in the ring), to the K=V
+        of this proposal's ``earlier`` rows and its own. Returns (output streams, the normed
+        head input [N, d], this row's K=V)."""
+        x = self.merge_input(token_embeds, streams)
+        pre, post, comb = self.mixes(x, "attn")
+        attn_in = self.attn_norm(hc_collapse(x, pre))
+        q, _, cos, sin = self.attn.queries(attn_in, positions)
+        kv = self.attn.latent_kv(attn_in, cos, sin)
+        ring, visible = window
+        parts = [(ring.to(kv.dtype), visible)]
+        if earlier is not None:
+            rows = torch.stack([*earlier, kv], dim=1)
+            parts.append((rows, torch.ones(rows.shape[:2], dtype=torch.bool, device=rows.device)))
+        y = self.attn.attend(q, parts, cos, sin)
+        x = hc_expand(y, x, post, comb)
+        pre, post, comb = self.mixes(x, "ffn")
+        y = self.ffn(self.ffn_norm(hc_collapse(x, pre)), tokens)
+        streams = hc_expand(y, x, post, comb)
+        head_in = hc_head_collapse(
+            streams,
+            self.hc_head_fn,
+            self.hc_head_base,
+            self.hc_head_scale,
+            hc_eps=self.hc_eps,
+            norm_eps=self.norm_eps,
+        )
+        return streams, self.norm(head_in), kv
+
+
+class MtpDraftModel:
+    """The MTP layer with the backbone's embedding and head: every computation the MTP
+    drafter runs, none of its bookkeeping (ring, sampling)."""
+
+    def __init__(self, block: MtpBlock, embed: nn.Embedding, head: nn.Linear, cfg: DeepseekV4Config) -> None:
+        self.block, self.embed, self.head = block, embed, head
+        self.window = cfg.sliding_window
+        self.kv_dim = cfg.head_dim
+        self.hc_mult, self.hidden_size = cfg.hc_mult, cfg.hidden_size
+        self.dtype = embed.weight.dtype
+        self.device = embed.weight.device
+
+    def window_kv(
+        self, streams: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        return self.block.window_kv(self.embed(next_tokens), streams, positions)
+
+    def draft_row(
+        self,
+        streams: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        window: tuple[torch.Tensor, torch.Tensor],
+        earlier: list[torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(fp32 logits [N, V], output streams, this row's K=V); see ``MtpBlock.forward``."""
+        streams, head_in, kv = self.block(streams, self.embed(tokens), tokens, positions, window, earlier)
+        return self.head(head_in).float(), streams, kv
 
 
 class DeepseekV4ForCausalLM(CausalLM):
@@ -111,6 +192,12 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def drop_optional_layers(self) -> None:
         self.mtp = nn.ModuleList()
+
+    def draft_model(self, method: str) -> MtpDraftModel | None:
+        """The MTP layer (``method="mtp"``), when the checkpoint has it."""
+        if method != "mtp" or not len(self.mtp):
+            return None
+        return MtpDraftModel(self.mtp[0], self.embed, self.head, self.config)
 
     def cache_spec(self) -> list[LayerCacheSpec]:
         cfg = self.config

@@ -1,5 +1,5 @@
-"""CPU: eager by default (Inductor's first compile of a V4 step takes ~50 s on 2 cores and
-pays back only on long runs; benchmarks/RESULTS.md), no graph mode, no Triton kernels.
+"""CPU: eager by default (Inductor's first compile of a V4 step pays back only on long runs;
+compile vs eager: benchmarks/RESULTS.md), no graph mode, no Triton kernels.
 
 ``replay_eagerly`` is a graph backend in name only: replay calls the function again on the
 same static tensors. It lets the CPU tests exercise the graph runner's bucketing, padding

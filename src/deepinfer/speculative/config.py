@@ -15,6 +15,9 @@ SCHEDULES = ("static", "threshold", "hardware")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
+    """Speculative decoding options; vLLM's field names where it has them (``method``,
+    ``num_speculative_tokens``, ``prompt_lookup_min``/``max``)."""
+
     method: str = "ngram"
     num_speculative_tokens: int | None = None  # None: the method's default (DEFAULT_DRAFTS)
     # static: every eligible decode verifies up to num_speculative_tokens; hardware: Algorithm 1
@@ -28,32 +31,32 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"speculative.method must be one of {METHODS}, got {self.method!r}")
+            raise ValueError(f"speculative_config.method must be one of {METHODS}, got {self.method!r}")
         if self.num_speculative_tokens is None:
             object.__setattr__(self, "num_speculative_tokens", DEFAULT_DRAFTS[self.method])
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"speculative.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+            raise ValueError(f"speculative_config.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         t = self.confidence_threshold
         if not isinstance(t, float | int) or isinstance(t, bool) or not 0 <= t <= 1:
-            raise ValueError(f"speculative.confidence_threshold must be in [0, 1], got {t!r}")
+            raise ValueError(f"speculative_config.confidence_threshold must be in [0, 1], got {t!r}")
         names = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
         for name in names if self.num_speculative_tokens is not None else names[1:]:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"speculative.{name} must be an integer >= 1, got {value!r}")
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError("speculative.prompt_lookup_min must not exceed prompt_lookup_max")
+            raise ValueError("speculative_config.prompt_lookup_min must not exceed prompt_lookup_max")
 
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig | None:
-        """None, a SpeculativeConfig, or a dict of its fields (``LLM(..., speculative={...})``)."""
+        """None, a SpeculativeConfig, or a dict of its fields (``LLM(..., speculative_config={...})``)."""
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, dict):
             unknown = set(value) - set(cls.__dataclass_fields__)
             if unknown:
-                raise ValueError(f"speculative: unknown field(s) {sorted(unknown)}")
+                raise ValueError(f"speculative_config: unknown field(s) {sorted(unknown)}")
             return cls(**value)
         raise ValueError(
-            f"speculative must be None, a dict or a SpeculativeConfig, got {type(value).__name__}"
+            f"speculative_config must be None, a dict or a SpeculativeConfig, got {type(value).__name__}"
         )

@@ -1,8 +1,11 @@
-"""What model drafters share: the draft they hand to verification and how draft tokens are
-sampled from their logits (the distribution ``q`` that rejection sampling divides by)."""
+"""The one interface every drafter implements (``Drafter``: n-gram lookup, V4's MTP layer,
+V4.1's DSpark stages), the draft it hands to verification, and how model drafters sample draft
+tokens from their logits (the distribution ``q`` that rejection sampling divides by)."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,23 +34,45 @@ class DraftRequest:
     anchor_token: int
     params: SamplingParams
     generator: torch.Generator | None
+    tokens: Sequence[int] = ()  # the sequence so far (prompt and output), for history lookups
 
 
-class ModelDrafter(Protocol):
-    """A drafter that runs layers of the target checkpoint (DSpark stages, the MTP layer)."""
+class Drafter(Protocol):
+    """Proposes draft tokens for many sequences at once, after each step.
+
+    A model drafter (DSpark stages, the MTP layer) keeps per-slot state built from the
+    target's features of accepted rows (``observe``); a lookup drafter (n-gram) reads only the
+    tokens and has ``window == 0`` (no features, no state)."""
 
     num_draft_tokens: int  # the most drafts one proposal yields
     window: int  # positions of history its private cache keeps (and feature rows it needs)
     cache_bytes: int  # memory of its per-slot state (taken from the KV-cache budget)
 
-    def claim(self, slot: int, request_id: str) -> None: ...
+    def claim(self, slot: int, request_id: str) -> None:
+        """``request_id`` now owns ``slot`` (state left by an earlier owner is not read)."""
 
     def observe(
         self, slots: list[int], positions: list[int], features: torch.Tensor, next_tokens: list[int]
     ) -> None:
         """Take the target's features of accepted rows (and each row's next token)."""
 
-    def propose(self, requests: list[DraftRequest]) -> list[Draft]: ...
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        """One draft per request (empty tokens: nothing to propose)."""
+
+
+def draft_feature_offsets(num_tokens: int, num_draft: int, window: int) -> list[int]:
+    """Chunk offsets whose features a drafter with a ``window`` reads: the last ``window``
+    rows before the drafts, and the drafted rows (the accepted ones become history)."""
+    first = max(0, num_tokens - num_draft - window)
+    return list(range(first, num_tokens))
+
+
+def feature_offsets_for(drafter: Drafter) -> Callable[[int, int], list[int]] | None:
+    """What the model runner needs to return the features ``drafter`` reads: (chunk tokens,
+    drafts) -> chunk offsets; None when it reads none."""
+    if not drafter.window:
+        return None
+    return functools.partial(draft_feature_offsets, window=drafter.window)
 
 
 def sample_drafts(

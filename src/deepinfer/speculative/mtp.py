@@ -1,7 +1,7 @@
 """The MTP drafter of V4 (its next-n layer ``mtp.0``; techniques.md §1.5).
 
 Row t of the MTP layer reads the backbone's final streams at position t and the embedding of
-token t + 1 (``MtpBlock.merge_input``) and predicts token t + 2. After the target accepted
+token t + 1 (``MtpBlock.merge_input``; the layer's math is ``models.deepseek_v4.MtpDraftModel``) and predicts token t + 2. After the target accepted
 positions ``< P`` (the anchor, the newest token, at ``P``):
 
 - ``observe``: every accepted row t stores the MTP layer's K=V vector (a row-wise projection
@@ -19,30 +19,49 @@ concurrency (DSpark paper §5.4), so ``method="mtp"`` defaults to one draft.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
-from deepinfer.models.layers.mhc import hc_collapse, hc_expand, hc_head_collapse
 from deepinfer.speculative.draft_ring import DraftRing, kept_rows
 from deepinfer.speculative.drafter import Draft, DraftRequest, sample_drafts
 
 
+class MtpModel(Protocol):
+    """What the MTP drafter runs (``deepinfer.models.deepseek_v4.MtpDraftModel``)."""
+
+    window: int
+    kv_dim: int
+    hc_mult: int
+    hidden_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def window_kv(
+        self, streams: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor: ...
+
+    def draft_row(
+        self,
+        streams: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        window: tuple[torch.Tensor, torch.Tensor],
+        earlier: list[torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
 class MtpDrafter:
-    def __init__(self, model: DeepseekV4ForCausalLM, num_slots: int, num_speculative_tokens: int) -> None:
-        if not len(getattr(model, "mtp", ())):
-            raise ValueError(
-                "speculative.method='mtp' needs a V4 checkpoint with its MTP layer (mtp.0.*; "
-                "num_nextn_predict_layers >= 1 in config.json)"
-            )
-        cfg = model.config
-        self.model = model
-        self.layer = model.mtp[0]
+    """A ``Drafter`` over V4's MTP layer: a window ring of the layer's K=V per slot and the
+    newest accepted row's streams, from which each proposal chains ``num_draft_tokens`` rows."""
+
+    def __init__(self, draft: MtpModel, num_slots: int, num_speculative_tokens: int) -> None:
+        self.draft = draft
         self.num_draft_tokens = num_speculative_tokens
-        self.window = cfg.sliding_window
-        dev = next(model.parameters()).device
-        dtype = model.compute_dtype
-        self.ring = DraftRing(1, num_slots, self.window, cfg.head_dim, dtype, dev)
-        self.last_streams = torch.zeros(num_slots, cfg.hc_mult, cfg.hidden_size, dtype=dtype, device=dev)
+        self.window = draft.window
+        dev, dtype = draft.device, draft.dtype
+        self.ring = DraftRing(1, num_slots, self.window, draft.kv_dim, dtype, dev)
+        self.last_streams = torch.zeros(num_slots, draft.hc_mult, draft.hidden_size, dtype=dtype, device=dev)
         self.last_pos = [-1] * num_slots
 
     @property
@@ -55,9 +74,6 @@ class MtpDrafter:
             self.last_pos[slot] = -1
         self.ring.claim(slot, request_id)
 
-    def _input(self, streams: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
-        return self.layer.merge_input(self.model.embed(next_tokens), streams)
-
     @torch.inference_mode()
     def observe(
         self, slots: list[int], positions: list[int], features: torch.Tensor, next_tokens: list[int]
@@ -66,14 +82,10 @@ class MtpDrafter:
         if kept is None:
             return
         rows, slot_t, pos = kept
-        cfg = self.model.config
-        streams = features[rows].view(-1, cfg.hc_mult, cfg.hidden_size).to(self.model.compute_dtype)
+        draft = self.draft
+        streams = features[rows].view(-1, draft.hc_mult, draft.hidden_size).to(draft.dtype)
         nxt = torch.tensor(next_tokens, dtype=torch.long, device=features.device)[rows]
-        x = self._input(streams, nxt)
-        pre, _, _ = self.layer.mixes(x, "attn")
-        attn_in = self.layer.attn_norm(hc_collapse(x, pre))
-        cos, sin = self.layer.attn.rotary(pos)
-        kv = self.layer.attn.latent_kv(attn_in, cos, sin)
+        kv = draft.window_kv(streams, nxt, pos)
         self.ring.write(slot_t, pos, kv.unsqueeze(0))
         for j, (slot, p) in enumerate(zip(slot_t.tolist(), pos.tolist(), strict=True)):
             if p >= self.last_pos[slot]:  # the newest row per slot feeds the next proposal
@@ -89,44 +101,23 @@ class MtpDrafter:
     def _propose(self, requests: list[DraftRequest]) -> list[Draft]:
         if not requests:
             return []
-        cfg, layer = self.model.config, self.layer
         dev = self.last_streams.device
         slots = torch.tensor([r.slot for r in requests], dtype=torch.long, device=dev)
         anchor_pos = torch.tensor([r.anchor_pos for r in requests], dtype=torch.long, device=dev)
         streams = self.last_streams[slots]
         token = torch.tensor([r.anchor_token for r in requests], dtype=torch.long, device=dev)
         ring = self.ring.read(0, slots)
-        local: list[torch.Tensor] = []  # K=V of this proposal's earlier rows (never stored)
+        earlier: list[torch.Tensor] = []  # K=V of this proposal's draft rows (never stored)
         tokens, qs = [], []
         for i in range(self.num_draft_tokens):
             pos = anchor_pos - 1 + i
-            x = self._input(streams, token)
-            pre, post, comb = layer.mixes(x, "attn")
-            attn_in = layer.attn_norm(hc_collapse(x, pre))
-            q, _, cos, sin = layer.attn.queries(attn_in, pos)
-            kv = layer.attn.latent_kv(attn_in, cos, sin)
             if i == 0:  # row P - 1 is accepted: its K=V is already in the ring
-                parts = [(ring.to(kv.dtype), self.ring.visible(slots, pos - self.window + 1, pos))]
+                visible = self.ring.visible(slots, pos - self.window + 1, pos)
+                logits, streams, _ = self.draft.draft_row(streams, token, pos, (ring, visible), None)
             else:  # ring entries up to P - 1 still inside this row's window, then the draft rows
-                local.append(kv)
                 visible = self.ring.visible(slots, pos - self.window + 1, anchor_pos - 1)
-                drafts_kv = torch.stack(local, dim=1)
-                own = torch.ones(drafts_kv.shape[:2], dtype=torch.bool, device=dev)
-                parts = [(ring.to(kv.dtype), visible), (drafts_kv, own)]
-            y = layer.attn.attend(q, parts, cos, sin)
-            x = hc_expand(y, x, post, comb)
-            pre, post, comb = layer.mixes(x, "ffn")
-            y = layer.ffn(layer.ffn_norm(hc_collapse(x, pre)), token)
-            streams = hc_expand(y, x, post, comb)
-            head_in = hc_head_collapse(
-                streams,
-                layer.hc_head_fn,
-                layer.hc_head_base,
-                layer.hc_head_scale,
-                hc_eps=cfg.hc_eps,
-                norm_eps=cfg.rms_norm_eps,
-            )
-            logits = self.model.head(layer.norm(head_in)).float()
+                logits, streams, kv = self.draft.draft_row(streams, token, pos, (ring, visible), earlier)
+                earlier.append(kv)
             token, q_row = sample_drafts(logits, requests)
             tokens.append(token)
             qs.append(q_row)

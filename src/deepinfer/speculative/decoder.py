@@ -1,0 +1,342 @@
+"""``SpeculativeDecoder``: speculative decoding behind the few calls the engine makes.
+
+Per step: the scheduler asks ``plan`` (how many drafts each decoding request may verify, for
+the whole batch) and ``draft`` (the tokens to append to a request's chunk); the engine calls
+``before_step`` with the scheduled chunks, ``verify`` with the logits of the drafted ones,
+``roll_back`` for each verified chunk that did not finish its request, and ``after_step``,
+where the drafter reads the target's features of accepted rows and proposes the next drafts
+(all running requests in one batch). ``forget`` drops what a finished request left.
+
+Only requests whose target distribution needs no history are drafted for (no penalties, logit
+bias, pending ``min_tokens`` or logprobs); others decode one token per step as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from deepinfer.sampling.sampler import needs_history
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.speculative.config import SpeculativeConfig
+from deepinfer.speculative.drafter import Draft, Drafter, DraftRequest
+from deepinfer.speculative.dspark import DSparkDrafter
+from deepinfer.speculative.mtp import MtpDrafter
+from deepinfer.speculative.ngram import NgramDrafter
+from deepinfer.speculative.rollback import Rollback
+from deepinfer.speculative.schedule import (
+    SpsTable,
+    capacity_from,
+    hardware_schedule,
+    lagged_topk_schedule,
+    threshold_schedule,
+)
+from deepinfer.speculative.verify import DraftedRows, verify
+
+
+class Sequence(Protocol):
+    """What speculative decoding reads (and counts) of an engine request."""
+
+    request_id: str
+    params: SamplingParams
+    generator: torch.Generator | None
+    slot: int | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    num_computed_tokens: int
+    restore_overlap: bool
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+
+class Chunk(Protocol):
+    """A scheduled chunk: positions ``[start, end)`` of ``request``, the last ``len(draft)``
+    of them drafted."""
+
+    request: Sequence
+    start: int
+    num_tokens: int
+    restore_overlap: bool
+    draft: list[int]
+
+    @property
+    def end(self) -> int: ...
+
+
+@dataclass
+class VerifiedChunk:
+    """A drafted chunk after verification: the tokens to append, one logits row each."""
+
+    chunk: Chunk
+    tokens: list[int]
+    logits: torch.Tensor
+    anchor: int  # position of the chunk's newest token before the drafts
+
+
+def can_draft(req: Sequence) -> bool:
+    """Drafts are verified against the plain filtered distribution, so a request qualifies
+    only when no processor would change it along the draft (a presence or frequency penalty
+    would, once the drafts count as output) and no logprobs are asked for."""
+    p = req.params
+    return not (
+        needs_history(p, req.output_token_ids)
+        or p.presence_penalty
+        or p.frequency_penalty
+        or p.logprobs is not None
+    )
+
+
+@dataclass
+class SpecStats:
+    """Engine-wide counters (per-request ones live on the Request)."""
+
+    verify_steps: int = 0  # drafted chunks verified
+    drafted: int = 0
+    accepted: int = 0
+    engine_steps: int = 0  # engine steps that verified at least one drafted chunk
+
+    @property
+    def verified_tokens_per_step(self) -> float:
+        """Tokens the target checked per such step (anchors + drafts, over all requests)."""
+        return (self.drafted + self.verify_steps) / self.engine_steps if self.engine_steps else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verified chunk (accepted drafts + the final token)."""
+        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
+
+# What each model drafter needs of the checkpoint (its error when the model has none).
+_DRAFT_LAYERS = {
+    "mtp": "a DeepSeek-V4 model with its MTP layer (mtp.0.*; num_nextn_predict_layers >= 1 in config.json)",
+    "dspark": "a DeepSeek-V4.1 model with its DSpark stages (mtp.*; num_nextn_predict_layers and "
+    "dspark_block_size in config.json)",
+}
+
+
+def build_drafter(model: Any, config: SpeculativeConfig, num_slots: int) -> Drafter:
+    """The drafter ``config.method`` names: n-gram lookup, or a model drafter over the draft
+    layers the target declares (``CausalLM.draft_model``)."""
+    k = config.num_speculative_tokens
+    if config.method == "ngram":
+        assert k is not None
+        return NgramDrafter(k, config.prompt_lookup_min, config.prompt_lookup_max)
+    draft = model.draft_model(config.method)
+    if draft is None:
+        raise ValueError(
+            f"speculative_config.method={config.method!r} needs {_DRAFT_LAYERS[config.method]}; "
+            f"this {type(model).__name__} has none"
+        )
+    if config.method == "mtp":
+        assert k is not None
+        return MtpDrafter(draft, num_slots, k)
+    return DSparkDrafter(draft, num_slots, k)
+
+
+class SpeculativeDecoder:
+    """Drafting, verification scheduling, verification and rollback for the engine (see the
+    module docstring for the calls). One ``Drafter`` serves every method."""
+
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        drafter: Drafter,
+        max_model_len: int,
+        rollback: Rollback,
+        sps: SpsTable | None = None,
+        lagged: bool = False,
+    ) -> None:
+        """``sps``: the steps-per-second table the hardware schedule needs (profiled by the
+        engine at start). ``lagged``: the hardware schedule's production variant (capacity
+        from confidences two steps old, top-K by current survival, no early stop), which an
+        asynchronous engine needs."""
+        self.config = config
+        self.drafter = drafter
+        self.max_model_len = max_model_len
+        self.rollback = rollback
+        self.sps = sps
+        self.lagged = lagged
+        self.num_draft_tokens = drafter.num_draft_tokens
+        self.stats = SpecStats()
+        k = self.num_draft_tokens
+        # acceptance history per draft position: P(accept j | drafts before j accepted). A
+        # drafter without a confidence head (n-gram, MTP) uses these rates instead. They do
+        # not depend on the drafted tokens' values, so the schedule never anticipates them.
+        self.trials, self.accepts = [0] * k, [0] * k
+        self.allowed: dict[str, int] = {}  # this step's verify lengths (hardware/threshold)
+        self.drafts: dict[str, Draft] = {}  # drafts waiting for their step
+        self._old_confidences: list[list[list[float]]] = []  # lagged variant: two plans back
+        self._accepted_end: dict[str, int] = {}  # this step's verified chunks: accepted positions
+
+    # -- scheduling (called by the scheduler) -------------------------------------------
+
+    def acceptance_rates(self) -> list[float]:
+        """Laplace-smoothed acceptance rate per draft position."""
+        return [(a + 1) / (t + 2) for a, t in zip(self.accepts, self.trials, strict=True)]
+
+    def _current_draft(self, req: Sequence) -> Draft | None:
+        draft = self.drafts.get(req.request_id)
+        return draft if draft is not None and draft.anchor_pos == req.num_tokens - 1 else None
+
+    def confidences(self, req: Sequence) -> list[float]:
+        """Per-position confidences of the request's next draft: the drafter's (DSpark's
+        confidence head) when it gives them, else the positions' acceptance rates."""
+        draft = self._current_draft(req)
+        if draft is None:
+            return []
+        if draft.confidences:
+            return draft.confidences[: len(draft.tokens)]
+        return self.acceptance_rates()[: len(draft.tokens)]
+
+    def plan(self, requests: list[Sequence]) -> None:
+        """Before a step: how many drafts each decoding request may verify, for the whole
+        batch at once (Algorithm 1, its lagged variant or the threshold rule; static: no
+        limit)."""
+        schedule = self.config.schedule
+        self.allowed = {}
+        if schedule == "static" or not requests:
+            return
+        conf = [self.confidences(r) for r in requests]
+        if schedule == "hardware":
+            if self.sps is None:
+                raise RuntimeError("the hardware schedule needs a steps-per-second table")
+            if self.lagged:
+                self._old_confidences.append(conf)
+                old = self._old_confidences.pop(0) if len(self._old_confidences) > 2 else None
+                capacity = (
+                    capacity_from(old, self.sps) if old is not None else self.num_draft_tokens * len(conf)
+                )
+                lengths = lagged_topk_schedule(conf, capacity)
+            else:
+                lengths = hardware_schedule(conf, self.sps)
+        else:
+            lengths = threshold_schedule(conf, self.config.confidence_threshold)
+        self.allowed = {r.request_id: n for r, n in zip(requests, lengths, strict=True)}
+
+    def draft(self, req: Sequence, room: int) -> list[int]:
+        """Tokens to verify after the request's last token this step (may be empty);
+        ``room``: drafts that fit the step's token budget."""
+        if not can_draft(req):
+            return []
+        room = min(
+            self.allowed.get(req.request_id, self.num_draft_tokens),
+            room,
+            req.params.max_tokens - len(req.output_token_ids) - 1,
+            self.max_model_len - req.num_tokens,
+        )
+        draft = self._current_draft(req)
+        if room <= 0 or draft is None:
+            return []
+        return draft.tokens[:room]
+
+    # -- a step (called by the engine) --------------------------------------------------
+
+    def before_step(self, chunks: list[Chunk]) -> None:
+        for c in chunks:
+            self.rollback.before_step(c)
+
+    def verify(self, drafted: list[tuple[Chunk, torch.Tensor]]) -> list[VerifiedChunk]:
+        """Verify every drafted chunk of a step together (``drafted``: each chunk with the
+        logits [d + 1, V] of its last d + 1 positions)."""
+        if not drafted:
+            return []
+        self.stats.engine_steps += 1
+        items = []
+        for c, logits in drafted:
+            req = c.request
+            model_draft = self.drafts.get(req.request_id)
+            q = model_draft.q if model_draft is not None else None
+            items.append(DraftedRows(req.params, req.generator, c.draft, q, logits))
+        out = []
+        for (c, logits), tokens in zip(drafted, verify(items), strict=True):
+            self._count(c.request, len(c.draft), len(tokens) - 1)
+            anchor = c.end - len(c.draft) - 1
+            self._accepted_end[c.request.request_id] = anchor + len(tokens)
+            out.append(VerifiedChunk(c, tokens, logits, anchor))
+        return out
+
+    def roll_back(self, verified: VerifiedChunk) -> None:
+        """After the verified tokens are appended (the request goes on): set the computed
+        count to the positions whose cache state is valid (the last token is not computed)."""
+        self.rollback.apply(verified.chunk, verified.anchor + len(verified.tokens))
+
+    def after_step(
+        self,
+        featured: list[tuple[Chunk, tuple[int, int]]],
+        features: torch.Tensor | None,
+        ready: list[Sequence],
+    ) -> None:
+        """``featured``: each running request's chunk with (its first feature row, the chunk
+        offset of that row); the drafter stores the features of the rows now accepted. Then
+        it proposes for the requests ``ready`` to draft next step (all in one batch) unless
+        their draft still follows their newest token."""
+        rows = self._accepted_rows(featured)
+        self._accepted_end = {}
+        if features is not None and rows:
+            slots, positions, next_tokens, feature_rows = [], [], [], []
+            sequences: dict[str, list[int]] = {}
+            for req, pos, row in rows:
+                assert req.slot is not None
+                tokens = sequences.get(req.request_id)
+                if tokens is None:
+                    self.drafter.claim(req.slot, req.request_id)
+                    tokens = sequences[req.request_id] = req.all_token_ids
+                slots.append(req.slot)
+                positions.append(pos)
+                next_tokens.append(tokens[pos + 1])
+                feature_rows.append(row)
+            picked = features[torch.tensor(feature_rows, dtype=torch.long, device=features.device)]
+            self.drafter.observe(slots, positions, picked, next_tokens)
+        asks = []
+        for req in ready:
+            if self._current_draft(req) is not None:
+                continue  # not stepped since: its ring and newest token are unchanged
+            self.drafts.pop(req.request_id, None)
+            if req.slot is not None and can_draft(req):
+                tokens = req.all_token_ids
+                ask = DraftRequest(
+                    req.slot, req.num_tokens - 1, tokens[-1], req.params, req.generator, tokens
+                )
+                asks.append((req, ask))
+        for (req, _), draft in zip(asks, self.drafter.propose([a for _, a in asks]), strict=True):
+            if draft.tokens:
+                self.drafts[req.request_id] = draft
+
+    def _accepted_rows(
+        self, featured: list[tuple[Chunk, tuple[int, int]]]
+    ) -> list[tuple[Sequence, int, int]]:
+        """(request, position, feature row) of every featured row of the step whose token is
+        now part of its sequence (a drafted chunk's rows past the first rejection are not)."""
+        rows: list[tuple[Sequence, int, int]] = []
+        for c, (first_row, first_offset) in featured:
+            req = c.request
+            end = self._accepted_end.get(req.request_id, c.end - len(c.draft)) if c.draft else c.end
+            end = min(end, len(req.prompt_token_ids) + len(req.output_token_ids) - 1)
+            for offset in range(first_offset, c.num_tokens):
+                pos = c.start + offset
+                if pos < end:
+                    rows.append((req, pos, first_row + offset - first_offset))
+        return rows
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or was aborted: drop its draft and saved state."""
+        self.drafts.pop(request_id, None)
+        self.rollback.forget(request_id)
+
+    def _count(self, req: Sequence, drafted: int, accepted: int) -> None:
+        self.stats.verify_steps += 1
+        self.stats.drafted += drafted
+        self.stats.accepted += accepted
+        for j in range(min(accepted + 1, drafted)):  # positions that were tested
+            self.trials[j] += 1
+            self.accepts[j] += j < accepted
+        req.num_draft_tokens += drafted
+        req.num_accepted_tokens += accepted
