@@ -10,6 +10,8 @@ expert after it stay in the compiled graph, and no graph break is left in a MoE 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -35,6 +37,32 @@ def _combine(
     return torch.zeros_like(x).index_add_(0, order // k, routed)
 
 
+def routed_experts_reference(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w1: torch.Tensor | Sequence[torch.Tensor],
+    w2: torch.Tensor | Sequence[torch.Tensor],
+    w3: torch.Tensor | Sequence[torch.Tensor],
+    limit: float,
+) -> torch.Tensor:
+    """The op's contract in plain, differentiable PyTorch (sorted dispatch; runs on every
+    device). The expert weights may be stacked tensors or per-expert sequences (the research
+    path passes each expert's own parameters, so gradients and ``functional_call`` reach
+    them)."""
+    flat_ids, order, picked = _sort_by_expert(x, ids)
+    counts = torch.bincount(flat_ids, minlength=len(w1)).tolist()
+    outs, start = [], 0
+    for e, count in enumerate(counts):
+        if count:
+            rows = picked[start : start + count]
+            outs.append(F.linear(_swiglu(F.linear(rows, w1[e]), F.linear(rows, w3[e]), limit), w2[e]))
+            start += count
+    if not outs:
+        return torch.zeros_like(x)
+    return _combine(x, torch.cat(outs), weights, order, ids.shape[1])
+
+
 @torch.library.custom_op("deepinfer::routed_experts", mutates_args=())
 def routed_experts(
     x: torch.Tensor,
@@ -48,20 +76,9 @@ def routed_experts(
     """x [N, d], weights/ids [N, k], w1/w3 [E, I, d], w2 [E, d, I] -> [N, d] in x's dtype.
 
     ``sum_j weights[n, j] * w2_e(silu(min(w1_e x, limit)) * clamp(w3_e x, -limit, limit))``
-    with ``e = ids[n, j]``.
+    with ``e = ids[n, j]``. Its default kernel is ``routed_experts_reference``.
     """
-    # the reference implementation (sorted dispatch); it runs on every device
-    flat_ids, order, picked = _sort_by_expert(x, ids)
-    counts = torch.bincount(flat_ids, minlength=w1.shape[0]).tolist()
-    outs, start = [], 0
-    for e, count in enumerate(counts):
-        if count:
-            rows = picked[start : start + count]
-            outs.append(F.linear(_swiglu(F.linear(rows, w1[e]), F.linear(rows, w3[e]), limit), w2[e]))
-            start += count
-    if not outs:
-        return torch.zeros_like(x)
-    return _combine(x, torch.cat(outs), weights, order, ids.shape[1])
+    return routed_experts_reference(x, weights, ids, w1, w2, w3, limit)
 
 
 @routed_experts.register_fake

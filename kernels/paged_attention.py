@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 
 
-@torch.library.custom_op("deepinfer::paged_attention", mutates_args=())
-def paged_attention(
+def paged_attention_reference(
     q: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
@@ -31,7 +30,8 @@ def paged_attention(
     Padding (``StepPadding``): decode rows of -1 and spans of 0 tokens are skipped.
     ``span_meta`` is a CPU tensor (the host loops over it; a decode-only step, the kind a CUDA
     graph captures, has only padding spans and the decode path never syncs with the host).
-    Returns [T, H, d] in q's dtype (rows no span or decode covers are zero)."""
+    Returns [T, H, d] in q's dtype (rows no span or decode covers are zero). Plain,
+    differentiable PyTorch (the research path calls it directly: custom ops have no backward)."""
     t, h, d = q.shape
     n_kv = k_pool.shape[1] // d
     out = q.new_zeros(t + 1, h, d)  # row t takes padded decode rows (no host sync to drop them)
@@ -67,6 +67,12 @@ def paged_attention(
         )
         out[first : first + count] = o[0].transpose(0, 1)
     return out[:t]
+
+
+# The op (opaque to ``torch.compile``); its default kernel is the reference itself.
+paged_attention = torch.library.custom_op("deepinfer::paged_attention", mutates_args=())(
+    paged_attention_reference
+)
 
 
 @paged_attention.register_fake

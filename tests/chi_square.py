@@ -77,7 +77,7 @@ def exact_next_token(
 
     def probs(prefix: tuple[int, ...]) -> torch.Tensor:
         with torch.no_grad():
-            logits = model(torch.tensor([prompt + list(prefix)]))[0, -1]
+            logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1]
         return torch.softmax(logits.double() / temperature, dim=-1)
 
     return probs

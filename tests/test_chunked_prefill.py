@@ -32,7 +32,7 @@ def test_chunked_prefill_then_decode_matches_one_shot(request, fixture, splits):
     model = load_model(request.getfixturevalue(fixture), fake_quant=False)
     ids = torch.randint(0, model.config.vocab_size, (2, 52), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        full = model(ids)
+        full = model(ids).logits
         got = _incremental(model, ids, splits, decode_steps=12)
     assert (got - full).abs().max().item() <= TOL
 
@@ -42,7 +42,7 @@ def test_v41_chunked_with_fake_quant(v41_ckpt):
     model = load_model(v41_ckpt)
     ids = torch.randint(0, model.config.vocab_size, (2, 52), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
-        diff = (_incremental(model, ids, [5, 17, 18], decode_steps=12) - model(ids)).abs().max().item()
+        diff = (_incremental(model, ids, [5, 17, 18], decode_steps=12) - model(ids).logits).abs().max().item()
     print(f"V4.1 fake-quant on: chunked vs one-shot max abs diff {diff:.3g}")
     assert diff <= TOL
 
@@ -52,7 +52,7 @@ def test_decode_past_hca_group_boundary(v4_ckpt):
     model = load_model(v4_ckpt)
     ids = torch.randint(0, model.config.vocab_size, (1, 262), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
-        full = model(ids)
+        full = model(ids).logits
         session = Session(model, 1, 262)
         outs = [session.feed(ids[:, :120])]
         outs += [session.feed(ids[:, t : t + 1]) for t in range(120, 140)]

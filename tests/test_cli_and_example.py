@@ -90,3 +90,20 @@ def test_offline_inference_example_on_a_checkpoint_dir(tmp_path):
         timeout=300,
     )
     assert "tokens/s" in run.stdout and run.stdout.count("> ") == 4
+
+
+def test_research_example_runs():
+    """examples/research.py: the logit lens on SmolLM2 ends on the model's own prediction,
+    and LoRA steps on tiny V4 lower the loss."""
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "research.py"), "--steps", "4"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    lines = run.stdout.splitlines()
+    lens = [line for line in lines if line.strip().startswith("layer")]
+    assert len(lens) == 30 and "model   :" in run.stdout
+    losses = [float(x) for x in lines[-1].split("loss")[1].split("->")]
+    assert len(losses) == 4 and losses[-1] < losses[0]

@@ -124,7 +124,7 @@ def test_prompt_logprobs_match_the_model(v4_ckpt, llm):
     prompt = [3, 17, 200, 45, 9, 77, 120, 5, 66, 31, 90]
     out = llm.generate(prompt, _greedy(2, prompt_logprobs=2))[0]
     with torch.no_grad():
-        ref = load_model(v4_ckpt)(torch.tensor([prompt]))[0].log_softmax(-1)
+        ref = load_model(v4_ckpt)(torch.tensor([prompt])).logits[0].log_softmax(-1)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     for i in range(1, len(prompt)):
         entry = out.prompt_logprobs[i]

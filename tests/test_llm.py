@@ -154,7 +154,7 @@ def _bf16_errors(v4_ckpt, perturb: float = 0.0) -> tuple[float, float, float, fl
     ours_kl, hf_kl, ours_agree, hf_agree = [], [], [], []
     for seed in range(6):
         ids = torch.randint(2, 258, (1, 40), generator=torch.Generator().manual_seed(seed))
-        ref, ours = fp32.model(ids), bf16.model(ids)
+        ref, ours = fp32.model(ids).logits, bf16.model(ids).logits
         assert ours.dtype == torch.float32 and torch.isfinite(ours).all()
         with torch.no_grad():
             theirs = hf(ids).logits.float()

@@ -15,7 +15,7 @@ def _compare(ours, theirs, batch: int, length: int, seed: int) -> float:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, ours.config.vocab_size, (batch, length), generator=gen)
     with torch.no_grad():
-        a = ours(ids)
+        a = ours(ids).logits
         b = theirs(ids).logits.float()
     assert a.shape == b.shape == (batch, length, ours.config.vocab_size)
     return (a - b).abs().max().item()

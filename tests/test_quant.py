@@ -69,8 +69,8 @@ def test_fp8_checkpoint_matches_its_dequantized_twin(v4_fp8_ckpt, tmp_path, hf_r
 
     ids = torch.randint(0, 258, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        quantized = load_model(v4_fp8_ckpt)(ids)
-        dequantized = load_model(tmp_path)(ids)
+        quantized = load_model(v4_fp8_ckpt)(ids).logits
+        dequantized = load_model(tmp_path)(ids).logits
         reference = hf_reference(tmp_path)(ids).logits
     assert (quantized - dequantized).abs().max() <= 1e-5
     assert (dequantized - reference).abs().max() <= 1e-4

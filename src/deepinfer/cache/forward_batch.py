@@ -85,9 +85,27 @@ class FullAttentionMeta:
     span_kv_rows: torch.Tensor  # pool rows of positions 0 .. end-1 of each chunk, concatenated
 
 
+@dataclass(frozen=True)
+class Grid:
+    """The research binding's ``[B, S]`` layout of a flat step: ``rows`` are the flat indices
+    (into ``B * S``) of the step's tokens, in step order; None when every grid cell is a
+    token (no padding), so the two layouts are views of each other."""
+
+    batch_size: int
+    seq_len: int
+    rows: torch.Tensor | None = None
+
+
 @dataclass
 class ForwardBatch:
-    """Everything besides token ids and positions that one forward step reads or writes."""
+    """Everything besides token ids and positions that one forward step reads or writes.
+
+    Two bindings share every layer: the engine's (pools persist across steps and are written
+    in place) and the research binding of ``model(input_ids)`` (``functional``: fresh pools
+    for this call only, written out of place so autograd, ``functional_call`` and
+    ``torch.compile`` see plain functions; layers take their inputs and give their outputs
+    on the ``[B, S, ...]`` ``grid``; each layer's output is appended to ``hidden_states``).
+    """
 
     pools: list[LayerPools]
     window_idx: torch.Tensor  # [T, W] window-pool rows (clamped; see window_valid)
@@ -104,6 +122,43 @@ class ForwardBatch:
     # sequence's replay start (those never ran the decoder).
     decoder_rows: torch.Tensor | None = None
     decoder_window_valid: torch.Tensor | None = None
+    functional: bool = False
+    grid: Grid | None = None
+    hidden_states: list[torch.Tensor] | None = None
+
+    def write(self, pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Store ``values`` at ``rows`` of ``pool``; returns the tensor to read them from (the
+        pool itself, or under the functional binding a new tensor)."""
+        values = values.to(pool.dtype)
+        if self.functional:
+            return pool.index_copy(0, rows, values)
+        return pool.index_copy_(0, rows, values)
+
+    def to_grid(self, x: torch.Tensor) -> torch.Tensor:
+        """A flat ``[T, ...]`` tensor on the ``[B, S, ...]`` grid (pad cells zero); unchanged
+        without a grid."""
+        grid = self.grid
+        if grid is None:
+            return x
+        b, s = grid.batch_size, grid.seq_len
+        if grid.rows is None:
+            return x.reshape(b, s, *x.shape[1:])
+        cells = x.new_zeros(b * s, *x.shape[1:]).index_copy(0, grid.rows, x)
+        return cells.view(b, s, *x.shape[1:])
+
+    def to_flat(self, x: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``to_grid``: a ``[B, S, ...]`` tensor's token rows ``[T, ...]``;
+        unchanged without a grid."""
+        grid = self.grid
+        if grid is None:
+            return x
+        cells = x.reshape(grid.batch_size * grid.seq_len, *x.shape[2:])
+        return cells if grid.rows is None else cells[grid.rows]
+
+    def record(self, x: torch.Tensor) -> None:
+        """Keep one layer's output (grid layout) when the caller asked for hidden states."""
+        if self.hidden_states is not None:
+            self.hidden_states.append(x)
 
     def metadata(self) -> Iterator[tuple[torch.Tensor, tuple[int, ...]]]:
         """The step's index tensors (never the cache pools) in a fixed order, each with the

@@ -1,25 +1,49 @@
-"""A stateful cache for a fixed group of sequences that advance in lockstep.
+"""Caches for running a model outside the engine.
 
-Research code and tests use it to run a model chunk by chunk (``Session.feed``) without the
-scheduler; ``model(input_ids)`` uses it for its throwaway cache. Blocks are laid out
-statically: sequence i owns blocks ``[i * n, (i + 1) * n)``.
+``Session``: a stateful cache for a fixed group of sequences that advance in lockstep;
+research code and tests run a model chunk by chunk with it (``Session.feed``) without the
+scheduler. Blocks are laid out statically: sequence i owns blocks ``[i * n, (i + 1) * n)``.
+
+``research_batch``: the binding behind ``model(input_ids, attention_mask)``: every row is a
+sequence starting at position 0 (its real tokens only, so left or right padding changes
+nothing), all run as one step over fresh pools written out of place (``ForwardBatch.functional``),
+with the layers' inputs and outputs on the ``[B, S, ...]`` grid.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
-from torch import nn
 
+from deepinfer.cache.forward_batch import ForwardBatch, Grid
+from deepinfer.cache.layer_spec import LayerCacheSpec
 from deepinfer.cache.pools import CacheLayout, allocate_pools
 from deepinfer.cache.step_metadata import SeqChunk, build_forward_batch
 
 DEFAULT_BLOCK_SIZE = 16
 
 
+class SteppableModel(Protocol):
+    """What a cache binding needs of a model (every ``CausalLM``)."""
+
+    @property
+    def compute_dtype(self) -> torch.dtype: ...
+
+    def cache_spec(self) -> list[LayerCacheSpec]: ...
+
+    def parameters(self): ...
+
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch): ...
+
+
 class Session:
-    def __init__(self, model: nn.Module, batch_size: int, max_len: int, block_size: int = DEFAULT_BLOCK_SIZE):
+    """A persistent paged cache for ``batch_size`` sequences of up to ``max_len`` tokens."""
+
+    def __init__(
+        self, model: SteppableModel, batch_size: int, max_len: int, block_size: int = DEFAULT_BLOCK_SIZE
+    ):
         self.model = model
         self.layout = CacheLayout.from_specs(model.cache_spec(), block_size)
         param = next(model.parameters())
@@ -49,13 +73,64 @@ class Session:
             for slot, table in enumerate(self.tables)
         ]
         positions, batch = build_forward_batch(self.layout, self.pools, chunks, self.device)
-        logits = self.model(input_ids.reshape(-1).to(self.device), positions, batch)
+        logits = self.model.step(input_ids.reshape(-1).to(self.device), positions, batch)
         self.num_tokens += s
         return logits.view(b, len(offsets), -1)
 
 
-def one_shot_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """Full-sequence logits [B, S, V] for rows that all start at position 0."""
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
-    return Session(model, input_ids.shape[0], input_ids.shape[1]).feed(input_ids)
+def token_spans(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[tuple[int, int]]:
+    """Each row's (first column, length) of real tokens; clear errors for bad inputs."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a [batch, seq] tensor, got {shape}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    b, s = input_ids.shape
+    if attention_mask is None:
+        return [(0, s)] * b
+    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (b, s):
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
+        raise ValueError(f"attention_mask must be a tensor shaped like input_ids {(b, s)}, got {shape}")
+    mask = attention_mask.detach().to("cpu")
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+    spans = []
+    for i, row in enumerate(mask.long().tolist()):
+        ones = [j for j, m in enumerate(row) if m]
+        if ones and ones[-1] - ones[0] + 1 != len(ones):
+            raise ValueError(
+                f"attention_mask row {i} marks tokens that are not contiguous; pad on the left or the right"
+            )
+        spans.append((ones[0], len(ones)) if ones else (0, 0))
+    if not any(n for _, n in spans):
+        raise ValueError("attention_mask marks no token in any row")
+    return spans
+
+
+def research_batch(
+    model: SteppableModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+    """(flat token ids [T], positions [T], batch) for one step over every row's real tokens,
+    each row a sequence from position 0, with logits for every token."""
+    spans = token_spans(input_ids, attention_mask)
+    b, s = input_ids.shape
+    device = next(model.parameters()).device
+    layout = CacheLayout.from_specs(model.cache_spec(), DEFAULT_BLOCK_SIZE)
+    bs = layout.block_size
+    chunks, cells, next_block = [], [], 0
+    for i, (first, n) in enumerate(spans):
+        if not n:
+            continue
+        blocks = math.ceil(n / bs)
+        table = list(range(next_block, next_block + blocks))
+        next_block += blocks
+        chunks.append(SeqChunk(table, i, 0, n, logits_offsets=list(range(n))))
+        cells += range(i * s + first, i * s + first + n)
+    pools = allocate_pools(layout, next_block, b, model.compute_dtype, device)
+    positions, batch = build_forward_batch(layout, pools, chunks, device)
+    padded = len(cells) < b * s
+    rows = torch.tensor(cells, dtype=torch.long, device=device) if padded else None
+    batch.functional = True
+    batch.grid = Grid(b, s, rows)
+    flat = input_ids.to(device).reshape(-1)
+    return (flat[rows] if rows is not None else flat), positions, batch

@@ -2,26 +2,53 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.cache.forward_batch import ForwardBatch
 from deepinfer.cache.layer_spec import LayerCacheSpec
-from deepinfer.cache.session import one_shot_logits
+from deepinfer.cache.session import research_batch
 from deepinfer.models.layers.moe import MoE
 
 
+@dataclass
+class CausalLMOutput:
+    """What ``model(input_ids, ...)`` returns, shaped as transformers' causal-LM outputs."""
+
+    logits: torch.Tensor  # [B, S, V] fp32 (zero at padded cells)
+    loss: torch.Tensor | None = None  # mean next-token cross entropy, when labels are given
+    # with output_hidden_states: the embedding streams, then every layer's output, each on
+    # the [B, S, ...] grid ([B, S, n, d] hyper-connection streams for V4/V4.1)
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy of position t's logits against label t + 1 (labels of -100 are
+    ignored), as transformers computes the ``labels=`` loss."""
+    if labels.shape != logits.shape[:2]:
+        raise ValueError(
+            f"labels must be shaped like input_ids {tuple(logits.shape[:2])}, got {tuple(labels.shape)}"
+        )
+    shifted = labels[:, 1:].reshape(-1).to(logits.device)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), shifted, ignore_index=-100)
+
+
 class CausalLM(nn.Module):
-    """Two ways in, shared by every architecture.
+    """Two ways in, shared by every architecture, through the same layers.
 
-    ``model(input_ids [B, S])``: every row is a sequence starting at position 0; returns fp32
-    logits [B, S, V] (a throwaway cache is made; research code needs nothing else).
+    ``model(input_ids [B, S], attention_mask=None, labels=None, output_hidden_states=False)``:
+    research code's way (DESIGN.md §6): every row is a sequence from position 0 (its real
+    tokens only, under left or right padding), one step over throwaway pools written out of
+    place, so the call is differentiable and works under hooks, ``torch.func`` and
+    ``torch.compile``; returns a ``CausalLMOutput``.
 
-    ``model(input_ids [T], positions [T], batch)``: one engine step over a flat batch of tokens
-    from many sequences; returns what ``step`` returns.
+    ``model.step(input_ids [T], positions [T], batch)``: the engine's way, one step over a
+    flat batch of tokens from many sequences against the persistent paged cache.
 
     The class also declares, with defaults, every hook the checkpoint loader calls
     (``deepinfer.weights.loader.LoadableModel``) and the draft layers speculative decoding
@@ -104,11 +131,18 @@ class CausalLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        batch: ForwardBatch | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if batch is None:
-            return one_shot_logits(self, input_ids)
-        if input_ids.dim() != 1 or positions is None or positions.shape != input_ids.shape:
-            raise ValueError("with a ForwardBatch, input_ids and positions must both be flat [T] tensors")
-        return self.step(input_ids, positions, batch)
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+    ) -> CausalLMOutput:
+        flat_ids, positions, batch = research_batch(self, input_ids, attention_mask)
+        vocab = self.config.vocab_size
+        if flat_ids.numel() and (int(flat_ids.min()) < 0 or int(flat_ids.max()) >= vocab):
+            raise ValueError(f"input_ids: token ids must lie in [0, {vocab})")
+        if output_hidden_states:
+            batch.hidden_states = []
+        out = self.step(flat_ids, positions, batch)
+        logits = batch.to_grid(out[0] if isinstance(out, tuple) else out)
+        loss = causal_lm_loss(logits, labels) if labels is not None else None
+        hidden = tuple(batch.hidden_states) if batch.hidden_states is not None else None
+        return CausalLMOutput(logits, loss, hidden)

@@ -39,13 +39,14 @@ class Block(HyperConnectedBlock):
         pools: LayerPools,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        """streams [T, n, d] -> [T, n, d]."""
+        """streams [T, n, d] -> [T, n, d] (on the research grid: [B, S, n, d])."""
+        streams = batch.to_flat(streams)
         pre, post, comb = self.mixes(streams, "attn")
         y = self.attn(self.attn_norm(hc_collapse(streams, pre)), positions, pools, batch)
         streams = hc_expand(y, streams, post, comb)
         pre, post, comb = self.mixes(streams, "ffn")
-        y = self.ffn(self.ffn_norm(hc_collapse(streams, pre)), input_ids)
-        return hc_expand(y, streams, post, comb)
+        y = self.ffn(self.ffn_norm(hc_collapse(streams, pre)), input_ids, batch.functional)
+        return batch.to_grid(hc_expand(y, streams, post, comb))
 
 
 class MtpBlock(Block):
@@ -158,7 +159,7 @@ class MtpDraftModel:
 
 
 class DeepseekV4ForCausalLM(CausalLM):
-    """The V4-Flash backbone + head. ``model(input_ids)`` returns full logits (no cache)."""
+    """The V4-Flash backbone + head (and the MTP layer ``mtp.0``, run only by its drafter)."""
 
     # Parameters the reference keeps in fp32 whatever the compute dtype (model_spec.md §2.10).
     fp32_param_markers = ("norm.weight", "hc_", "attn_sink", ".ape", "gate.bias")
@@ -222,8 +223,12 @@ class DeepseekV4ForCausalLM(CausalLM):
         with ``batch.feature_idx`` also those rows' final streams [N, n * d] (the MTP input)."""
         h = self.embed(input_ids)
         streams = h.unsqueeze(1).expand(h.shape[0], self.config.hc_mult, h.shape[-1]).contiguous()
+        streams = batch.to_grid(streams)
+        batch.record(streams)
         for layer, pools in zip(self.layers, batch.pools, strict=True):
             streams = layer(streams, positions, input_ids, pools, batch)
+            batch.record(streams)
+        streams = batch.to_flat(streams)
         features = streams[batch.feature_idx].flatten(1) if batch.feature_idx is not None else None
         if batch.logits_idx is not None:
             streams = streams[batch.logits_idx]

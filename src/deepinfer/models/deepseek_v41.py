@@ -222,7 +222,8 @@ class DeepseekV41ForCausalLM(CausalLM):
         if self.token_map.device != input_ids.device:
             self.token_map = self.token_map.to(input_ids.device)
         history = batch.pools[self._history_layer].token_ids
-        history[batch.window_write] = self.token_map[input_ids]
+        assert history is not None
+        history = batch.write(history, batch.window_write, self.token_map[input_ids])
         n = layout.max_ngram
         past = history[batch.window_idx[:, :n]]
         past = torch.where(batch.window_valid[:, :n], past, DEAD)
@@ -237,6 +238,7 @@ class DeepseekV41ForCausalLM(CausalLM):
         streams = h.unsqueeze(1).expand(h.shape[0], cfg.hc_mult, h.shape[-1]).contiguous()
         pre_mix = first_site_pre_mix(h.shape[0], cfg.hc_mult, h.device)
         shared = StepShared()
+        batch.record(batch.to_grid(streams))
         narrow_at = self._ced_split_for(batch)
         targets = set(cfg.dspark_target_layer_ids) if batch.feature_idx is not None else set()
         features: list[torch.Tensor] = []
@@ -248,7 +250,7 @@ class DeepseekV41ForCausalLM(CausalLM):
             compressed = i == narrow_at
             if compressed:  # CED: the decoder's KV source sees every row, the decoder only some
                 assert batch.decoder_rows is not None
-                layer.attn.compress(layer.attn_norm(hc_collapse(streams, pre_mix)), pools, batch)
+                layer.attn.compress(layer.attn_norm(hc_collapse(streams, pre_mix)), pools, batch, shared)
                 rows = batch.decoder_rows
                 if rows.numel() == 0:  # every row is encoder-only: nothing left to run or return
                     return torch.zeros(0, cfg.vocab_size, device=streams.device)
@@ -260,7 +262,10 @@ class DeepseekV41ForCausalLM(CausalLM):
                 )
                 hash_ids = hash_ids[rows] if hash_ids is not None else None
                 batch = batch.decoder_batch()
-            streams, pre_mix = layer(streams, pre_mix, positions, input_ids, pools, batch, shared, compressed)
+            grid = batch.to_grid(streams), batch.to_grid(pre_mix)  # hooks see [B, S, ...] (research)
+            out, out_pre = layer(*grid, positions, input_ids, pools, batch, shared, compressed)
+            batch.record(out)
+            streams, pre_mix = batch.to_flat(out), batch.to_flat(out_pre)
         if batch.logits_idx is not None:
             streams, pre_mix = streams[batch.logits_idx], pre_mix[batch.logits_idx]
         x = self.norm(hc_collapse(streams, pre_mix))

@@ -6,7 +6,7 @@ compressed entries (``SharedKVAttention``) and the block with the one-site mHC l
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,8 @@ class StepShared:
 
     chosen: torch.Tensor | None = None  # [T, E] bool: the latest index source's top-k
     candidates: torch.Tensor | None = None  # [T, E] bool: the candidate source's blocks
+    # KV source layer -> (its compressed entries, its index keys) as written this step
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 class SharedKVAttention(LatentAttention):
@@ -80,13 +82,17 @@ class SharedKVAttention(LatentAttention):
                 key_source_dim=cfg.head_dim if owns_kv else 0,
             )
 
-    def compress(self, x: torch.Tensor, pools: LayerPools, batch: ForwardBatch) -> None:
-        """KV source only: pool this step's tokens into compressed entries and index keys."""
+    def compress(self, x: torch.Tensor, pools: LayerPools, batch: ForwardBatch, shared: StepShared) -> None:
+        """KV source only: pool this step's tokens into compressed entries and index keys,
+        published in ``shared`` for the layers that read them."""
         assert self.compressor is not None and self.indexer is not None
+        assert pools.entries is not None and pools.index_keys is not None
         meta = batch.groups[self.ratio]
-        latent = self.compressor(x, pools.compressor, meta, pools.entries)
+        latent, entries = self.compressor(x, pools.compressor, meta, pools.entries, batch)
+        keys = pools.index_keys
         if latent is not None:
-            self.indexer.write_keys(latent, meta, pools.index_keys)
+            keys = self.indexer.write_keys(latent, meta, keys, batch)
+        shared.kv[self.role.layer] = (entries, keys)
 
     def forward(
         self,
@@ -103,9 +109,11 @@ class SharedKVAttention(LatentAttention):
         if self.ratio:
             meta = batch.groups[self.ratio]
             if self.compressor is not None and not compressed:
-                self.compress(x, pools, batch)
+                self.compress(x, pools, batch, shared)
+            assert self.role.kv_source is not None
+            entries, keys = shared.kv[self.role.kv_source]  # written this step by the source
             if self.indexer is not None:
-                scores = self.indexer.scores(x, q_residual, cos, sin, pools.index_keys, meta)
+                scores = self.indexer.scores(x, q_residual, cos, sin, keys, meta)
                 if self.role.is_candidate_source:
                     shared.candidates = select_candidate_blocks(
                         scores,
@@ -117,7 +125,7 @@ class SharedKVAttention(LatentAttention):
                     scores = scores.masked_fill(~shared.candidates, float("-inf"))
                 shared.chosen = self.indexer.choose(scores)
             assert shared.chosen is not None, "a compressed layer runs after its index source"
-            parts.append((gather_rows(pools.entries, meta.entry_idx).to(q.dtype), shared.chosen))
+            parts.append((gather_rows(entries, meta.entry_idx).to(q.dtype), shared.chosen))
         return self.attend(q, parts, cos, sin)
 
 
@@ -156,14 +164,16 @@ class LaggedBlock(HyperConnectedBlock):
         shared: StepShared,
         compressed: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """streams [T, n, d], pre_mix [T, n] -> (streams, this block's FFN-site pre mix)."""
+        """streams [T, n, d], pre_mix [T, n] -> (streams, this block's FFN-site pre mix);
+        on the research grid [B, S, n, d] and [B, S, n]."""
+        streams, pre_mix = batch.to_flat(streams), batch.to_flat(pre_mix)
         attn_pre, post, comb = self.mixes(streams, "attn")
         x = self.attn_norm(hc_collapse(streams, pre_mix))
         y = self.attn(x, positions, pools, batch, shared, compressed)
         streams = hc_expand(y, streams, post, comb)
         ffn_pre, post, comb = self.mixes(streams, "ffn")
-        y = self.ffn(self.ffn_norm(hc_collapse(streams, attn_pre)), input_ids)
-        return hc_expand(y, streams, post, comb), ffn_pre
+        y = self.ffn(self.ffn_norm(hc_collapse(streams, attn_pre)), input_ids, batch.functional)
+        return batch.to_grid(hc_expand(y, streams, post, comb)), batch.to_grid(ffn_pre)
 
 
 def first_site_pre_mix(num_tokens: int, hc_mult: int, device: torch.device) -> torch.Tensor:

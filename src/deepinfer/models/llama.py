@@ -19,7 +19,7 @@ from torch import nn
 from deepinfer.cache.forward_batch import ForwardBatch, LayerPools
 from deepinfer.cache.layer_spec import LayerCacheSpec
 from deepinfer.errors import CheckpointError
-from deepinfer.kernels.paged_attention import paged_attention
+from deepinfer.kernels.paged_attention import paged_attention, paged_attention_reference
 from deepinfer.models.base import CausalLM
 from deepinfer.models.layers.norms import RMSNorm
 
@@ -133,7 +133,7 @@ class LlamaAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pools: LayerPools, batch: ForwardBatch
     ) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        if self.qkv is not None:
+        if self.qkv is not None and not batch.functional:  # research: the parameters themselves
             qkv = F.linear(x, *self.qkv)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
@@ -142,13 +142,15 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         v = qkv[:, (self.n_heads + self.n_kv) * d :]
         assert pools.values is not None and batch.full is not None
-        pools.window.index_copy_(0, batch.window_write, k.reshape(t, -1).to(pools.window.dtype))
-        pools.values.index_copy_(0, batch.window_write, v.to(pools.values.dtype))
+        keys = batch.write(pools.window, batch.window_write, k.reshape(t, -1))
+        values = batch.write(pools.values, batch.window_write, v)
         meta = batch.full
-        out = paged_attention(
+        # the op has no backward: the research binding calls its reference directly
+        attend = paged_attention_reference if batch.functional else paged_attention
+        out = attend(
             q,
-            pools.window,
-            pools.values,
+            keys,
+            values,
             meta.decode_rows,
             meta.decode_kv,
             meta.decode_valid,
@@ -170,8 +172,10 @@ class LlamaMLP(nn.Module):
     def fuse(self) -> None:
         self.gate_up = _fuse_linears([self.gate_proj, self.up_proj])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None:
+    def forward(self, x: torch.Tensor, fused: bool = True) -> torch.Tensor:
+        """``fused``: use the fused gate/up weight (the engine); the research binding runs
+        the parameters themselves, so gradients and ``functional_call`` reach them."""
+        if self.gate_up is not None and fused:
             gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
@@ -186,6 +190,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pools: LayerPools, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """h [T, d] -> [T, d] (on the research grid: [B, S, d])."""
+        x = batch.to_flat(h)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pools, batch)
+        x = x + self.mlp(self.post_attention_layernorm(x), fused=not batch.functional)
+        return batch.to_grid(x)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
@@ -196,6 +209,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    """A Llama-family decoder with transformers' module names (``model.embed_tokens``,
+    ``model.layers[i].self_attn.q_proj``, ``lm_head``), so checkpoints load by name and
+    research code finds what it expects."""
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -208,6 +225,11 @@ class LlamaForCausalLM(CausalLM):
     @property
     def compute_dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The decoder layers (``model.layers``), at the top level as V4's are."""
+        return self.model.layers
 
     def post_load(self, path: Path) -> None:
         """Called by the loader once weights are in place: fuse q/k/v and gate/up."""
@@ -235,10 +257,12 @@ class LlamaForCausalLM(CausalLM):
         """One engine step (see ``CausalLM``): flat tokens in, logits for ``batch.logits_idx``."""
         freqs = positions.unsqueeze(-1).float() * self.inv_freq(positions.device)
         cos, sin = freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
-        h = self.model.embed_tokens(input_ids)
+        h = batch.to_grid(self.model.embed_tokens(input_ids))
+        batch.record(h)
         for layer, pools in zip(self.model.layers, batch.pools, strict=True):
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, pools, batch)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = layer(h, cos, sin, pools, batch)
+            batch.record(h)
+        h = batch.to_flat(h)
         if batch.logits_idx is not None:
             h = h[batch.logits_idx]
         h = self.model.norm(h)

@@ -24,10 +24,13 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     fake_quant: bool | None = None,
+    requires_grad: bool = False,
 ) -> CausalLM:
     """Build the architecture named in ``config.json`` and load its weights.
 
-    Returns an ``nn.Module`` in eval mode; ``model(input_ids)`` gives full fp32 logits.
+    Returns the model in eval mode; ``model(input_ids, attention_mask=None, labels=None,
+    output_hidden_states=False)`` gives a ``CausalLMOutput`` (DESIGN.md §6), differentiable
+    in the parameters when ``requires_grad`` (or after ``model.requires_grad_()``).
     ``fake_quant`` applies the QAT activation rounding of the released models; None takes the
     model's default (off for V4, as transformers 5.24 applies none; on for V4.1, whose
     reference forward rounds).
@@ -51,4 +54,5 @@ def load_model(
     quant = getattr(cfg, "quantization", None) or raw.get("quantization_config")
     load_weights(model, path, dtype, torch.device(device), quant)
     model.post_load(path)
+    model.requires_grad_(requires_grad)
     return model.eval()

@@ -103,8 +103,8 @@ class LatentAttention(nn.Module):
         written first, so a token sees itself and its chunk's earlier tokens)."""
         q, q_residual, cos, sin = self.queries(x, positions)
         kv = self.latent_kv(x, cos, sin)
-        pools.window.index_copy_(0, batch.window_write, kv.to(pools.window.dtype))
-        window = gather_rows(pools.window, batch.window_idx).to(kv.dtype)  # [T, W, D]
+        stored = batch.write(pools.window, batch.window_write, kv)
+        window = gather_rows(stored, batch.window_idx).to(kv.dtype)  # [T, W, D]
         return q, q_residual, cos, sin, (window, batch.window_valid)  # positions (p - W, p]
 
     def queries(
@@ -183,10 +183,10 @@ class Attention(LatentAttention):
         parts = [window]
         if self.compressor is not None:
             meta = batch.groups[self.ratio]
-            self.compressor(x, pools.compressor, meta, pools.entries)
+            _, entries = self.compressor(x, pools.compressor, meta, pools.entries, batch)
             if self.indexer is not None:
-                chosen = self.indexer(x, q_residual, cos, sin, pools, meta)
+                chosen = self.indexer(x, q_residual, cos, sin, pools, meta, batch)
             else:
                 chosen = meta.entry_valid  # HCA: every entry whose group has closed
-            parts.append((gather_rows(pools.entries, meta.entry_idx).to(q.dtype), chosen))
+            parts.append((gather_rows(entries, meta.entry_idx).to(q.dtype), chosen))
         return self.attend(q, parts, cos, sin)

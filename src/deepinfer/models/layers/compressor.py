@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from deepinfer.cache.forward_batch import CompressorPools, GroupMeta
+from deepinfer.cache.forward_batch import CompressorPools, ForwardBatch, GroupMeta
 from deepinfer.models.layers.gather import gather_rows
 from deepinfer.models.layers.norms import RMSNorm
 from deepinfer.models.layers.rope import Rotary, apply_rope
@@ -46,21 +46,24 @@ class Compressor(nn.Module):
         self.quantize = quantize  # QAT fake-quant of emitted entries (None: off)
 
     def forward(
-        self, x: torch.Tensor, pools: CompressorPools, meta: GroupMeta, out: torch.Tensor
-    ) -> torch.Tensor | None:
+        self, x: torch.Tensor, pools: CompressorPools, meta: GroupMeta, out: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Consume this step's tokens ``x`` [T, d]; write closed groups' entries into ``out``.
 
         Returns the closed groups' latents [G, D] before RoPE and fake-quant (V4.1's indexer
-        derives its keys from them), or None when no group closed.
+        derives its keys from them; None when no group closed) and the entries tensor to
+        read (``out``, or its functional copy). The functional binding keeps no state for a
+        later step, so it skips the state writes.
         """
         xw = x.to(self.wkv.weight.dtype)
         kv = self.wkv(xw)
         if self.wgate is None:  # ratio 1: every token is its own group, always in this chunk
             if not meta.group_rows.shape[0]:
-                return None
-            return self._emit(kv[meta.group_rows[:, 0]], x.dtype, meta, out)
+                return None, out
+            return self._emit(kv[meta.group_rows[:, 0]], x.dtype, meta, out, batch)
         gate = self.wgate(xw)
-        if self.overlap and meta.restore_dst.numel():
+        keeps_state = not batch.functional
+        if keeps_state and self.overlap and meta.restore_dst.numel():
             pools.ovl_kv[meta.restore_dst] = pools.snap_kv[meta.restore_src]
             pools.ovl_gate[meta.restore_dst] = pools.snap_gate[meta.restore_src]
         src_kv = [kv, pools.buf_kv[meta.src_buf_rows]]
@@ -79,7 +82,9 @@ class Compressor(nn.Module):
             if self.overlap:
                 group_kv, group_gate = self._overlap_slots(group_kv, group_gate, src_kv_t, src_gate_t, meta)
             weights = group_gate.softmax(dim=1, dtype=torch.float32).to(group_kv.dtype)
-            latent = self._emit((group_kv * weights).sum(dim=1), x.dtype, meta, out)
+            latent, out = self._emit((group_kv * weights).sum(dim=1), x.dtype, meta, out, batch)
+        if not keeps_state:
+            return latent, out
 
         # Read every state row we need before writing any (a slot's rows can be both).
         new_ovl = (src_kv_t[meta.ovl_src], src_gate_t[meta.ovl_src]) if self.overlap else None
@@ -91,20 +96,24 @@ class Compressor(nn.Module):
             pools.ovl_gate[meta.ovl_dst] = new_ovl[1].to(pools.ovl_gate.dtype)
             pools.snap_kv[meta.snap_dst] = new_snap[0].to(pools.snap_kv.dtype)
             pools.snap_gate[meta.snap_dst] = new_snap[1].to(pools.snap_gate.dtype)
-        return latent
+        return latent, out
 
     def _emit(
-        self, pooled: torch.Tensor, dtype: torch.dtype, meta: GroupMeta, out: torch.Tensor
-    ) -> torch.Tensor:
+        self,
+        pooled: torch.Tensor,
+        dtype: torch.dtype,
+        meta: GroupMeta,
+        out: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalise the pooled groups, rotate each at its first position, fake-quantise, store;
-        return the latent before RoPE."""
+        return the latent before RoPE and the entries to read."""
         latent = self.norm(pooled.to(dtype))
         cos, sin = self.rotary(meta.group_pos)
         entry = apply_rope(latent, cos, sin)
         if self.quantize is not None:
             entry = self.quantize(entry)
-        out[meta.entry_slot] = entry.to(out.dtype)
-        return latent
+        return latent, batch.write(out, meta.entry_slot, entry)
 
     def _overlap_slots(
         self,

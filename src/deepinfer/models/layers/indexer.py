@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.cache.forward_batch import GroupMeta, LayerPools
+from deepinfer.cache.forward_batch import ForwardBatch, GroupMeta, LayerPools
 from deepinfer.models.layers.compressor import Compressor
 from deepinfer.models.layers.fake_quant import fake_quant_fp4_pow2
 from deepinfer.models.layers.gather import gather_rows
@@ -46,13 +46,14 @@ class Indexer(nn.Module):
         sin: torch.Tensor,
         pools: LayerPools,
         meta: GroupMeta,
+        batch: ForwardBatch,
     ) -> torch.Tensor:
         """Return the chosen-entry mask [T, E] over ``meta.entry_idx``."""
-        self.compressor(x, pools.indexer, meta, pools.index_keys)
+        _, index_keys = self.compressor(x, pools.indexer, meta, pools.index_keys, batch)
         t, e = meta.entry_idx.shape
         if e == 0:
             return meta.entry_valid
-        keys = gather_rows(pools.index_keys, meta.entry_idx)  # [T, E, head_dim]
+        keys = gather_rows(index_keys, meta.entry_idx)  # [T, E, head_dim]
         q = self.wq_b(q_residual).view(t, self.n_heads, self.head_dim)
         q = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
         if self.quantize is not None:

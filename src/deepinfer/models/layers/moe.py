@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.kernels.moe import routed_experts
+from deepinfer.kernels.moe import routed_experts, routed_experts_reference
 from deepinfer.models.deepseek_v4_config import DeepseekV4Config
 
 
@@ -94,10 +94,17 @@ class MoE(nn.Module):
         for i, expert in enumerate(self.experts):
             getattr(expert, name).weight = nn.Parameter(stacked[i], requires_grad=False)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, functional: bool = False) -> torch.Tensor:
+        """``functional`` (the research binding): the experts run from their own parameters
+        through the op's differentiable reference, so gradients and ``functional_call``
+        reach them; the engine runs the op on the stacked copies."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids = self.gate(flat, input_ids)
+        if functional:
+            w1, w2, w3 = ([getattr(e, name).weight for e in self.experts] for name in ("w1", "w2", "w3"))
+            routed = routed_experts_reference(flat, weights, ids, w1, w2, w3, self.limit)
+            return (routed + self.shared_experts(flat)).view(shape)
         if self.w1_stacked is None:
             self.stack_experts()
         routed = routed_experts(

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.cache.forward_batch import GroupMeta
+from deepinfer.cache.forward_batch import ForwardBatch, GroupMeta
 from deepinfer.models.layers.fake_quant import fake_quant_fp4_pow2
 from deepinfer.models.layers.gather import gather_rows
 from deepinfer.models.layers.norms import RMSNorm
@@ -83,15 +83,18 @@ class SharedIndexer(nn.Module):
             self.wk = nn.Linear(key_source_dim, head_dim, bias=False)
             self.k_norm = RMSNorm(head_dim, eps)
 
-    def write_keys(self, latent: torch.Tensor, meta: GroupMeta, keys: torch.Tensor) -> None:
-        """Index keys of the groups closed this step, rotated at each group's first position."""
+    def write_keys(
+        self, latent: torch.Tensor, meta: GroupMeta, keys: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Index keys of the groups closed this step, rotated at each group's first position;
+        returns the keys tensor to read."""
         assert self.wk is not None and self.k_norm is not None, "only a KV source makes index keys"
         k = self.k_norm(self.wk(latent))
         cos, sin = self.rotary(meta.group_pos)
         k = apply_rope(k, cos, sin)
         if self.fake_quant:
             k = fake_quant_fp4_pow2(k)
-        keys[meta.entry_slot] = k.to(keys.dtype)
+        return batch.write(keys, meta.entry_slot, k)
 
     def scores(
         self,
