@@ -52,6 +52,14 @@ def test_make_tiny_then_generate(tmp_path, capsys):
     assert plain.split("tokens:")[1].split("\n")[0] == drafted.split("tokens:")[1].split("\n")[0]
 
 
+def test_generate_with_weight_only_quantization(tmp_path, capsys):
+    assert main(["make-tiny", str(tmp_path / "llama"), "--arch", "llama"]) == 0
+    args = ["generate", "--model", str(tmp_path / "llama"), "--prompt", "hi", "--max-tokens", "3"]
+    assert main([*args, "--quantization", "int4"]) == 0
+    assert "tokens:" in capsys.readouterr().out
+    assert main([*args, "--quantization", "int8"]) == 0
+
+
 def test_generate_reports_bad_input(tmp_path, capsys):
     main(["make-tiny", str(tmp_path / "ck")])
     assert main(["generate", "--model", str(tmp_path / "ck"), "--prompt", "x", "--top-p", "2"]) == 2

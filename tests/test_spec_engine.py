@@ -384,3 +384,50 @@ def test_rollback_point_recomputes_only_what_a_closed_group_consumed():
     assert rollback_point(10, 15, 15, [1, 2, 4], [4]) == 15  # all accepted
     assert rollback_point(10, 15, 13, [4], [4]) == 13  # the overlap's last group [8, 12) was accepted
     assert rollback_point(10, 15, 11, [4], [4]) is None  # the overlap now holds a rejected token
+
+
+class _WrongUntil(_Oracle):
+    """The target's greedy continuation, but wrong at every position before ``until``: a
+    request first pauses drafting, then its shadow trials start to hit and it resumes."""
+
+    def __init__(self, sequences: list[list[int]], k: int, until: int) -> None:
+        super().__init__(sequences, k)
+        self.until = until
+
+    def lookup(self, tokens: Sequence[int]) -> list[int]:
+        draft = super().lookup(tokens)
+        return wrong_from(draft, 0) if len(tokens) < self.until else draft
+
+
+def test_adaptive_drafting_pauses_failing_requests_and_resumes_them():
+    from deepinfer.speculative.adaptive import AdaptiveDrafting
+
+    state = AdaptiveDrafting()
+    state.verified("r", 4, 0)
+    assert state.drafting("r")  # one failure is not yet a pattern (min_trials)
+    state.verified("r", 4, 0)
+    assert not state.drafting("r")
+    state.shadow("r", True)
+    state.shadow("r", True)
+    assert state.drafting("r")
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_a_request_whose_drafts_fail_stops_drafting_until_they_match(llama, adaptive):
+    """Drafts wrong for the first 40 positions, right after: with adaptive drafting the
+    request pauses after two failed verifications, then resumes and gets drafts accepted;
+    without it (the mutation check) it verifies a wrong draft at every early step. Greedy
+    outputs equal plain decoding either way."""
+    prompt = [11, 12, 13, 14, 15, 16]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    plain = LLM(llama).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    config = {"num_speculative_tokens": 4, "adaptive": adaptive}
+    llm = LLM(llama, speculative_config=config)
+    llm.engine.spec.drafter = _WrongUntil([prompt + plain], 4, until=40)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain
+    stats = llm.engine.spec.stats
+    if adaptive:
+        assert stats.accepted > 0 and stats.drafted - stats.accepted <= 3 * 4, stats
+    else:
+        assert stats.drafted - stats.accepted >= 25, stats

@@ -41,7 +41,13 @@ def _json_object(text: str) -> dict:
 def _generate(args: argparse.Namespace) -> int:
     from deepinfer import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        quantization=args.quantization,
+        speculative_config=args.speculative_config,
+    )
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -241,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--dtype", default="float32")
+    gen.add_argument(
+        "--quantization", choices=["int8", "int4"], default=None, help="weight-only, dense models on CPU"
+    )
     gen.add_argument("--device", default="cpu")
     gen.add_argument(
         "--speculative-config",

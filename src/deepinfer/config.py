@@ -27,6 +27,10 @@ class EngineConfig:
     # the model and the scheduler compete for the same cores (benchmarks/RESULTS.md)
     async_scheduling: bool | None = None
     fake_quant: bool | None = None  # None: the model's default (V4 off, V4.1 on)
+    # Weight-only quantization of a dense model's projections for CPU decode (vLLM's option
+    # name): None keeps the loaded weights (fp32 stays exact); "int8" per channel, "int4"
+    # per group of 32 (kernels/weight_only.py)
+    quantization: str | None = None
     # V4.1's causal encoder/decoder prefill (model_spec.md §2.9): decoder layers run only over
     # each prompt's last window; approximate (not the reference forward), so off by default
     ced_prefill: bool = False
@@ -74,5 +78,10 @@ class EngineConfig:
                 "window for positions its own prompt never replayed"
             )
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        need(self.quantization in (None, "int8", "int4"), "quantization", "None, 'int8' or 'int4'")
+        if self.quantization is not None and self.device != "cpu":
+            raise ValueError(
+                f"quantization={self.quantization!r} runs on the CPU only, got device={self.device!r}"
+            )
         for name in ("async_scheduling", "fake_quant", "compile", "capture_graphs"):
             need(getattr(self, name) in (None, True, False), name, "None (auto) or a bool")

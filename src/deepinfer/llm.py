@@ -66,6 +66,8 @@ class LLM:
             device=self.config.device,
             fake_quant=self.config.fake_quant,
         )
+        if self.config.quantization is not None:
+            self.model.quantize_weights(self.config.quantization)
         self.tokenizer = self._load_tokenizer()
         self.engine = Engine(self.model, self.config, self.tokenizer)
         self._counter = itertools.count()

@@ -95,6 +95,15 @@ class CausalLM(nn.Module):
         """After loading the weights of the checkpoint at ``path`` (fusions, tokenizer-bound
         tables)."""
 
+    def quantize_weights(self, method: str) -> None:
+        """Weight-only ``method`` ("int8", "int4") copies of the weights the engine's steps
+        read (``LLM(..., quantization=...)``)."""
+        raise ValueError(f"quantization={method!r} is not supported for {type(self).__name__}")
+
+    def pack_weights(self) -> None:
+        """Engine-only copies of weights in a faster layout for eager CPU steps (default:
+        none)."""
+
     # -- speculative decoding --------------------------------------------------------------
 
     def draft_model(self, method: str) -> Any | None:

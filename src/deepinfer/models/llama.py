@@ -7,7 +7,9 @@ checkpoints written by ``transformers`` and our GGUF converter load by name.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,8 +22,12 @@ from deepinfer.cache.forward_batch import ForwardBatch, LayerPools
 from deepinfer.cache.layer_spec import LayerCacheSpec
 from deepinfer.errors import CheckpointError
 from deepinfer.kernels.paged_attention import paged_attention, paged_attention_reference
+from deepinfer.kernels.weight_only import PackedLinear, WeightOnlyLinear
 from deepinfer.models.base import CausalLM
 from deepinfer.models.layers.norms import RMSNorm
+
+# a projection the engine runs: fused float weights or weight-only int8/int4
+Projection = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -90,8 +96,9 @@ def llama_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     raise CheckpointError(f"config.json: unsupported rope scaling type {kind!r} for Llama")
 
 
-def _fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate weights (and biases) and re-point each module's parameters at its slice."""
+def _fuse_linears(linears: list[nn.Linear]) -> Projection:
+    """Concatenate weights (and biases), re-point each module's parameters at its slice, and
+    return the fused projection (one matmul instead of several, no extra memory)."""
     weight = torch.cat([lin.weight.detach() for lin in linears])
     bias = None
     if linears[0].bias is not None:
@@ -103,7 +110,21 @@ def _fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor 
         if bias is not None:
             lin.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
         start += rows
-    return weight, bias
+    return functools.partial(F.linear, weight=weight, bias=bias)
+
+
+def _packed(linears: list[nn.Linear]) -> PackedLinear:
+    """The linears' weights, concatenated, reordered once for oneDNN (CPU)."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    bias = torch.cat([lin.bias.detach() for lin in linears]) if linears[0].bias is not None else None
+    return PackedLinear(weight, bias)
+
+
+def _weight_only(linears: list[nn.Linear], method: str) -> WeightOnlyLinear:
+    """The linears' weights, concatenated, as a weight-only int8/int4 projection."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    bias = torch.cat([lin.bias.detach() for lin in linears]) if linears[0].bias is not None else None
+    return WeightOnlyLinear(weight, bias, method)
 
 
 def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -122,19 +143,31 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.attention_bias)
-        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # the engine's projections (the research binding uses the parameters themselves)
+        self.qkv: Projection | None = None
+        self.out: Projection | None = None
 
     def fuse(self) -> None:
         """One [q; k; v] weight, with the three projections' parameters as views into it:
         one matmul instead of three per step, no extra memory, names unchanged."""
         self.qkv = _fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
+    def quantize(self, method: str) -> None:
+        self.qkv = _weight_only([self.q_proj, self.k_proj, self.v_proj], method)
+        self.out = _weight_only([self.o_proj], method)
+
+    def pack(self) -> None:
+        if self.qkv is None or isinstance(self.qkv, functools.partial):  # float, not quantized
+            self.qkv = _packed([self.q_proj, self.k_proj, self.v_proj])
+            self.out = _packed([self.o_proj])
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pools: LayerPools, batch: ForwardBatch
     ) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        if self.qkv is not None and not batch.functional:  # research: the parameters themselves
-            qkv = F.linear(x, *self.qkv)
+        engine = not batch.functional  # research: the parameters themselves
+        if self.qkv is not None and engine:
+            qkv = self.qkv(x)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         # q and k heads sit side by side: one RoPE call rotates both
@@ -157,7 +190,8 @@ class LlamaAttention(nn.Module):
             meta.span_meta,
             meta.span_kv_rows,
         )
-        return self.o_proj(out.reshape(t, -1))
+        out = out.reshape(t, -1)
+        return self.out(out) if self.out is not None and engine else self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
@@ -167,19 +201,30 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
-        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.gate_up: Projection | None = None
+        self.down: Projection | None = None
 
     def fuse(self) -> None:
         self.gate_up = _fuse_linears([self.gate_proj, self.up_proj])
+
+    def quantize(self, method: str) -> None:
+        self.gate_up = _weight_only([self.gate_proj, self.up_proj], method)
+        self.down = _weight_only([self.down_proj], method)
+
+    def pack(self) -> None:
+        if self.gate_up is None or isinstance(self.gate_up, functools.partial):
+            self.gate_up = _packed([self.gate_proj, self.up_proj])
+            self.down = _packed([self.down_proj])
 
     def forward(self, x: torch.Tensor, fused: bool = True) -> torch.Tensor:
         """``fused``: use the fused gate/up weight (the engine); the research binding runs
         the parameters themselves, so gradients and ``functional_call`` reach them."""
         if self.gate_up is not None and fused:
-            gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        hidden = F.silu(gate) * up
+        return self.down(hidden) if self.down is not None and fused else self.down_proj(hidden)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -221,6 +266,7 @@ class LlamaForCausalLM(CausalLM):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._inv_freq = llama_inv_freq(cfg)  # host copy; the step reads a per-device one
         self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
+        self.head: Projection | None = None  # the engine's output projection when quantized
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -236,6 +282,28 @@ class LlamaForCausalLM(CausalLM):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    def quantize_weights(self, method: str) -> None:
+        """Weight-only int8/int4 copies of every projection and the output head for the
+        engine's steps (``kernels/weight_only.py``); the embedding and norms stay as loaded,
+        and research calls keep computing with the float parameters."""
+        for layer in self.model.layers:
+            layer.self_attn.quantize(method)
+            layer.mlp.quantize(method)
+        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        self.head = WeightOnlyLinear(weight, None, method)
+
+    def pack_weights(self) -> None:
+        """oneDNN-packed copies of the float projections and the head for the engine's eager
+        CPU steps (``kernels/weight_only.PackedLinear``); quantized ones stay as they are."""
+        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        if not PackedLinear.available(weight):
+            return
+        for layer in self.model.layers:
+            layer.self_attn.pack()
+            layer.mlp.pack()
+        if self.head is None:
+            self.head = PackedLinear(weight, None)
 
     def cache_spec(self) -> list[LayerCacheSpec]:
         kv_dim = self.config.num_key_value_heads * self.config.head_dim
@@ -266,5 +334,7 @@ class LlamaForCausalLM(CausalLM):
         if batch.logits_idx is not None:
             h = h[batch.logits_idx]
         h = self.model.norm(h)
+        if self.head is not None and not batch.functional:
+            return self.head(h).float()
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return F.linear(h, weight).float()

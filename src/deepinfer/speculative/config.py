@@ -28,6 +28,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # n-gram sizes tried, longest first
     prompt_lookup_max: int = 4
     confidence_threshold: float = 0.3
+    # per request: stop verifying drafts that keep failing, resume when they match again
+    # (speculative/adaptive.py)
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -36,6 +39,8 @@ class SpeculativeConfig:
             object.__setattr__(self, "num_speculative_tokens", DEFAULT_DRAFTS[self.method])
         if self.schedule not in SCHEDULES:
             raise ValueError(f"speculative_config.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive must be a bool, got {self.adaptive!r}")
         t = self.confidence_threshold
         if not isinstance(t, float | int) or isinstance(t, bool) or not 0 <= t <= 1:
             raise ValueError(f"speculative_config.confidence_threshold must be in [0, 1], got {t!r}")

@@ -20,6 +20,7 @@ import torch
 
 from deepinfer.sampling.sampler import needs_history
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.speculative.adaptive import AdaptiveDrafting
 from deepinfer.speculative.config import SpeculativeConfig
 from deepinfer.speculative.drafter import Draft, Drafter, DraftRequest
 from deepinfer.speculative.dspark import DSparkDrafter
@@ -175,12 +176,16 @@ class SpeculativeDecoder:
         self.drafts: dict[str, Draft] = {}  # drafts waiting for their step
         self._old_confidences: list[list[list[float]]] = []  # lagged variant: two plans back
         self._accepted_end: dict[str, int] = {}  # this step's verified chunks: accepted positions
+        self.adaptive = AdaptiveDrafting() if config.adaptive else None
 
     # -- scheduling (called by the scheduler) -------------------------------------------
 
     def acceptance_rates(self) -> list[float]:
         """Laplace-smoothed acceptance rate per draft position."""
         return [(a + 1) / (t + 2) for a, t in zip(self.accepts, self.trials, strict=True)]
+
+    def _paused(self, req: Sequence) -> bool:
+        return self.adaptive is not None and not self.adaptive.drafting(req.request_id)
 
     def _current_draft(self, req: Sequence) -> Draft | None:
         draft = self.drafts.get(req.request_id)
@@ -190,7 +195,7 @@ class SpeculativeDecoder:
         """Per-position confidences of the request's next draft: the drafter's (DSpark's
         confidence head) when it gives them, else the positions' acceptance rates."""
         draft = self._current_draft(req)
-        if draft is None:
+        if draft is None or self._paused(req):
             return []
         if draft.confidences:
             return draft.confidences[: len(draft.tokens)]
@@ -224,7 +229,7 @@ class SpeculativeDecoder:
     def draft(self, req: Sequence, room: int) -> list[int]:
         """Tokens to verify after the request's last token this step (may be empty);
         ``room``: drafts that fit the step's token budget."""
-        if not can_draft(req):
+        if not can_draft(req) or self._paused(req):
             return []
         room = min(
             self.allowed.get(req.request_id, self.num_draft_tokens),
@@ -299,7 +304,10 @@ class SpeculativeDecoder:
         for req in ready:
             if self._current_draft(req) is not None:
                 continue  # not stepped since: its ring and newest token are unchanged
-            self.drafts.pop(req.request_id, None)
+            old = self.drafts.pop(req.request_id, None)
+            if self.adaptive is not None and self._paused(req) and old is not None and old.tokens:
+                if old.anchor_pos == req.num_tokens - 2:  # a shadow trial: would it have hit?
+                    self.adaptive.shadow(req.request_id, old.tokens[0] == req.output_token_ids[-1])
             if req.slot is not None and can_draft(req):
                 tokens = req.all_token_ids
                 ask = DraftRequest(
@@ -330,6 +338,8 @@ class SpeculativeDecoder:
         """The request finished or was aborted: drop its draft and saved state."""
         self.drafts.pop(request_id, None)
         self.rollback.forget(request_id)
+        if self.adaptive is not None:
+            self.adaptive.forget(request_id)
 
     def _count(self, req: Sequence, drafted: int, accepted: int) -> None:
         self.stats.verify_steps += 1
@@ -340,3 +350,5 @@ class SpeculativeDecoder:
             self.accepts[j] += j < accepted
         req.num_draft_tokens += drafted
         req.num_accepted_tokens += accepted
+        if self.adaptive is not None:
+            self.adaptive.verified(req.request_id, drafted, accepted)

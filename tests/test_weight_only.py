@@ -1,0 +1,131 @@
+"""Weight-only int8/int4 for dense models on CPU (``LLM(..., quantization=...)``): the kernels
+compute with exactly the quantized weights they report, the quantization error is what the
+format allows, the engine runs the quantized projections, and bad options are clear errors.
+Speed and greedy agreement on SmolLM2 are measured in benchmarks/cpu_decode.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepinfer.kernels.weight_only import INT4_GROUP, WeightOnlyLinear
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deepinfer import LLM, SamplingParams, load_model
+from deepinfer.tiny import make_tiny_checkpoint
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    method=st.sampled_from(["int8", "int4"]),
+    out_features=st.integers(1, 70),
+    groups=st.integers(1, 6),
+    rows=st.integers(1, 40),
+    bias=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def test_kernels_compute_with_the_weights_they_report(method, out_features, groups, rows, bias, seed):
+    """The kernel's output equals bf16 activations times the dequantized weight (so the
+    error report below is the whole story), and the weight error is within the format's."""
+    gen = torch.Generator().manual_seed(seed)
+    in_features = groups * INT4_GROUP * 2
+    w = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    x = torch.randn(rows, in_features, generator=gen)
+    lin = WeightOnlyLinear(w, b, method)
+    deq = lin.dequantize()
+    expected = x.bfloat16().float() @ deq.T + (b if b is not None else 0)
+    got = lin(x)
+    assert got.dtype == x.dtype and got.shape == (rows, out_features)
+    assert (got - expected).norm() <= 2e-2 * expected.norm()  # bf16 accumulation only
+    weight_error = ((deq - w).norm() / w.norm()).item()
+    assert weight_error <= (0.01 if method == "int8" else 0.12), weight_error
+    assert lin.nbytes < w.numel() * (1.1 if method == "int8" else 0.7) + 16 * in_features
+
+
+def test_a_broken_scale_fails_the_kernel_check():
+    """Mutation check of the test above: scales off by 5% are caught."""
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(16, 64, generator=gen), torch.randn(4, 64, generator=gen)
+    lin = WeightOnlyLinear(w, None, "int8")
+    expected = x.bfloat16().float() @ lin.dequantize().T
+    lin.scales = lin.scales * 1.05
+    assert (lin(x) - expected).norm() > 2e-2 * expected.norm()
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("wo_llama"), arch="llama", seed=7)
+
+
+def _load_dequantized(twin, quantized) -> None:
+    """Give ``twin``'s float parameters the weights ``quantized``'s engine computes with."""
+    for ql, tl in zip(quantized.model.layers, twin.model.layers, strict=True):
+        parts = [
+            (ql.self_attn.qkv, [tl.self_attn.q_proj, tl.self_attn.k_proj, tl.self_attn.v_proj]),
+            (ql.self_attn.out, [tl.self_attn.o_proj]),
+            (ql.mlp.gate_up, [tl.mlp.gate_proj, tl.mlp.up_proj]),
+            (ql.mlp.down, [tl.mlp.down_proj]),
+        ]
+        for projection, linears in parts:
+            weights = projection.dequantize().split([lin.weight.shape[0] for lin in linears])
+            for lin, w in zip(linears, weights, strict=True):
+                lin.weight.copy_(w)
+    if twin.config.tie_word_embeddings:  # the engine quantizes the head, not the embedding
+        twin.config.tie_word_embeddings = False
+        twin.lm_head = torch.nn.Linear(twin.config.hidden_size, twin.config.vocab_size, bias=False)
+    twin.lm_head.weight.copy_(quantized.head.dequantize())
+
+
+def _bf16_projections(model) -> list:
+    """Round every projection's input and output (and the head's input) to bf16, as the
+    kernels do; the caller rounds the logits."""
+
+    def round_input(_module, args):
+        return (args[0].bfloat16().float(), *args[1:])
+
+    def round_output(_module, _args, out):
+        return out.bfloat16().float()
+
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    handles = [m.register_forward_pre_hook(round_input) for m in linears]
+    handles += [m.register_forward_hook(round_output) for m in linears]
+    handles.append(model.model.norm.register_forward_hook(round_output))
+    return handles
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_engine_runs_the_quantized_projections(llama_path, method):
+    """The engine's prompt logprobs equal an fp32 model's whose weights are the dequantized
+    ones and whose projections' inputs and outputs are rounded to bf16 (what the kernels
+    compute with), within 1% of the logits' scale (bf16 roundings of nearly equal sums may go
+    either way); a 5% scale error, say, would be 5x that. And the weights did change."""
+    prompt = [5, 9, 33, 70, 12, 8, 200, 41, 3, 19]
+    quantized = LLM(llama_path, quantization=method)
+    out = quantized.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=5), use_tqdm=False)[0]
+    twin, plain = load_model(llama_path), load_model(llama_path)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        _load_dequantized(twin, quantized.model)
+        handles = _bf16_projections(twin)
+        logits = twin(ids).logits[0].bfloat16().float()
+        ref = logits.log_softmax(-1)
+        for handle in handles:
+            handle.remove()
+        unquantized = plain(ids).logits[0].log_softmax(-1)
+    worst = 0.0
+    for i, entry in enumerate(out.prompt_logprobs[1:], start=1):  # entry i: logits at i - 1
+        tokens = sorted(entry)
+        got = torch.tensor([entry[t].logprob for t in tokens])
+        worst = max(worst, (got - ref[i - 1, tokens]).abs().max().item())
+    assert worst <= 0.01 * logits.abs().max().item(), worst
+    assert (ref - unquantized).abs().max().item() > 1e-3  # quantization changed the weights
+
+
+def test_quantization_options_are_checked(llama_path, v4_ckpt):
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(llama_path, quantization="int3")
+    with pytest.raises(ValueError, match="CPU only"):
+        LLM(llama_path, quantization="int8", device="cuda")
+    with pytest.raises(ValueError, match="not supported for DeepseekV4ForCausalLM"):
+        LLM(v4_ckpt, quantization="int8")
