@@ -95,7 +95,9 @@ def agreement(reference: LLM, other: LLM, tokenizer) -> tuple[float, float]:
     """(share of greedy tokens equal to fp32's before the first divergence, over all 32 x
     prompts; mean |logprob difference| of the first token's top-5 under fp32)."""
     prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
         for q in CHAT
     ]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=5)

@@ -2,7 +2,9 @@
 wheel) over a repetitive workload: rewrite a given code snippet with one change, and repeat a
 given paragraph, where the output copies long spans of the prompt. Greedy decoding, so the
 outputs with and without speculation are identical (checked here too); reports output tokens/s
-at concurrency 1 and 16, the speedup, and the mean tokens emitted per verified step.
+at concurrency 1 and 16, the speedup, and the mean tokens emitted per verified step. Then a
+mixed batch (one copy-heavy prompt with three free-form chat prompts, run together), where
+speculation must not slow the batch down (per-request adaptive drafting; issue 16).
 
 Run: ``python benchmarks/spec_ngram.py [--concurrency 1 16] [--k 5]``; prints a markdown
 table for ``benchmarks/RESULTS.md``.
@@ -43,6 +45,13 @@ TASKS = [
     f"Repeat the following paragraph exactly, word for word:\n\n{TEXT}",
     f"Copy this function exactly and add a type hint to its signature.\n\n{CODE}",
     f"Write the following text again, unchanged:\n\n{TEXT}",
+]
+
+
+FREE = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how rainbows form, for a ten-year-old.",
+    "Give five tips for learning a new language as an adult.",
 ]
 
 
@@ -96,6 +105,17 @@ def main() -> None:
             + ("" if same else " OUTPUTS DIFFER"),
             flush=True,
         )
+    mixed = [chats[1]] + [
+        tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+        for t in FREE
+    ]
+    base, base_out = min((run(plain, mixed, params, 4) for _ in range(2)), key=lambda r: -r[0])
+    fast, fast_out = min((run(spec, mixed, params, 4) for _ in range(2)), key=lambda r: -r[0])
+    same = [o.outputs[0].token_ids for o in base_out] == [o.outputs[0].token_ids for o in fast_out]
+    print(
+        f"\nmixed batch (1 copy-heavy + 3 free-form, together): plain {base:.1f} tok/s, n-gram "
+        f"{fast:.1f} tok/s, {fast / base:.2f}x" + ("" if same else " OUTPUTS DIFFER")
+    )
 
 
 if __name__ == "__main__":
