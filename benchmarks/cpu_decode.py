@@ -10,7 +10,7 @@ variants, greedy agreement and first-token logprob error against our fp32 on cha
 
 Run: ``python benchmarks/cpu_decode.py [--llama-cpp DIR] [--batches 1 8 16 32]`` where DIR is a
 llama.cpp checkout built with ``llama-batched-bench`` and ``llama-quantize``
-(``../shared/reference/cpu_peers.md``).
+(``../shared/reference/cpu_peers.md``); its converter needs ``pip install gguf sentencepiece``.
 """
 
 from __future__ import annotations
