@@ -149,3 +149,32 @@ def test_metrics_are_filled(llm):
     m = out.metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
     assert m.ttft > 0 and m.tpot > 0 and m.num_generated_tokens == 5
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v4", "llama"])
+def test_kv_cache_dtype_halves_the_cache_and_keeps_the_logits(arch, tmp_path):
+    """kv_cache_dtype="bfloat16" on an fp32 model: bf16 pools (compressor state stays fp32),
+    about half the bytes per block, prompt logprobs within bf16 rounding of the fp32 cache's;
+    an unknown dtype is a clear error."""
+    from deepinfer.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=2)
+    prompt = [5, 9, 33, 70, 12, 8, 200, 41, 3, 19, 77, 31]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=3)
+    full, half = LLM(path), LLM(path, kv_cache_dtype="bfloat16")
+    assert all(p.window.dtype == torch.bfloat16 for p in half.engine.runner.pools)
+    for p in half.engine.runner.pools:
+        if p.compressor is not None:
+            assert p.compressor.buf_kv.dtype == torch.float32
+    ratio = half.engine.layout.block_bytes(torch.bfloat16) / full.engine.layout.block_bytes(torch.float32)
+    assert 0.45 <= ratio <= 0.6
+    a = full.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs[1:]
+    b = half.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs[1:]
+    diffs = [abs(x[t].logprob - y[t].logprob) for x, y in zip(a, b, strict=True) for t in x if t in y]
+    # bf16 keeps 8 bits: most logprobs move by ~1e-3, the largest (logits ~20) by a few tenths
+    assert diffs and sum(diffs) / len(diffs) <= 0.05 and max(diffs) <= 0.5, (
+        sum(diffs) / len(diffs),
+        max(diffs),
+    )
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(path, kv_cache_dtype="fp8")

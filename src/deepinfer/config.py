@@ -8,6 +8,8 @@ from typing import Any
 
 from deepinfer.speculative.config import SpeculativeConfig
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
 
 @dataclass
 class EngineConfig:
@@ -31,6 +33,9 @@ class EngineConfig:
     # name): None keeps the loaded weights (fp32 stays exact); "int8" per channel, "int4"
     # per group of 32 (kernels/weight_only.py)
     quantization: str | None = None
+    # dtype of the paged K/V cache (vLLM's option name): "auto" = the model's compute dtype;
+    # "bfloat16" / "float16" halve an fp32 model's cache (compressor state stays fp32)
+    kv_cache_dtype: str = "auto"
     # V4.1's causal encoder/decoder prefill (model_spec.md §2.9): decoder layers run only over
     # each prompt's last window; approximate (not the reference forward), so off by default
     ced_prefill: bool = False
@@ -79,6 +84,11 @@ class EngineConfig:
             )
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         need(self.quantization in (None, "int8", "int4"), "quantization", "None, 'int8' or 'int4'")
+        need(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            f"one of {', '.join(repr(k) for k in KV_CACHE_DTYPES)}",
+        )
         if self.quantization is not None and self.device != "cpu":
             raise ValueError(
                 f"quantization={self.quantization!r} runs on the CPU only, got device={self.device!r}"

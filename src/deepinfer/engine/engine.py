@@ -66,7 +66,9 @@ class Engine:
         self.eos_token_ids = list(mcfg.eos_token_id)
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
         self.device = next(model.parameters()).device
-        dtype = model.compute_dtype
+        dtype = (
+            model.compute_dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
+        )
         self.layout = CacheLayout.from_specs(model.cache_spec(), config.block_size)
         platform = platform_for(self.device)
         use_compile, use_graphs = self._execution_modes(platform)
@@ -96,6 +98,7 @@ class Engine:
             max_model_len=self.max_model_len,
             max_graph_batch=graph_batch,
             feature_offsets=feature_offsets_for(drafter) if drafter is not None else None,
+            kv_cache_dtype=dtype,
         )
         if self.runner.graphs is not None:
             # every bucket now, on this thread, before any step (and before the asynchronous

@@ -57,20 +57,22 @@ class ModelRunner:
         max_model_len: int = 0,
         max_graph_batch: int = 0,
         feature_offsets: Callable[[int, int], list[int]] | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         """``ced_replay``: with CED prefill, how many trailing prompt tokens run the decoder.
         ``compile_model``: run the step through ``torch.compile`` (``deepinfer.compilation``).
         ``graph_capture``: replay pure-decode steps of up to ``max_graph_batch`` sequences
         from graphs captured by this platform backend (``DecodeGraphRunner``).
         ``feature_offsets``: (chunk tokens, drafts) -> chunk offsets whose draft features a
-        step returns, for a model drafter (None: logits only)."""
+        step returns, for a model drafter (None: logits only). ``kv_cache_dtype``: the pools'
+        dtype (None: the model's compute dtype)."""
         self.model = model
         self.feature_offsets = feature_offsets
         self.ced_replay = ced_replay
         self.forward = model.step
         self.layout = layout
         self.device = device
-        dtype = model.compute_dtype
+        dtype = kv_cache_dtype or model.compute_dtype
         self.pools = allocate_pools(layout, num_blocks, num_slots, dtype, device)
         self.num_slots = num_slots
         self.null_block, self.null_slot = num_blocks, num_slots  # reserved by allocate_pools
