@@ -1,11 +1,9 @@
 """Weight-only int8 and int4 linears for CPU decode, on PyTorch's own kernels.
 
 Decode at small batch reads every weight once per step, so fewer weight bytes is speed.
-Measured on a 2-core AVX-512-BF16 EPYC (SmolLM2-135M's 121 projections + head per step):
-fp32 ``F.linear`` 31.6 ms at M=1 and 75.7 ms at M=32; ``torch._weight_int8pack_mm`` with
-bf16 activations 4.9 / 33.8 ms, with fp32 activations 44 / 1487 ms; int4
-``torch._weight_int4pack_mm_for_cpu`` (groups of 32) with bf16 activations 4.8 / 29.6 ms. So
-activations enter the kernels in bf16 and leave in the caller's dtype.
+PyTorch's weight-only kernels are fast only with bf16 activations (measured per kernel at
+M=1 and M=32: benchmarks/RESULTS.md, 2026-11-30 CPU section), so activations enter the
+kernels in bf16 and leave in the caller's dtype.
 
 int8: symmetric per output channel. int4: asymmetric per group of ``group`` input channels
 (the kernel's ``(q - 8) * scale + zero`` form).
@@ -79,10 +77,10 @@ class WeightOnlyLinear:
 
 class PackedLinear:
     """``x @ W.T + b`` through oneDNN with ``W`` reordered once into its blocked layout (the
-    kernel Inductor's CPU freezing uses). Measured on the same machine, SmolLM2's projections
-    + head at M=1: 14.8 ms against 32.7 ms for ``F.linear`` (36 against 16.5 GB/s), at M=32
-    27.2 against 101.4 ms. Same precision as ``F.linear`` in fp32 or bf16, another summation
-    order. Engine-only: the packed copy has no autograd."""
+    kernel Inductor's CPU freezing uses; about twice ``F.linear``'s speed at M=1 on the CPUs
+    measured, benchmarks/RESULTS.md). Same precision as ``F.linear`` in fp32 or bf16, another
+    summation order. Engine-only: the packed copy has no autograd and costs a second copy of
+    the weights beside the parameters research code computes with."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features, self.in_features = weight.shape

@@ -157,9 +157,8 @@ class LlamaAttention(nn.Module):
         self.out = _weight_only([self.o_proj], method)
 
     def pack(self) -> None:
-        if self.qkv is None or isinstance(self.qkv, functools.partial):  # float, not quantized
-            self.qkv = _packed([self.q_proj, self.k_proj, self.v_proj])
-            self.out = _packed([self.o_proj])
+        self.qkv = _packed([self.q_proj, self.k_proj, self.v_proj])
+        self.out = _packed([self.o_proj])
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pools: LayerPools, batch: ForwardBatch
@@ -212,9 +211,8 @@ class LlamaMLP(nn.Module):
         self.down = _weight_only([self.down_proj], method)
 
     def pack(self) -> None:
-        if self.gate_up is None or isinstance(self.gate_up, functools.partial):
-            self.gate_up = _packed([self.gate_proj, self.up_proj])
-            self.down = _packed([self.down_proj])
+        self.gate_up = _packed([self.gate_proj, self.up_proj])
+        self.down = _packed([self.down_proj])
 
     def forward(self, x: torch.Tensor, fused: bool = True) -> torch.Tensor:
         """``fused``: use the fused gate/up weight (the engine); the research binding runs
@@ -266,7 +264,7 @@ class LlamaForCausalLM(CausalLM):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._inv_freq = llama_inv_freq(cfg)  # host copy; the step reads a per-device one
         self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
-        self.head: Projection | None = None  # the engine's output projection when quantized
+        self.head: Projection | None = None  # the engine's output projection (quantized or packed)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -297,13 +295,12 @@ class LlamaForCausalLM(CausalLM):
         """oneDNN-packed copies of the float projections and the head for the engine's eager
         CPU steps (``kernels/weight_only.PackedLinear``); quantized ones stay as they are."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        if not PackedLinear.available(weight):
-            return
+        if self.head is not None or not PackedLinear.available(weight):
+            return  # quantized (or packed by an earlier engine) already
         for layer in self.model.layers:
             layer.self_attn.pack()
             layer.mlp.pack()
-        if self.head is None:
-            self.head = PackedLinear(weight, None)
+        self.head = PackedLinear(weight, None)
 
     def cache_spec(self) -> list[LayerCacheSpec]:
         kv_dim = self.config.num_key_value_heads * self.config.head_dim

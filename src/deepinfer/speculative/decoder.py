@@ -37,7 +37,7 @@ from deepinfer.speculative.schedule import (
 from deepinfer.speculative.verify import DraftedRows, verify
 
 
-class Sequence(Protocol):
+class SequenceState(Protocol):
     """What speculative decoding reads (and counts) of an engine request."""
 
     request_id: str
@@ -54,15 +54,12 @@ class Sequence(Protocol):
     @property
     def num_tokens(self) -> int: ...
 
-    @property
-    def all_token_ids(self) -> list[int]: ...
-
 
 class Chunk(Protocol):
     """A scheduled chunk: positions ``[start, end)`` of ``request``, the last ``len(draft)``
     of them drafted."""
 
-    request: Sequence
+    request: SequenceState
     start: int
     num_tokens: int
     restore_overlap: bool
@@ -82,7 +79,13 @@ class VerifiedChunk:
     anchor: int  # position of the chunk's newest token before the drafts
 
 
-def can_draft(req: Sequence) -> bool:
+def _token_at(req: SequenceState, position: int) -> int:
+    """Token ``position`` of the sequence, without joining prompt and output."""
+    prompt = req.prompt_token_ids
+    return prompt[position] if position < len(prompt) else req.output_token_ids[position - len(prompt)]
+
+
+def can_draft(req: SequenceState) -> bool:
     """Drafts are verified against the plain filtered distribution, so a request qualifies
     only when no processor would change it along the draft (a presence or frequency penalty
     would, once the drafts count as output) and no logprobs are asked for."""
@@ -184,14 +187,14 @@ class SpeculativeDecoder:
         """Laplace-smoothed acceptance rate per draft position."""
         return [(a + 1) / (t + 2) for a, t in zip(self.accepts, self.trials, strict=True)]
 
-    def _paused(self, req: Sequence) -> bool:
+    def _paused(self, req: SequenceState) -> bool:
         return self.adaptive is not None and not self.adaptive.drafting(req.request_id)
 
-    def _current_draft(self, req: Sequence) -> Draft | None:
+    def _current_draft(self, req: SequenceState) -> Draft | None:
         draft = self.drafts.get(req.request_id)
         return draft if draft is not None and draft.anchor_pos == req.num_tokens - 1 else None
 
-    def confidences(self, req: Sequence) -> list[float]:
+    def confidences(self, req: SequenceState) -> list[float]:
         """Per-position confidences of the request's next draft: the drafter's (DSpark's
         confidence head) when it gives them, else the positions' acceptance rates."""
         draft = self._current_draft(req)
@@ -201,7 +204,7 @@ class SpeculativeDecoder:
             return draft.confidences[: len(draft.tokens)]
         return self.acceptance_rates()[: len(draft.tokens)]
 
-    def plan(self, requests: list[Sequence]) -> None:
+    def plan(self, requests: list[SequenceState]) -> None:
         """Before a step: how many drafts each decoding request may verify, for the whole
         batch at once (Algorithm 1, its lagged variant or the threshold rule; static: no
         limit)."""
@@ -226,7 +229,7 @@ class SpeculativeDecoder:
             lengths = threshold_schedule(conf, self.config.confidence_threshold)
         self.allowed = {r.request_id: n for r, n in zip(requests, lengths, strict=True)}
 
-    def draft(self, req: Sequence, room: int) -> list[int]:
+    def draft(self, req: SequenceState, room: int) -> list[int]:
         """Tokens to verify after the request's last token this step (may be empty);
         ``room``: drafts that fit the step's token budget."""
         if not can_draft(req) or self._paused(req):
@@ -277,7 +280,7 @@ class SpeculativeDecoder:
         self,
         featured: list[tuple[Chunk, tuple[int, int]]],
         features: torch.Tensor | None,
-        ready: list[Sequence],
+        ready: list[SequenceState],
     ) -> None:
         """``featured``: each running request's chunk with (its first feature row, the chunk
         offset of that row); the drafter stores the features of the rows now accepted. Then
@@ -287,16 +290,15 @@ class SpeculativeDecoder:
         self._accepted_end = {}
         if features is not None and rows:
             slots, positions, next_tokens, feature_rows = [], [], [], []
-            sequences: dict[str, list[int]] = {}
+            claimed: set[str] = set()
             for req, pos, row in rows:
                 assert req.slot is not None
-                tokens = sequences.get(req.request_id)
-                if tokens is None:
+                if req.request_id not in claimed:
                     self.drafter.claim(req.slot, req.request_id)
-                    tokens = sequences[req.request_id] = req.all_token_ids
+                    claimed.add(req.request_id)
                 slots.append(req.slot)
                 positions.append(pos)
-                next_tokens.append(tokens[pos + 1])
+                next_tokens.append(_token_at(req, pos + 1))
                 feature_rows.append(row)
             picked = features[torch.tensor(feature_rows, dtype=torch.long, device=features.device)]
             self.drafter.observe(slots, positions, picked, next_tokens)
@@ -309,9 +311,14 @@ class SpeculativeDecoder:
                 if old.anchor_pos == req.num_tokens - 2:  # a shadow trial: would it have hit?
                     self.adaptive.shadow(req.request_id, old.tokens[0] == req.output_token_ids[-1])
             if req.slot is not None and can_draft(req):
-                tokens = req.all_token_ids
                 ask = DraftRequest(
-                    req.slot, req.num_tokens - 1, tokens[-1], req.params, req.generator, tokens
+                    req.slot,
+                    req.num_tokens - 1,
+                    req.output_token_ids[-1],
+                    req.params,
+                    req.generator,
+                    req.prompt_token_ids,
+                    req.output_token_ids,
                 )
                 asks.append((req, ask))
         for (req, _), draft in zip(asks, self.drafter.propose([a for _, a in asks]), strict=True):
@@ -320,10 +327,10 @@ class SpeculativeDecoder:
 
     def _accepted_rows(
         self, featured: list[tuple[Chunk, tuple[int, int]]]
-    ) -> list[tuple[Sequence, int, int]]:
+    ) -> list[tuple[SequenceState, int, int]]:
         """(request, position, feature row) of every featured row of the step whose token is
         now part of its sequence (a drafted chunk's rows past the first rejection are not)."""
-        rows: list[tuple[Sequence, int, int]] = []
+        rows: list[tuple[SequenceState, int, int]] = []
         for c, (first_row, first_offset) in featured:
             req = c.request
             end = self._accepted_end.get(req.request_id, c.end - len(c.draft)) if c.draft else c.end
@@ -341,7 +348,7 @@ class SpeculativeDecoder:
         if self.adaptive is not None:
             self.adaptive.forget(request_id)
 
-    def _count(self, req: Sequence, drafted: int, accepted: int) -> None:
+    def _count(self, req: SequenceState, drafted: int, accepted: int) -> None:
         self.stats.verify_steps += 1
         self.stats.drafted += drafted
         self.stats.accepted += accepted

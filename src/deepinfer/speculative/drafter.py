@@ -34,7 +34,14 @@ class DraftRequest:
     anchor_token: int
     params: SamplingParams
     generator: torch.Generator | None
-    tokens: Sequence[int] = ()  # the sequence so far (prompt and output), for history lookups
+    # the request's own token lists (references, not copies): read only by history lookups
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+
+    @property
+    def tokens(self) -> list[int]:
+        """The sequence so far (built on demand: model drafters never read it)."""
+        return [*self.prompt_token_ids, *self.output_token_ids]
 
 
 class Drafter(Protocol):
