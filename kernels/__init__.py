@@ -11,6 +11,13 @@ device type; Triton when installed). Importing the package registers every op.
 | ``paged_attention`` | Llama: decode rows + causal prefill spans over paged K/V | |
 | ``rejection_sample`` | speculative verification: acceptance + residual sampling | |
 | ``sinkhorn`` | mHC doubly-stochastic projection | CPU: NumPy loop |
+| ``cpu_linear`` | the engine's CPU projections inside a compiled step (kernel chosen by rows) | CPU: ``cpu_gemv`` |
+
+C++ CPU kernels for small decode steps, built once per machine with Inductor's compiler
+driver (``cpu_build``) and called directly by eager steps: ``cpu_gemv`` (projections at up to
+8 rows, fp32/bf16/int8 weights read at memory speed), ``cpu_attention`` (decode attention
+reading the paged K/V pools in place; behind ``paged_attention`` on the CPU) and
+``cpu_rope_store`` (Llama RoPE plus the K/V cache writes in one call).
 """
 
 from deepinfer.kernels import fused_moe, moe, paged_attention, rejection, sink_attention, sinkhorn

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from deepinfer.kernels import cpu_attention
 
 
 def paged_attention_reference(
@@ -35,8 +36,14 @@ def paged_attention_reference(
     t, h, d = q.shape
     n_kv = k_pool.shape[1] // d
     out = q.new_zeros(t + 1, h, d)  # row t takes padded decode rows (no host sync to drop them)
-    decode_rows = torch.where(decode_rows >= 0, decode_rows, t)
     n = decode_rows.shape[0]
+    if n and cpu_attention.supports(q, k_pool, v_pool):  # CPU: pages read in place
+        dense = out if out.dtype == torch.float32 else torch.zeros(t + 1, h, d)
+        cpu_attention.decode_attention(q, k_pool, v_pool, decode_rows, decode_kv, decode_valid, dense)
+        if dense is not out:
+            out.copy_(dense)
+        n = 0
+    decode_rows = torch.where(decode_rows >= 0, decode_rows, t)
     if n:
         keys = k_pool[decode_kv].view(n, -1, n_kv, d).to(q.dtype)
         vals = v_pool[decode_kv].view(n, -1, n_kv, d).to(q.dtype)

@@ -1,9 +1,12 @@
-"""Weight-only int8 and int4 linears for CPU decode, on PyTorch's own kernels.
+"""The engine's CPU projections: weight-only int8/int4 and packed float linears.
 
-Decode at small batch reads every weight once per step, so fewer weight bytes is speed.
-PyTorch's weight-only kernels are fast only with bf16 activations (measured per kernel at
-M=1 and M=32: benchmarks/RESULTS.md, 2026-11-30 CPU section), so activations enter the
-kernels in bf16 and leave in the caller's dtype.
+Decode at small batch reads every weight once per step, so fewer weight bytes is speed. Up to
+``cpu_gemv.MAX_ROWS`` activation rows (decode) both classes run the small-batch kernel of
+``cpu_gemv`` (fp32 activations, weights read at memory speed, int8 too); above it (prefill)
+they run PyTorch's kernels: oneDNN with a packed weight for float, and the weight-only int8/int4
+kernels, which are fast only with bf16 activations (measured per kernel at M=1 and M=32:
+benchmarks/RESULTS.md, 2026-11-30 CPU section), so there activations enter in bf16 and leave
+in the caller's dtype.
 
 int8: symmetric per output channel. int4: asymmetric per group of ``group`` input channels
 (the kernel's ``(q - 8) * scale + zero`` form).
@@ -11,7 +14,11 @@ int8: symmetric per output channel. int4: asymmetric per group of ``group`` inpu
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+import torch.nn.functional as F
+from deepinfer.kernels import cpu_gemv
 
 INT4_GROUP = 32
 _INNER_K_TILES = 2
@@ -33,6 +40,7 @@ class WeightOnlyLinear:
             scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
             self.qweight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
             self.scales = scale.to(torch.bfloat16)
+            self.small = cpu_gemv.supports(self.qweight)
         else:
             if self.in_features % INT4_GROUP:
                 raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}, got {self.in_features}")
@@ -48,6 +56,7 @@ class WeightOnlyLinear:
             self.qweight = torch._convert_weight_to_int4pack_for_cpu(q4, _INNER_K_TILES)
             sz = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1)  # [out, groups, 2]
             self.scales = sz.transpose(0, 1).contiguous().to(torch.bfloat16)
+            self.small = False
 
     @property
     def nbytes(self) -> int:
@@ -65,7 +74,14 @@ class WeightOnlyLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        flat = x.reshape(-1, self.in_features)
+        if self.small and torch.compiler.is_compiling():  # the row count is decided at run time
+            y = cpu_linear(flat, self.qweight, self.scales, self.bias)
+            return y.reshape(*shape[:-1], self.out_features)
+        if self.small and flat.shape[0] <= cpu_gemv.MAX_ROWS:
+            y = cpu_gemv.small_gemm(flat, self.qweight, self.scales, self.bias)
+            return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        flat = flat.to(torch.bfloat16)
         if self.method == "int8":
             y = torch._weight_int8pack_mm(flat, self.qweight, self.scales)
         else:
@@ -76,16 +92,21 @@ class WeightOnlyLinear:
 
 
 class PackedLinear:
-    """``x @ W.T + b`` through oneDNN with ``W`` reordered once into its blocked layout (the
-    kernel Inductor's CPU freezing uses; about twice ``F.linear``'s speed at M=1 on the CPUs
-    measured, benchmarks/RESULTS.md). Same precision as ``F.linear`` in fp32 or bf16, another
-    summation order. Engine-only: the packed copy has no autograd and costs a second copy of
-    the weights beside the parameters research code computes with."""
+    """``x @ W.T + b`` for the engine's eager CPU steps: up to ``cpu_gemv.MAX_ROWS`` rows the
+    small-batch kernel reads ``W`` itself (the model's parameter, no copy); above, oneDNN
+    with ``W`` reordered once into its blocked layout (the kernel Inductor's CPU freezing
+    uses; about twice ``F.linear``'s speed on the CPUs measured, benchmarks/RESULTS.md). fp32
+    or bf16 weights; fp32 sums either way, in another order than ``F.linear``'s. Engine-only:
+    the packed copy has no autograd and costs a second copy of the weights beside the
+    parameters research code computes with."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+        self.weight = weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
         self.bias = None if bias is None else bias.detach()
+        self.small = cpu_gemv.supports(self.weight)
+        _register_packed(self, self.weight, self.packed)
 
     @staticmethod
     def available(weight: torch.Tensor) -> bool:
@@ -97,7 +118,51 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.mkldnn._linear_pointwise(
-            x.reshape(-1, self.in_features), self.packed, self.bias, "none", [], ""
-        )
+        flat = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling():  # one op, the row count decided at run time
+            y = cpu_linear(flat, self.weight, None, self.bias)
+        elif self.small and flat.shape[0] <= cpu_gemv.MAX_ROWS:
+            y = cpu_gemv.small_gemm(flat, self.weight, None, self.bias).to(x.dtype)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         return y.reshape(*shape[:-1], self.out_features)
+
+
+# Packed oneDNN copies of live PackedLinear weights, for the compiled op (a traced graph cannot
+# carry oneDNN's opaque tensors): keyed by the weight's address, shape and dtype, dropped when
+# the owning PackedLinear, which keeps the weight alive, is collected.
+_PACKED: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+
+
+def _packed_key(weight: torch.Tensor) -> tuple[int, tuple[int, ...], torch.dtype]:
+    return (weight.data_ptr(), tuple(weight.shape), weight.dtype)
+
+
+def _register_packed(owner: object, weight: torch.Tensor, packed: torch.Tensor) -> None:
+    key = _packed_key(weight)
+    _PACKED[key] = packed
+    weakref.finalize(owner, _PACKED.pop, key, None)
+
+
+@torch.library.custom_op("deepinfer::cpu_linear", mutates_args=())
+def cpu_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The engine's CPU projection inside a compiled step: ``x`` [M, K] by ``weight`` [N, K]
+    (fp32/bf16, or int8 with per-row ``scale``), choosing the kernel by M at run time as the
+    eager classes do, so one graph serves decode and prefill."""
+    if x.shape[0] <= cpu_gemv.MAX_ROWS and cpu_gemv.supports(weight):
+        return cpu_gemv.small_gemm(x, weight, scale, bias).to(x.dtype)
+    if weight.dtype == torch.int8:
+        assert scale is not None
+        y = torch._weight_int8pack_mm(x.to(torch.bfloat16), weight, scale.to(torch.bfloat16)).to(x.dtype)
+        return y if bias is None else y + bias.to(y.dtype)
+    packed = _PACKED.get(_packed_key(weight))
+    if packed is None:
+        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+@cpu_linear.register_fake
+def _(x, weight, scale, bias):
+    return x.new_empty(x.shape[0], weight.shape[0])

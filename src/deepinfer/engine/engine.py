@@ -72,8 +72,8 @@ class Engine:
         self.layout = CacheLayout.from_specs(model.cache_spec(), config.block_size)
         platform = platform_for(self.device)
         use_compile, use_graphs = self._execution_modes(platform)
-        if self.device.type == "cpu" and not use_compile:
-            model.pack_weights()  # eager CPU steps: oneDNN-packed projections
+        if self.device.type == "cpu":
+            model.pack_weights()  # CPU projections: small-batch kernel, oneDNN-packed above
         drafter = self._drafter()
         graph_batch = min(config.max_graph_batch_size, config.max_num_seqs)
         # the graphs' memory pool holds about one largest-bucket step's activations, and a

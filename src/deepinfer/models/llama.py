@@ -21,6 +21,7 @@ from torch import nn
 from deepinfer.cache.forward_batch import ForwardBatch, LayerPools
 from deepinfer.cache.layer_spec import LayerCacheSpec
 from deepinfer.errors import CheckpointError
+from deepinfer.kernels import cpu_rope_store
 from deepinfer.kernels.paged_attention import paged_attention, paged_attention_reference
 from deepinfer.kernels.weight_only import PackedLinear, WeightOnlyLinear
 from deepinfer.models.base import CausalLM
@@ -96,9 +97,9 @@ def llama_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     raise CheckpointError(f"config.json: unsupported rope scaling type {kind!r} for Llama")
 
 
-def _fuse_linears(linears: list[nn.Linear]) -> Projection:
-    """Concatenate weights (and biases), re-point each module's parameters at its slice, and
-    return the fused projection (one matmul instead of several, no extra memory)."""
+def _fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate weights (and biases) and re-point each module's parameters at its slice:
+    one matmul instead of several, no extra memory. Returns the fused weight and bias."""
     weight = torch.cat([lin.weight.detach() for lin in linears])
     bias = None
     if linears[0].bias is not None:
@@ -110,14 +111,11 @@ def _fuse_linears(linears: list[nn.Linear]) -> Projection:
         if bias is not None:
             lin.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
         start += rows
+    return weight, bias
+
+
+def _fused(weight: torch.Tensor, bias: torch.Tensor | None) -> Projection:
     return functools.partial(F.linear, weight=weight, bias=bias)
-
-
-def _packed(linears: list[nn.Linear]) -> PackedLinear:
-    """The linears' weights, concatenated, reordered once for oneDNN (CPU)."""
-    weight = torch.cat([lin.weight.detach() for lin in linears])
-    bias = torch.cat([lin.bias.detach() for lin in linears]) if linears[0].bias is not None else None
-    return PackedLinear(weight, bias)
 
 
 def _weight_only(linears: list[nn.Linear], method: str) -> WeightOnlyLinear:
@@ -146,19 +144,24 @@ class LlamaAttention(nn.Module):
         # the engine's projections (the research binding uses the parameters themselves)
         self.qkv: Projection | None = None
         self.out: Projection | None = None
+        self.qkv_weight: torch.Tensor | None = None  # fused by ``fuse()`` (after loading)
+        self.qkv_bias: torch.Tensor | None = None
 
     def fuse(self) -> None:
         """One [q; k; v] weight, with the three projections' parameters as views into it:
         one matmul instead of three per step, no extra memory, names unchanged."""
-        self.qkv = _fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        self.qkv_weight, self.qkv_bias = _fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        self.qkv = _fused(self.qkv_weight, self.qkv_bias)
 
     def quantize(self, method: str) -> None:
         self.qkv = _weight_only([self.q_proj, self.k_proj, self.v_proj], method)
         self.out = _weight_only([self.o_proj], method)
 
     def pack(self) -> None:
-        self.qkv = _packed([self.q_proj, self.k_proj, self.v_proj])
-        self.out = _packed([self.o_proj])
+        if self.qkv_weight is None:
+            self.fuse()
+        self.qkv = PackedLinear(self.qkv_weight, self.qkv_bias)
+        self.out = PackedLinear(self.o_proj.weight, self.o_proj.bias)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pools: LayerPools, batch: ForwardBatch
@@ -169,16 +172,28 @@ class LlamaAttention(nn.Module):
             qkv = self.qkv(x)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        # q and k heads sit side by side: one RoPE call rotates both
-        qk = rotate_half_rope(qkv[:, : (self.n_heads + self.n_kv) * d].reshape(t, -1, d), cos, sin)
-        q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
-        v = qkv[:, (self.n_heads + self.n_kv) * d :]
         assert pools.values is not None and batch.full is not None
-        keys = batch.write(pools.window, batch.window_write, k.reshape(t, -1))
-        values = batch.write(pools.values, batch.window_write, v)
+        if (
+            engine
+            and not torch.compiler.is_compiling()
+            and cpu_rope_store.supports(qkv, pools.window, pools.values)
+        ):
+            # eager CPU: RoPE and both cache writes in one call, bitwise the code below
+            q = cpu_rope_store.rope_store(
+                qkv, cos, sin, batch.window_write, pools.window, pools.values, self.n_heads, self.n_kv, d
+            )
+            keys, values = pools.window, pools.values
+        else:
+            # q and k heads sit side by side: one RoPE call rotates both
+            qk = rotate_half_rope(qkv[:, : (self.n_heads + self.n_kv) * d].reshape(t, -1, d), cos, sin)
+            q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
+            v = qkv[:, (self.n_heads + self.n_kv) * d :]
+            keys = batch.write(pools.window, batch.window_write, k.reshape(t, -1))
+            values = batch.write(pools.values, batch.window_write, v)
         meta = batch.full
-        # the op has no backward: the research binding calls its reference directly
-        attend = paged_attention_reference if batch.functional else paged_attention
+        # the op is for compiled steps (opaque to the tracer); eager steps and the research
+        # binding (the op has no backward) call its implementation directly
+        attend = paged_attention if torch.compiler.is_compiling() else paged_attention_reference
         out = attend(
             q,
             keys,
@@ -202,17 +217,22 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
         self.gate_up: Projection | None = None
         self.down: Projection | None = None
+        self.gate_up_weight: torch.Tensor | None = None  # fused by ``fuse()`` (after loading)
+        self.gate_up_bias: torch.Tensor | None = None
 
     def fuse(self) -> None:
-        self.gate_up = _fuse_linears([self.gate_proj, self.up_proj])
+        self.gate_up_weight, self.gate_up_bias = _fuse_linears([self.gate_proj, self.up_proj])
+        self.gate_up = _fused(self.gate_up_weight, self.gate_up_bias)
 
     def quantize(self, method: str) -> None:
         self.gate_up = _weight_only([self.gate_proj, self.up_proj], method)
         self.down = _weight_only([self.down_proj], method)
 
     def pack(self) -> None:
-        self.gate_up = _packed([self.gate_proj, self.up_proj])
-        self.down = _packed([self.down_proj])
+        if self.gate_up_weight is None:
+            self.fuse()
+        self.gate_up = PackedLinear(self.gate_up_weight, self.gate_up_bias)
+        self.down = PackedLinear(self.down_proj.weight, self.down_proj.bias)
 
     def forward(self, x: torch.Tensor, fused: bool = True) -> torch.Tensor:
         """``fused``: use the fused gate/up weight (the engine); the research binding runs

@@ -1,0 +1,224 @@
+"""The C++ CPU kernels (``kernels/cpu_gemv.py``, ``kernels/cpu_attention.py``) against fp64
+and PyTorch references on generated shapes, their batch invariance, the compiled op's run-time
+kernel choice, and mutation checks that a broken kernel fails these tests. Their speed is
+measured in benchmarks/cpu_decode.py."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+import torch._dynamo.testing
+from deepinfer.kernels import cpu_attention, cpu_build, cpu_gemv, cpu_rope_store
+from deepinfer.kernels.paged_attention import paged_attention_reference
+from deepinfer.kernels.weight_only import PackedLinear, WeightOnlyLinear, cpu_linear
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deepinfer.models.llama import rotate_half_rope
+
+
+def test_the_kernels_build_here():
+    """CI machines have the C++ compiler Inductor needs; a build failure must not pass quietly
+    as a fallback."""
+    assert cpu_gemv.available()
+    assert cpu_attention._library() is not None
+
+
+def _gemm_case(seed: int, rows: int, n: int, k: int, dtype: torch.dtype, bias: bool):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen)
+    if dtype == torch.int8:
+        w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        scale = torch.rand(n, generator=gen) + 0.1
+    else:
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        scale = None
+    b = torch.randn(n, generator=gen) if bias else None
+    expected = x.double() @ w.double().T
+    if scale is not None:
+        expected = expected * scale.double()
+    if b is not None:
+        expected = expected + b.double()
+    return x, w, scale, b, expected
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, cpu_gemv.MAX_ROWS + 3),
+    n=st.integers(1, 70),
+    k=st.integers(1, 200),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int8]),
+    bias=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def test_small_gemm_matches_fp64(rows, n, k, dtype, bias, seed):
+    """Any shape (tails of K and of the 8-row tiles included), each weight type: the fp32
+    result is within fp32 summation error of the fp64 product."""
+    x, w, scale, b, expected = _gemm_case(seed, rows, n, k, dtype, bias)
+    got = cpu_gemv.small_gemm(x, w, scale, b)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    bound = 1e-5 * (x.double().abs() @ w.double().abs().T).max().item() * (1 if scale is None else 2) + 1e-5
+    assert (got.double() - expected).abs().max().item() <= bound
+
+
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(1, 40), k=st.integers(1, 100), seed=st.integers(0, 10_000))
+def test_small_gemm_rows_do_not_depend_on_their_batch(n, k, seed):
+    """A row's result is bitwise the same alone or among up to ``MAX_ROWS`` rows: the kernel
+    is batch-invariant where it runs."""
+    x, w, _, _, _ = _gemm_case(seed, cpu_gemv.MAX_ROWS, n, k, torch.float32, False)
+    together = cpu_gemv.small_gemm(x, w)
+    for i in range(x.shape[0]):
+        assert torch.equal(cpu_gemv.small_gemm(x[i : i + 1], w)[0], together[i])
+
+
+def test_a_broken_gemm_kernel_fails_the_reference_check():
+    """Mutation check: the same kernel source with its K tail dropped (a classic blocking bug)
+    gives results the fp64 check rejects."""
+    broken = cpu_build.load(
+        cpu_gemv._SOURCE.replace("for (int64_t kk = k; kk < K; ++kk)", "for (int64_t kk = K; kk < K; ++kk)")
+    )
+    assert broken is not None
+    fn = cpu_build.bind(broken, "gemv_f32", [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int])
+    x, w, _, _, expected = _gemm_case(3, 2, 9, 37, torch.float32, False)
+    y = torch.empty(2, 9)
+    fn(x.data_ptr(), w.data_ptr(), None, None, y.data_ptr(), 2, 9, 37, 1)
+    bound = 1e-5 * (x.double().abs() @ w.double().abs().T).max().item() + 1e-5
+    assert (y.double() - expected).abs().max().item() > bound
+
+
+@pytest.mark.parametrize("rows", [1, cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 5])
+def test_projection_classes_and_the_compiled_op_agree(rows):
+    """PackedLinear, int8 WeightOnlyLinear and the ``cpu_linear`` op pick their kernel by row
+    count (small-batch kernel up to ``MAX_ROWS``, oneDNN / weight-only GEMMs above) and all
+    compute ``x @ W.T + b``."""
+    gen = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen)
+    x = torch.randn(rows, 64, generator=gen)
+    packed = PackedLinear(w, b)
+    expected = x @ w.T + b
+    torch.testing.assert_close(packed(x), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cpu_linear(x, w, None, b), expected, rtol=1e-4, atol=1e-4)
+    int8 = WeightOnlyLinear(w, b, "int8")
+    deq = int8.dequantize()
+    act = x if rows <= cpu_gemv.MAX_ROWS else x.bfloat16().float()
+    torch.testing.assert_close(int8(x), act @ deq.T + b, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(cpu_linear(x, int8.qweight, int8.scales, b), int8(x), rtol=2e-2, atol=2e-2)
+
+
+def test_cpu_linear_traces_as_one_op():
+    """Under ``torch.compile`` the op keeps one graph for any row count (no guard on M)."""
+    torch._dynamo.reset()
+    w = torch.randn(16, 32)
+    lin = PackedLinear(w, None)
+    counter = torch._dynamo.testing.CompileCounter()
+    fn = torch.compile(lambda x: lin(x) * 2, backend=counter, dynamic=True)
+    for rows in (2, 5, 20):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(fn(x), (x @ w.T) * 2, rtol=1e-4, atol=1e-4)
+    assert counter.frame_count == 1
+
+
+def _attention_case(seed, heads, kv_heads, d, n, length, pool_rows, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    t = n + 2
+    q = torch.randn(t, heads, d, generator=gen).to(dtype)
+    k = torch.randn(pool_rows, kv_heads * d, generator=gen).to(dtype)
+    v = torch.randn(pool_rows, kv_heads * d, generator=gen).to(dtype)
+    rows = torch.randperm(t, generator=gen)[:n]
+    rows[torch.rand(n, generator=gen) < 0.25] = -1  # padding rows
+    kv = torch.randint(0, pool_rows, (n, length), generator=gen)
+    valid = torch.rand(n, length, generator=gen) < 0.7
+    spans, span_rows = torch.zeros(0, 4, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    return q, k, v, rows, kv, valid, spans, span_rows
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 4),
+    d=st.sampled_from([8, 16, 33, 64]),
+    n=st.integers(1, 5),
+    length=st.integers(1, 40),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 10_000),
+)
+def test_decode_attention_in_place_matches_the_gather_path(kv_heads, group, d, n, length, dtype, seed):
+    """The in-place kernel equals the gather + SDPA reference (run on the same inputs with
+    autograd on, which keeps the reference path), GQA, padding rows and masks included."""
+    case = _attention_case(seed, kv_heads * group, kv_heads, d, n, length, 64, dtype)
+    q = case[0]
+    assert cpu_attention.supports(q, case[1], case[2])
+    fast = paged_attention_reference(*case)
+    ref = paged_attention_reference(
+        q.float().requires_grad_(), *(c.float() if c.is_floating_point() else c for c in case[1:])
+    )
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(fast.float(), ref.detach(), rtol=tol, atol=tol)
+
+
+def test_a_broken_attention_kernel_fails_the_reference_check():
+    """Mutation check: dropping the max subtraction's mask (masked scores join the softmax)
+    is caught by the comparison above."""
+    source = cpu_attention._SOURCE.replace(
+        "          if (!ok[l]) continue;\n          p[l] = std::exp", "          p[l] = std::exp"
+    )
+    assert source != cpu_attention._SOURCE
+    broken = cpu_build.load(source)
+    fn = cpu_build.bind(
+        broken,
+        "decode_attention_f32",
+        [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int],
+    )
+    q, k, v, rows, kv, valid, spans, span_rows = _attention_case(1, 4, 2, 16, 3, 30, 64, torch.float32)
+    rows = rows.abs()
+    out = torch.zeros(q.shape[0] + 1, 4, 16)
+    fn(
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        rows.data_ptr(),
+        kv.data_ptr(),
+        valid.data_ptr(),
+        out.data_ptr(),
+        3,
+        30,
+        4,
+        2,
+        16,
+        0.25,
+        1,
+    )
+    ref = paged_attention_reference(q.requires_grad_(), k, v, rows, kv, valid, spans, span_rows)
+    assert (out[: q.shape[0]] - ref.detach()).abs().max().item() > 1e-3
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    tokens=st.integers(1, 6),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 3),
+    half=st.integers(1, 20),
+    act=st.sampled_from([torch.float32, torch.bfloat16]),
+    pool=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 10_000),
+)
+def test_rope_store_is_bitwise_the_reference(tokens, kv_heads, group, half, act, pool, seed):
+    """Rotated q, and k and v in the pools, equal ``rotate_half_rope`` plus the two
+    ``index_copy_`` writes bit for bit, for every activation/pool dtype pair."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, d = kv_heads * group, 2 * half
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen).to(act)
+    angles = torch.rand(tokens, half, generator=gen) * 100
+    cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
+    rows = torch.randperm(20, generator=gen)[:tokens]
+    k_pool, v_pool = torch.zeros(20, kv_heads * d, dtype=pool), torch.zeros(20, kv_heads * d, dtype=pool)
+    k_ref, v_ref = k_pool.clone(), v_pool.clone()
+    q = cpu_rope_store.rope_store(qkv, cos, sin, rows, k_pool, v_pool, heads, kv_heads, d)
+    qk = rotate_half_rope(qkv[:, : (heads + kv_heads) * d].reshape(tokens, -1, d), cos, sin)
+    k_ref.index_copy_(0, rows, qk[:, heads:].reshape(tokens, -1).to(pool))
+    v_ref.index_copy_(0, rows, qkv[:, (heads + kv_heads) * d :].to(pool))
+    assert torch.equal(q, qk[:, :heads])
+    assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
