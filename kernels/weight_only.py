@@ -1,12 +1,10 @@
 """The engine's CPU projections: weight-only int8/int4 and packed float linears.
 
-Decode at small batch reads every weight once per step, so fewer weight bytes is speed. Up to
-``cpu_gemv.MAX_ROWS`` activation rows (decode) both classes run the small-batch kernel of
-``cpu_gemv`` (fp32 activations, weights read at memory speed, int8 too); above it (prefill)
-they run PyTorch's kernels: oneDNN with a packed weight for float, and the weight-only int8/int4
-kernels, which are fast only with bf16 activations (measured per kernel at M=1 and M=32:
-benchmarks/RESULTS.md, 2026-11-30 CPU section), so there activations enter in bf16 and leave
-in the caller's dtype.
+Decode at small batch reads every weight once per step, so fewer weight bytes is speed.
+PyTorch's weight-only kernels are fast only with bf16 activations (measured per kernel at
+M=1 and M=32: benchmarks/RESULTS.md, 2026-11-30 CPU section), so activations enter the
+kernels in bf16 and leave in the caller's dtype. fp32 projections run ``cpu_gemv``'s
+small-batch kernel at decode sizes and oneDNN with a packed weight above.
 
 int8: symmetric per output channel. int4: asymmetric per group of ``group`` input channels
 (the kernel's ``(q - 8) * scale + zero`` form).
@@ -40,7 +38,6 @@ class WeightOnlyLinear:
             scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
             self.qweight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
             self.scales = scale.to(torch.bfloat16)
-            self.small = cpu_gemv.supports(self.qweight)
         else:
             if self.in_features % INT4_GROUP:
                 raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}, got {self.in_features}")
@@ -56,7 +53,6 @@ class WeightOnlyLinear:
             self.qweight = torch._convert_weight_to_int4pack_for_cpu(q4, _INNER_K_TILES)
             sz = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1)  # [out, groups, 2]
             self.scales = sz.transpose(0, 1).contiguous().to(torch.bfloat16)
-            self.small = False
 
     @property
     def nbytes(self) -> int:
@@ -74,14 +70,7 @@ class WeightOnlyLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        flat = x.reshape(-1, self.in_features)
-        if self.small and torch.compiler.is_compiling():  # the row count is decided at run time
-            y = cpu_linear(flat, self.qweight, self.scales, self.bias)
-            return y.reshape(*shape[:-1], self.out_features)
-        if self.small and flat.shape[0] <= cpu_gemv.MAX_ROWS:
-            y = cpu_gemv.small_gemm(flat, self.qweight, self.scales, self.bias)
-            return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
-        flat = flat.to(torch.bfloat16)
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if self.method == "int8":
             y = torch._weight_int8pack_mm(flat, self.qweight, self.scales)
         else:
@@ -92,11 +81,11 @@ class WeightOnlyLinear:
 
 
 class PackedLinear:
-    """``x @ W.T + b`` for the engine's eager CPU steps: up to ``cpu_gemv.MAX_ROWS`` rows the
-    small-batch kernel reads ``W`` itself (the model's parameter, no copy); above, oneDNN
-    with ``W`` reordered once into its blocked layout (the kernel Inductor's CPU freezing
-    uses; about twice ``F.linear``'s speed on the CPUs measured, benchmarks/RESULTS.md). fp32
-    or bf16 weights; fp32 sums either way, in another order than ``F.linear``'s. Engine-only:
+    """``x @ W.T + b`` for the engine's CPU steps: oneDNN with ``W`` reordered once into its
+    blocked layout (the kernel Inductor's CPU freezing uses; about twice ``F.linear``'s speed
+    on the CPUs measured, benchmarks/RESULTS.md), and for fp32 weights at up to
+    ``cpu_gemv.MAX_ROWS`` rows the small-batch kernel, which reads ``W`` itself (the model's
+    parameter, no copy). Same precision as ``F.linear``, another summation order. Engine-only:
     the packed copy has no autograd and costs a second copy of the weights beside the
     parameters research code computes with."""
 
@@ -120,9 +109,9 @@ class PackedLinear:
         shape = x.shape
         flat = x.reshape(-1, self.in_features)
         if torch.compiler.is_compiling():  # one op, the row count decided at run time
-            y = cpu_linear(flat, self.weight, None, self.bias)
+            y = cpu_linear(flat, self.weight, self.bias)
         elif self.small and flat.shape[0] <= cpu_gemv.MAX_ROWS:
-            y = cpu_gemv.small_gemm(flat, self.weight, None, self.bias).to(x.dtype)
+            y = cpu_gemv.small_gemm(flat, self.weight, self.bias).to(x.dtype)
         else:
             y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         return y.reshape(*shape[:-1], self.out_features)
@@ -145,18 +134,11 @@ def _register_packed(owner: object, weight: torch.Tensor, packed: torch.Tensor) 
 
 
 @torch.library.custom_op("deepinfer::cpu_linear", mutates_args=())
-def cpu_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """The engine's CPU projection inside a compiled step: ``x`` [M, K] by ``weight`` [N, K]
-    (fp32/bf16, or int8 with per-row ``scale``), choosing the kernel by M at run time as the
-    eager classes do, so one graph serves decode and prefill."""
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A ``PackedLinear`` inside a compiled step: ``x`` [M, K] by ``weight`` [N, K], the kernel
+    chosen by M at run time as the eager class does, so one graph serves decode and prefill."""
     if x.shape[0] <= cpu_gemv.MAX_ROWS and cpu_gemv.supports(weight):
-        return cpu_gemv.small_gemm(x, weight, scale, bias).to(x.dtype)
-    if weight.dtype == torch.int8:
-        assert scale is not None
-        y = torch._weight_int8pack_mm(x.to(torch.bfloat16), weight, scale.to(torch.bfloat16)).to(x.dtype)
-        return y if bias is None else y + bias.to(y.dtype)
+        return cpu_gemv.small_gemm(x, weight, bias).to(x.dtype)
     packed = _PACKED.get(_packed_key(weight))
     if packed is None:
         return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
@@ -164,5 +146,5 @@ def cpu_linear(
 
 
 @cpu_linear.register_fake
-def _(x, weight, scale, bias):
+def _(x, weight, bias):
     return x.new_empty(x.shape[0], weight.shape[0])

@@ -25,9 +25,8 @@ from deepinfer.tiny import make_tiny_checkpoint
     seed=st.integers(0, 10_000),
 )
 def test_kernels_compute_with_the_weights_they_report(method, out_features, groups, rows, bias, seed):
-    """The kernel's output equals the activations (bf16 above ``MAX_ROWS`` rows, fp32 at or
-    below, where the small-batch kernel runs) times the dequantized weight (so the error
-    report below is the whole story), and the weight error is within the format's."""
+    """The kernel's output equals bf16 activations times the dequantized weight (so the
+    error report below is the whole story), and the weight error is within the format's."""
     gen = torch.Generator().manual_seed(seed)
     in_features = groups * INT4_GROUP * 2
     w = torch.randn(out_features, in_features, generator=gen)
