@@ -32,7 +32,9 @@ def paged_attention_reference(
     ``span_meta`` is a CPU tensor (the host loops over it; a decode-only step, the kind a CUDA
     graph captures, has only padding spans and the decode path never syncs with the host).
     Returns [T, H, d] in q's dtype (rows no span or decode covers are zero). Plain,
-    differentiable PyTorch (the research path calls it directly: custom ops have no backward)."""
+    differentiable PyTorch (the research path calls it directly: custom ops have no backward);
+    on the CPU without autograd the decode rows run ``cpu_attention``, which reads the pool
+    rows in place instead of gathering them."""
     t, h, d = q.shape
     n_kv = k_pool.shape[1] // d
     out = q.new_zeros(t + 1, h, d)  # row t takes padded decode rows (no host sync to drop them)
