@@ -10,12 +10,14 @@ import ctypes
 import pytest
 import torch
 import torch._dynamo.testing
-from deepinfer.kernels import cpu_attention, cpu_build, cpu_gemv, cpu_rope_store
+import torch.nn.functional as F
+from deepinfer.kernels import cpu_attention, cpu_build, cpu_gemv, cpu_norm_act, cpu_rope_store
 from deepinfer.kernels.paged_attention import paged_attention_reference
 from deepinfer.kernels.weight_only import PackedLinear, cpu_linear
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deepinfer.models.layers.norms import RMSNorm
 from deepinfer.models.llama import rotate_half_rope
 
 
@@ -209,3 +211,56 @@ def test_rope_store_is_bitwise_the_reference(tokens, kv_heads, group, half, act,
     v_ref.index_copy_(0, rows, qkv[:, (heads + kv_heads) * d :].to(pool))
     assert torch.equal(q, qk[:, :heads])
     assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    rows=st.integers(1, 8),
+    d=st.integers(1, 300),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    residual=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def test_add_rms_norm_matches_the_module(rows, d, dtype, residual, seed):
+    """``add_rms_norm`` equals ``x + delta`` followed by ``RMSNorm`` (the sum exactly, the norm
+    to fp32 rounding, or one bf16 step)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, d, generator=gen) * 3).to(dtype)
+    delta = torch.randn(rows, d, generator=gen).to(dtype) if residual else None
+    norm = RMSNorm(d, 1e-5)
+    norm.weight.data = torch.randn(d, generator=gen)
+    res, out = cpu_norm_act.add_rms_norm(x, delta, norm.weight, norm.eps)
+    expected_res = x + delta if residual else x
+    assert torch.equal(res, expected_res)
+    with torch.no_grad():
+        expected = norm(expected_res)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    rows=st.integers(1, 8), inner=st.integers(1, 200), dtype=st.sampled_from([torch.float32, torch.bfloat16])
+)
+def test_silu_mul_matches_aten(rows, inner, dtype):
+    gate_up = (torch.randn(rows, 2 * inner) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(cpu_norm_act.silu_mul(gate_up), F.silu(gate) * up, rtol=tol, atol=tol)
+
+
+def test_a_broken_norm_kernel_fails_the_module_check():
+    """Mutation check: the mean of squares over d - 1 instead of d is caught."""
+    source = cpu_norm_act._SOURCE.replace("ss / static_cast<float>(d)", "ss / static_cast<float>(d - 1)")
+    assert source != cpu_norm_act._SOURCE
+    broken = cpu_build.load(source)
+    fn = cpu_build.bind(
+        broken, "add_rms_norm_f32", [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+    )
+    x, w = torch.randn(2, 64), torch.randn(64)
+    out = torch.empty_like(x)
+    fn(x.data_ptr(), None, w.data_ptr(), x.data_ptr(), out.data_ptr(), 2, 64, 1e-5)
+    norm = RMSNorm(64, 1e-5)
+    norm.weight.data = w
+    with torch.no_grad():
+        assert (out - norm(x)).abs().max().item() > 1e-4

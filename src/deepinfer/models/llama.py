@@ -21,7 +21,7 @@ from torch import nn
 from deepinfer.cache.forward_batch import ForwardBatch, LayerPools
 from deepinfer.cache.layer_spec import LayerCacheSpec
 from deepinfer.errors import CheckpointError
-from deepinfer.kernels import cpu_rope_store
+from deepinfer.kernels import cpu_norm_act, cpu_rope_store
 from deepinfer.kernels.paged_attention import paged_attention, paged_attention_reference
 from deepinfer.kernels.weight_only import PackedLinear, WeightOnlyLinear
 from deepinfer.models.base import CausalLM
@@ -238,7 +238,11 @@ class LlamaMLP(nn.Module):
         """``fused``: use the fused gate/up weight (the engine); the research binding runs
         the parameters themselves, so gradients and ``functional_call`` reach them."""
         if self.gate_up is not None and fused:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            gate_up = self.gate_up(x)
+            if not torch.compiler.is_compiling() and cpu_norm_act.supports(gate_up):
+                hidden = cpu_norm_act.silu_mul(gate_up)  # eager CPU decode: one call
+                return self.down(hidden) if self.down is not None else self.down_proj(hidden)
+            gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         hidden = F.silu(gate) * up
@@ -258,6 +262,13 @@ class LlamaDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """h [T, d] -> [T, d] (on the research grid: [B, S, d])."""
         x = batch.to_flat(h)
+        if not batch.functional and not torch.compiler.is_compiling() and cpu_norm_act.supports(x):
+            # eager CPU decode: each norm (the second with its residual add) in one call
+            norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+            _, normed = cpu_norm_act.add_rms_norm(x, None, norm1.weight, norm1.eps)
+            attn = self.self_attn(normed, cos, sin, pools, batch)
+            x, normed = cpu_norm_act.add_rms_norm(x, attn, norm2.weight, norm2.eps)
+            return x + self.mlp(normed)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, pools, batch)
         x = x + self.mlp(self.post_attention_layernorm(x), fused=not batch.functional)
         return batch.to_grid(x)

@@ -1,0 +1,134 @@
+"""RMSNorm (with the residual add before it) and SwiGLU as one CPU call each, for decode.
+
+At a few rows per step the residual add, the seven ATen calls of an fp32-statistics RMSNorm
+and the chunk/SiLU/multiply of SwiGLU cost microseconds of dispatch each for nanoseconds of
+arithmetic; a B=1 Llama step runs about twenty of them per layer. These kernels do the same
+math in one pass per call: the sum in the activations' dtype, statistics and the weight
+product in fp32, one rounding back, as ``RMSNorm`` does; SiLU as ``x / (1 + exp(-x))``.
+Sums run in another order than ATen's reductions, so results agree to fp32 rounding, not
+bitwise. Single-threaded and meant for decode-sized inputs (the callers check the row count).
+Built once per machine by ``cpu_build``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+from deepinfer.kernels import cpu_build
+
+_SOURCE = r"""
+#include <c10/util/BFloat16.h>
+#include <cmath>
+#include <cstdint>
+
+// res = x + delta (in T; skipped when delta is null: res = x), out = T(w * res * rsqrt(mean(res^2) + eps))
+template <typename T>
+void add_rms_norm(const T* x, const T* delta, const float* w, T* res, T* out, int64_t rows, int64_t d,
+                  float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * d;
+    T* rr = res + r * d;
+    float ss = 0.f;
+    for (int64_t i = 0; i < d; ++i) {
+      const T v = delta ? static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(delta[r * d + i])) : xr[i];
+      if (delta) rr[i] = v;
+      const float f = static_cast<float>(v);
+      ss += f * f;
+    }
+    const T* src = delta ? rr : xr;
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+    for (int64_t i = 0; i < d; ++i) out[r * d + i] = static_cast<T>(w[i] * (static_cast<float>(src[i]) * inv));
+  }
+}
+
+// out [rows, I] = silu(gu[:, :I]) * gu[:, I:]
+template <typename T>
+void silu_mul(const T* gu, T* out, int64_t rows, int64_t inner) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gu + r * 2 * inner;
+    const T* u = g + inner;
+    for (int64_t i = 0; i < inner; ++i) {
+      const float x = static_cast<float>(g[i]);
+      const T s = static_cast<T>(x / (1.f + std::exp(-x)));
+      out[r * inner + i] = static_cast<T>(static_cast<float>(s) * static_cast<float>(u[i]));
+    }
+  }
+}
+
+extern "C" {
+void add_rms_norm_f32(const float* x, const float* delta, const float* w, float* res, float* out,
+                      int64_t rows, int64_t d, float eps) {
+  add_rms_norm<float>(x, delta, w, res, out, rows, d, eps);
+}
+void add_rms_norm_bf16(const c10::BFloat16* x, const c10::BFloat16* delta, const float* w,
+                       c10::BFloat16* res, c10::BFloat16* out, int64_t rows, int64_t d, float eps) {
+  add_rms_norm<c10::BFloat16>(x, delta, w, res, out, rows, d, eps);
+}
+void silu_mul_f32(const float* gu, float* out, int64_t rows, int64_t inner) { silu_mul<float>(gu, out, rows, inner); }
+void silu_mul_bf16(const c10::BFloat16* gu, c10::BFloat16* out, int64_t rows, int64_t inner) {
+  silu_mul<c10::BFloat16>(gu, out, rows, inner);
+}
+}
+"""
+
+_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+MAX_ROWS = 8  # decode-sized inputs; larger ones stay on ATen's threaded, vectorised kernels
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = cpu_build.load(_SOURCE)
+    if lib is not None:
+        for name in _NAMES.values():
+            cpu_build.bind(
+                lib, f"add_rms_norm_{name}", [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+            )
+            cpu_build.bind(lib, f"silu_mul_{name}", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2)
+    return lib
+
+
+def supports(x: torch.Tensor) -> bool:
+    """A decode-sized 2-D CPU activation without autograd, in a dtype the kernels have."""
+    return (
+        x.device.type == "cpu"
+        and x.dim() == 2
+        and x.shape[0] <= MAX_ROWS
+        and x.dtype in _NAMES
+        and not x.requires_grad
+        and _library() is not None
+    )
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(res, norm)`` with ``res = x + delta`` (``x`` itself when ``delta`` is None) and
+    ``norm = RMSNorm(res)`` in ``x``'s dtype; ``weight`` [d] is read in fp32."""
+    lib = _library()
+    assert lib is not None
+    x = x.contiguous()
+    rows, d = x.shape
+    w = weight.float().contiguous()
+    out = torch.empty_like(x)
+    if delta is None:
+        res, dptr = x, None
+    else:
+        delta = delta.to(x.dtype).contiguous()
+        res, dptr = torch.empty_like(x), delta.data_ptr()
+    getattr(lib, f"add_rms_norm_{_NAMES[x.dtype]}")(
+        x.data_ptr(), dptr, w.data_ptr(), res.data_ptr(), out.data_ptr(), rows, d, eps
+    )
+    return res, out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up`` [rows, 2 I] = [gate | up]; returns [rows, I]."""
+    lib = _library()
+    assert lib is not None
+    gu = gate_up.contiguous()
+    rows, width = gu.shape
+    out = torch.empty(rows, width // 2, dtype=gu.dtype)
+    getattr(lib, f"silu_mul_{_NAMES[gu.dtype]}")(gu.data_ptr(), out.data_ptr(), rows, width // 2)
+    return out
