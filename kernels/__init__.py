@@ -14,10 +14,11 @@ device type; Triton when installed). Importing the package registers every op.
 | ``cpu_linear`` | the engine's CPU projections inside a compiled step (kernel chosen by rows) | CPU: ``cpu_gemv`` |
 
 C++ CPU kernels for small decode steps, built once per machine with Inductor's compiler
-driver (``cpu_build``) and called directly by eager steps: ``cpu_gemv`` (projections at up to
-8 rows, fp32/bf16/int8 weights read at memory speed), ``cpu_attention`` (decode attention
-reading the paged K/V pools in place; behind ``paged_attention`` on the CPU) and
-``cpu_rope_store`` (Llama RoPE plus the K/V cache writes in one call).
+driver (``cpu_build``) and called directly by eager steps: ``cpu_gemv`` (fp32 projections at
+up to 8 rows, weights read at memory speed), ``cpu_attention`` (decode attention reading the
+paged K/V pools in place; behind ``paged_attention`` on the CPU), ``cpu_rope_store`` (Llama
+RoPE plus the K/V cache writes in one call) and ``cpu_norm_act`` (RMSNorm with its residual
+add, SwiGLU).
 """
 
 from deepinfer.kernels import fused_moe, moe, paged_attention, rejection, sink_attention, sinkhorn
