@@ -115,3 +115,44 @@ def test_research_example_runs():
     assert len(lens) == 30 and "model   :" in run.stdout
     losses = [float(x) for x in lines[-1].split("loss")[1].split("->")]
     assert len(losses) == 4 and losses[-1] < losses[0]
+
+
+def test_chat_cli_and_generate_chat_answer_an_instruct_question():
+    """``deepinfer chat`` streams a reply per line typed; ``generate --chat`` uses the template
+    (the plain prompt gets an empty answer from this instruct model, and the CLI says why)."""
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepinfer.cli",
+            "chat",
+            "smollm2-135m",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "16",
+        ],
+        input="What is the capital of France?\n\n",
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    assert "Paris" in run.stdout
+    args = [
+        "generate",
+        "--model",
+        "smollm2-135m",
+        "--prompt",
+        "What is the capital of Japan?",
+        "--max-tokens",
+        "12",
+    ]
+    chat = subprocess.run(
+        [sys.executable, "-m", "deepinfer.cli", *args, "--chat"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    assert "Tokyo" in chat.stdout

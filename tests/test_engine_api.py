@@ -40,6 +40,8 @@ def test_abort_frees_everything_and_spares_the_others(llm):
         ([1, 9999], None, "9999"),
         ([1] * 5000, None, "max_model_len"),
         ([1, 2], {"logit_bias": {99999: 1.0}}, "logit_bias"),
+        ([1, 2], {"logprobs": 10**6}, "max_logprobs"),  # the whole vocabulary per token: refused
+        ([1, 2], {"prompt_logprobs": 21}, "max_logprobs"),
     ],
 )
 def test_bad_requests_fail_alone_while_others_keep_going(llm, prompt, params, field):
@@ -178,3 +180,25 @@ def test_kv_cache_dtype_halves_the_cache_and_keeps_the_logits(arch, tmp_path):
     )
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(path, kv_cache_dtype="fp8")
+
+
+def test_prefix_cache_is_shared_only_under_the_same_salt(llm):
+    """Block hashes are SHA-256 chained from the request's ``cache_salt``: a repeated prompt
+    hits the cache under its own salt and misses under another (no cross-tenant sharing or
+    timing probe)."""
+    engine = llm.engine
+    prompt = [(5 + i) % 200 for i in range(3 * engine.layout.block_size + 3)]
+
+    def cached(rid: str, salt: str | None) -> int:
+        req = engine.add_request(rid, prompt, _greedy(2), cache_salt=salt)
+        while not req.finished:
+            engine.step()
+        engine.pop_finished(rid)
+        return req.num_cached_tokens
+
+    assert cached("salt-a1", "tenant-a") == 0
+    assert cached("salt-a2", "tenant-a") == 3 * engine.layout.block_size
+    assert cached("salt-b1", "tenant-b") == 0
+    assert cached("salt-none", None) == 0
+    with pytest.raises(ValueError, match="cache_salt"):
+        engine.add_request("salt-bad", prompt, _greedy(2), cache_salt="")

@@ -57,7 +57,12 @@ def _generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     start = time.perf_counter()
-    outputs = llm.generate(args.prompt, params)
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+        for out, p in zip(outputs, args.prompt, strict=True):
+            out.prompt = p
+    else:
+        outputs = llm.generate(args.prompt, params)
     elapsed = time.perf_counter() - start
     generated = 0
     for out in outputs:
@@ -66,6 +71,10 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"prompt: {out.prompt!r}")
         print(f"  tokens: {completion.token_ids}")
         print(f"  text:   {completion.text!r}  ({completion.finish_reason})")
+        if not completion.text.strip() and not args.chat and getattr(llm.tokenizer, "chat_template", None):
+            print(
+                "  (an empty answer: this model has a chat template; try --chat, or `deepinfer chat MODEL`)"
+            )
     print(f"{generated} tokens in {elapsed:.3f}s: {generated / elapsed:.1f} tokens/s")
     spec = llm.engine.spec
     if spec is not None:
@@ -216,12 +225,95 @@ def _bench_latency(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    from deepinfer.bench_serve import main as bench_serve
+
+    if (
+        args.num_prompts < 1
+        or args.output_len < 1
+        or (args.max_concurrency is not None and args.max_concurrency < 1)
+    ):
+        raise ValueError("--num-prompts, --output-len and --max-concurrency must be >= 1")
+    if args.request_rate <= 0:
+        raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
+    return bench_serve(args)
+
+
 def _dump_graphs(args: argparse.Namespace) -> int:
     from deepinfer.graph_dump import GRAPH_ARCHS, dump_graphs
 
     for path in dump_graphs(Path(args.out), tuple(args.arch or GRAPH_ARCHS)):
         print(path)
     return 0
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    return {
+        "dtype": args.dtype,
+        "device": args.device,
+        "quantization": args.quantization,
+        "speculative_config": args.speculative_config,
+        **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
+        **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
+    }
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from deepinfer.server.app import build_app
+    except ImportError as exc:
+        raise ValueError(f"serve needs the serve extra: pip install 'deepinfer[serve]' ({exc})") from exc
+    from deepinfer import LLM
+
+    if args.max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    llm = LLM(args.model, **_engine_options(args))
+    name = args.served_model_name or args.model
+    app = build_app(llm, name, api_key=args.api_key, max_queued_requests=args.max_queued_requests)
+    print(f"deepinfer serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    """A terminal chat: each reply streams as it is generated."""
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.chat import encode_chat
+
+    llm = LLM(args.model, **_engine_options(args))
+    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    print("deepinfer chat: type a message, an empty line or Ctrl-D to quit", flush=True)
+    while True:
+        try:
+            text = input("> ")
+        except EOFError:
+            break
+        if not text.strip():
+            break
+        messages.append({"role": "user", "content": text})
+        ids = encode_chat(llm.tokenizer, messages)
+        reply = ""
+        for out in llm.stream({"prompt_token_ids": ids}, params):
+            piece = out.outputs[0].text
+            reply += piece
+            print(piece, end="", flush=True)
+        print(flush=True)
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--quantization", choices=["int8", "int4"], default=None, help="weight-only, dense models on CPU"
+    )
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--speculative-config", type=_json_object, default=None, help="as for generate")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -246,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--chat", action="store_true", help="send each prompt as a user message (chat template)")
     gen.add_argument("--dtype", default="float32")
     gen.add_argument(
         "--quantization", choices=["int8", "int4"], default=None, help="weight-only, dense models on CPU"
@@ -259,6 +352,26 @@ def build_parser() -> argparse.ArgumentParser:
         '"num_speculative_tokens": k, "schedule": "static"|"threshold"|"hardware"}\'',
     )
     gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
+    serve.add_argument("model")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    serve.add_argument("--served-model-name", default=None, help="the name clients use (default: MODEL)")
+    serve.add_argument("--max-queued-requests", type=int, default=256, help="waiting requests before 429")
+    serve.add_argument("--log-level", default="warning")
+    _add_engine_arguments(serve)
+    serve.set_defaults(func=_serve)
+
+    chat = sub.add_parser("chat", help="a terminal chat with a model (its chat template)")
+    chat.add_argument("model")
+    chat.add_argument("--system", default=None, help="a system message")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--seed", type=int, default=None)
+    _add_engine_arguments(chat)
+    chat.set_defaults(func=_chat)
 
     bench = sub.add_parser("bench", help="benchmarks against transformers on the same weights")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -282,6 +395,22 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--threads", type=int, default=torch.get_num_threads())
     lat.add_argument("--plot", default=None, help="write a PNG of tok/s against concurrency here")
     lat.set_defaults(func=_bench_latency)
+
+    bs = bench_sub.add_parser(
+        "serve", help="load an OpenAI-compatible server, print vllm bench serve's figures"
+    )
+    bs.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (no /v1)")
+    bs.add_argument("--model", required=True, help="the name the server serves")
+    bs.add_argument("--dataset", choices=["random", "chat"], default="random")
+    bs.add_argument("--num-prompts", type=int, default=64)
+    bs.add_argument("--input-len", type=int, default=128, help="random dataset: words per prompt")
+    bs.add_argument("--output-len", type=int, default=64)
+    bs.add_argument("--max-concurrency", type=int, default=None)
+    bs.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
+    bs.add_argument("--api-key", default=None)
+    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--json", default=None, help="also write the figures to this file")
+    bs.set_defaults(func=_bench_serve)
 
     dump = sub.add_parser("dump-graphs", help="write the tiny models' compiled graphs (fx_graphs/)")
     dump.add_argument("--out", default="fx_graphs")

@@ -25,6 +25,10 @@ class EngineConfig:
     cache_memory_fraction: float = 0.25
     num_cache_blocks: int | None = None  # exact block count (overrides the budget); tests
     enable_prefix_caching: bool = True
+    # the most logprobs (and prompt logprobs) a request may ask for per token (vLLM's option
+    # and default): a request for the whole vocabulary per token would be a cheap way to
+    # exhaust a server
+    max_logprobs: int = 20
     # None = auto: on for CUDA (the GPU computes while the CPU schedules), off on CPU, where
     # the model and the scheduler compete for the same cores (benchmarks/RESULTS.md)
     async_scheduling: bool | None = None
@@ -65,7 +69,13 @@ class EngineConfig:
                 isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, "an integer >= 1"
             )
 
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_graph_batch_size"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_graph_batch_size",
+            "max_logprobs",
+        ):
             positive_int(name)
         for name in ("max_model_len", "kv_cache_memory_bytes", "num_cache_blocks"):
             if getattr(self, name) is not None:

@@ -203,6 +203,31 @@ class LLM:
             out.outputs.append(completion)
         return out
 
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or
+        several, encoded with the checkpoint's chat template; message text never becomes a
+        control token (``chat.py``)."""
+        from deepinfer.chat import encode_chat
+
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of messages or of conversations")
+        conversations = messages if isinstance(messages[0], list) else [messages]
+        prompts = []
+        for i, conv in enumerate(conversations):
+            try:
+                ids = encode_chat(self.tokenizer, conv, add_generation_prompt, chat_template_kwargs)
+            except ValueError as exc:
+                raise ValueError(f"messages[{i}]: {exc}" if len(conversations) > 1 else str(exc)) from exc
+            prompts.append({"prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def stream(
         self, prompt: PromptType, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:

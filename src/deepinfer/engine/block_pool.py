@@ -1,19 +1,31 @@
 """Block allocator with prefix caching: ref counts, chained block hashes, LRU eviction.
 
 A full block's hash covers its tokens and its parent's hash, so equal hashes mean equal
-prefixes. A freed block keeps its hash and contents while it waits in the free queue; a
+prefixes. Hashes are SHA-256 (not Python's ``hash``, which is predictable and not collision
+resistant: one tenant could plant blocks another's prompt would hit, as vLLM's advisory
+GHSA-rm76-4mrf-v9r8 describes); a request's ``cache_salt`` seeds its first block, so only
+requests with the same salt share cached blocks. A freed block keeps its hash and contents while it waits in the free queue; a
 later request with the same prefix takes it back (a hit) until allocation evicts it,
 least recently freed first.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
 
-def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
-    return hash((parent, tuple(tokens)))
+def block_hash(parent: bytes | None, tokens: Sequence[int], salt: str | None = None) -> bytes:
+    """SHA-256 of the parent hash (or, for a first block, the salt) and the block's tokens."""
+    h = hashlib.sha256()
+    if parent is not None:
+        h.update(b"p" + parent)
+    elif salt is not None:
+        h.update(b"s" + salt.encode())
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
 
 
 class BlockPool:
@@ -23,8 +35,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_count = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self._hash_of: dict[int, int] = {}
-        self._block_of: dict[int, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
         self.query_blocks = 0  # prefix-cache statistics, in blocks
         self.hit_blocks = 0
 
@@ -53,7 +65,7 @@ class BlockPool:
             if self.ref_count[block] == 0:
                 self._free[block] = None
 
-    def lookup(self, hashes: Sequence[int]) -> list[int]:
+    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
         """The cached blocks for the longest prefix of ``hashes``; takes a reference to each."""
         found = []
         for h in hashes:
@@ -69,7 +81,7 @@ class BlockPool:
             self.ref_count[block] += 1
         return found
 
-    def cache(self, block: int, h: int) -> None:
+    def cache(self, block: int, h: bytes) -> None:
         """Publish a full, computed block under its prefix hash (first writer wins)."""
         if block in self._hash_of or h in self._block_of:
             return

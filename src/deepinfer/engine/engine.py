@@ -208,8 +208,10 @@ class Engine:
         params: SamplingParams,
         prompt: str | None = None,
         generator_offset: int = 0,
+        cache_salt: str | None = None,
     ) -> Request:
-        """Validate and queue a request; raises ValueError naming the bad field."""
+        """Validate and queue a request; raises ValueError naming the bad field.
+        ``cache_salt`` (vLLM's): only requests with the same salt share prefix-cache blocks."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
@@ -219,6 +221,12 @@ class Engine:
         if params.n != 1:
             raise ValueError("the engine runs n=1 requests; LLM.generate expands n > 1 into siblings")
         params.check_vocab(self.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise ValueError(f"{name}: {value} is above max_logprobs={self.config.max_logprobs}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         if not isinstance(prompt_token_ids, list | tuple) or not prompt_token_ids:
             raise ValueError("prompt_token_ids must be a non-empty list of integers")
         for t in prompt_token_ids:
@@ -243,6 +251,7 @@ class Engine:
             params=params,
             generator=None if params.greedy else make_generator(params, self.device, generator_offset),
             arrival_time=time.perf_counter(),
+            cache_salt=cache_salt,
         )
         self.requests[request_id] = req
         self.scheduler.add(req)

@@ -29,7 +29,8 @@ class Request:
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # of the full blocks published so far
+    block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks published so far
+    cache_salt: str | None = None  # prefix-cache isolation: only equal salts share blocks
     slot: int | None = None
     restore_overlap: bool = False  # the next chunk follows a prefix-cache hit
     num_cached_tokens: int = 0  # prefix-cache hit at first schedule

@@ -103,7 +103,7 @@ class Scheduler:
         bs = self.block_size
         hashes, parent = [], None
         for k in range((len(tokens) - 1) // bs):
-            parent = block_hash(parent, tokens[k * bs : (k + 1) * bs])
+            parent = block_hash(parent, tokens[k * bs : (k + 1) * bs], request.cache_salt)
             hashes.append(parent)
         hit = self.pool.lookup(hashes)
         request.block_ids = hit
@@ -125,7 +125,7 @@ class Scheduler:
         full = min(computed, len(tokens)) // bs
         parent = request.block_hashes[-1] if request.block_hashes else None
         for k in range(len(request.block_hashes), full):
-            parent = block_hash(parent, tokens[k * bs : (k + 1) * bs])
+            parent = block_hash(parent, tokens[k * bs : (k + 1) * bs], request.cache_salt)
             request.block_hashes.append(parent)
             self.pool.cache(request.block_ids[k], parent)
 

@@ -1,0 +1,560 @@
+"""The OpenAI-compatible HTTP app (FastAPI): ``deepinfer serve``.
+
+Endpoints and field names follow vLLM's server (``../shared/reference/serving.md``):
+``/v1/completions`` and ``/v1/chat/completions`` (streaming as ``data: {...}`` events ending in
+``data: [DONE]``), ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/health``, ``/version``,
+``/metrics``. Errors are OpenAI's JSON shape ``{"error": {"message", "type", "param",
+"code"}}``: 400 for bad input (FastAPI's 422 too), 401 for a wrong key, 404 for an unknown
+model, 429 with ``Retry-After`` when the waiting queue is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import deepinfer
+from deepinfer.chat import encode_chat
+from deepinfer.llm import LLM
+from deepinfer.outputs import CompletionOutput, RequestOutput
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.server.async_llm import AsyncLLM, QueueFullError
+from deepinfer.server.metrics import ServerMetrics
+from deepinfer.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    RequestError,
+    TokenizeRequest,
+    sampling_params,
+)
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, kind: str | None = None
+) -> JSONResponse:
+    kinds = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 429: "RateLimitError"}
+    body = {
+        "error": {
+            "message": message,
+            "type": kind or kinds.get(status, "InternalServerError"),
+            "param": param,
+            "code": status,
+        }
+    }
+    headers = {"Retry-After": "1"} if status == 429 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class Server:
+    """The app's state: the model, its async engine, names and metrics."""
+
+    def __init__(
+        self, llm: LLM, served_model_name: str, api_key: str | None, max_queued_requests: int
+    ) -> None:
+        self.llm = llm
+        self.tokenizer = llm.tokenizer
+        self.name = served_model_name
+        self.api_key = api_key
+        self.engine = AsyncLLM(llm, max_queued_requests)
+        self.metrics = ServerMetrics(served_model_name)
+        self.engine.stats_callbacks.append(self.metrics.observe_finished)
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
+            raise RequestError(f"The model `{model}` does not exist.", "model", 404)
+
+    def cache_capacity(self) -> int:
+        e = self.llm.engine
+        return min(e.max_model_len, e.num_blocks * e.layout.block_size)
+
+    def default_max_tokens(self, prompt_len: int) -> int:
+        return max(1, self.cache_capacity() - prompt_len)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer: send token ids", "prompt")
+            return self.tokenizer(prompt).input_ids
+        return list(prompt)
+
+    def kv_usage(self) -> float:
+        pool = self.llm.engine.pool
+        return 1.0 - pool.num_free / pool.num_blocks
+
+    async def add_all(
+        self,
+        base_id: str,
+        prompts: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        salt: str | None,
+        field: str,
+    ) -> list[AsyncIterator[RequestOutput]]:
+        """Queue ``n`` siblings of every prompt (seeds offset per sibling, as ``LLM`` does).
+        All or nothing: if one is refused the others are aborted; add errors become
+        ``RequestError`` naming ``field`` for the prompt, or the sampling field."""
+        streams: list[AsyncIterator[RequestOutput]] = []
+        ids_added: list[str] = []
+        try:
+            for p, ids in enumerate(prompts):
+                for j in range(n):
+                    rid = f"{base_id}-{p}-{j}"
+                    streams.append(await self.engine.add(rid, ids, params, j, salt))
+                    ids_added.append(rid)
+        except Exception as exc:
+            for rid in ids_added:
+                self.engine.abort(rid)
+            if isinstance(exc, ValueError) and not isinstance(exc, RequestError):
+                msg = str(exc)
+                param = field if msg.startswith("prompt_token_ids") else msg.split(" ", 1)[0].rstrip(":")
+                raise RequestError(msg, param) from exc
+            raise
+        return streams
+
+
+def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several async iterators as ``(index, item)`` pairs; an error in one is raised."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, it: AsyncIterator[Any]) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, done))
+
+    async def merged() -> AsyncIterator[tuple[int, Any]]:
+        tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(streams)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                i, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for it in streams:
+                if hasattr(it, "aclose"):
+                    await it.aclose()
+
+    return merged()
+
+
+class _Delta:
+    """What a stream has sent of one choice: tokens and text (a trailing partial character is
+    held back until it completes)."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.text = ""
+        self.role_sent = False
+
+    def take(self, c: CompletionOutput, finished: bool) -> tuple[str, list[int], list[dict] | None]:
+        text = c.text
+        new_text = "" if text.endswith("\ufffd") and not finished else text[len(self.text) :]
+        if new_text:
+            self.text = text
+        new_ids = c.token_ids[self.tokens :]
+        new_lp = c.logprobs[self.tokens :] if c.logprobs is not None else None
+        self.tokens = len(c.token_ids)
+        return new_text, new_ids, new_lp
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def build_app(
+    llm: LLM, served_model_name: str, api_key: str | None = None, max_queued_requests: int = 256
+) -> FastAPI:
+    server = Server(llm, served_model_name, api_key, max_queued_requests)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        server.engine.start()
+        yield
+        server.engine.stop()
+
+    app = FastAPI(title="deepinfer", version=deepinfer.__version__, lifespan=lifespan)
+    app.state.server = server
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if server.api_key is not None and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization") != f"Bearer {server.api_key}":
+                return error_response(401, "Invalid API key", kind="AuthenticationError")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request: Request, exc: RequestValidationError):
+        err = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        return error_response(400, f"{param or 'body'}: {err.get('msg', 'invalid request')}", param)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_request: Request, exc: RequestError):
+        return error_response(exc.code, str(exc), exc.param)
+
+    @app.exception_handler(QueueFullError)
+    async def _queue_full(_request: Request, exc: QueueFullError):
+        return error_response(429, str(exc))
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = server.engine.healthy and server.engine._thread.is_alive()
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": deepinfer.__version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": server.name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "deepinfer",
+                    "root": str(llm.path),
+                    "max_model_len": llm.engine.max_model_len,
+                }
+            ],
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        running, waiting = server.engine.num_requests()
+        server.metrics.refresh(running, waiting, server.kv_usage())
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        server.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise RequestError("give exactly one of prompt or messages", "prompt")
+        if body.messages is not None:
+            try:
+                ids = encode_chat(server.tokenizer, body.messages, body.add_generation_prompt)
+            except ValueError as exc:
+                raise RequestError(str(exc), "messages") from exc
+        else:
+            if server.tokenizer is None:
+                raise RequestError("this model has no tokenizer", "prompt")
+            ids = server.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        server.check_model(body.model)
+        if server.tokenizer is None:
+            raise RequestError("this model has no tokenizer", "tokens")
+        bad = [t for t in body.tokens if not 0 <= t < llm.engine.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary", "tokens")
+        return {"prompt": server.tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        server.check_model(body.model)
+        if body.echo:
+            raise RequestError("echo is not supported", "echo")
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        if not prompts:
+            raise RequestError("prompt must not be empty", "prompt")
+        id_lists = [server.prompt_ids(p) for p in prompts]
+        max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        params = sampling_params(body, max_tokens, body.logprobs)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        streams = await server.add_all(rid, id_lists, body.n, params, body.cache_salt, "prompt")
+
+        def choice(index: int, c: CompletionOutput, text: str, ids: list[int], lps, finished: bool) -> dict:
+            out = {
+                "index": index,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": c.finish_reason if finished else None,
+            }
+            if finished:
+                out["stop_reason"] = c.stop_reason
+            if body.logprobs is not None and lps is not None:
+                toks = [server.token_text(t) for t in ids]
+                out["logprobs"] = {
+                    "tokens": toks,
+                    "token_logprobs": [lp[t].logprob for t, lp in zip(ids, lps, strict=True)],
+                    "top_logprobs": [{server.token_text(k): v.logprob for k, v in lp.items()} for lp in lps],
+                    "text_offset": [],
+                }
+            return out
+
+        prompt_tokens = sum(len(ids) for ids in id_lists)
+        if body.stream:
+            return StreamingResponse(
+                _completion_events(server, streams, rid, created, choice, prompt_tokens, body),
+                media_type="text/event-stream",
+            )
+        finals = await _collect(streams, request)
+        choices = [
+            choice(i, f.outputs[0], f.outputs[0].text, f.outputs[0].token_ids, f.outputs[0].logprobs, True)
+            for i, f in enumerate(finals)
+        ]
+        completion_tokens = sum(len(f.outputs[0].token_ids) for f in finals)
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": server.name,
+            "choices": choices,
+            "usage": _usage(prompt_tokens, completion_tokens),
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        server.check_model(body.model)
+        try:
+            ids = encode_chat(
+                server.tokenizer, body.messages, body.add_generation_prompt, body.chat_template_kwargs
+            )
+        except ValueError as exc:
+            raise RequestError(str(exc), "messages") from exc
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if max_tokens is None:
+            max_tokens = server.default_max_tokens(len(ids))
+        top = None
+        if body.logprobs:
+            top = body.top_logprobs or 0
+        elif body.top_logprobs is not None:
+            raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+        try:
+            params = sampling_params(body, max_tokens, top)
+        except RequestError as exc:
+            if exc.param == "logprobs":
+                exc.param = "top_logprobs"
+            raise
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        try:
+            streams = await server.add_all(rid, [ids], body.n, params, body.cache_salt, "messages")
+        except RequestError as exc:
+            if exc.param == "logprobs":  # the engine's name for what chat calls top_logprobs
+                exc.param = "top_logprobs"
+            raise
+
+        def logprobs_of(ids_: list[int], lps) -> dict | None:
+            if not body.logprobs or lps is None:
+                return None
+            content = []
+            for t, lp in zip(ids_, lps, strict=True):
+                tops = sorted(lp.items(), key=lambda kv: kv[1].rank)[: body.top_logprobs or 0]
+                text = server.token_text(t)
+                content.append(
+                    {
+                        "token": text,
+                        "logprob": lp[t].logprob,
+                        "bytes": list(text.encode()),
+                        "top_logprobs": [
+                            {
+                                "token": server.token_text(k),
+                                "logprob": v.logprob,
+                                "bytes": list(server.token_text(k).encode()),
+                            }
+                            for k, v in tops
+                        ],
+                    }
+                )
+            return {"content": content}
+
+        if body.stream:
+            return StreamingResponse(
+                _chat_events(server, streams, rid, created, logprobs_of, len(ids), body),
+                media_type="text/event-stream",
+            )
+        finals = await _collect(streams, request)
+        choices = []
+        for i, f in enumerate(finals):
+            c = f.outputs[0]
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": logprobs_of(c.token_ids, c.logprobs),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+        completion_tokens = sum(len(f.outputs[0].token_ids) for f in finals)
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": server.name,
+            "choices": choices,
+            "usage": _usage(len(ids), completion_tokens),
+        }
+
+    return app
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+async def _collect(streams: list[AsyncIterator[RequestOutput]], request: Request) -> list[RequestOutput]:
+    """Every stream's final output; a client that disconnects first aborts them all."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+
+    async def consume() -> None:
+        async for i, out in _merge(streams):
+            if out.finished:
+                finals[i] = out
+
+    task = asyncio.create_task(consume())
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            raise asyncio.CancelledError
+    task.result()
+    assert all(f is not None for f in finals)
+    return finals  # type: ignore[return-value]
+
+
+async def _completion_events(
+    server: Server, streams, rid, created, choice, prompt_tokens, body
+) -> AsyncIterator[str]:
+    sent = [_Delta() for _ in streams]
+    completion_tokens = 0
+    try:
+        async for i, out in _merge(streams):
+            c = out.outputs[0]
+            text, ids, lps = sent[i].take(c, out.finished)
+            if not text and not ids and not out.finished:
+                continue
+            completion_tokens += len(ids)
+            payload = {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": server.name,
+                "choices": [choice(i, c, text, ids, lps, out.finished)],
+            }
+            yield _sse(payload)
+    except Exception as exc:  # after the 200 went out: the error travels as an event
+        yield _sse(
+            {"error": {"message": str(exc), "type": "InternalServerError", "param": None, "code": 500}}
+        )
+    else:
+        if body.stream_options is not None and body.stream_options.include_usage:
+            payload = {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": server.name,
+                "choices": [],
+            }
+            payload["usage"] = _usage(prompt_tokens, completion_tokens)
+            yield _sse(payload)
+    yield "data: [DONE]\n\n"
+
+
+async def _chat_events(
+    server: Server, streams, rid, created, logprobs_of, prompt_tokens, body
+) -> AsyncIterator[str]:
+    sent = [_Delta() for _ in streams]
+    completion_tokens = 0
+
+    def chunk(choices: list[dict]) -> str:
+        return _sse(
+            {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": server.name,
+                "choices": choices,
+            }
+        )
+
+    try:
+        async for i, out in _merge(streams):
+            c = out.outputs[0]
+            if not sent[i].role_sent:
+                sent[i].role_sent = True
+                yield chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            text, ids, lps = sent[i].take(c, out.finished)
+            if not text and not ids and not out.finished:
+                continue
+            completion_tokens += len(ids)
+            entry = {
+                "index": i,
+                "delta": {"content": text} if text else {},
+                "logprobs": logprobs_of(ids, lps),
+                "finish_reason": c.finish_reason if out.finished else None,
+            }
+            if out.finished:
+                entry["stop_reason"] = c.stop_reason
+            yield chunk([entry])
+    except Exception as exc:  # after the 200 went out: the error travels as an event
+        yield _sse(
+            {"error": {"message": str(exc), "type": "InternalServerError", "param": None, "code": 500}}
+        )
+    else:
+        if body.stream_options is not None and body.stream_options.include_usage:
+            payload = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": server.name,
+                "choices": [],
+            }
+            payload["usage"] = _usage(prompt_tokens, completion_tokens)
+            yield _sse(payload)
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,179 @@
+"""The asynchronous front end: many connections, one engine loop.
+
+The engine is single-threaded by design (DESIGN.md §2), so one background thread owns it:
+it takes adds and aborts from a command queue, steps while work is pending, and hands each
+request's outputs to the asyncio queue of the coroutine waiting for them. Adds are validated
+in that thread and their errors travel back to the caller; a request whose client goes away
+is aborted there, which frees its cache blocks at once. A step that raises fails the requests
+it held (their callers see the error) and the loop goes on serving the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from deepinfer.llm import LLM
+from deepinfer.outputs import RequestOutput
+from deepinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger("deepinfer.server")
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at ``max_queued_requests``: answer 429 and let the client retry."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncLLM:
+    """Runs ``llm.engine`` on a background thread for asyncio callers."""
+
+    def __init__(self, llm: LLM, max_queued_requests: int = 256) -> None:
+        self.llm = llm
+        self.engine = llm.engine
+        self.max_queued_requests = max_queued_requests
+        self._commands: queue.Queue[tuple[str, Any, Future | None]] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
+        self._stopping = False
+        self.healthy = True
+        self.stats_callbacks: list[Any] = []  # called in the engine thread with each finished output
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._commands.put(("noop", None, None))
+        self._thread.join(timeout=30)
+
+    # ---- caller side (any thread, usually the event loop) ----------------------------------
+
+    async def add(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        seed_offset: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request; once the engine took it, return the iterator of its outputs (the
+        ``RequestOutput`` with the whole text so far, after every step that changed it; the
+        last has ``finished=True``). Raises ``ValueError`` for a bad request and
+        ``QueueFullError`` when the waiting queue is full. Leaving the iteration early (a
+        disconnect) aborts the request; a caller that never iterates must ``abort`` it."""
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+        added: Future = Future()
+        self._commands.put(("add", (request_id, prompt_ids, params, seed_offset, cache_salt, stream), added))
+        await asyncio.wrap_future(added)
+        return self._outputs(request_id, stream)
+
+    async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id, None))
+
+    def num_requests(self) -> tuple[int, int]:
+        """(running, waiting) as the engine thread last left them."""
+        running = len(self.engine.scheduler.running)
+        return running, max(0, len(self._streams) - running)
+
+    # ---- engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            if not self.engine.has_unfinished():  # idle: wait for a command
+                try:
+                    self._apply(self._commands.get(timeout=0.5))
+                except queue.Empty:
+                    continue
+            while True:  # everything queued since, then one step
+                try:
+                    self._apply(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            if self.engine.has_unfinished():
+                self._step()
+
+    def _apply(self, command: tuple[str, Any, Future | None]) -> None:
+        kind, payload, done = command
+        if kind == "noop":
+            return
+        if kind == "add":
+            request_id, ids, params, offset, salt, stream = payload
+            try:
+                _, waiting = self.num_requests()
+                if waiting >= self.max_queued_requests:
+                    raise QueueFullError(f"the waiting queue is full ({self.max_queued_requests} requests)")
+                self.engine.add_request(request_id, ids, params, generator_offset=offset, cache_salt=salt)
+            except Exception as exc:  # the caller gets it; the engine is untouched
+                assert done is not None
+                done.set_exception(exc)
+                return
+            self._streams[request_id] = stream
+            assert done is not None
+            done.set_result(None)
+        elif kind == "abort":
+            if payload in self._streams:
+                self.engine.abort(payload)
+                self._release(payload)
+
+    def _step(self) -> None:
+        try:
+            updated = self.engine.step()
+        except Exception as exc:  # fail what was in flight, keep serving
+            logger.exception("engine step failed")
+            for rid in list(self._streams):
+                self.engine.abort(rid)
+                self._deliver(rid, RuntimeError(f"engine step failed: {exc}"))
+                self._release(rid)
+            return
+        for req in updated:
+            rid = req.request_id
+            if rid not in self._streams:
+                continue
+            out = self.engine.make_output(req)
+            self._deliver(rid, out)
+            if req.finished:
+                for callback in self.stats_callbacks:
+                    callback(out)
+                self._release(rid)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams[request_id]
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is gone
+            pass
+
+    def _release(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        if request_id in self.engine.requests and self.engine.requests[request_id].finished:
+            self.engine.pop_finished(request_id)

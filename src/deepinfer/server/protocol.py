@@ -1,0 +1,130 @@
+"""OpenAI request bodies (vLLM's field names and extra sampling fields) and their conversion
+to ``SamplingParams``. Pydantic checks the types; ``SamplingParams`` checks the values; both
+errors name the field, which the app turns into a 400 with ``param`` set."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from deepinfer.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields both endpoints share (OpenAI's and vLLM's extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    cache_salt: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class RequestError(ValueError):
+    """A bad request: ``param`` names the field (OpenAI's error ``param``)."""
+
+    def __init__(self, message: str, param: str | None = None, code: int = 400) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+def _param_of(message: str) -> str | None:
+    """The field a ``SamplingParams`` error names (its messages start with the field name)."""
+    head = message.split(" ", 1)[0].rstrip(":")
+    return head if head.replace("_", "").isalnum() else None
+
+
+def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The request's ``SamplingParams`` (OpenAI defaults: temperature 1, max_tokens 16 for
+    completions; the caller passes the chat endpoint's own default)."""
+    kwargs: dict[str, Any] = {
+        "n": 1,  # the front end runs n siblings of one request
+        "max_tokens": max_tokens,
+        "min_tokens": req.min_tokens,
+        "ignore_eos": req.ignore_eos,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+        "skip_special_tokens": req.skip_special_tokens,
+        "seed": req.seed,
+        "logprobs": logprobs,
+    }
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            kwargs[name] = value
+    if req.repetition_penalty is not None:
+        kwargs["repetition_penalty"] = req.repetition_penalty
+    if req.stop is not None:
+        kwargs["stop"] = req.stop
+    if req.stop_token_ids is not None:
+        kwargs["stop_token_ids"] = req.stop_token_ids
+    if req.logit_bias:
+        try:
+            kwargs["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+        except ValueError as exc:
+            raise RequestError("logit_bias keys must be token ids", "logit_bias") from exc
+    if not isinstance(req.n, int) or req.n < 1:
+        raise RequestError(f"n must be an integer >= 1, got {req.n!r}", "n")
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise RequestError(str(exc), _param_of(str(exc))) from exc
