@@ -60,7 +60,7 @@ def make_requests(dataset: str, num: int, input_len: int, seed: int) -> list[dic
 
 
 async def _one(
-    client, base_url: str, model: str, body: dict, max_tokens: int, api_key: str | None
+    client, base_url: str, model: str, body: dict, max_tokens: int, api_key: str | None, ignore_eos: bool
 ) -> RequestResult:
     chat = "messages" in body
     url = f"{base_url}/v1/{'chat/completions' if chat else 'completions'}"
@@ -69,10 +69,11 @@ async def _one(
         "model": model,
         "max_tokens": max_tokens,
         "temperature": 0.0,
-        "ignore_eos": True,  # vLLM's extra field: fixed output lengths where servers honour it
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if ignore_eos:  # vLLM's extra field (fixed output lengths); some servers refuse it
+        payload["ignore_eos"] = True
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     start = time.perf_counter()
     result = RequestResult(ok=False)
@@ -121,6 +122,7 @@ async def run(
     request_rate: float,
     api_key: str | None = None,
     seed: int = 0,
+    ignore_eos: bool = False,
 ) -> tuple[list[RequestResult], float]:
     import httpx
 
@@ -130,7 +132,7 @@ async def run(
 
         async def limited(body: dict) -> RequestResult:
             async with limit:
-                return await _one(client, base_url, model, body, max_tokens, api_key)
+                return await _one(client, base_url, model, body, max_tokens, api_key, ignore_eos)
 
         start = time.perf_counter()
         tasks = []
@@ -205,6 +207,7 @@ def main(args) -> int:
             args.request_rate,
             args.api_key,
             args.seed,
+            args.ignore_eos,
         )
     )
     summary = summarize(results, duration)

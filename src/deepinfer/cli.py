@@ -408,6 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--max-concurrency", type=int, default=None)
     bs.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
     bs.add_argument("--api-key", default=None)
+    bs.add_argument("--ignore-eos", action="store_true", help="send vLLM's ignore_eos (fixed output lengths)")
     bs.add_argument("--seed", type=int, default=0)
     bs.add_argument("--json", default=None, help="also write the figures to this file")
     bs.set_defaults(func=_bench_serve)

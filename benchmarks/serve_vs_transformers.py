@@ -1,0 +1,119 @@
+"""``deepinfer serve`` against ``transformers serve --continuous-batching`` on the same SmolLM2
+weights, with ``deepinfer bench serve``'s load generator at several concurrencies (issue 17).
+
+Each server runs in its own process on this machine (never at the same time), gets one
+warm-up request, then for each concurrency C: 2C (at least 8) requests of ``--input-len``
+random words, ``--output-len`` greedy tokens at most, C at a time. Both stream; tokens are
+counted from each server's usage chunk.
+
+Run: ``python benchmarks/serve_vs_transformers.py [--concurrency 1 8 32]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from deepinfer.bench_serve import make_requests, run, summarize
+from deepinfer.weights.catalog import resolve_model
+
+
+def wait_ready(url: str, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def bench(url: str, model: str, concurrencies: list[int], input_len: int, output_len: int) -> dict[int, dict]:
+    warm = make_requests("random", 1, input_len, seed=99)
+    asyncio.run(run(url, model, warm, 4, 1, float("inf")))
+    rows = {}
+    for c in concurrencies:
+        requests = make_requests("random", max(8, 2 * c), input_len, seed=c)
+        results, duration = asyncio.run(run(url, model, requests, output_len, c, float("inf")))
+        rows[c] = summarize(results, duration)
+        print(f"  {url} c={c}: {rows[c]['output_token_throughput']:.1f} out tok/s", flush=True)
+    return rows
+
+
+def serve(cmd: list[str], url: str) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    wait_ready(url)
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    args = parser.parse_args()
+    path = str(resolve_model("smollm2-135m"))
+    ours_url, theirs_url = "http://127.0.0.1:8100", "http://localhost:8101"
+    results = {}
+    proc = serve(
+        [
+            sys.executable,
+            "-m",
+            "deepinfer.cli",
+            "serve",
+            "smollm2-135m",
+            "--port",
+            "8100",
+            "--max-num-seqs",
+            "64",
+        ],
+        ours_url,
+    )
+    try:
+        results["deepinfer"] = bench(
+            ours_url, "smollm2-135m", args.concurrency, args.input_len, args.output_len
+        )
+    finally:
+        stop(proc)
+    proc = serve(["transformers", "serve", path, "--continuous-batching", "--port", "8101"], theirs_url)
+    try:
+        results["transformers"] = bench(theirs_url, path, args.concurrency, args.input_len, args.output_len)
+    finally:
+        stop(proc)
+    print(
+        "| concurrency | requests | deepinfer out tok/s | transformers serve out tok/s | ratio | deepinfer TTFT / TPOT median (ms) | transformers TTFT / TPOT median (ms) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for c in args.concurrency:
+        a, b = results["deepinfer"][c], results["transformers"][c]
+        ratio = (
+            a["output_token_throughput"] / b["output_token_throughput"]
+            if b["output_token_throughput"]
+            else float("inf")
+        )
+        print(
+            f"| {c} | {a['successful_requests']}/{b['successful_requests']} | {a['output_token_throughput']:.1f} | "
+            f"{b['output_token_throughput']:.1f} | {ratio:.2f}x | {a['ttft_ms']['median']:.0f} / {a['tpot_ms']['median']:.1f} | "
+            f"{b['ttft_ms']['median']:.0f} / {b['tpot_ms']['median']:.1f} |"
+        )
+        for name, r in (("deepinfer", a), ("transformers", b)):
+            if r["errors"]:
+                print(f"  {name} errors at c={c}: {r['errors']}")
+
+
+if __name__ == "__main__":
+    main()
