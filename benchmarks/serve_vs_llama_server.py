@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from serve_vs_transformers import bench, serve, stop
+from serve_vs_transformers import bench, print_table, serve, stop
 
 
 def main() -> None:
@@ -67,25 +67,7 @@ def main() -> None:
         results["llama-server"] = bench(theirs_url, "smol", args.concurrency, args.input_len, args.output_len)
     finally:
         stop(proc)
-    print(
-        "| concurrency | requests | deepinfer out tok/s | llama-server out tok/s | ratio | deepinfer TTFT / TPOT median (ms) | llama-server TTFT / TPOT median (ms) |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for c in args.concurrency:
-        a, b = results["deepinfer"][c], results["llama-server"][c]
-        ratio = (
-            a["output_token_throughput"] / b["output_token_throughput"]
-            if b["output_token_throughput"]
-            else float("inf")
-        )
-        print(
-            f"| {c} | {a['successful_requests']}/{b['successful_requests']} | {a['output_token_throughput']:.1f} | "
-            f"{b['output_token_throughput']:.1f} | {ratio:.2f}x | {a['ttft_ms']['median']:.0f} / {a['tpot_ms']['median']:.1f} | "
-            f"{b['ttft_ms']['median']:.0f} / {b['tpot_ms']['median']:.1f} |"
-        )
-        for name, r in (("deepinfer", a), ("llama-server", b)):
-            if r["errors"]:
-                print(f"  {name} errors at c={c}: {r['errors']}")
+    print_table(results, args.concurrency)
 
 
 if __name__ == "__main__":

@@ -94,23 +94,27 @@ def main() -> None:
         results["transformers"] = bench(theirs_url, path, args.concurrency, args.input_len, args.output_len)
     finally:
         stop(proc)
+    print_table(results, args.concurrency)
+
+
+def print_table(results: dict[str, dict[int, dict]], concurrency: list[int]) -> None:
+    """The markdown table of RESULTS.md: ours (first key) against the peer (second key)."""
+    ours, peer = list(results)
     print(
-        "| concurrency | requests | deepinfer out tok/s | transformers serve out tok/s | ratio | deepinfer TTFT / TPOT median (ms) | transformers TTFT / TPOT median (ms) |"
+        f"| concurrency | requests | {ours} out tok/s | {peer} out tok/s | ratio | "
+        f"{ours} TTFT / TPOT median (ms) | {peer} TTFT / TPOT median (ms) |"
     )
     print("|---|---|---|---|---|---|---|")
-    for c in args.concurrency:
-        a, b = results["deepinfer"][c], results["transformers"][c]
-        ratio = (
-            a["output_token_throughput"] / b["output_token_throughput"]
-            if b["output_token_throughput"]
-            else float("inf")
-        )
+    for c in concurrency:
+        a, b = results[ours][c], results[peer][c]
+        peer_tps = b["output_token_throughput"]
+        ratio = a["output_token_throughput"] / peer_tps if peer_tps else float("inf")
         print(
             f"| {c} | {a['successful_requests']}/{b['successful_requests']} | {a['output_token_throughput']:.1f} | "
-            f"{b['output_token_throughput']:.1f} | {ratio:.2f}x | {a['ttft_ms']['median']:.0f} / {a['tpot_ms']['median']:.1f} | "
+            f"{peer_tps:.1f} | {ratio:.2f}x | {a['ttft_ms']['median']:.0f} / {a['tpot_ms']['median']:.1f} | "
             f"{b['ttft_ms']['median']:.0f} / {b['tpot_ms']['median']:.1f} |"
         )
-        for name, r in (("deepinfer", a), ("transformers", b)):
+        for name, r in ((ours, a), (peer, b)):
             if r["errors"]:
                 print(f"  {name} errors at c={c}: {r['errors']}")
 
