@@ -10,9 +10,8 @@ comes from llama.cpp's ``convert_hf_to_gguf.py DIR --outtype f32`` (``../shared/
 from __future__ import annotations
 
 import argparse
-import sys
 
-from serve_vs_transformers import bench, print_table, serve, stop
+from serve_vs_transformers import bench, bench_ours, print_table, serve, stop
 
 
 def main() -> None:
@@ -24,28 +23,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     args = parser.parse_args()
     slots = max(args.concurrency)
-    ours_url, theirs_url = "http://127.0.0.1:8100", "http://127.0.0.1:8102"
+    theirs_url = "http://127.0.0.1:8102"
     results = {}
-    proc = serve(
-        [
-            sys.executable,
-            "-m",
-            "deepinfer.cli",
-            "serve",
-            "smollm2-135m",
-            "--port",
-            "8100",
-            "--max-num-seqs",
-            "64",
-        ],
-        ours_url,
-    )
-    try:
-        results["deepinfer"] = bench(
-            ours_url, "smollm2-135m", args.concurrency, args.input_len, args.output_len
-        )
-    finally:
-        stop(proc)
+    results["deepinfer"] = bench_ours(args.concurrency, args.input_len, args.output_len)
     ctx = slots * (2 * args.input_len + args.output_len + 64)
     cmd = [
         args.llama_server,

@@ -60,6 +60,27 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=60)
 
 
+def bench_ours(concurrency: list[int], input_len: int, output_len: int) -> dict[int, dict]:
+    """``deepinfer serve smollm2-135m`` on port 8100 under the same load."""
+    url = "http://127.0.0.1:8100"
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepinfer.cli",
+        "serve",
+        "smollm2-135m",
+        "--port",
+        "8100",
+        "--max-num-seqs",
+        "64",
+    ]
+    proc = serve(cmd, url)
+    try:
+        return bench(url, "smollm2-135m", concurrency, input_len, output_len)
+    finally:
+        stop(proc)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
@@ -67,28 +88,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     args = parser.parse_args()
     path = str(resolve_model("smollm2-135m"))
-    ours_url, theirs_url = "http://127.0.0.1:8100", "http://localhost:8101"
+    theirs_url = "http://localhost:8101"
     results = {}
-    proc = serve(
-        [
-            sys.executable,
-            "-m",
-            "deepinfer.cli",
-            "serve",
-            "smollm2-135m",
-            "--port",
-            "8100",
-            "--max-num-seqs",
-            "64",
-        ],
-        ours_url,
-    )
-    try:
-        results["deepinfer"] = bench(
-            ours_url, "smollm2-135m", args.concurrency, args.input_len, args.output_len
-        )
-    finally:
-        stop(proc)
+    results["deepinfer"] = bench_ours(args.concurrency, args.input_len, args.output_len)
     proc = serve(["transformers", "serve", path, "--continuous-batching", "--port", "8101"], theirs_url)
     try:
         results["transformers"] = bench(theirs_url, path, args.concurrency, args.input_len, args.output_len)

@@ -14,7 +14,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -322,7 +322,16 @@ def build_app(
         prompt_tokens = sum(len(ids) for ids in id_lists)
         if body.stream:
             return StreamingResponse(
-                _completion_events(server, streams, rid, created, choice, prompt_tokens, body),
+                _events(
+                    server,
+                    streams,
+                    rid,
+                    created,
+                    "text_completion",
+                    _completion_entries(choice),
+                    prompt_tokens,
+                    body.stream_options is not None and body.stream_options.include_usage,
+                ),
                 media_type="text/event-stream",
             )
         finals = await _collect(streams, request)
@@ -398,7 +407,16 @@ def build_app(
 
         if body.stream:
             return StreamingResponse(
-                _chat_events(server, streams, rid, created, logprobs_of, len(ids), body),
+                _events(
+                    server,
+                    streams,
+                    rid,
+                    created,
+                    "chat.completion.chunk",
+                    _chat_entries(logprobs_of),
+                    len(ids),
+                    body.stream_options is not None and body.stream_options.include_usage,
+                ),
                 media_type="text/event-stream",
             )
         finals = await _collect(streams, request)
@@ -459,102 +477,70 @@ async def _collect(streams: list[AsyncIterator[RequestOutput]], request: Request
     return finals  # type: ignore[return-value]
 
 
-async def _completion_events(
-    server: Server, streams, rid, created, choice, prompt_tokens, body
+async def _events(
+    server: Server,
+    streams: list[AsyncIterator[RequestOutput]],
+    rid: str,
+    created: int,
+    kind: str,
+    entries: Callable[[int, _Delta, RequestOutput], list[dict]],
+    prompt_tokens: int,
+    include_usage: bool,
 ) -> AsyncIterator[str]:
+    """Server-sent events for one streamed request: ``entries(i, sent, out)`` turns each new
+    output of choice ``i`` into choice objects (none: nothing to send); then the usage chunk
+    when asked for, and ``[DONE]``. An error after the 200 went out travels as an event."""
     sent = [_Delta() for _ in streams]
-    completion_tokens = 0
-    try:
-        async for i, out in _merge(streams):
-            c = out.outputs[0]
-            text, ids, lps = sent[i].take(c, out.finished)
-            if not text and not ids and not out.finished:
-                continue
-            completion_tokens += len(ids)
-            payload = {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": server.name,
-                "choices": [choice(i, c, text, ids, lps, out.finished)],
-            }
-            yield _sse(payload)
-    except Exception as exc:  # after the 200 went out: the error travels as an event
-        yield _sse(
-            {"error": {"message": str(exc), "type": "InternalServerError", "param": None, "code": 500}}
-        )
-    else:
-        if body.stream_options is not None and body.stream_options.include_usage:
-            payload = {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": server.name,
-                "choices": [],
-            }
-            payload["usage"] = _usage(prompt_tokens, completion_tokens)
-            yield _sse(payload)
-    yield "data: [DONE]\n\n"
 
-
-async def _chat_events(
-    server: Server, streams, rid, created, logprobs_of, prompt_tokens, body
-) -> AsyncIterator[str]:
-    sent = [_Delta() for _ in streams]
-    completion_tokens = 0
-
-    def chunk(choices: list[dict]) -> str:
+    def event(choices: list[dict], **extra: Any) -> str:
         return _sse(
-            {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": server.name,
-                "choices": choices,
-            }
+            {"id": rid, "object": kind, "created": created, "model": server.name, "choices": choices, **extra}
         )
 
     try:
         async for i, out in _merge(streams):
-            c = out.outputs[0]
-            if not sent[i].role_sent:
-                sent[i].role_sent = True
-                yield chunk(
-                    [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ]
-                )
-            text, ids, lps = sent[i].take(c, out.finished)
-            if not text and not ids and not out.finished:
-                continue
-            completion_tokens += len(ids)
-            entry = {
-                "index": i,
-                "delta": {"content": text} if text else {},
-                "logprobs": logprobs_of(ids, lps),
-                "finish_reason": c.finish_reason if out.finished else None,
-            }
-            if out.finished:
-                entry["stop_reason"] = c.stop_reason
-            yield chunk([entry])
-    except Exception as exc:  # after the 200 went out: the error travels as an event
+            for entry in entries(i, sent[i], out):
+                yield event([entry])
+    except Exception as exc:
         yield _sse(
             {"error": {"message": str(exc), "type": "InternalServerError", "param": None, "code": 500}}
         )
     else:
-        if body.stream_options is not None and body.stream_options.include_usage:
-            payload = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": server.name,
-                "choices": [],
-            }
-            payload["usage"] = _usage(prompt_tokens, completion_tokens)
-            yield _sse(payload)
+        if include_usage:
+            yield event([], usage=_usage(prompt_tokens, sum(d.tokens for d in sent)))
     yield "data: [DONE]\n\n"
+
+
+def _completion_entries(choice: Callable) -> Callable[[int, _Delta, RequestOutput], list[dict]]:
+    def entries(i: int, sent: _Delta, out: RequestOutput) -> list[dict]:
+        c = out.outputs[0]
+        text, ids, lps = sent.take(c, out.finished)
+        if not text and not ids and not out.finished:
+            return []
+        return [choice(i, c, text, ids, lps, out.finished)]
+
+    return entries
+
+
+def _chat_entries(logprobs_of: Callable) -> Callable[[int, _Delta, RequestOutput], list[dict]]:
+    def entries(i: int, sent: _Delta, out: RequestOutput) -> list[dict]:
+        found = []
+        if not sent.role_sent:  # each choice's first chunk carries the role
+            sent.role_sent = True
+            role = {"role": "assistant", "content": ""}
+            found.append({"index": i, "delta": role, "logprobs": None, "finish_reason": None})
+        c = out.outputs[0]
+        text, ids, lps = sent.take(c, out.finished)
+        if not text and not ids and not out.finished:
+            return found
+        entry = {
+            "index": i,
+            "delta": {"content": text} if text else {},
+            "logprobs": logprobs_of(ids, lps),
+            "finish_reason": c.finish_reason if out.finished else None,
+        }
+        if out.finished:
+            entry["stop_reason"] = c.stop_reason
+        return [*found, entry]
+
+    return entries
