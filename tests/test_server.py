@@ -282,3 +282,36 @@ def test_bench_serve_measures_a_live_server(served):
         run(live.url, NAME, make_requests("chat", 2, 4, 0), 2, 2, float("inf"), "bad")
     )
     assert summarize(results, duration)["failed_requests"] == 2
+
+
+def test_a_failing_step_fails_its_requests_and_the_server_goes_on(served):
+    """An engine step that raises answers the requests it held with a JSON 500; the next
+    request is served normally and the cache holds no leftovers."""
+    live, client, llm, expected = served
+    engine = llm.engine
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def failing_once():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected failure")
+        return real_step()
+
+    engine.step = failing_once
+    try:
+        r = httpx.post(
+            f"{live.url}/v1/completions",
+            json={"model": NAME, "prompt": PROMPTS[0], "max_tokens": 4},
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=120,
+        )
+        assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
+    finally:
+        del engine.step  # back to the class's method
+    resp = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0.0)
+    assert resp.choices[0].text == expected["completions"][0].text
+    deadline = time.time() + 30
+    while engine.requests and time.time() < deadline:
+        time.sleep(0.05)
+    assert not engine.requests and engine.pool.num_free == engine.pool.num_blocks

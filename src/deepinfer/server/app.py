@@ -222,6 +222,10 @@ def build_app(
     async def _request_error(_request: Request, exc: RequestError):
         return error_response(exc.code, str(exc), exc.param)
 
+    @app.exception_handler(Exception)
+    async def _internal(_request: Request, exc: Exception):  # e.g. an engine step that failed
+        return error_response(500, f"{type(exc).__name__}: {exc}")
+
     @app.exception_handler(QueueFullError)
     async def _queue_full(_request: Request, exc: QueueFullError):
         return error_response(429, str(exc))

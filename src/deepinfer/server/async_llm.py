@@ -47,7 +47,7 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}
         self._thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
         self._stopping = False
-        self.healthy = True
+        self.healthy = True  # False once the engine loop has died
         self.stats_callbacks: list[Any] = []  # called in the engine thread with each finished output
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -108,6 +108,14 @@ class AsyncLLM:
     # ---- engine thread --------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:  # the loop itself broke: /health answers 503 from now on
+            self.healthy = False
+            logger.exception("the engine loop stopped")
+            raise
+
+    def _loop(self) -> None:
         while not self._stopping:
             if not self.engine.has_unfinished():  # idle: wait for a command
                 try:
