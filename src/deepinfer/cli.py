@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -271,9 +273,23 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
     llm = LLM(args.model, **_engine_options(args))
     name = args.served_model_name or args.model
-    app = build_app(llm, name, api_key=args.api_key, max_queued_requests=args.max_queued_requests)
+    app = build_app(
+        llm, name, api_key=args.api_key, max_queued_requests=args.max_queued_requests, engine_thread=False
+    )
+    web = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    # HTTP on a background thread, the engine loop here: the thread that loaded the model
+    # drives its kernels (AsyncLLM.run_here says why)
+    http = threading.Thread(target=web.run, name="deepinfer-http", daemon=True)
+    http.start()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends the loop like Ctrl-C
     print(f"deepinfer serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        app.state.server.engine.run_here(until=lambda: not http.is_alive())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        web.should_exit = True
+        http.join(timeout=10)
     return 0
 
 

@@ -191,13 +191,20 @@ def _sse(payload: dict) -> str:
 
 
 def build_app(
-    llm: LLM, served_model_name: str, api_key: str | None = None, max_queued_requests: int = 256
+    llm: LLM,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_queued_requests: int = 256,
+    engine_thread: bool = True,
 ) -> FastAPI:
+    """The app over ``llm``. ``engine_thread``: run the engine loop on a background thread
+    started with the app; False leaves it to the caller (``AsyncLLM.run_here``)."""
     server = Server(llm, served_model_name, api_key, max_queued_requests)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
-        server.engine.start()
+        if engine_thread:
+            server.engine.start()
         yield
         server.engine.stop()
 

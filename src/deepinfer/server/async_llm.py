@@ -14,7 +14,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -47,18 +47,33 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}
         self._thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
         self._stopping = False
+        self._own_thread = False
+        self._until: Callable[[], bool] = lambda: False
         self.healthy = True  # False once the engine loop has died
         self.stats_callbacks: list[Any] = []  # called in the engine thread with each finished output
 
     # ---- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Run the engine loop on a background thread."""
+        self._own_thread = True
         self._thread.start()
 
+    def run_here(self, until: Callable[[], bool]) -> None:
+        """Run the engine loop in the calling thread until ``until()`` is true. ``deepinfer
+        serve`` runs it in the main thread (and uvicorn on a background one): the thread
+        that loaded the model has already started an OpenMP team, and a second thread driving
+        the kernels measured ~20-40% slower per step on 2 cores (benchmarks/RESULTS.md)."""
+        self._until = until
+        self._thread = threading.current_thread()
+        self._run()
+
     def stop(self) -> None:
+        """Ask the loop to end; wait for it when it runs on our own thread."""
         self._stopping = True
         self._commands.put(("noop", None, None))
-        self._thread.join(timeout=30)
+        if self._thread.is_alive() and self._thread is not threading.current_thread() and self._own_thread:
+            self._thread.join(timeout=30)
 
     # ---- caller side (any thread, usually the event loop) ----------------------------------
 
@@ -110,13 +125,16 @@ class AsyncLLM:
     def _run(self) -> None:
         try:
             self._loop()
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM in `deepinfer serve`: a normal stop
+            self.healthy = False
+            raise
         except BaseException:  # the loop itself broke: /health answers 503 from now on
             self.healthy = False
             logger.exception("the engine loop stopped")
             raise
 
     def _loop(self) -> None:
-        while not self._stopping:
+        while not self._stopping and not self._until():
             if not self.engine.has_unfinished():  # idle: wait for a command
                 try:
                     self._apply(self._commands.get(timeout=0.5))
