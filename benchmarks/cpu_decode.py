@@ -26,19 +26,11 @@ from pathlib import Path
 import torch
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.bench_serve import CHAT_PROMPTS
 from deepinfer.weights.catalog import resolve_model
 
 PROMPT_LEN, OUTPUT_LEN = 144, 64
-CHAT = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain photosynthesis in one sentence.",
-    "What does CPU stand for?",
-    "Why do leaves change color in autumn?",
-    "List two benefits of exercise.",
-    "Describe a cat in five words.",
-    "How many days are in a leap year?",
-]
+CHAT = CHAT_PROMPTS[:8]  # the agreement report's chat prompts
 VARIANTS = {
     "fp32": ({}, "F32"),
     "bf16": ({"dtype": "bfloat16"}, None),

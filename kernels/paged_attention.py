@@ -44,9 +44,8 @@ def paged_attention_reference(
         cpu_attention.decode_attention(q, k_pool, v_pool, decode_rows, decode_kv, decode_valid, dense)
         if dense is not out:
             out.copy_(dense)
-        n = 0
-    decode_rows = torch.where(decode_rows >= 0, decode_rows, t)
-    if n:
+    elif n:  # the gather path: every decode row's cached rows copied out, then one SDPA
+        decode_rows = torch.where(decode_rows >= 0, decode_rows, t)
         keys = k_pool[decode_kv].view(n, -1, n_kv, d).to(q.dtype)
         vals = v_pool[decode_kv].view(n, -1, n_kv, d).to(q.dtype)
         o = F.scaled_dot_product_attention(

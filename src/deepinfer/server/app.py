@@ -35,6 +35,7 @@ from deepinfer.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     RequestError,
+    StreamOptions,
     TokenizeRequest,
     sampling_params,
 )
@@ -332,18 +333,9 @@ def build_app(
 
         prompt_tokens = sum(len(ids) for ids in id_lists)
         if body.stream:
-            return StreamingResponse(
-                _events(
-                    server,
-                    streams,
-                    rid,
-                    created,
-                    "text_completion",
-                    _completion_entries(choice),
-                    prompt_tokens,
-                    body.stream_options is not None and body.stream_options.include_usage,
-                ),
-                media_type="text/event-stream",
+            entries = _completion_entries(choice)
+            return _event_stream(
+                server, streams, rid, created, "text_completion", entries, prompt_tokens, body.stream_options
             )
         finals = await _collect(streams, request)
         choices = [
@@ -417,18 +409,9 @@ def build_app(
             return {"content": content}
 
         if body.stream:
-            return StreamingResponse(
-                _events(
-                    server,
-                    streams,
-                    rid,
-                    created,
-                    "chat.completion.chunk",
-                    _chat_entries(logprobs_of),
-                    len(ids),
-                    body.stream_options is not None and body.stream_options.include_usage,
-                ),
-                media_type="text/event-stream",
+            entries = _chat_entries(logprobs_of)
+            return _event_stream(
+                server, streams, rid, created, "chat.completion.chunk", entries, len(ids), body.stream_options
             )
         finals = await _collect(streams, request)
         choices = []
@@ -488,6 +471,26 @@ async def _collect(streams: list[AsyncIterator[RequestOutput]], request: Request
     return finals  # type: ignore[return-value]
 
 
+def _event_stream(
+    server: Server,
+    streams: list[AsyncIterator[RequestOutput]],
+    rid: str,
+    created: int,
+    kind: str,
+    entries: Callable[[int, _Delta, RequestOutput], list[dict]],
+    prompt_tokens: int,
+    stream_options: StreamOptions | None,
+) -> StreamingResponse:
+    """Server-sent events for one streamed request: ``entries(i, sent, out)`` turns each new
+    output of choice ``i`` into choice objects (none: nothing to send); then the usage chunk
+    when asked for, and ``[DONE]``. An error after the 200 went out travels as an event."""
+    include_usage = stream_options is not None and stream_options.include_usage
+    return StreamingResponse(
+        _events(server, streams, rid, created, kind, entries, prompt_tokens, include_usage),
+        media_type="text/event-stream",
+    )
+
+
 async def _events(
     server: Server,
     streams: list[AsyncIterator[RequestOutput]],
@@ -498,9 +501,6 @@ async def _events(
     prompt_tokens: int,
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    """Server-sent events for one streamed request: ``entries(i, sent, out)`` turns each new
-    output of choice ``i`` into choice objects (none: nothing to send); then the usage chunk
-    when asked for, and ``[DONE]``. An error after the 200 went out travels as an event."""
     sent = [_Delta() for _ in streams]
 
     def event(choices: list[dict], **extra: Any) -> str:
