@@ -15,7 +15,7 @@ device type; Triton when installed). Importing the package registers every op.
 
 C++ CPU kernels for small decode steps, built once per machine with Inductor's compiler
 driver (``cpu_build``) and called directly by eager steps: ``cpu_gemv`` (fp32 projections at
-up to 8 rows, weights read at memory speed), ``cpu_attention`` (decode attention reading the
+up to 8 rows, weights streamed near memory bandwidth), ``cpu_attention`` (decode attention reading the
 paged K/V pools in place; behind ``paged_attention`` on the CPU), ``cpu_rope_store`` (Llama
 RoPE plus the K/V cache writes in one call) and ``cpu_norm_act`` (RMSNorm with its residual
 add, SwiGLU).

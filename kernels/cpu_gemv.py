@@ -1,4 +1,4 @@
-"""Small-batch fp32 CPU projections (``y = x @ W.T + b``) that stream the weights at memory speed.
+"""Small-batch fp32 CPU projections (``y = x @ W.T + b``) that stream the weights near memory bandwidth.
 
 Decode at a few tokens per step reads every weight once per step, so a projection is as fast
 as its weight bytes move. oneDNN's and MKL's fp32 GEMMs are built for large M; at M <= 8

@@ -37,6 +37,7 @@ from deepinfer.server.protocol import (
     RequestError,
     StreamOptions,
     TokenizeRequest,
+    param_of,
     sampling_params,
 )
 
@@ -125,7 +126,7 @@ class Server:
                 self.engine.abort(rid)
             if isinstance(exc, ValueError) and not isinstance(exc, RequestError):
                 msg = str(exc)
-                param = field if msg.startswith("prompt_token_ids") else msg.split(" ", 1)[0].rstrip(":")
+                param = field if msg.startswith("prompt_token_ids") else param_of(msg)
                 raise RequestError(msg, param) from exc
             raise
         return streams

@@ -88,8 +88,8 @@ class RequestError(ValueError):
         self.code = code
 
 
-def _param_of(message: str) -> str | None:
-    """The field a ``SamplingParams`` error names (its messages start with the field name)."""
+def param_of(message: str) -> str | None:
+    """The field a ``SamplingParams`` or engine error names (their messages start with it)."""
     head = message.split(" ", 1)[0].rstrip(":")
     return head if head.replace("_", "").isalnum() else None
 
@@ -127,4 +127,4 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:
-        raise RequestError(str(exc), _param_of(str(exc))) from exc
+        raise RequestError(str(exc), param_of(str(exc))) from exc
