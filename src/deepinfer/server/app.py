@@ -485,23 +485,6 @@ def _event_stream(
     """Server-sent events for one streamed request: ``entries(i, sent, out)`` turns each new
     output of choice ``i`` into choice objects (none: nothing to send); then the usage chunk
     when asked for, and ``[DONE]``. An error after the 200 went out travels as an event."""
-    include_usage = stream_options is not None and stream_options.include_usage
-    return StreamingResponse(
-        _events(server, streams, rid, created, kind, entries, prompt_tokens, include_usage),
-        media_type="text/event-stream",
-    )
-
-
-async def _events(
-    server: Server,
-    streams: list[AsyncIterator[RequestOutput]],
-    rid: str,
-    created: int,
-    kind: str,
-    entries: Callable[[int, _Delta, RequestOutput], list[dict]],
-    prompt_tokens: int,
-    include_usage: bool,
-) -> AsyncIterator[str]:
     sent = [_Delta() for _ in streams]
 
     def event(choices: list[dict], **extra: Any) -> str:
@@ -509,18 +492,21 @@ async def _events(
             {"id": rid, "object": kind, "created": created, "model": server.name, "choices": choices, **extra}
         )
 
-    try:
-        async for i, out in _merge(streams):
-            for entry in entries(i, sent[i], out):
-                yield event([entry])
-    except Exception as exc:
-        yield _sse(
-            {"error": {"message": str(exc), "type": "InternalServerError", "param": None, "code": 500}}
-        )
-    else:
-        if include_usage:
-            yield event([], usage=_usage(prompt_tokens, sum(d.tokens for d in sent)))
-    yield "data: [DONE]\n\n"
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for i, out in _merge(streams):
+                for entry in entries(i, sent[i], out):
+                    yield event([entry])
+        except Exception as exc:
+            yield _sse(
+                {"error": {"message": str(exc), "type": "InternalServerError", "param": None, "code": 500}}
+            )
+        else:
+            if stream_options is not None and stream_options.include_usage:
+                yield event([], usage=_usage(prompt_tokens, sum(d.tokens for d in sent)))
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 def _completion_entries(choice: Callable) -> Callable[[int, _Delta, RequestOutput], list[dict]]:
