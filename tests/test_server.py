@@ -6,14 +6,12 @@ the field while the server keeps serving; the API key; the auxiliary endpoints."
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
+from live_server import LiveServer, free_port
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.server.app import build_app
@@ -22,36 +20,6 @@ KEY = "test-key"
 NAME = "smol"
 PROMPTS = ["The capital of France is", "Water boils at"]
 CHAT = [{"role": "user", "content": "What is the capital of Japan?"}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LiveServer:
-    """A uvicorn server on a background thread."""
-
-    def __init__(self, app) -> None:
-        self.port = free_port()
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 60
-        while not self.server.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.05)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")

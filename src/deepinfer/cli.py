@@ -296,9 +296,11 @@ def _serve(args: argparse.Namespace) -> int:
 def _chat(args: argparse.Namespace) -> int:
     """A terminal chat: each reply streams as it is generated."""
     from deepinfer import LLM, SamplingParams
-    from deepinfer.chat import encode_chat
+    from deepinfer.chat import ChatOptions
 
     llm = LLM(args.model, **_engine_options(args))
+    options = ChatOptions(thinking=False) if args.no_thinking else ChatOptions()
+    parser = llm.chat_format.reply_parser(False, options)
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     print("deepinfer chat: type a message, an empty line or Ctrl-D to quit", flush=True)
@@ -310,14 +312,21 @@ def _chat(args: argparse.Namespace) -> int:
         if not text.strip():
             break
         messages.append({"role": "user", "content": text})
-        ids = encode_chat(llm.tokenizer, messages)
+        ids = llm.chat_format.encode(messages, options=options)
         reply = ""
         for out in llm.stream({"prompt_token_ids": ids}, params):
             piece = out.outputs[0].text
             reply += piece
             print(piece, end="", flush=True)
         print(flush=True)
-        messages.append({"role": "assistant", "content": reply})
+        if parser is None:
+            messages.append({"role": "assistant", "content": reply})
+        else:  # history keeps the answer; the format drops old reasoning anyway
+            parsed = parser.parse(reply, True)
+            messages.append(
+                {"role": "assistant", "content": parsed.content, "reasoning_content": parsed.reasoning}
+            )
+            parser = llm.chat_format.reply_parser(False, options)
     return 0
 
 
@@ -380,9 +389,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_arguments(serve)
     serve.set_defaults(func=_serve)
 
-    chat = sub.add_parser("chat", help="a terminal chat with a model (its chat template)")
+    chat = sub.add_parser("chat", help="a terminal chat with a model (its chat format)")
     chat.add_argument("model")
     chat.add_argument("--system", default=None, help="a system message")
+    chat.add_argument(
+        "--no-thinking", action="store_true", help="DeepSeek-V4: answer without reasoning first"
+    )
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.7)
     chat.add_argument("--seed", type=int, default=None)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,6 +17,9 @@ from deepinfer.engine.request import Request
 from deepinfer.models.loading import load_model
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from deepinfer.chat import ChatFormat
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -71,6 +75,13 @@ class LLM:
         self.tokenizer = self._load_tokenizer()
         self.engine = Engine(self.model, self.config, self.tokenizer)
         self._counter = itertools.count()
+
+    @functools.cached_property
+    def chat_format(self) -> ChatFormat:
+        """How this checkpoint's conversations become prompts (``chat/formats.py``)."""
+        from deepinfer.chat import chat_format_for
+
+        return chat_format_for(getattr(self.model.config, "architecture", ""), self.tokenizer)
 
     @property
     def vocab_size(self) -> int:
@@ -210,19 +221,22 @@ class LLM:
         use_tqdm: bool | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or
-        several, encoded with the checkpoint's chat template; message text never becomes a
-        control token (``chat.py``)."""
-        from deepinfer.chat import encode_chat
+        several, in the checkpoint's chat format (its template; DeepSeek-V4's message format,
+        where ``chat_template_kwargs={"thinking": False}`` turns thinking off); message text
+        never becomes a control token (``chat/``). The reply text is returned as generated."""
+        from deepinfer.chat import ChatOptions
 
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
         conversations = messages if isinstance(messages[0], list) else [messages]
+        options = ChatOptions.from_request(chat_template_kwargs)
         prompts = []
         for i, conv in enumerate(conversations):
             try:
-                ids = encode_chat(self.tokenizer, conv, add_generation_prompt, chat_template_kwargs)
+                ids = self.chat_format.encode(conv, tools, add_generation_prompt, options)
             except ValueError as exc:
                 raise ValueError(f"messages[{i}]: {exc}" if len(conversations) > 1 else str(exc)) from exc
             prompts.append({"prompt_token_ids": ids})

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import deepinfer
-from deepinfer.chat import encode_chat
+from deepinfer.chat import ChatOptions
 from deepinfer.llm import LLM
 from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.sampling_params import SamplingParams
@@ -68,6 +68,7 @@ class Server:
     ) -> None:
         self.llm = llm
         self.tokenizer = llm.tokenizer
+        self.chat_format = llm.chat_format
         self.name = served_model_name
         self.api_key = api_key
         self.engine = AsyncLLM(llm, max_queued_requests)
@@ -96,6 +97,21 @@ class Server:
                 raise RequestError("this model has no tokenizer: send token ids", "prompt")
             return self.tokenizer(prompt).input_ids
         return list(prompt)
+
+    def encode_chat(
+        self,
+        messages: list[Any],
+        tools: list[Any] | None,
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None,
+        reasoning_effort: str | int | None = None,
+    ) -> tuple[list[int], ChatOptions]:
+        """Prompt ids of a conversation in the model's chat format; errors name the field."""
+        try:
+            options = ChatOptions.from_request(template_kwargs, reasoning_effort)
+            return self.chat_format.encode(messages, tools, add_generation_prompt, options), options
+        except ValueError as exc:
+            raise RequestError(str(exc), _chat_param(str(exc))) from exc
 
     def kv_usage(self) -> float:
         pool = self.llm.engine.pool
@@ -276,10 +292,9 @@ def build_app(
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            try:
-                ids = encode_chat(server.tokenizer, body.messages, body.add_generation_prompt)
-            except ValueError as exc:
-                raise RequestError(str(exc), "messages") from exc
+            ids, _ = server.encode_chat(
+                body.messages, body.tools, body.add_generation_prompt, body.chat_template_kwargs
+            )
         else:
             if server.tokenizer is None:
                 raise RequestError("this model has no tokenizer", "prompt")
@@ -356,12 +371,19 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         server.check_model(body.model)
-        try:
-            ids = encode_chat(
-                server.tokenizer, body.messages, body.add_generation_prompt, body.chat_template_kwargs
+        if body.tool_choice not in (None, "auto", "none"):
+            raise RequestError(
+                "tool_choice: only 'auto' and 'none' are supported (forcing a call needs structured outputs)",
+                "tool_choice",
             )
+        tools = body.tools if body.tools and body.tool_choice != "none" else None
+        ids, options = server.encode_chat(
+            body.messages, tools, body.add_generation_prompt, body.chat_template_kwargs, body.reasoning_effort
+        )
+        try:
+            parsers = [server.chat_format.reply_parser(bool(tools), options) for _ in range(body.n)]
         except ValueError as exc:
-            raise RequestError(str(exc), "messages") from exc
+            raise RequestError(str(exc), "tools") from exc
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:
             max_tokens = server.default_max_tokens(len(ids))
@@ -410,7 +432,7 @@ def build_app(
             return {"content": content}
 
         if body.stream:
-            entries = _chat_entries(logprobs_of)
+            entries = _chat_entries(logprobs_of, parsers)
             return _event_stream(
                 server, streams, rid, created, "chat.completion.chunk", entries, len(ids), body.stream_options
             )
@@ -418,12 +440,29 @@ def build_app(
         choices = []
         for i, f in enumerate(finals):
             c = f.outputs[0]
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish = c.finish_reason
+            if parsers[i] is not None:
+                reply = parsers[i].parse(c.text, True)
+                message["content"] = reply.content if reply.content or not reply.tool_calls else None
+                if reply.reasoning:
+                    message["reasoning_content"] = reply.reasoning
+                if reply.tool_calls:
+                    message["tool_calls"] = [
+                        {
+                            "id": t.id,
+                            "type": "function",
+                            "function": {"name": t.name, "arguments": t.arguments_json()},
+                        }
+                        for t in reply.tool_calls
+                    ]
+                    finish = "tool_calls" if finish == "stop" else finish
             choices.append(
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": message,
                     "logprobs": logprobs_of(c.token_ids, c.logprobs),
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": finish,
                     "stop_reason": c.stop_reason,
                 }
             )
@@ -520,7 +559,19 @@ def _completion_entries(choice: Callable) -> Callable[[int, _Delta, RequestOutpu
     return entries
 
 
-def _chat_entries(logprobs_of: Callable) -> Callable[[int, _Delta, RequestOutput], list[dict]]:
+def _chat_param(message: str) -> str:
+    """The request field a chat-encoding error names (``messages[1].tool_calls[0]...``)."""
+    head = message.split(" ", 1)[0].rstrip(":")
+    known = ("messages", "tools", "tool_choice", "reasoning_effort", "chat_template_kwargs")
+    return head if head.startswith(known) else "messages"
+
+
+def _chat_entries(
+    logprobs_of: Callable, parsers: list[Any]
+) -> Callable[[int, _Delta, RequestOutput], list[dict]]:
+    """Chunks of one choice; with a reply parser the text goes out as ``reasoning_content``,
+    ``content`` and ``tool_calls`` deltas, markup held back until it is settled."""
+
     def entries(i: int, sent: _Delta, out: RequestOutput) -> list[dict]:
         found = []
         if not sent.role_sent:  # each choice's first chunk carries the role
@@ -529,13 +580,22 @@ def _chat_entries(logprobs_of: Callable) -> Callable[[int, _Delta, RequestOutput
             found.append({"index": i, "delta": role, "logprobs": None, "finish_reason": None})
         c = out.outputs[0]
         text, ids, lps = sent.take(c, out.finished)
-        if not text and not ids and not out.finished:
+        parser = parsers[i]
+        delta = (
+            parser.delta(sent.text, out.finished)
+            if parser is not None
+            else ({"content": text} if text else {})
+        )
+        if not delta and not ids and not out.finished:
             return found
+        finish = c.finish_reason if out.finished else None
+        if finish == "stop" and parser is not None and parser.parse(sent.text, True).tool_calls:
+            finish = "tool_calls"
         entry = {
             "index": i,
-            "delta": {"content": text} if text else {},
+            "delta": delta,
             "logprobs": logprobs_of(ids, lps),
-            "finish_reason": c.finish_reason if out.finished else None,
+            "finish_reason": finish,
         }
         if out.finished:
             entry["stop_reason"] = c.stop_reason

@@ -5,8 +5,8 @@ Rendering the template to one string and tokenizing it lets a user write ``<|im_
 message and end their turn, or open a ``system`` one. Instead each message's text is replaced
 by a unique marker before rendering; the rendered template is split at the markers; the
 template's own pieces are tokenized with special tokens recognised and the users' pieces with
-them split into plain text (``split_special_tokens=True``). So the control tokens in the
-prompt are exactly the ones the template wrote.
+no added token recognised at all (``plain.py``). So the control tokens in the prompt are
+exactly the ones the template wrote.
 """
 
 from __future__ import annotations
@@ -14,38 +14,8 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-
-def _text_of(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # OpenAI content parts: only text parts are supported
-        parts = []
-        for i, part in enumerate(content):
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise ValueError(f"{where}.content[{i}]: only text parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise ValueError(f"{where}.content must be a string or a list of text parts")
-
-
-def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
-    """Plain dicts with string content (OpenAI text parts joined); errors name the message."""
-    out = []
-    for i, m in enumerate(messages):
-        raw = m if isinstance(m, dict) else m.model_dump(exclude_none=True)
-        role = raw.get("role")
-        if not isinstance(role, str) or not role:
-            raise ValueError(f"messages[{i}].role must be a non-empty string")
-        msg = dict(raw)
-        msg["content"] = _text_of(raw.get("content"), f"messages[{i}]")
-        out.append(msg)
-    return out
+from deepinfer.chat.messages import normalize_messages
+from deepinfer.chat.plain import plain_ids
 
 
 def encode_chat(
@@ -53,6 +23,7 @@ def encode_chat(
     messages: list[Any],
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Prompt token ids for ``messages`` (see the module docstring for why the text is split)."""
     if tokenizer is None:
@@ -65,9 +36,22 @@ def encode_chat(
     for m in msgs:
         marker = f"\x00{secrets.token_hex(8)}\x00"
         markers[marker] = m["content"]
-        masked.append({**m, "content": marker})
+        entry = {**m, "content": marker}
+        if "tool_calls" in m:  # back to OpenAI's shape, which templates read
+            entry["tool_calls"] = [
+                {
+                    "id": c["id"],
+                    "type": "function",
+                    "function": {"name": c["name"], "arguments": c["arguments"]},
+                }
+                for c in m["tool_calls"]
+            ]
+        masked.append(entry)
+    extra = dict(template_kwargs or {})
+    if tools:
+        extra["tools"] = [{"type": "function", "function": fn} for fn in tools]
     rendered = tokenizer.apply_chat_template(
-        masked, tokenize=False, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
+        masked, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
     )
     ids: list[int] = []
     rest = rendered
@@ -82,6 +66,6 @@ def encode_chat(
             ids += tokenizer(rest[:pos], add_special_tokens=False).input_ids
         text = markers[marker]
         if text:
-            ids += tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids
+            ids += plain_ids(tokenizer, text)
         rest = rest[pos + len(marker) :]
     return ids

@@ -1,0 +1,185 @@
+"""A DeepSeek-V4/V4.1 reply read back into OpenAI fields: ``reasoning_content`` (up to
+``</think>`` in thinking mode), ``content``, and ``tool_calls`` from the DSML block.
+
+It reads the whole text so far on every call and sends only what can no longer change: text
+that might be the start of ``</think>`` or of the tool-call block is held back until the next
+piece decides it, so a streamed ``content`` never carries a fragment of markup (vLLM's V4
+parser was reported to leak it). A tool call is announced (id and name) as soon as its name is
+complete and its arguments are sent, as one JSON object, when its ``invoke`` closes; a reply
+cut short (length) sends the arguments read so far. A block that is not valid DSML is given
+back as content at the end rather than dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepinfer.chat.deepseek import END_THINK, Dialect
+
+_NAME = re.compile(r' name="([^"]*)">\n?')
+_PARAM = re.compile(r' name="([^"]*)" string="(true|false)">')
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+    complete: bool
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+@dataclass
+class ParsedReply:
+    reasoning: str
+    content: str
+    tool_calls: list[ToolCall]
+
+
+def _held(text: str, markers: list[str], hold_space: bool) -> str:
+    """``text`` less any ending that could still grow into one of ``markers`` (and, when the
+    block may follow, the whitespace before it)."""
+    cut = len(text)
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text)), 0, -1):
+            if text.endswith(marker[:n]):
+                cut = min(cut, len(text) - n)
+                break
+    kept = text[:cut]
+    return kept.rstrip() if hold_space else kept
+
+
+def _value(raw: str, is_string: bool) -> Any:
+    if is_string:
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw  # not JSON after all: keep the text rather than fail the call
+
+
+class DeepseekReplyParser:
+    """One choice's parser; feed it the choice's whole text each time it grows."""
+
+    def __init__(self, dialect: Dialect, thinking: bool, tools: bool) -> None:
+        self.dialect = dialect
+        self.thinking = thinking
+        self.tools = tools
+        self._calls: list[ToolCall] = []  # kept across calls so ids stay the same
+        self._sent_reasoning = 0
+        self._sent_content = 0
+        self._sent_names = 0
+        self._sent_arguments = 0
+
+    # ---- reading --------------------------------------------------------------------------
+
+    def _calls_in(self, block: str, finished: bool) -> tuple[list[tuple[str, dict, bool]], bool]:
+        """The invokes of a tool-call block (name, arguments, complete); False when the block
+        is not DSML (then nothing is a call)."""
+        d = self.dialect
+        found: list[tuple[str, dict, bool]] = []
+        pos = 0
+        while True:
+            while pos < len(block) and block[pos].isspace():
+                pos += 1
+            rest = block[pos:]
+            if rest.startswith(d.calls_close) or not rest:
+                return found, True
+            if not rest.startswith(d.invoke_open):  # the next tag still arriving, or not DSML
+                partial = any(m.startswith(rest) for m in (d.calls_close, d.invoke_open))
+                return found, bool(found) or (partial and not finished)
+            name = _NAME.match(rest, len(d.invoke_open))
+            if name is None:  # the name still arriving, or not DSML
+                return found, bool(found) or not finished
+            args: dict[str, Any] = {}
+            at = name.end()
+            while True:
+                while at < len(rest) and rest[at] == "\n":
+                    at += 1
+                if rest.startswith(d.invoke_close, at):
+                    found.append((name.group(1), args, True))
+                    pos += at + len(d.invoke_close)
+                    break
+                param = (
+                    _PARAM.match(rest, at + len(d.parameter_open))
+                    if rest.startswith(d.parameter_open, at)
+                    else None
+                )
+                end = rest.find(d.parameter_close, param.end()) if param else -1
+                if end < 0:  # an argument still arriving (or cut off)
+                    found.append((name.group(1), args, False))
+                    return found, True
+                args[param.group(1)] = _value(rest[param.end() : end], param.group(2) == "true")
+                at = end + len(d.parameter_close)
+
+    def parse(self, text: str, finished: bool) -> ParsedReply:
+        """What ``text`` says so far; with ``finished`` False only the parts that are settled."""
+        d = self.dialect
+        reasoning, rest = "", text
+        if self.thinking:
+            end = text.find(END_THINK)
+            block_at = text.find(d.calls_open) if self.tools else -1
+            if end >= 0 and (block_at < 0 or end < block_at):
+                reasoning, rest = text[:end], text[end + len(END_THINK) :]
+            elif block_at >= 0:  # tool calls with the reasoning left open
+                reasoning, rest = text[:block_at].rstrip(), text[block_at:]
+            else:
+                markers = [END_THINK] + ([d.calls_open] if self.tools else [])
+                return ParsedReply(text if finished else _held(text, markers, self.tools), "", [])
+        at = rest.find(d.calls_open) if self.tools else -1
+        if at < 0:
+            content = rest if finished or not self.tools else _held(rest, [d.calls_open], True)
+            return ParsedReply(reasoning, content, [])
+        content = rest[:at]
+        content = content[:-2] if content.endswith("\n\n") else content
+        block = rest[at + len(d.calls_open) :]
+        calls, valid = self._calls_in(block, finished)
+        if not valid:
+            return ParsedReply(reasoning, rest if finished else content.rstrip(), [])
+        for j, (name, args, complete) in enumerate(calls):
+            if j < len(self._calls):
+                self._calls[j].arguments, self._calls[j].complete = args, complete
+            else:
+                self._calls.append(ToolCall(name, args, complete))
+        return ParsedReply(reasoning, content, self._calls[: len(calls)])
+
+    # ---- streaming ------------------------------------------------------------------------
+
+    def delta(self, text: str, finished: bool) -> dict[str, Any]:
+        """The OpenAI ``delta`` fields new since the last call (empty dict: nothing new)."""
+        reply = self.parse(text, finished)
+        out: dict[str, Any] = {}
+        if len(reply.reasoning) > self._sent_reasoning:
+            out["reasoning_content"] = reply.reasoning[self._sent_reasoning :]
+            self._sent_reasoning = len(reply.reasoning)
+        if len(reply.content) > self._sent_content:
+            out["content"] = reply.content[self._sent_content :]
+            self._sent_content = len(reply.content)
+        calls = []
+        for j, call in enumerate(reply.tool_calls):
+            if j >= self._sent_names:
+                calls.append(
+                    {
+                        "index": j,
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": ""},
+                    }
+                )
+                self._sent_names = j + 1
+            if j >= self._sent_arguments and (call.complete or finished):
+                args = {"index": j, "function": {"arguments": call.arguments_json()}}
+                if calls and calls[-1]["index"] == j:
+                    calls[-1]["function"]["arguments"] = args["function"]["arguments"]
+                else:
+                    calls.append(args)
+                self._sent_arguments = j + 1
+        if calls:
+            out["tool_calls"] = calls
+        return out
