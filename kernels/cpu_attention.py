@@ -3,9 +3,12 @@
 The reference decode path gathers every decode token's cached rows into a dense copy and
 runs SDPA on it: a dozen ATen calls and a copy of the sequence's K and V per layer per step,
 most of a small decode step's time outside the projections. This kernel reads each cached
-row straight from the pool through the step's ``decode_kv`` row indices, one pass per
-(token, head): scores, a max-subtracted softmax in fp32, and the weighted sum of values. GQA
-heads share their K/V head. Built once per machine by ``cpu_build``; fp32 and bf16 pools.
+row straight from the pool through the step's ``decode_kv`` row indices, one work item per
+(token, K/V head): the query heads sharing that K/V head are done together, with queries and
+output accumulators in registers, so each cached row is read once per item; scores, a
+max-subtracted softmax in fp32 (vectorised exp) and the weighted sum of values. About three
+times the per-head loop it replaced at 8-32 decode rows (RESULTS.md). Built once per machine
+by ``cpu_build``; fp32 and bf16 pools.
 """
 
 from __future__ import annotations
@@ -18,87 +21,182 @@ import torch
 from deepinfer.kernels import cpu_build
 
 _SOURCE = r"""
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <omp.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
 
 using Vec = at::vec::Vectorized<float>;
-
-inline float to_f(float x) { return x; }
-inline float to_f(at::BFloat16 x) { return static_cast<float>(x); }
+constexpr int64_t V = Vec::size();
+constexpr float NINF = -std::numeric_limits<float>::infinity();
 
 template <typename T>
-inline float dot(const float* q, const T* k, int64_t d) {
-  float s = 0.f;
+inline Vec load_f(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
-    Vec acc(0.f);
-    int64_t i = 0;
-    for (; i + Vec::size() <= d; i += Vec::size()) acc = at::vec::fmadd(Vec::loadu(q + i), Vec::loadu(k + i), acc);
-    alignas(64) float b[Vec::size()];
-    acc.store(b);
-    for (int j = 0; j < Vec::size(); ++j) s += b[j];
-    for (; i < d; ++i) s += q[i] * k[i];
+    return Vec::loadu(p);
   } else {
-    for (int64_t i = 0; i < d; ++i) s += q[i] * to_f(k[i]);
+    alignas(64) float b[V];
+    for (int64_t i = 0; i < V; ++i) b[i] = static_cast<float>(p[i]);
+    return Vec::loadu(b);
+  }
+}
+
+inline float hsum(const Vec& a) {
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, a);
+}
+
+// p[l] = exp(p[l] - mx) over n keys (masked keys hold -inf and become 0); returns the sum
+inline float exp_sum(float* p, int64_t n, float mx) {
+  const Vec m(mx);
+  Vec sv(0.f);
+  int64_t l = 0;
+  for (; l + V <= n; l += V) {
+    const Vec e = (Vec::loadu(p + l) - m).exp_u20();
+    e.store(p + l);
+    sv = sv + e;
+  }
+  float s = hsum(sv);
+  for (; l < n; ++l) {
+    p[l] = std::exp(p[l] - mx);
+    s += p[l];
   }
   return s;
 }
 
-// q, out [T, H, d] fp32; pools [rows, n_kv * d]; rows [n] (-1: padding); kv, valid [n, L]
+// GC query heads sharing K/V head g, head size DV vectors: queries and output accumulators held
+// in registers, each cached K and V row read once for all GC heads.
+template <typename T, int DV, int GC>
+void heads_fixed(const float* qh, const T* k, const T* v, const int64_t* kvi, const bool* ok, int64_t L,
+                 int64_t n_kv, int64_t g, float scale, float* p, int64_t stride, float* o) {
+  constexpr int64_t d = DV * V;
+  Vec qv[GC][DV];
+  for (int r = 0; r < GC; ++r)
+    for (int j = 0; j < DV; ++j) qv[r][j] = Vec::loadu(qh + r * d + j * V);
+  float mx[GC];
+  for (int r = 0; r < GC; ++r) mx[r] = NINF;
+  for (int64_t l = 0; l < L; ++l) {
+    if (!ok[l]) {
+      for (int r = 0; r < GC; ++r) p[r * stride + l] = NINF;
+      continue;
+    }
+    const T* kr = k + kvi[l] * n_kv * d + g * d;
+    Vec kv[DV];
+    for (int j = 0; j < DV; ++j) kv[j] = load_f(kr + j * V);
+    for (int r = 0; r < GC; ++r) {
+      Vec a = qv[r][0] * kv[0];
+      for (int j = 1; j < DV; ++j) a = at::vec::fmadd(qv[r][j], kv[j], a);
+      const float s = hsum(a) * scale;
+      p[r * stride + l] = s;
+      mx[r] = std::max(mx[r], s);
+    }
+  }
+  float sum[GC];
+  for (int r = 0; r < GC; ++r) sum[r] = mx[r] == NINF ? 0.f : exp_sum(p + r * stride, L, mx[r]);
+  Vec acc[GC][DV];
+  for (int r = 0; r < GC; ++r)
+    for (int j = 0; j < DV; ++j) acc[r][j] = Vec(0.f);
+  for (int64_t l = 0; l < L; ++l) {
+    if (!ok[l]) continue;
+    const T* vr = v + kvi[l] * n_kv * d + g * d;
+    Vec vv[DV];
+    for (int j = 0; j < DV; ++j) vv[j] = load_f(vr + j * V);
+    for (int r = 0; r < GC; ++r) {
+      const Vec w(p[r * stride + l]);
+      for (int j = 0; j < DV; ++j) acc[r][j] = at::vec::fmadd(w, vv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < GC; ++r) {  // nothing visible: zeros
+    const Vec inv(mx[r] == NINF ? 0.f : 1.f / sum[r]);
+    for (int j = 0; j < DV; ++j) (acc[r][j] * inv).store(o + r * d + j * V);
+  }
+}
+
+// the registers hold at most 24 accumulator vectors: GC * DV <= 24
+template <typename T, int DV>
+void heads_dispatch(int64_t gc, const float* qh, const T* k, const T* v, const int64_t* kvi, const bool* ok,
+                    int64_t L, int64_t n_kv, int64_t g, float scale, float* p, int64_t stride, float* o) {
+  switch (gc) {
+#define DEEPINFER_CASE(C) \
+  case C:                 \
+    if constexpr (C * DV <= 24) heads_fixed<T, DV, C>(qh, k, v, kvi, ok, L, n_kv, g, scale, p, stride, o); \
+    break;
+    DEEPINFER_CASE(1) DEEPINFER_CASE(2) DEEPINFER_CASE(3) DEEPINFER_CASE(4)
+    DEEPINFER_CASE(5) DEEPINFER_CASE(6) DEEPINFER_CASE(7) DEEPINFER_CASE(8)
+#undef DEEPINFER_CASE
+  }
+}
+
+// Any head size: one query head at a time, accumulators in memory.
+template <typename T>
+void head_any(const float* qh, const T* k, const T* v, const int64_t* kvi, const bool* ok, int64_t L,
+              int64_t n_kv, int64_t g, int64_t d, float scale, float* p, float* acc, float* o) {
+  const int64_t dv = d / V * V;
+  float mx = NINF;
+  for (int64_t l = 0; l < L; ++l) {
+    if (!ok[l]) {
+      p[l] = NINF;
+      continue;
+    }
+    const T* kr = k + kvi[l] * n_kv * d + g * d;
+    Vec a(0.f);
+    for (int64_t j = 0; j < dv; j += V) a = at::vec::fmadd(Vec::loadu(qh + j), load_f(kr + j), a);
+    float s = hsum(a);
+    for (int64_t j = dv; j < d; ++j) s += qh[j] * static_cast<float>(kr[j]);
+    p[l] = s * scale;
+    mx = std::max(mx, p[l]);
+  }
+  if (mx == NINF) {
+    for (int64_t j = 0; j < d; ++j) o[j] = 0.f;
+    return;
+  }
+  const float inv = 1.f / exp_sum(p, L, mx);
+  std::fill(acc, acc + d, 0.f);
+  for (int64_t l = 0; l < L; ++l) {
+    if (!ok[l]) continue;
+    const T* vr = v + kvi[l] * n_kv * d + g * d;
+    for (int64_t j = 0; j < dv; j += V) at::vec::fmadd(Vec(p[l]), load_f(vr + j), Vec::loadu(acc + j)).store(acc + j);
+    for (int64_t j = dv; j < d; ++j) acc[j] += p[l] * static_cast<float>(vr[j]);
+  }
+  for (int64_t j = 0; j < d; ++j) o[j] = acc[j] * inv;
+}
+
+// q, out [T, H, d] fp32; pools [rows, n_kv * d]; rows [n] (-1: padding); kv, valid [n, L].
+// One work item per (decode row, K/V head); its query heads are done together.
 template <typename T>
 void decode_attention(const float* q, const T* k, const T* v, const int64_t* rows, const int64_t* kv,
                       const bool* valid, float* out, int64_t n, int64_t L, int64_t H, int64_t n_kv,
                       int64_t d, float scale, int threads) {
   const int64_t group = H / n_kv;
+  const int64_t DV = d % V == 0 ? d / V : 0;
+  const bool fixed = DV == 2 || DV == 4 || DV == 8 || DV == 16;
+  const int64_t cap = fixed ? std::min<int64_t>(8, 24 / DV) : 1;
+  const int64_t stride = L + V;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> p(L);
+    std::vector<float> p(cap * stride);
     std::vector<float> acc(d);
 #pragma omp for collapse(2) schedule(static)
     for (int64_t i = 0; i < n; ++i) {
-      for (int64_t h = 0; h < H; ++h) {
+      for (int64_t g = 0; g < n_kv; ++g) {
         const int64_t row = rows[i];
         if (row < 0) continue;
-        const int64_t g = h / group;
-        const float* qh = q + (row * H + h) * d;
         const int64_t* kvi = kv + i * L;
         const bool* ok = valid + i * L;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t l = 0; l < L; ++l) {
-          if (!ok[l]) continue;
-          p[l] = dot<T>(qh, k + kvi[l] * n_kv * d + g * d, d) * scale;
-          mx = std::max(mx, p[l]);
+        for (int64_t r0 = 0; r0 < group; r0 += cap) {
+          const int64_t gc = std::min(cap, group - r0);
+          const float* qh = q + (row * H + g * group + r0) * d;
+          float* o = out + (row * H + g * group + r0) * d;
+          float* pp = p.data();
+          if (DV == 2) heads_dispatch<T, 2>(gc, qh, k, v, kvi, ok, L, n_kv, g, scale, pp, stride, o);
+          else if (DV == 4) heads_dispatch<T, 4>(gc, qh, k, v, kvi, ok, L, n_kv, g, scale, pp, stride, o);
+          else if (DV == 8) heads_dispatch<T, 8>(gc, qh, k, v, kvi, ok, L, n_kv, g, scale, pp, stride, o);
+          else if (DV == 16) heads_dispatch<T, 16>(gc, qh, k, v, kvi, ok, L, n_kv, g, scale, pp, stride, o);
+          else head_any<T>(qh, k, v, kvi, ok, L, n_kv, g, d, scale, pp, acc.data(), o);
         }
-        float* o = out + (row * H + h) * d;
-        if (mx == -std::numeric_limits<float>::infinity()) {  // nothing visible
-          for (int64_t j = 0; j < d; ++j) o[j] = 0.f;
-          continue;
-        }
-        float sum = 0.f;
-        for (int64_t l = 0; l < L; ++l) {
-          if (!ok[l]) continue;
-          p[l] = std::exp(p[l] - mx);
-          sum += p[l];
-        }
-        for (int64_t j = 0; j < d; ++j) acc[j] = 0.f;
-        for (int64_t l = 0; l < L; ++l) {
-          if (!ok[l]) continue;
-          const T* vr = v + kvi[l] * n_kv * d + g * d;
-          const float w = p[l];
-          if constexpr (std::is_same_v<T, float>) {
-            int64_t j = 0;
-            for (; j + Vec::size() <= d; j += Vec::size())
-              at::vec::fmadd(Vec(w), Vec::loadu(vr + j), Vec::loadu(acc.data() + j)).store(acc.data() + j);
-            for (; j < d; ++j) acc[j] += w * vr[j];
-          } else {
-            for (int64_t j = 0; j < d; ++j) acc[j] += w * to_f(vr[j]);
-          }
-        }
-        const float inv = 1.f / sum;
-        for (int64_t j = 0; j < d; ++j) o[j] = acc[j] * inv;
       }
     }
   }

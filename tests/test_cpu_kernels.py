@@ -11,14 +11,23 @@ import pytest
 import torch
 import torch._dynamo.testing
 import torch.nn.functional as F
-from deepinfer.kernels import cpu_attention, cpu_build, cpu_gemv, cpu_norm_act, cpu_rope_store
+from deepinfer.kernels import (
+    cpu_attention,
+    cpu_build,
+    cpu_decode_stack,
+    cpu_gemv,
+    cpu_norm_act,
+    cpu_rope_store,
+)
 from deepinfer.kernels.paged_attention import paged_attention_reference
 from deepinfer.kernels.weight_only import PackedLinear, cpu_linear
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deepinfer import LLM, SamplingParams
 from deepinfer.models.layers.norms import RMSNorm
 from deepinfer.models.llama import rotate_half_rope
+from deepinfer.tiny import make_tiny_checkpoint
 
 
 def test_the_kernels_build_here():
@@ -127,8 +136,8 @@ def _attention_case(seed, heads, kv_heads, d, n, length, pool_rows, dtype):
 @settings(max_examples=20, deadline=None)
 @given(
     kv_heads=st.integers(1, 3),
-    group=st.integers(1, 4),
-    d=st.sampled_from([8, 16, 33, 64]),
+    group=st.integers(1, 9),
+    d=st.sampled_from([8, 16, 32, 33, 64, 128]),
     n=st.integers(1, 5),
     length=st.integers(1, 40),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
@@ -149,10 +158,11 @@ def test_decode_attention_in_place_matches_the_gather_path(kv_heads, group, d, n
 
 
 def test_a_broken_attention_kernel_fails_the_reference_check():
-    """Mutation check: dropping the max subtraction's mask (masked scores join the softmax)
-    is caught by the comparison above."""
+    """Mutation check: dropping the score pass's mask (masked keys join the softmax) is
+    caught by the comparison above."""
     source = cpu_attention._SOURCE.replace(
-        "          if (!ok[l]) continue;\n          p[l] = std::exp", "          p[l] = std::exp"
+        "    if (!ok[l]) {\n      for (int r = 0; r < GC; ++r) p[r * stride + l] = NINF;\n      continue;\n    }\n",
+        "",
     )
     assert source != cpu_attention._SOURCE
     broken = cpu_build.load(source)
@@ -161,9 +171,9 @@ def test_a_broken_attention_kernel_fails_the_reference_check():
         "decode_attention_f32",
         [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int],
     )
-    q, k, v, rows, kv, valid, spans, span_rows = _attention_case(1, 4, 2, 16, 3, 30, 64, torch.float32)
+    q, k, v, rows, kv, valid, spans, span_rows = _attention_case(1, 4, 2, 64, 3, 30, 64, torch.float32)
     rows = rows.abs()
-    out = torch.zeros(q.shape[0] + 1, 4, 16)
+    out = torch.zeros(q.shape[0] + 1, 4, 64)
     fn(
         q.data_ptr(),
         k.data_ptr(),
@@ -176,8 +186,8 @@ def test_a_broken_attention_kernel_fails_the_reference_check():
         30,
         4,
         2,
-        16,
-        0.25,
+        64,
+        0.125,
         1,
     )
     ref = paged_attention_reference(q.requires_grad_(), k, v, rows, kv, valid, spans, span_rows)
@@ -264,3 +274,88 @@ def test_a_broken_norm_kernel_fails_the_module_check():
     norm.weight.data = w
     with torch.no_grad():
         assert (out - norm(x)).abs().max().item() > 1e-4
+
+
+def _greedy(llm, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [
+        (
+            o.outputs[0].token_ids,
+            [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)],
+        )
+        for o in outs
+    ]
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 4),
+    head_dim=st.sampled_from([16, 32, 64]),
+    layers=st.integers(1, 3),
+    rows=st.integers(1, 8),
+    kv_dtype=st.sampled_from(["float32", "bfloat16"]),
+    seed=st.integers(0, 1000),
+)
+def test_one_call_decode_stack_equals_the_layer_loop(
+    tmp_path_factory, kv_heads, group, head_dim, layers, rows, kv_dtype, seed
+):
+    """The C++ layer loop calls the same kernels in the same order: greedy tokens and their
+    logprobs equal the per-layer path's bitwise, for any Llama shape, 1-8 decode rows, fp32
+    and bf16 pools (and the stack did run)."""
+    path = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("stack"),
+        "llama",
+        seed=seed,
+        num_attention_heads=kv_heads * group,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        hidden_size=16 * kv_heads * group,
+        num_hidden_layers=layers,
+        intermediate_size=96,
+    )
+    # no prefix cache: the second run must compute exactly what the first did
+    llm = LLM(str(path), max_num_seqs=8, kv_cache_dtype=kv_dtype, enable_prefix_caching=False)
+    stack = llm.model.decode_stack
+    assert stack is not None
+    calls = {"n": 0}
+    real = type(stack).__call__
+
+    def counted(self, *args):
+        calls["n"] += 1
+        return real(self, *args)
+
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [
+        torch.randint(2, 258, (int(torch.randint(1, 30, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(rows)
+    ]
+    type(stack).__call__ = counted
+    try:
+        fused = _greedy(llm, prompts)
+    finally:
+        type(stack).__call__ = real
+    assert calls["n"] > 0
+    llm.model.decode_stack = None
+    assert _greedy(llm, prompts) == fused
+
+
+def test_a_broken_decode_stack_is_caught(tmp_path):
+    """Mutation check for the test above: a stack that skips the last residual add gives
+    other logprobs."""
+    path = make_tiny_checkpoint(tmp_path, "llama", seed=3)
+    llm = LLM(str(path), max_num_seqs=8, enable_prefix_caching=False)
+    prompts = [[5, 6, 7], [9, 10]]
+    fused = _greedy(llm, prompts)
+    source = cpu_decode_stack._SOURCE.replace("h[i] = res[i] + down[i];", "h[i] = res[i];")
+    assert source != cpu_decode_stack._SOURCE
+    broken = cpu_build.load(source)
+    cpu_build.bind(broken, "llama_decode_stack", cpu_decode_stack._ARGS)
+    real = cpu_decode_stack._library
+    cpu_decode_stack._library = lambda: broken
+    try:
+        assert _greedy(llm, prompts) != fused
+    finally:
+        cpu_decode_stack._library = real
+    assert _greedy(llm, prompts) == fused

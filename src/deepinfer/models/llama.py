@@ -21,7 +21,8 @@ from torch import nn
 from deepinfer.cache.forward_batch import ForwardBatch, LayerPools
 from deepinfer.cache.layer_spec import LayerCacheSpec
 from deepinfer.errors import CheckpointError
-from deepinfer.kernels import cpu_norm_act, cpu_rope_store
+from deepinfer.kernels import cpu_decode_stack, cpu_norm_act, cpu_rope_store
+from deepinfer.kernels.cpu_decode_stack import LlamaDecodeStack
 from deepinfer.kernels.paged_attention import paged_attention, paged_attention_reference
 from deepinfer.kernels.weight_only import PackedLinear, WeightOnlyLinear
 from deepinfer.models.base import CausalLM
@@ -296,6 +297,8 @@ class LlamaForCausalLM(CausalLM):
         self._inv_freq = llama_inv_freq(cfg)  # host copy; the step reads a per-device one
         self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
         self.head: Projection | None = None  # the engine's output projection (quantized or packed)
+        # the engine's eager CPU decode steps: every layer in one C++ call (``pack_weights``)
+        self.decode_stack: LlamaDecodeStack | None = None
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -332,6 +335,37 @@ class LlamaForCausalLM(CausalLM):
             layer.self_attn.pack()
             layer.mlp.pack()
         self.head = PackedLinear(weight, None)
+        self.decode_stack = self._decode_stack()
+
+    def _decode_stack(self) -> LlamaDecodeStack | None:
+        """The one-call decode driver over the packed fp32 weights (None for other dtypes or
+        where the CPU kernels did not build)."""
+        cfg = self.config
+        if self.model.embed_tokens.weight.dtype != torch.float32 or not cpu_decode_stack.available():
+            return None
+        layers = [
+            {
+                "norm1": layer.input_layernorm.weight.detach(),
+                "qkv_w": layer.self_attn.qkv_weight,
+                "qkv_b": layer.self_attn.qkv_bias,
+                "o_w": layer.self_attn.o_proj.weight.detach(),
+                "o_b": None if layer.self_attn.o_proj.bias is None else layer.self_attn.o_proj.bias.detach(),
+                "norm2": layer.post_attention_layernorm.weight.detach(),
+                "gate_up_w": layer.mlp.gate_up_weight,
+                "gate_up_b": layer.mlp.gate_up_bias,
+                "down_w": layer.mlp.down_proj.weight.detach(),
+                "down_b": None if layer.mlp.down_proj.bias is None else layer.mlp.down_proj.bias.detach(),
+            }
+            for layer in self.model.layers
+        ]
+        return LlamaDecodeStack(
+            layers,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            cfg.rms_norm_eps,
+        )
 
     def cache_spec(self) -> list[LayerCacheSpec]:
         kv_dim = self.config.num_key_value_heads * self.config.head_dim
@@ -349,15 +383,35 @@ class LlamaForCausalLM(CausalLM):
         """Per-device tables the step reads, made before ``torch.compile`` traces it."""
         return [self.inv_freq(device)]
 
+    def _stack_runs(self, h: torch.Tensor, batch: ForwardBatch) -> bool:
+        """Whether this step is an eager engine decode step the one-call driver covers: no
+        prefill spans, nothing recorded, a few rows, pools it reads."""
+        stack, meta = self.decode_stack, batch.full
+        if stack is None or meta is None or batch.functional or batch.grid is not None:
+            return False
+        if batch.hidden_states is not None or torch.compiler.is_compiling() or not meta.decode_rows.shape[0]:
+            return False
+        if bool(meta.span_meta[:, 1].any()):
+            return False
+        return stack.supports(h, [(p.window, p.values) for p in batch.pools])
+
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """One engine step (see ``CausalLM``): flat tokens in, logits for ``batch.logits_idx``."""
         freqs = positions.unsqueeze(-1).float() * self.inv_freq(positions.device)
         cos, sin = freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
         h = batch.to_grid(self.model.embed_tokens(input_ids))
         batch.record(h)
-        for layer, pools in zip(self.model.layers, batch.pools, strict=True):
-            h = layer(h, cos, sin, pools, batch)
-            batch.record(h)
+        if self._stack_runs(h, batch):
+            meta = batch.full
+            assert meta is not None and self.decode_stack is not None
+            pools = [(p.window, p.values) for p in batch.pools]
+            h = self.decode_stack(
+                h, cos, sin, batch.window_write, meta.decode_rows, meta.decode_kv, meta.decode_valid, pools
+            )
+        else:
+            for layer, pools in zip(self.model.layers, batch.pools, strict=True):
+                h = layer(h, cos, sin, pools, batch)
+                batch.record(h)
         h = batch.to_flat(h)
         if batch.logits_idx is not None:
             h = h[batch.logits_idx]

@@ -1,0 +1,219 @@
+"""A whole Llama decoder stack's decode step in one call on the CPU.
+
+With every piece of a small decode step in C++ (``cpu_gemv``, ``cpu_attention``,
+``cpu_rope_store``, ``cpu_norm_act``), what remained outside the weight reads was Python: about
+nine kernel calls per layer, each building tensors and marshalling pointers, ~3 ms of an
+~18 ms SmolLM2 step at batch 1 (benchmarks/RESULTS.md). This driver runs the layer loop in C++
+and calls the very same kernel entry points, through their addresses, in the same order with
+the same arguments, so its results are bitwise those of the per-layer path (tested); Python
+calls it once per step.
+
+Per layer: RMSNorm, fused q/k/v projection, RoPE + cache writes, decode attention over the
+paged pools, output projection, residual add + RMSNorm, fused gate/up projection, SwiGLU, down
+projection, residual add. fp32 activations and weights (the small-batch GEMV reads the model's
+own parameters), fp32 or bf16 pools, up to ``cpu_gemv.MAX_ROWS`` rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+
+import torch
+from deepinfer.kernels import cpu_attention, cpu_build, cpu_gemv, cpu_norm_act, cpu_rope_store
+
+_SOURCE = r"""
+#include <cstdint>
+#include <cstring>
+
+using gemv_t = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int);
+using norm_t = void (*)(const float*, const float*, const float*, float*, float*, int64_t, int64_t, float);
+using silu_t = void (*)(const float*, float*, int64_t, int64_t);
+using rope_t = void (*)(const float*, const float*, const float*, const int64_t*, void*, void*, float*,
+                        int64_t, int64_t, int64_t, int64_t);
+using attn_t = void (*)(const float*, const void*, const void*, const int64_t*, const int64_t*, const bool*,
+                        float*, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
+
+// fns: gemv, add_rms_norm, silu_mul, rope_store, decode_attention (for the pools' dtype)
+// table [layers, 12]: norm1 w, qkv w, qkv b, o w, o b, norm2 w, gate_up w, gate_up b, down w,
+//                     down b, k pool, v pool (0 for an absent bias)
+extern "C" void llama_decode_stack(const int64_t* fns, const int64_t* table, int64_t layers, float* h,
+                                   float* work, const float* cos, const float* sin,
+                                   const int64_t* write_rows, const int64_t* dec_rows,
+                                   const int64_t* dec_kv, const bool* dec_valid, int64_t M, int64_t D,
+                                   int64_t H, int64_t KV, int64_t HD, int64_t I, int64_t n_dec,
+                                   int64_t len_dec, float eps, float scale, int threads) {
+  const auto gemv = reinterpret_cast<gemv_t>(fns[0]);
+  const auto norm = reinterpret_cast<norm_t>(fns[1]);
+  const auto silu = reinterpret_cast<silu_t>(fns[2]);
+  const auto rope = reinterpret_cast<rope_t>(fns[3]);
+  const auto attn = reinterpret_cast<attn_t>(fns[4]);
+  const int64_t QKV = (H + 2 * KV) * HD, A = H * HD;
+  float* normed = work;
+  float* qkv = normed + M * D;
+  float* q = qkv + M * QKV;
+  float* att = q + M * A;  // M + 1 rows: the last takes padded decode rows
+  float* o = att + (M + 1) * A;
+  float* res = o + M * D;
+  float* gu = res + M * D;
+  float* act = gu + M * 2 * I;
+  float* down = act + M * I;
+  for (int64_t l = 0; l < layers; ++l) {
+    const int64_t* t = table + l * 12;
+    const auto w = [t](int i) { return reinterpret_cast<const float*>(t[i]); };
+    void* k_pool = reinterpret_cast<void*>(t[10]);
+    void* v_pool = reinterpret_cast<void*>(t[11]);
+    norm(h, nullptr, w(0), h, normed, M, D, eps);
+    gemv(normed, w(1), w(2), qkv, M, QKV, D, threads);
+    rope(qkv, cos, sin, write_rows, k_pool, v_pool, q, M, H, KV, HD);
+    std::memset(att, 0, sizeof(float) * (M + 1) * A);
+    attn(q, k_pool, v_pool, dec_rows, dec_kv, dec_valid, att, n_dec, len_dec, H, KV, HD, scale, threads);
+    gemv(att, w(3), w(4), o, M, D, A, threads);
+    norm(h, o, w(5), res, normed, M, D, eps);
+    gemv(normed, w(6), w(7), gu, M, 2 * I, D, threads);
+    silu(gu, act, M, I);
+    gemv(act, w(8), w(9), down, M, D, I, threads);
+    for (int64_t i = 0; i < M * D; ++i) h[i] = res[i] + down[i];
+  }
+}
+"""
+
+_ARGS = [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8 + [ctypes.c_float] * 2 + [ctypes.c_int]
+_POOL_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    parts = (cpu_gemv._library(), cpu_norm_act._library(), cpu_rope_store._library(), cpu_attention._library())
+    if any(p is None for p in parts):
+        return None
+    lib = cpu_build.load(_SOURCE)
+    if lib is not None:
+        cpu_build.bind(lib, "llama_decode_stack", _ARGS)
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def _address(lib: ctypes.CDLL, name: str) -> int:
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0
+
+
+@functools.cache
+def _functions(pool_dtype: torch.dtype) -> torch.Tensor:
+    """The kernels' entry points for pools of ``pool_dtype``, in the driver's order."""
+    p = _POOL_NAMES[pool_dtype]
+    addresses = [
+        _address(cpu_gemv._library(), "gemv_f32"),
+        _address(cpu_norm_act._library(), "add_rms_norm_f32"),
+        _address(cpu_norm_act._library(), "silu_mul_f32"),
+        _address(cpu_rope_store._library(), f"rope_store_f32_{p}"),
+        _address(cpu_attention._library(), cpu_attention._ENTRY[pool_dtype]),
+    ]
+    return torch.tensor(addresses, dtype=torch.int64)
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class LlamaDecodeStack:
+    """The stack's weights as the driver's table; pools are filled in per step (cached while
+    they stay the same tensors). Holds references to every tensor whose address it keeps."""
+
+    def __init__(
+        self,
+        layers: list[dict[str, torch.Tensor | None]],
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        intermediate: int,
+        eps: float,
+    ) -> None:
+        names = ("norm1", "qkv_w", "qkv_b", "o_w", "o_b", "norm2", "gate_up_w", "gate_up_b", "down_w", "down_b")
+        self.tensors = [[layer[n] for n in names] for layer in layers]
+        for row in self.tensors:
+            for t in row:
+                if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"):
+                    raise ValueError("LlamaDecodeStack needs contiguous fp32 CPU weights")
+        self.weights = torch.tensor([[_ptr(t) for t in row] for row in self.tensors], dtype=torch.int64)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.intermediate, self.eps = intermediate, eps
+        self.hidden = self.tensors[0][0].shape[0]
+        self._pools: tuple[int, ...] = ()
+        self._table = torch.empty(0, dtype=torch.int64)
+
+    def supports(self, h: torch.Tensor, pools: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """A decode-sized fp32 activation and pools the kernels read."""
+        k0, v0 = pools[0]
+        return (
+            h.dtype == torch.float32
+            and h.dim() == 2
+            and 0 < h.shape[0] <= cpu_gemv.MAX_ROWS
+            and not h.requires_grad
+            and k0.dtype in _POOL_NAMES
+            and all(k.dtype == k0.dtype and v.dtype == k0.dtype for k, v in pools)
+            and all(k.is_contiguous() and v.is_contiguous() for k, v in pools)
+            and available()
+        )
+
+    def _table_for(self, pools: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        key = tuple(p.data_ptr() for kv in pools for p in kv)
+        if key != self._pools:
+            addresses = torch.tensor(key, dtype=torch.int64).view(-1, 2)
+            self._table = torch.cat([self.weights, addresses], dim=1).contiguous()
+            self._pools = key
+        return self._table
+
+    def __call__(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        write_rows: torch.Tensor,
+        decode_rows: torch.Tensor,
+        decode_kv: torch.Tensor,
+        decode_valid: torch.Tensor,
+        pools: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Run every layer on ``h`` [M, D] (updated in place and returned); ``cos``/``sin``
+        [M, head_dim / 2], ``write_rows`` [M] pool rows, the decode metadata of the step."""
+        lib = _library()
+        assert lib is not None
+        m, d = h.shape
+        a, i = self.heads * self.head_dim, self.intermediate
+        qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
+        work = torch.empty(m * (d + qkv + a + d + d + 2 * i + i + d) + (m + 1) * a, dtype=torch.float32)
+        c = cos.reshape(m, -1).float().contiguous()
+        s = sin.reshape(m, -1).float().contiguous()
+        rows, kv, valid = write_rows.contiguous(), decode_kv.contiguous(), decode_valid.contiguous()
+        dec = decode_rows.contiguous()
+        table = self._table_for(pools)
+        lib.llama_decode_stack(
+            _functions(pools[0][0].dtype).data_ptr(),
+            table.data_ptr(),
+            len(self.tensors),
+            h.data_ptr(),
+            work.data_ptr(),
+            c.data_ptr(),
+            s.data_ptr(),
+            rows.data_ptr(),
+            dec.data_ptr(),
+            kv.data_ptr(),
+            valid.data_ptr(),
+            m,
+            d,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            i,
+            kv.shape[0],
+            kv.shape[1],
+            self.eps,
+            1.0 / math.sqrt(self.head_dim),
+            torch.get_num_threads(),
+        )
+        return h
