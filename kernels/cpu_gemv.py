@@ -3,11 +3,12 @@
 Decode at a few tokens per step reads every weight once per step, so a projection is as fast
 as its weight bytes move. oneDNN's and MKL's fp32 GEMMs are built for large M; at M <= 8
 they leave a third of the memory bandwidth unused on the CPUs measured (benchmarks/RESULTS.md).
-This kernel multiplies each weight row with up to four activation rows held in registers:
-at up to four rows each thread streams its share of weight rows linearly, one row after the
-other (20-35% more bandwidth than eight interleaved rows on the CPU measured); at five to eight
-it keeps eight weight rows in flight so each activation load feeds more of them. Output rows
-are split across the OpenMP threads torch uses.
+At up to four activation rows each thread streams its share of weight rows linearly, one row
+after the other, multiplying each with all the activation rows held in registers (20-35% more
+bandwidth than eight interleaved rows on the CPU measured); at five to eight it keeps twelve
+weight rows in flight with two activation rows per pass, so each load feeds more FMAs with
+every accumulator in a register (~20% over eight rows x four). Output rows are split across
+the OpenMP threads torch uses.
 Weights stay in their row-major layout (the model's own parameters, no packed copy).
 bf16 and int8 weight variants of the same loop measured slower than oneDNN's bf16 GEMM and
 ``torch._weight_int8pack_mm`` at every M from 1 to 8 (RESULTS.md), so only fp32 is here.
@@ -39,8 +40,6 @@ _SOURCE = r"""
 #include <cstdint>
 
 using Vec = at::vec::Vectorized<float>;
-constexpr int ROWS = 8;  // weight rows in flight past one pass of activation rows
-constexpr int COLS = 4;  // activation rows per pass
 
 inline float hsum(const Vec& v) {
   alignas(64) float b[Vec::size()];
@@ -86,33 +85,34 @@ inline void block(const float* x, const float* w, const float* bias, float* y, i
   }
 }
 
-template <int R>
+// Passes of up to MC activation rows over each group of R weight rows.
+template <int R, int MC>
 void gemv(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
           int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t n = 0; n < N; n += R) {
-    for (int64_t m = 0; m < M; m += COLS) {
+    for (int64_t m = 0; m < M; m += MC) {
       const float* xm = x + m * K;
       float* ym = y + m * N;
-      switch (std::min<int64_t>(COLS, M - m)) {
-        case 1: block<R, 1>(xm, w, bias, ym, N, K, n); break;
-        case 2: block<R, 2>(xm, w, bias, ym, N, K, n); break;
-        case 3: block<R, 3>(xm, w, bias, ym, N, K, n); break;
-        default: block<R, 4>(xm, w, bias, ym, N, K, n); break;
-      }
+      const int64_t rows = std::min<int64_t>(MC, M - m);
+      if (rows == 1) block<R, 1>(xm, w, bias, ym, N, K, n);
+      if constexpr (MC >= 2) if (rows == 2) block<R, 2>(xm, w, bias, ym, N, K, n);
+      if constexpr (MC >= 3) if (rows == 3) block<R, 3>(xm, w, bias, ym, N, K, n);
+      if constexpr (MC >= 4) if (rows == 4) block<R, 4>(xm, w, bias, ym, N, K, n);
     }
   }
 }
 
-// Up to one pass of activation rows, each thread reads its weight rows one after another (one
-// linear stream, what the prefetchers follow best); past it, eight rows in flight share each
-// activation load. Every output is the same dot product either way (bitwise).
+// Up to four activation rows: one pass, each thread reading its weight rows one after another
+// (one linear stream, what the prefetchers follow best). Five to eight: twelve weight rows in
+// flight with two activation rows per pass (24 accumulators: all in registers). Every output
+// is the same dot product either way (bitwise).
 extern "C" void gemv_f32(const float* x, const float* w, const float* bias, float* y, int64_t M,
                          int64_t N, int64_t K, int threads) {
-  if (M <= COLS) {
-    gemv<1>(x, w, bias, y, M, N, K, threads);
+  if (M <= 4) {
+    gemv<1, 4>(x, w, bias, y, M, N, K, threads);
   } else {
-    gemv<ROWS>(x, w, bias, y, M, N, K, threads);
+    gemv<12, 2>(x, w, bias, y, M, N, K, threads);
   }
 }
 """
