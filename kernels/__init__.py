@@ -15,10 +15,11 @@ device type; Triton when installed). Importing the package registers every op.
 
 C++ CPU kernels for small decode steps, built once per machine with Inductor's compiler
 driver (``cpu_build``) and called directly by eager steps: ``cpu_gemv`` (fp32 projections at
-up to 8 rows, weights streamed near memory bandwidth), ``cpu_attention`` (decode attention reading the
-paged K/V pools in place; behind ``paged_attention`` on the CPU), ``cpu_rope_store`` (Llama
-RoPE plus the K/V cache writes in one call) and ``cpu_norm_act`` (RMSNorm with its residual
-add, SwiGLU).
+up to 16 rows, weights streamed near memory bandwidth), ``cpu_attention`` (decode attention
+reading the paged K/V pools in place; behind ``paged_attention`` on the CPU),
+``cpu_rope_store`` (Llama RoPE plus the K/V cache writes in one call), ``cpu_norm_act``
+(RMSNorm with its residual add, SwiGLU) and ``cpu_decode_stack`` (a whole Llama layer stack's
+decode step in one call to them).
 """
 
 from deepinfer.kernels import fused_moe, moe, paged_attention, rejection, sink_attention, sinkhorn

@@ -11,7 +11,7 @@ calls it once per step.
 Per layer: RMSNorm, fused q/k/v projection, RoPE + cache writes, decode attention over the
 paged pools, output projection, residual add + RMSNorm, fused gate/up projection, SwiGLU, down
 projection, residual add. fp32 activations and weights (the small-batch GEMV reads the model's
-own parameters), fp32 or bf16 pools, up to ``cpu_gemv.MAX_ROWS`` rows.
+own parameters), fp32 or bf16 pools, up to ``cpu_gemv.MAX_ROWS`` (16) rows.
 """
 
 from __future__ import annotations
@@ -79,13 +79,25 @@ extern "C" void llama_decode_stack(const int64_t* fns, const int64_t* table, int
 }
 """
 
-_ARGS = [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8 + [ctypes.c_float] * 2 + [ctypes.c_int]
+_ARGS = (
+    [ctypes.c_void_p] * 2
+    + [ctypes.c_int64]
+    + [ctypes.c_void_p] * 8
+    + [ctypes.c_int64] * 8
+    + [ctypes.c_float] * 2
+    + [ctypes.c_int]
+)
 _POOL_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    parts = (cpu_gemv._library(), cpu_norm_act._library(), cpu_rope_store._library(), cpu_attention._library())
+    parts = (
+        cpu_gemv._library(),
+        cpu_norm_act._library(),
+        cpu_rope_store._library(),
+        cpu_attention._library(),
+    )
     if any(p is None for p in parts):
         return None
     lib = cpu_build.load(_SOURCE)
@@ -133,11 +145,24 @@ class LlamaDecodeStack:
         intermediate: int,
         eps: float,
     ) -> None:
-        names = ("norm1", "qkv_w", "qkv_b", "o_w", "o_b", "norm2", "gate_up_w", "gate_up_b", "down_w", "down_b")
+        names = (
+            "norm1",
+            "qkv_w",
+            "qkv_b",
+            "o_w",
+            "o_b",
+            "norm2",
+            "gate_up_w",
+            "gate_up_b",
+            "down_w",
+            "down_b",
+        )
         self.tensors = [[layer[n] for n in names] for layer in layers]
         for row in self.tensors:
             for t in row:
-                if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"):
+                if t is not None and (
+                    t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"
+                ):
                     raise ValueError("LlamaDecodeStack needs contiguous fp32 CPU weights")
         self.weights = torch.tensor([[_ptr(t) for t in row] for row in self.tensors], dtype=torch.int64)
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim

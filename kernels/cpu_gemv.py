@@ -2,10 +2,11 @@
 
 Decode at a few tokens per step reads every weight once per step, so a projection is as fast
 as its weight bytes move. oneDNN's and MKL's fp32 GEMMs are built for large M; at M <= 8
-they leave a third of the memory bandwidth unused on the CPUs measured (benchmarks/RESULTS.md).
+they leave a third of the memory bandwidth unused on the CPUs measured, and this kernel stays
+ahead of oneDNN's packed GEMM up to M = 16 (benchmarks/RESULTS.md).
 At up to four activation rows each thread streams its share of weight rows linearly, one row
 after the other, multiplying each with all the activation rows held in registers (20-35% more
-bandwidth than eight interleaved rows on the CPU measured); at five to eight it keeps twelve
+bandwidth than eight interleaved rows on the CPU measured); from five rows on it keeps twelve
 weight rows in flight with two activation rows per pass, so each load feeds more FMAs with
 every accumulator in a register (~20% over eight rows x four). Output rows are split across
 the OpenMP threads torch uses.
@@ -31,7 +32,7 @@ from deepinfer.kernels import cpu_build
 
 # Activation rows up to which the kernel beats oneDNN on the CPUs measured; above it the GEMM
 # is compute-bound and the vendor libraries win.
-MAX_ROWS = 8
+MAX_ROWS = 16
 
 _SOURCE = r"""
 #include <ATen/cpu/vec/vec.h>

@@ -74,7 +74,7 @@ void silu_mul_bf16(const c10::BFloat16* gu, c10::BFloat16* out, int64_t rows, in
 """
 
 _NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-MAX_ROWS = 8  # decode-sized inputs; larger ones stay on ATen's threaded, vectorised kernels
+MAX_ROWS = 16  # decode-sized inputs; larger ones stay on ATen's threaded, vectorised kernels
 
 
 @functools.cache

@@ -225,7 +225,7 @@ def test_rope_store_is_bitwise_the_reference(tokens, kv_heads, group, half, act,
 
 @settings(max_examples=15, deadline=None)
 @given(
-    rows=st.integers(1, 8),
+    rows=st.integers(1, cpu_norm_act.MAX_ROWS),
     d=st.integers(1, 300),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     residual=st.booleans(),
@@ -250,7 +250,9 @@ def test_add_rms_norm_matches_the_module(rows, d, dtype, residual, seed):
 
 @settings(max_examples=10, deadline=None)
 @given(
-    rows=st.integers(1, 8), inner=st.integers(1, 200), dtype=st.sampled_from([torch.float32, torch.bfloat16])
+    rows=st.integers(1, cpu_norm_act.MAX_ROWS),
+    inner=st.integers(1, 200),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
 )
 def test_silu_mul_matches_aten(rows, inner, dtype):
     gate_up = (torch.randn(rows, 2 * inner) * 4).to(dtype)
@@ -294,7 +296,7 @@ def _greedy(llm, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]
     group=st.integers(1, 4),
     head_dim=st.sampled_from([16, 32, 64]),
     layers=st.integers(1, 3),
-    rows=st.integers(1, 8),
+    rows=st.integers(1, cpu_gemv.MAX_ROWS),
     kv_dtype=st.sampled_from(["float32", "bfloat16"]),
     seed=st.integers(0, 1000),
 )
@@ -302,7 +304,7 @@ def test_one_call_decode_stack_equals_the_layer_loop(
     tmp_path_factory, kv_heads, group, head_dim, layers, rows, kv_dtype, seed
 ):
     """The C++ layer loop calls the same kernels in the same order: greedy tokens and their
-    logprobs equal the per-layer path's bitwise, for any Llama shape, 1-8 decode rows, fp32
+    logprobs equal the per-layer path's bitwise, for any Llama shape, 1-16 decode rows, fp32
     and bf16 pools (and the stack did run)."""
     path = make_tiny_checkpoint(
         tmp_path_factory.mktemp("stack"),
@@ -316,7 +318,7 @@ def test_one_call_decode_stack_equals_the_layer_loop(
         intermediate_size=96,
     )
     # no prefix cache: the second run must compute exactly what the first did
-    llm = LLM(str(path), max_num_seqs=8, kv_cache_dtype=kv_dtype, enable_prefix_caching=False)
+    llm = LLM(str(path), max_num_seqs=16, kv_cache_dtype=kv_dtype, enable_prefix_caching=False)
     stack = llm.model.decode_stack
     assert stack is not None
     calls = {"n": 0}
