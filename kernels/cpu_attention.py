@@ -8,7 +8,7 @@ row straight from the pool through the step's ``decode_kv`` row indices, one wor
 output accumulators in registers, so each cached row is read once per item; scores, a
 max-subtracted softmax in fp32 (vectorised exp) and the weighted sum of values. About three
 times the per-head loop it replaced at 8-32 decode rows (RESULTS.md). Built once per machine
-by ``cpu_build``; fp32 and bf16 pools.
+by ``cpu_build``; fp32, bf16 and fp16 pools.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from deepinfer.kernels import cpu_build
 
 _SOURCE = r"""
 #include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/functional_bfloat16.h>
 #include <ATen/cpu/vec/vec.h>
 #include <omp.h>
 #include <algorithm>
@@ -35,13 +36,13 @@ constexpr int64_t V = Vec::size();
 constexpr float NINF = -std::numeric_limits<float>::infinity();
 
 template <typename T>
-inline Vec load_f(const T* p) {
+inline Vec load_f(const T* p) {  // V pool values as fp32 (bf16 / fp16 widened)
   if constexpr (std::is_same_v<T, float>) {
     return Vec::loadu(p);
   } else {
-    alignas(64) float b[V];
-    for (int64_t i = 0; i < V; ++i) b[i] = static_cast<float>(p[i]);
-    return Vec::loadu(b);
+    Vec out;
+    at::vec::load_to_float<T>(p, out);
+    return out;
   }
 }
 
@@ -214,10 +215,19 @@ void decode_attention_bf16(const float* q, const at::BFloat16* k, const at::BFlo
                            int threads) {
   decode_attention<at::BFloat16>(q, k, v, rows, kv, valid, out, n, L, H, n_kv, d, scale, threads);
 }
+void decode_attention_f16(const float* q, const at::Half* k, const at::Half* v, const int64_t* rows,
+                          const int64_t* kv, const bool* valid, float* out, int64_t n, int64_t L, int64_t H,
+                          int64_t n_kv, int64_t d, float scale, int threads) {
+  decode_attention<at::Half>(q, k, v, rows, kv, valid, out, n, L, H, n_kv, d, scale, threads);
+}
 }
 """
 
-_ENTRY = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
+_ENTRY = {
+    torch.float32: "decode_attention_f32",
+    torch.bfloat16: "decode_attention_bf16",
+    torch.float16: "decode_attention_f16",
+}
 
 
 @functools.cache

@@ -11,7 +11,7 @@ calls it once per step.
 Per layer: RMSNorm, fused q/k/v projection, RoPE + cache writes, decode attention over the
 paged pools, output projection, residual add + RMSNorm, fused gate/up projection, SwiGLU, down
 projection, residual add. fp32 activations and weights (the small-batch GEMV reads the model's
-own parameters), fp32 or bf16 pools, up to ``cpu_gemv.MAX_ROWS`` (16) rows.
+own parameters), fp32, bf16 or fp16 pools, up to ``cpu_gemv.MAX_ROWS`` (16) rows.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ _ARGS = (
     + [ctypes.c_float] * 2
     + [ctypes.c_int]
 )
-_POOL_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_POOL_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
 @functools.cache

@@ -140,7 +140,7 @@ def _attention_case(seed, heads, kv_heads, d, n, length, pool_rows, dtype):
     d=st.sampled_from([8, 16, 32, 33, 64, 128]),
     n=st.integers(1, 5),
     length=st.integers(1, 40),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
     seed=st.integers(0, 10_000),
 )
 def test_decode_attention_in_place_matches_the_gather_path(kv_heads, group, d, n, length, dtype, seed):
@@ -201,7 +201,7 @@ def test_a_broken_attention_kernel_fails_the_reference_check():
     group=st.integers(1, 3),
     half=st.integers(1, 20),
     act=st.sampled_from([torch.float32, torch.bfloat16]),
-    pool=st.sampled_from([torch.float32, torch.bfloat16]),
+    pool=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
     seed=st.integers(0, 10_000),
 )
 def test_rope_store_is_bitwise_the_reference(tokens, kv_heads, group, half, act, pool, seed):
@@ -297,15 +297,15 @@ def _greedy(llm, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]
     head_dim=st.sampled_from([16, 32, 64]),
     layers=st.integers(1, 3),
     rows=st.integers(1, cpu_gemv.MAX_ROWS),
-    kv_dtype=st.sampled_from(["float32", "bfloat16"]),
+    kv_dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
     seed=st.integers(0, 1000),
 )
 def test_one_call_decode_stack_equals_the_layer_loop(
     tmp_path_factory, kv_heads, group, head_dim, layers, rows, kv_dtype, seed
 ):
     """The C++ layer loop calls the same kernels in the same order: greedy tokens and their
-    logprobs equal the per-layer path's bitwise, for any Llama shape, 1-16 decode rows, fp32
-    and bf16 pools (and the stack did run)."""
+    logprobs equal the per-layer path's bitwise, for any Llama shape, 1-16 decode rows, fp32,
+    bf16 and fp16 pools (and the stack did run)."""
     path = make_tiny_checkpoint(
         tmp_path_factory.mktemp("stack"),
         "llama",
