@@ -21,13 +21,15 @@ import functools
 import math
 
 import torch
-from deepinfer.kernels import cpu_attention, cpu_build, cpu_gemv, cpu_norm_act, cpu_rope_store
+from deepinfer.kernels import cpu_attention, cpu_build, cpu_gemv, cpu_norm_act, cpu_rope_store, weight_only
 
 _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 
 using gemv_t = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int);
+using gemv_i8_t = void (*)(const float*, const int8_t*, const float*, const float*, float*, int64_t, int64_t,
+                           int64_t, int);
 using norm_t = void (*)(const float*, const float*, const float*, float*, float*, int64_t, int64_t, float);
 using silu_t = void (*)(const float*, float*, int64_t, int64_t);
 using rope_t = void (*)(const float*, const float*, const float*, const int64_t*, void*, void*, float*,
@@ -35,20 +37,33 @@ using rope_t = void (*)(const float*, const float*, const float*, const int64_t*
 using attn_t = void (*)(const float*, const void*, const void*, const int64_t*, const int64_t*, const bool*,
                         float*, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
 
-// fns: gemv, add_rms_norm, silu_mul, rope_store, decode_attention (for the pools' dtype)
-// table [layers, 12]: norm1 w, qkv w, qkv b, o w, o b, norm2 w, gate_up w, gate_up b, down w,
-//                     down b, k pool, v pool (0 for an absent bias)
+struct Fns {
+  gemv_t gemv;
+  gemv_i8_t gemv_i8;
+  int threads;
+  // y [M, N] = x [M, K] @ W.T (+ bias): fp32 W, or int8 W with a per-row scale when s is set
+  void proj(const int64_t* t, int i, const float* x, float* y, int64_t M, int64_t N, int64_t K) const {
+    const auto* b = reinterpret_cast<const float*>(t[i + 1]);
+    const auto* s = reinterpret_cast<const float*>(t[i + 2]);
+    if (s) gemv_i8(x, reinterpret_cast<const int8_t*>(t[i]), s, b, y, M, N, K, threads);
+    else gemv(x, reinterpret_cast<const float*>(t[i]), b, y, M, N, K, threads);
+  }
+};
+
+// fns: gemv_f32, gemv_i8, add_rms_norm, silu_mul, rope_store, decode_attention (for the pools'
+// dtype). table [layers, 16]: norm1 w, (qkv, o, gate_up, down) x (w, bias, int8 scale), norm2 w,
+// k pool, v pool (0 for an absent bias or scale)
 extern "C" void llama_decode_stack(const int64_t* fns, const int64_t* table, int64_t layers, float* h,
                                    float* work, const float* cos, const float* sin,
                                    const int64_t* write_rows, const int64_t* dec_rows,
                                    const int64_t* dec_kv, const bool* dec_valid, int64_t M, int64_t D,
                                    int64_t H, int64_t KV, int64_t HD, int64_t I, int64_t n_dec,
                                    int64_t len_dec, float eps, float scale, int threads) {
-  const auto gemv = reinterpret_cast<gemv_t>(fns[0]);
-  const auto norm = reinterpret_cast<norm_t>(fns[1]);
-  const auto silu = reinterpret_cast<silu_t>(fns[2]);
-  const auto rope = reinterpret_cast<rope_t>(fns[3]);
-  const auto attn = reinterpret_cast<attn_t>(fns[4]);
+  const Fns f{reinterpret_cast<gemv_t>(fns[0]), reinterpret_cast<gemv_i8_t>(fns[1]), threads};
+  const auto norm = reinterpret_cast<norm_t>(fns[2]);
+  const auto silu = reinterpret_cast<silu_t>(fns[3]);
+  const auto rope = reinterpret_cast<rope_t>(fns[4]);
+  const auto attn = reinterpret_cast<attn_t>(fns[5]);
   const int64_t QKV = (H + 2 * KV) * HD, A = H * HD;
   float* normed = work;
   float* qkv = normed + M * D;
@@ -60,20 +75,21 @@ extern "C" void llama_decode_stack(const int64_t* fns, const int64_t* table, int
   float* act = gu + M * 2 * I;
   float* down = act + M * I;
   for (int64_t l = 0; l < layers; ++l) {
-    const int64_t* t = table + l * 12;
-    const auto w = [t](int i) { return reinterpret_cast<const float*>(t[i]); };
-    void* k_pool = reinterpret_cast<void*>(t[10]);
-    void* v_pool = reinterpret_cast<void*>(t[11]);
-    norm(h, nullptr, w(0), h, normed, M, D, eps);
-    gemv(normed, w(1), w(2), qkv, M, QKV, D, threads);
+    const int64_t* t = table + l * 16;
+    const auto* norm1 = reinterpret_cast<const float*>(t[0]);
+    const auto* norm2 = reinterpret_cast<const float*>(t[13]);
+    void* k_pool = reinterpret_cast<void*>(t[14]);
+    void* v_pool = reinterpret_cast<void*>(t[15]);
+    norm(h, nullptr, norm1, h, normed, M, D, eps);
+    f.proj(t, 1, normed, qkv, M, QKV, D);
     rope(qkv, cos, sin, write_rows, k_pool, v_pool, q, M, H, KV, HD);
     std::memset(att, 0, sizeof(float) * (M + 1) * A);
     attn(q, k_pool, v_pool, dec_rows, dec_kv, dec_valid, att, n_dec, len_dec, H, KV, HD, scale, threads);
-    gemv(att, w(3), w(4), o, M, D, A, threads);
-    norm(h, o, w(5), res, normed, M, D, eps);
-    gemv(normed, w(6), w(7), gu, M, 2 * I, D, threads);
+    f.proj(t, 4, att, o, M, D, A);
+    norm(h, o, norm2, res, normed, M, D, eps);
+    f.proj(t, 7, normed, gu, M, 2 * I, D);
     silu(gu, act, M, I);
-    gemv(act, w(8), w(9), down, M, D, I, threads);
+    f.proj(t, 10, act, down, M, D, I);
     for (int64_t i = 0; i < M * D; ++i) h[i] = res[i] + down[i];
   }
 }
@@ -88,6 +104,9 @@ _ARGS = (
     + [ctypes.c_int]
 )
 _POOL_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+# rows up to which int8 projections run in the stack: above, PyTorch's int8 kernel (bf16
+# activations) beats the widening loop (RESULTS.md)
+INT8_MAX_ROWS = weight_only.INT8_SMALL_ROWS
 
 
 @functools.cache
@@ -120,6 +139,7 @@ def _functions(pool_dtype: torch.dtype) -> torch.Tensor:
     p = _POOL_NAMES[pool_dtype]
     addresses = [
         _address(cpu_gemv._library(), "gemv_f32"),
+        _address(cpu_gemv._library(), "gemv_i8"),
         _address(cpu_norm_act._library(), "add_rms_norm_f32"),
         _address(cpu_norm_act._library(), "silu_mul_f32"),
         _address(cpu_rope_store._library(), f"rope_store_f32_{p}"),
@@ -132,38 +152,48 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+Projection = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # weight, bias, int8 scale
+
+
 class LlamaDecodeStack:
     """The stack's weights as the driver's table; pools are filled in per step (cached while
     they stay the same tensors). Holds references to every tensor whose address it keeps."""
 
     def __init__(
         self,
-        layers: list[dict[str, torch.Tensor | None]],
+        layers: list[dict[str, torch.Tensor | Projection]],
         heads: int,
         kv_heads: int,
         head_dim: int,
         intermediate: int,
         eps: float,
     ) -> None:
-        names = (
-            "norm1",
-            "qkv_w",
-            "qkv_b",
-            "o_w",
-            "o_b",
-            "norm2",
-            "gate_up_w",
-            "gate_up_b",
-            "down_w",
-            "down_b",
-        )
-        self.tensors = [[layer[n] for n in names] for layer in layers]
+        """``layers``: per layer ``norm1``, ``norm2`` (fp32 weights) and ``qkv``, ``o``,
+        ``gate_up``, ``down`` as (weight, bias, scale): fp32 weights with no scale, or int8
+        weights with their fp32 per-row scale."""
+        self.tensors: list[list[torch.Tensor | None]] = []
+        int8 = set()
+        for layer in layers:
+            row: list[torch.Tensor | None] = [layer["norm1"]]  # type: ignore[list-item]
+            for name in ("qkv", "o", "gate_up", "down"):
+                weight, bias, scale = layer[name]  # type: ignore[misc]
+                if weight.dtype not in (torch.float32, torch.int8) or (weight.dtype == torch.int8) != (
+                    scale is not None
+                ):
+                    raise ValueError(f"LlamaDecodeStack: {name} must be fp32, or int8 with a scale")
+                int8.add(weight.dtype == torch.int8)
+                row += [weight, bias, scale]
+            row.append(layer["norm2"])  # type: ignore[arg-type]
+            self.tensors.append(row)
         for row in self.tensors:
             for t in row:
                 if t is not None and (
-                    t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"
+                    t.dtype not in (torch.float32, torch.int8)
+                    or not t.is_contiguous()
+                    or t.device.type != "cpu"
                 ):
-                    raise ValueError("LlamaDecodeStack needs contiguous fp32 CPU weights")
+                    raise ValueError("LlamaDecodeStack needs contiguous fp32 (or int8) CPU tensors")
+        self.max_rows = INT8_MAX_ROWS if True in int8 else cpu_gemv.MAX_ROWS
         self.weights = torch.tensor([[_ptr(t) for t in row] for row in self.tensors], dtype=torch.int64)
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.intermediate, self.eps = intermediate, eps
@@ -177,7 +207,7 @@ class LlamaDecodeStack:
         return (
             h.dtype == torch.float32
             and h.dim() == 2
-            and 0 < h.shape[0] <= cpu_gemv.MAX_ROWS
+            and 0 < h.shape[0] <= self.max_rows
             and not h.requires_grad
             and k0.dtype in _POOL_NAMES
             and all(k.dtype == k0.dtype and v.dtype == k0.dtype for k, v in pools)

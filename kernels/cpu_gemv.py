@@ -39,6 +39,9 @@ _SOURCE = r"""
 #include <omp.h>
 #include <algorithm>
 #include <cstdint>
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 
 using Vec = at::vec::Vectorized<float>;
 
@@ -50,75 +53,104 @@ inline float hsum(const Vec& v) {
   return s;
 }
 
-// y[m, n0 + r] for r < R, m < MC
-template <int R, int MC>
-inline void tile(const float* x, const float* w, const float* bias, float* y, int64_t N, int64_t K,
-                 int64_t n0) {
+// Vec::size() weights as fp32 (int8 widened exactly)
+inline Vec load_w(const float* p) { return Vec::loadu(p); }
+inline Vec load_w(const int8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  alignas(64) float b[Vec::size()];
+  for (int i = 0; i < Vec::size(); ++i) b[i] = static_cast<float>(p[i]);
+  return Vec::loadu(b);
+#endif
+}
+
+// y[m, n0 + r] for r < R, m < MC: one fp32 accumulator per output, then the row's scale
+// (int8 weights) and bias
+template <typename W, int R, int MC>
+inline void tile(const float* x, const W* w, const float* scale, const float* bias, float* y, int64_t N,
+                 int64_t K, int64_t n0) {
   Vec acc[R][MC];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MC; ++m) acc[r][m] = Vec(0.f);
-  const float* wr = w + n0 * K;
+  const W* wr = w + n0 * K;
   int64_t k = 0;
   for (; k + Vec::size() <= K; k += Vec::size()) {
     Vec xv[MC];
     for (int m = 0; m < MC; ++m) xv[m] = Vec::loadu(x + m * K + k);
     for (int r = 0; r < R; ++r) {
-      Vec wv = Vec::loadu(wr + r * K + k);
+      Vec wv = load_w(wr + r * K + k);
       for (int m = 0; m < MC; ++m) acc[r][m] = at::vec::fmadd(wv, xv[m], acc[r][m]);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MC; ++m) {
       float s = hsum(acc[r][m]);
-      for (int64_t kk = k; kk < K; ++kk) s += wr[r * K + kk] * x[m * K + kk];
+      for (int64_t kk = k; kk < K; ++kk) s += static_cast<float>(wr[r * K + kk]) * x[m * K + kk];
+      if (scale) s *= scale[n0 + r];
       if (bias) s += bias[n0 + r];
       y[m * N + n0 + r] = s;
     }
 }
 
-template <int R, int MC>
-inline void block(const float* x, const float* w, const float* bias, float* y, int64_t N, int64_t K,
-                  int64_t n) {
+template <typename W, int R, int MC>
+inline void block(const float* x, const W* w, const float* scale, const float* bias, float* y, int64_t N,
+                  int64_t K, int64_t n) {
   if (n + R <= N) {
-    tile<R, MC>(x, w, bias, y, N, K, n);
+    tile<W, R, MC>(x, w, scale, bias, y, N, K, n);
   } else {
-    for (; n < N; ++n) tile<1, MC>(x, w, bias, y, N, K, n);
+    for (; n < N; ++n) tile<W, 1, MC>(x, w, scale, bias, y, N, K, n);
   }
 }
 
 // Passes of up to MC activation rows over each group of R weight rows.
-template <int R, int MC>
-void gemv(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
-          int threads) {
+template <typename W, int R, int MC>
+void gemv(const float* x, const W* w, const float* scale, const float* bias, float* y, int64_t M, int64_t N,
+          int64_t K, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t n = 0; n < N; n += R) {
     for (int64_t m = 0; m < M; m += MC) {
       const float* xm = x + m * K;
       float* ym = y + m * N;
       const int64_t rows = std::min<int64_t>(MC, M - m);
-      if (rows == 1) block<R, 1>(xm, w, bias, ym, N, K, n);
-      if constexpr (MC >= 2) if (rows == 2) block<R, 2>(xm, w, bias, ym, N, K, n);
-      if constexpr (MC >= 3) if (rows == 3) block<R, 3>(xm, w, bias, ym, N, K, n);
-      if constexpr (MC >= 4) if (rows == 4) block<R, 4>(xm, w, bias, ym, N, K, n);
+      if (rows == 1) block<W, R, 1>(xm, w, scale, bias, ym, N, K, n);
+      if constexpr (MC >= 2) if (rows == 2) block<W, R, 2>(xm, w, scale, bias, ym, N, K, n);
+      if constexpr (MC >= 3) if (rows == 3) block<W, R, 3>(xm, w, scale, bias, ym, N, K, n);
+      if constexpr (MC >= 4) if (rows == 4) block<W, R, 4>(xm, w, scale, bias, ym, N, K, n);
     }
   }
 }
 
 // Up to four activation rows: one pass, each thread reading its weight rows one after another
-// (one linear stream, what the prefetchers follow best). Five to eight: twelve weight rows in
+// (one linear stream, what the prefetchers follow best). Five or more: twelve weight rows in
 // flight with two activation rows per pass (24 accumulators: all in registers). Every output
 // is the same dot product either way (bitwise).
+template <typename W>
+void gemv_any(const float* x, const W* w, const float* scale, const float* bias, float* y, int64_t M,
+              int64_t N, int64_t K, int threads) {
+  if (M <= 4) {
+    gemv<W, 1, 4>(x, w, scale, bias, y, M, N, K, threads);
+  } else {
+    gemv<W, 12, 2>(x, w, scale, bias, y, M, N, K, threads);
+  }
+}
+
 extern "C" void gemv_f32(const float* x, const float* w, const float* bias, float* y, int64_t M,
                          int64_t N, int64_t K, int threads) {
-  if (M <= 4) {
-    gemv<1, 4>(x, w, bias, y, M, N, K, threads);
-  } else {
-    gemv<12, 2>(x, w, bias, y, M, N, K, threads);
-  }
+  gemv_any<float>(x, w, nullptr, bias, y, M, N, K, threads);
+}
+
+// int8 weights [N, K] with one fp32 scale per output row: y = scale * (x . w) + bias
+extern "C" void gemv_i8(const float* x, const int8_t* w, const float* scale, const float* bias, float* y,
+                        int64_t M, int64_t N, int64_t K, int threads) {
+  gemv_any<int8_t>(x, w, scale, bias, y, M, N, K, threads);
 }
 """
 
 ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+ARGTYPES_I8 = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 
 
 @functools.cache
@@ -127,6 +159,7 @@ def _library() -> ctypes.CDLL | None:
     lib = cpu_build.load(_SOURCE)
     if lib is not None:
         cpu_build.bind(lib, "gemv_f32", ARGTYPES)
+        cpu_build.bind(lib, "gemv_i8", ARGTYPES_I8)
     return lib
 
 
@@ -162,6 +195,33 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     lib.gemv_f32(
         xf.data_ptr(),
         weight.data_ptr(),
+        None if b is None else b.data_ptr(),
+        y.data_ptr(),
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    return y
+
+
+def small_gemm_int8(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(x @ qweight.T) * scale + bias`` for int8 ``qweight`` [N, K] with fp32 ``scale`` [N]:
+    fp32 activations and accumulation (the int8 values widen exactly). Returns fp32 [M, N]."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the small-batch CPU kernel did not build on this machine")
+    m, k = x.shape
+    n = qweight.shape[0]
+    xf = x.float().contiguous()
+    b = None if bias is None else bias.float().contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    lib.gemv_i8(
+        xf.data_ptr(),
+        qweight.data_ptr(),
+        scale.data_ptr(),
         None if b is None else b.data_ptr(),
         y.data_ptr(),
         m,

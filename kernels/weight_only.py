@@ -2,8 +2,9 @@
 
 Decode at small batch reads every weight once per step, so fewer weight bytes is speed.
 PyTorch's weight-only kernels are fast only with bf16 activations (measured per kernel at
-M=1 and M=32: benchmarks/RESULTS.md, 2026-11-30 CPU section), so activations enter the
-kernels in bf16 and leave in the caller's dtype. fp32 projections run ``cpu_gemv``'s
+M=1 and M=32: benchmarks/RESULTS.md, 2026-11-30 CPU section), so activations enter them in
+bf16 and leave in the caller's dtype; int8 at up to ``INT8_SMALL_ROWS`` rows runs
+``cpu_gemv``'s widening loop instead, in fp32. fp32 projections run ``cpu_gemv``'s
 small-batch kernel at decode sizes and oneDNN with a packed weight above.
 
 int8: symmetric per output channel. int4: asymmetric per group of ``group`` input channels
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from deepinfer.kernels import cpu_gemv
 
 INT4_GROUP = 32
+INT8_SMALL_ROWS = 4  # int8 rows up to which ``cpu_gemv``'s loop runs (PyTorch's kernel above)
 _INNER_K_TILES = 2
 _INT4_ROWS = 16  # the int4 packing takes output rows in multiples of 16 (zero rows pad)
 
@@ -38,6 +40,7 @@ class WeightOnlyLinear:
             scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
             self.qweight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
             self.scales = scale.to(torch.bfloat16)
+            self.scales_f32 = self.scales.float()  # the same values, for ``cpu_gemv``'s int8 loop
         else:
             if self.in_features % INT4_GROUP:
                 raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}, got {self.in_features}")
@@ -70,7 +73,14 @@ class WeightOnlyLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        flat = x.reshape(-1, self.in_features)
+        if self.method == "int8" and flat.shape[0] <= INT8_SMALL_ROWS and cpu_gemv.available():
+            # decode sizes: fp32 activations through the widening loop (what the one-call
+            # decode stack runs too), about PyTorch's speed at one row
+            y = cpu_gemv.small_gemm_int8(flat, self.qweight, self.scales_f32)
+            y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
+        flat = flat.to(torch.bfloat16)
         if self.method == "int8":
             y = torch._weight_int8pack_mm(flat, self.qweight, self.scales)
         else:

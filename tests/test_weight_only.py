@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepinfer.kernels.weight_only import INT4_GROUP, WeightOnlyLinear
+from deepinfer.kernels.weight_only import INT4_GROUP, INT8_SMALL_ROWS, WeightOnlyLinear
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,8 +25,9 @@ from deepinfer.tiny import make_tiny_checkpoint
     seed=st.integers(0, 10_000),
 )
 def test_kernels_compute_with_the_weights_they_report(method, out_features, groups, rows, bias, seed):
-    """The kernel's output equals bf16 activations times the dequantized weight (so the
-    error report below is the whole story), and the weight error is within the format's."""
+    """The kernel's output equals the activations times the dequantized weight (so the error
+    report below is the whole story): in fp32 for int8 at decode sizes (``cpu_gemv``'s
+    widening loop), bf16 activations otherwise; and the weight error is within the format's."""
     gen = torch.Generator().manual_seed(seed)
     in_features = groups * INT4_GROUP * 2
     w = torch.randn(out_features, in_features, generator=gen)
@@ -38,19 +39,25 @@ def test_kernels_compute_with_the_weights_they_report(method, out_features, grou
     got = lin(x)
     assert got.dtype == x.dtype and got.shape == (rows, out_features)
     assert (got - expected).norm() <= 2e-2 * expected.norm()  # bf16 accumulation only
+    if method == "int8" and rows <= INT8_SMALL_ROWS:
+        exact = x @ deq.T + (b if b is not None else 0)
+        assert (got - exact).norm() <= 1e-5 * exact.norm()
     weight_error = ((deq - w).norm() / w.norm()).item()
     assert weight_error <= (0.01 if method == "int8" else 0.12), weight_error
     assert lin.nbytes < w.numel() * (1.1 if method == "int8" else 0.7) + 16 * in_features
 
 
 def test_a_broken_scale_fails_the_kernel_check():
-    """Mutation check of the test above: scales off by 5% are caught."""
+    """Mutation check of the test above: scales off by 5% are caught, on both int8 paths (the
+    widening loop at decode sizes, PyTorch's kernel above)."""
     gen = torch.Generator().manual_seed(0)
-    w, x = torch.randn(16, 64, generator=gen), torch.randn(4, 64, generator=gen)
-    lin = WeightOnlyLinear(w, None, "int8")
-    expected = x.bfloat16().float() @ lin.dequantize().T
-    lin.scales = lin.scales * 1.05
-    assert (lin(x) - expected).norm() > 2e-2 * expected.norm()
+    w = torch.randn(16, 64, generator=gen)
+    for rows in (INT8_SMALL_ROWS, INT8_SMALL_ROWS + 8):
+        x = torch.randn(rows, 64, generator=gen)
+        lin = WeightOnlyLinear(w, None, "int8")
+        expected = x.bfloat16().float() @ lin.dequantize().T
+        lin.scales, lin.scales_f32 = lin.scales * 1.05, lin.scales_f32 * 1.05
+        assert (lin(x) - expected).norm() > 2e-2 * expected.norm()
 
 
 @pytest.fixture(scope="module")

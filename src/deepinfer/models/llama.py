@@ -324,6 +324,7 @@ class LlamaForCausalLM(CausalLM):
             layer.mlp.quantize(method)
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         self.head = WeightOnlyLinear(weight, None, method)
+        self.decode_stack = self._decode_stack()
 
     def pack_weights(self) -> None:
         """oneDNN-packed copies of the float projections and the head for the engine's eager
@@ -338,34 +339,45 @@ class LlamaForCausalLM(CausalLM):
         self.decode_stack = self._decode_stack()
 
     def _decode_stack(self) -> LlamaDecodeStack | None:
-        """The one-call decode driver over the packed fp32 weights (None for other dtypes or
-        where the CPU kernels did not build)."""
+        """The one-call decode driver over the engine's projections: packed fp32 weights or
+        int8 ones (None for other dtypes and methods, or where the CPU kernels did not build)."""
         cfg = self.config
         if self.model.embed_tokens.weight.dtype != torch.float32 or not cpu_decode_stack.available():
             return None
-        layers = [
-            {
-                "norm1": layer.input_layernorm.weight.detach(),
-                "qkv_w": layer.self_attn.qkv_weight,
-                "qkv_b": layer.self_attn.qkv_bias,
-                "o_w": layer.self_attn.o_proj.weight.detach(),
-                "o_b": None if layer.self_attn.o_proj.bias is None else layer.self_attn.o_proj.bias.detach(),
-                "norm2": layer.post_attention_layernorm.weight.detach(),
-                "gate_up_w": layer.mlp.gate_up_weight,
-                "gate_up_b": layer.mlp.gate_up_bias,
-                "down_w": layer.mlp.down_proj.weight.detach(),
-                "down_b": None if layer.mlp.down_proj.bias is None else layer.mlp.down_proj.bias.detach(),
-            }
-            for layer in self.model.layers
-        ]
-        return LlamaDecodeStack(
-            layers,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            cfg.intermediate_size,
-            cfg.rms_norm_eps,
-        )
+
+        def projection(engine: Projection | None, weight: torch.Tensor | None, bias: torch.Tensor | None):
+            """(weight, bias, int8 scale) of one projection as the driver reads it."""
+            if isinstance(engine, WeightOnlyLinear):
+                if engine.method != "int8" or engine.bias is not None:
+                    raise ValueError("the stack runs int8 weights without bias")
+                return engine.qweight, None, engine.scales_f32
+            assert weight is not None
+            return weight.detach(), None if bias is None else bias.detach(), None
+
+        try:
+            layers = []
+            for layer in self.model.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                layers.append(
+                    {
+                        "norm1": layer.input_layernorm.weight.detach(),
+                        "qkv": projection(attn.qkv, attn.qkv_weight, attn.qkv_bias),
+                        "o": projection(attn.out, attn.o_proj.weight, attn.o_proj.bias),
+                        "gate_up": projection(mlp.gate_up, mlp.gate_up_weight, mlp.gate_up_bias),
+                        "down": projection(mlp.down, mlp.down_proj.weight, mlp.down_proj.bias),
+                        "norm2": layer.post_attention_layernorm.weight.detach(),
+                    }
+                )
+            return LlamaDecodeStack(
+                layers,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+                cfg.intermediate_size,
+                cfg.rms_norm_eps,
+            )
+        except ValueError:  # int4, or a layout the driver does not take
+            return None
 
     def cache_spec(self) -> list[LayerCacheSpec]:
         kv_dim = self.config.num_key_value_heads * self.config.head_dim
