@@ -182,6 +182,20 @@ def supports(weight: torch.Tensor) -> bool:
 def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` [M, K] (any float dtype; M <= ``MAX_ROWS`` for the
     speed this is for), ``weight`` [N, K] fp32, ``bias`` [N] or None. Returns fp32 [M, N]."""
+    return _run(x, weight, None, bias)
+
+
+def small_gemm_int8(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(x @ qweight.T) * scale + bias`` for int8 ``qweight`` [N, K] with fp32 ``scale`` [N]:
+    fp32 activations and accumulation (the int8 values widen exactly). Returns fp32 [M, N]."""
+    return _run(x, qweight, scale, bias)
+
+
+def _run(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
     lib = _library()
     if lib is None:
         raise RuntimeError("the small-batch CPU kernel did not build on this machine")
@@ -190,43 +204,12 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if weight.shape[1] != k:
         raise ValueError(f"small_gemm: x has {k} columns, weight {tuple(weight.shape)}")
     xf = x.float().contiguous()
-    b = None if bias is None else bias.float().contiguous()
+    bf = None if bias is None else bias.float().contiguous()  # kept alive across the call
+    b = None if bf is None else bf.data_ptr()
     y = torch.empty(m, n, dtype=torch.float32)
-    lib.gemv_f32(
-        xf.data_ptr(),
-        weight.data_ptr(),
-        None if b is None else b.data_ptr(),
-        y.data_ptr(),
-        m,
-        n,
-        k,
-        torch.get_num_threads(),
-    )
-    return y
-
-
-def small_gemm_int8(
-    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``(x @ qweight.T) * scale + bias`` for int8 ``qweight`` [N, K] with fp32 ``scale`` [N]:
-    fp32 activations and accumulation (the int8 values widen exactly). Returns fp32 [M, N]."""
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("the small-batch CPU kernel did not build on this machine")
-    m, k = x.shape
-    n = qweight.shape[0]
-    xf = x.float().contiguous()
-    b = None if bias is None else bias.float().contiguous()
-    y = torch.empty(m, n, dtype=torch.float32)
-    lib.gemv_i8(
-        xf.data_ptr(),
-        qweight.data_ptr(),
-        scale.data_ptr(),
-        None if b is None else b.data_ptr(),
-        y.data_ptr(),
-        m,
-        n,
-        k,
-        torch.get_num_threads(),
-    )
+    threads = torch.get_num_threads()
+    if scale is None:
+        lib.gemv_f32(xf.data_ptr(), weight.data_ptr(), b, y.data_ptr(), m, n, k, threads)
+    else:
+        lib.gemv_i8(xf.data_ptr(), weight.data_ptr(), scale.data_ptr(), b, y.data_ptr(), m, n, k, threads)
     return y
