@@ -11,6 +11,7 @@ the block's end. Per sequence *slot*: the compressors' partial-group buffers and
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -61,11 +62,28 @@ class CacheLayout:
         return elems * 4  # compressor state is fp32
 
 
+_LAZY_BYTES = 1 << 20  # CPU pools at least this large are mapped lazily
+
+
+def _zeros(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
+    """A zero tensor. On the CPU a large one is an anonymous memory mapping: the kernel hands
+    out zero pages as they are first touched, so a multi-GiB cache costs nothing at start-up
+    (``torch.zeros`` wrote every byte: ~4 s for SmolLM2's default budget) and resident memory
+    grows with the blocks in use."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    if dev.type != "cpu" or nbytes < _LAZY_BYTES:
+        return torch.zeros(*shape, dtype=dtype, device=dev)
+    buffer = mmap.mmap(-1, nbytes)  # the tensor keeps the mapping alive
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(*shape)
+
+
 def _compressor_pools(
     ratio: int, width: int, overlap: bool, num_blocks: int, num_slots: int, dtype: torch.dtype, device
 ) -> CompressorPools:
     def zeros(rows: int) -> torch.Tensor:
-        return torch.zeros(rows, width, dtype=dtype, device=device)
+        return _zeros(rows, width, dtype=dtype, device=device)
 
     pools = CompressorPools(buf_kv=zeros(num_slots * ratio), buf_gate=zeros(num_slots * ratio))
     if overlap:
@@ -95,22 +113,22 @@ def allocate_pools(
     bs = layout.block_size
     num_blocks, num_slots = num_blocks + 1, num_slots + 1  # + the null block and slot
     for s in layout.specs:
-        layer = LayerPools(window=torch.zeros(num_blocks * bs, s.kv_dim, dtype=dtype, device=device))
+        layer = LayerPools(window=_zeros(num_blocks * bs, s.kv_dim, dtype=dtype, device=device))
         if s.separate_values:
-            layer.values = torch.zeros(num_blocks * bs, s.kv_dim, dtype=dtype, device=device)
+            layer.values = _zeros(num_blocks * bs, s.kv_dim, dtype=dtype, device=device)
         if s.token_ids:
-            layer.token_ids = torch.zeros(num_blocks * bs, dtype=torch.long, device=device)
+            layer.token_ids = _zeros(num_blocks * bs, dtype=torch.long, device=device)
         if s.ratio and s.shared_from is not None:
             source = pools[s.shared_from]
             layer.entries, layer.index_keys = source.entries, source.index_keys
         elif s.ratio:
             entries = num_blocks * (bs // s.ratio)
-            layer.entries = torch.zeros(entries, s.kv_dim, dtype=dtype, device=device)
+            layer.entries = _zeros(entries, s.kv_dim, dtype=dtype, device=device)
             layer.compressor = _compressor_pools(
                 s.ratio, s.compressor_width, s.overlap, num_blocks, num_slots, torch.float32, device
             )
             if s.index_dim:
-                layer.index_keys = torch.zeros(entries, s.index_dim, dtype=dtype, device=device)
+                layer.index_keys = _zeros(entries, s.index_dim, dtype=dtype, device=device)
             if s.index_width:
                 layer.indexer = _compressor_pools(
                     s.ratio, s.index_width, True, num_blocks, num_slots, torch.float32, device
