@@ -42,7 +42,7 @@ def bench(url: str, model: str, concurrencies: list[int], input_len: int, output
     asyncio.run(run(url, model, warm, 4, 1, float("inf")))
     rows = {}
     for c in concurrencies:
-        requests = make_requests("random", max(8, 2 * c), input_len, seed=c)
+        requests = make_requests("random", max(16, 4 * c), input_len, seed=c)  # tails aside
         results, duration = asyncio.run(run(url, model, requests, output_len, c, float("inf")))
         rows[c] = summarize(results, duration)
         print(f"  {url} c={c}: {rows[c]['output_token_throughput']:.1f} out tok/s", flush=True)
