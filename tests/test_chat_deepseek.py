@@ -391,3 +391,67 @@ def test_format_is_chosen_by_architecture(tok):
     assert chat_format_for("LlamaForCausalLM", tok).name == "template"
     with pytest.raises(ValueError, match="tools"):
         chat_format_for("LlamaForCausalLM", tok).reply_parser(True)
+
+
+def test_developer_turns_and_text_parts():
+    """A developer message is a user turn of its own (dropped with old reasoning); content
+    given as text parts joins with blank lines, as the format joins blocks."""
+    got = encode_deepseek(
+        [{"role": "user", "content": "hi"}, {"role": "developer", "content": "be brief"}], V4
+    )
+    assert got.render() == f"{BOS}{USER}hi{USER}be brief{ASSISTANT}{THINK}"
+    old = [
+        {"role": "developer", "content": "d"},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "v"},
+    ]
+    assert (
+        encode_deepseek(old, V4).render()
+        == f"{BOS}{USER}u{ASSISTANT}{END_THINK}a{EOS}{USER}v{ASSISTANT}{THINK}"
+    )
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    tool = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "", "tool_calls": [_call("x", "f", {})]},
+        {"role": "tool", "tool_call_id": "x", "content": parts},
+    ]
+    assert "<tool_result>a\n\nb</tool_result>" in encode_deepseek(tool, V4, thinking=False).render()
+    with pytest.raises(ValueError, match="reasoning_effort"):
+        encode_deepseek([{"role": "user", "content": "x"}], V41, reasoning_effort=["x"])
+
+
+def test_odd_replies_never_break_the_parser():
+    """Model output the format does not expect: absurdly nested or NaN arguments stay text
+    (valid JSON for the client), a block quoted inside the reasoning is reasoning, a second
+    block adds its calls, text after a block is content."""
+
+    def block(name: str, value: str) -> str:
+        param = f'<{DSML}parameter name="n" string="false">{value}</{DSML}parameter>'
+        return f'\n\n<{DSML}tool_calls>\n<{DSML}invoke name="{name}">\n{param}\n</{DSML}invoke>\n</{DSML}tool_calls>'
+
+    for value in ("[" * 1000, "NaN", "Infinity"):
+        (call,) = (
+            DeepseekReplyParser(V4, True, True).parse("r</think>ok" + block("f", value), True).tool_calls
+        )
+        assert json.loads(call.arguments_json()) == {"n": value}
+    quoted = f"I could write <{DSML}tool_calls> here, no.</think>4."
+    reply = DeepseekReplyParser(V4, True, True).parse(quoted, True)
+    assert (reply.reasoning, reply.content, reply.tool_calls) == (
+        f"I could write <{DSML}tool_calls> here, no.",
+        "4.",
+        [],
+    )
+    text = "r</think>Hi" + block("f", "1") + block("g", "[1]") + "\nbye"
+    reply = DeepseekReplyParser(V4, True, True).parse(text, True)
+    assert reply.content == "Hibye" and [(c.name, c.arguments) for c in reply.tool_calls] == [
+        ("f", {"n": 1}),
+        ("g", {"n": [1]}),
+    ]
+    streamed = _stream(
+        DeepseekReplyParser(V4, True, True),
+        text,
+        list(range(len(text))),
+        {"content": "Hibye", "reasoning": "r"},
+    )
+    assert [c["name"] for c in streamed["tool_calls"].values()] == ["f", "g"]

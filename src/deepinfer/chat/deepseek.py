@@ -9,7 +9,8 @@ description:
 - ``<｜begin▁of▁sentence｜>``, then each message. A system message is its text (V4.1 opens it
   with ``<｜System｜>``), followed by the tool schemas when the request has tools. A user turn
   is ``<｜User｜>`` + text; OpenAI ``tool`` messages become ``<tool_result>...</tool_result>``
-  blocks of a user turn (in the order of the calls they answer), joined by blank lines.
+  blocks of a user turn (in the order of the calls they answer), joined by blank lines; a
+  developer message is a user turn of its own (dropped with the old reasoning, as below).
 - After a user turn that the assistant answers: ``<｜Assistant｜>`` and ``<think>`` (thinking)
   or ``</think>`` (chat, and every earlier turn while older reasoning is dropped).
 - An assistant turn: its reasoning and ``</think>`` when kept, its text, then its tool calls
@@ -223,6 +224,10 @@ def _effort(dialect: Dialect, effort: str | int | None) -> str:
         if effort not in (None, "minimal", "low", "medium", "high", "max"):
             raise ValueError(f"reasoning_effort: {effort!r} is not one of minimal, low, medium, high, max")
         return _V4_MAX_EFFORT if effort == "max" else ""
+    if effort is not None and (not isinstance(effort, str | int) or isinstance(effort, bool)):
+        raise ValueError(
+            f"reasoning_effort: {effort!r} is not an integer in 1..100 or one of {list(_V41_EFFORTS)}"
+        )
     effort = {None: "high", "minimal": "low", "medium": "high"}.get(effort, effort)  # type: ignore[arg-type]
     if isinstance(effort, int) and not isinstance(effort, bool) and 1 <= effort <= 100:
         budget = effort
@@ -246,12 +251,10 @@ def encode_deepseek(
     drop_thinking: bool = True,
 ) -> Prompt:
     """The prompt for ``messages`` (OpenAI shape) in ``dialect``'s format (module docstring)."""
-    msgs = normalize_messages(messages)
+    msgs = normalize_messages(messages, joiner="\n\n")
     for i, m in enumerate(msgs):
-        if m["role"] == "developer":  # OpenAI's system role for reasoning models
-            m["role"] = "system"
-        if m["role"] not in ("system", "user", "assistant", "tool"):
-            raise ValueError(f"messages[{i}].role: {m['role']!r} is not system, user, assistant or tool")
+        if m["role"] == "developer" and not m["content"]:
+            raise ValueError(f"messages[{i}].content: a developer message needs text")
     if reasoning_effort == "none":
         thinking, reasoning_effort = False, None
     effort = _effort(dialect, reasoning_effort) if thinking else ""
@@ -265,9 +268,12 @@ def encode_deepseek(
 
     def opens_answer(i: int) -> bool:  # a turn the assistant answers after
         role = msgs[i]["role"]
-        return role == "user" or (dialect.system_token and role == "system" and i > 0)
+        return role in ("user", "developer") or (dialect.system_token and role == "system" and i > 0)
 
     last_user = max((i for i in range(len(msgs)) if opens_answer(i)), default=-1)
+    if thinking and drop:  # developer turns before the last user turn go with the old reasoning
+        msgs = [m for i, m in enumerate(msgs) if m["role"] != "developer" or i >= last_user]
+        last_user = max((i for i in range(len(msgs)) if opens_answer(i)), default=-1)
     prompt = Prompt()
     prompt.control(BOS)
     for i, m in enumerate(msgs):
@@ -283,6 +289,9 @@ def encode_deepseek(
             if m.get("tools"):
                 prompt.text("\n\n")
                 _tools_section(prompt, dialect, m["tools"])
+        elif role == "developer":  # a user turn carrying instructions
+            prompt.control(USER)
+            prompt.text(m["content"])
         elif role == "user":
             prompt.control(USER)
             for j, (kind, _, text) in enumerate(m["blocks"]):

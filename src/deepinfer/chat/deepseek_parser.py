@@ -1,5 +1,5 @@
 """A DeepSeek-V4/V4.1 reply read back into OpenAI fields: ``reasoning_content`` (up to
-``</think>`` in thinking mode), ``content``, and ``tool_calls`` from the DSML block.
+``</think>`` in thinking mode), ``content``, and ``tool_calls`` from the DSML blocks.
 
 It reads the whole text so far on every call and sends only what can no longer change: text
 that might be the start of ``</think>`` or of the tool-call block is held back until the next
@@ -55,12 +55,16 @@ def _held(text: str, markers: list[str], hold_space: bool) -> str:
     return kept.rstrip() if hold_space else kept
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON a client can read")
+
+
 def _value(raw: str, is_string: bool) -> Any:
     if is_string:
         return raw
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
+    try:  # NaN/Infinity and absurd nesting would break the client's JSON (or our parser)
+        return json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
         return raw  # not JSON after all: keep the text rather than fail the call
 
 
@@ -79,9 +83,9 @@ class DeepseekReplyParser:
 
     # ---- reading --------------------------------------------------------------------------
 
-    def _calls_in(self, block: str, finished: bool) -> tuple[list[tuple[str, dict, bool]], bool]:
-        """The invokes of a tool-call block (name, arguments, complete); False when the block
-        is not DSML (then nothing is a call)."""
+    def _calls_in(self, block: str, finished: bool) -> tuple[list[tuple[str, dict, bool]], bool, int | None]:
+        """The invokes of a tool-call block (name, arguments, complete); whether it is DSML
+        (if not, nothing is a call); where the block's closing tag ends (None: not yet)."""
         d = self.dialect
         found: list[tuple[str, dict, bool]] = []
         pos = 0
@@ -89,14 +93,16 @@ class DeepseekReplyParser:
             while pos < len(block) and block[pos].isspace():
                 pos += 1
             rest = block[pos:]
-            if rest.startswith(d.calls_close) or not rest:
-                return found, True
+            if rest.startswith(d.calls_close):
+                return found, True, pos + len(d.calls_close)
+            if not rest:
+                return found, True, None
             if not rest.startswith(d.invoke_open):  # the next tag still arriving, or not DSML
                 partial = any(m.startswith(rest) for m in (d.calls_close, d.invoke_open))
-                return found, bool(found) or (partial and not finished)
+                return found, bool(found) or (partial and not finished), None
             name = _NAME.match(rest, len(d.invoke_open))
             if name is None:  # the name still arriving, or not DSML
-                return found, bool(found) or not finished
+                return found, bool(found) or not finished, None
             args: dict[str, Any] = {}
             at = name.end()
             while True:
@@ -114,7 +120,7 @@ class DeepseekReplyParser:
                 end = rest.find(d.parameter_close, param.end()) if param else -1
                 if end < 0:  # an argument still arriving (or cut off)
                     found.append((name.group(1), args, False))
-                    return found, True
+                    return found, True, None
                 args[param.group(1)] = _value(rest[param.end() : end], param.group(2) == "true")
                 at = end + len(d.parameter_close)
 
@@ -122,32 +128,40 @@ class DeepseekReplyParser:
         """What ``text`` says so far; with ``finished`` False only the parts that are settled."""
         d = self.dialect
         reasoning, rest = "", text
-        if self.thinking:
+        if self.thinking:  # reasoning ends at </think> only (a quoted block in it is reasoning)
             end = text.find(END_THINK)
-            block_at = text.find(d.calls_open) if self.tools else -1
-            if end >= 0 and (block_at < 0 or end < block_at):
-                reasoning, rest = text[:end], text[end + len(END_THINK) :]
-            elif block_at >= 0:  # tool calls with the reasoning left open
-                reasoning, rest = text[:block_at].rstrip(), text[block_at:]
-            else:
-                markers = [END_THINK] + ([d.calls_open] if self.tools else [])
-                return ParsedReply(text if finished else _held(text, markers, self.tools), "", [])
-        at = rest.find(d.calls_open) if self.tools else -1
-        if at < 0:
-            content = rest if finished or not self.tools else _held(rest, [d.calls_open], True)
-            return ParsedReply(reasoning, content, [])
-        content = rest[:at]
-        content = content[:-2] if content.endswith("\n\n") else content
-        block = rest[at + len(d.calls_open) :]
-        calls, valid = self._calls_in(block, finished)
-        if not valid:
-            return ParsedReply(reasoning, rest if finished else content.rstrip(), [])
+            if end < 0:
+                return ParsedReply(text if finished else _held(text, [END_THINK], False), "", [])
+            reasoning, rest = text[:end], text[end + len(END_THINK) :]
+        if not self.tools:
+            return ParsedReply(reasoning, rest, [])
+        parts: list[str] = []
+        calls: list[tuple[str, dict, bool]] = []
+        pos = 0
+        while True:
+            at = rest.find(d.calls_open, pos)
+            segment = rest[pos:] if at < 0 else rest[pos:at]
+            if calls:  # text after a block: its separating whitespace is not content
+                segment = segment.lstrip()
+            if at < 0:
+                parts.append(segment if finished else _held(segment, [d.calls_open], True))
+                break
+            parts.append(segment[:-2] if segment.endswith("\n\n") else segment)
+            found, valid, end = self._calls_in(rest[at + len(d.calls_open) :], finished)
+            if not valid:  # not DSML: from here on it is text (held back until the end)
+                raw = rest[pos:at].lstrip() if calls else rest[pos:at]
+                parts[-1] = raw + rest[at:] if finished else raw.rstrip()
+                break
+            calls += found
+            if end is None:  # the block is still open (or was cut off)
+                break
+            pos = at + len(d.calls_open) + end
         for j, (name, args, complete) in enumerate(calls):
             if j < len(self._calls):
                 self._calls[j].arguments, self._calls[j].complete = args, complete
             else:
                 self._calls.append(ToolCall(name, args, complete))
-        return ParsedReply(reasoning, content, self._calls[: len(calls)])
+        return ParsedReply(reasoning, "".join(parts), self._calls[: len(calls)])
 
     # ---- streaming ------------------------------------------------------------------------
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
-def _text_of(content: Any, where: str) -> str:
+
+def _text_of(content: Any, where: str, joiner: str = "") -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -22,7 +24,7 @@ def _text_of(content: Any, where: str) -> str:
             ):
                 raise ValueError(f"{where}.content[{i}]: only text parts are supported")
             parts.append(part["text"])
-        return "".join(parts)
+        return joiner.join(parts)
     raise ValueError(f"{where}.content must be a string or a list of text parts")
 
 
@@ -59,17 +61,19 @@ def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
     return calls
 
 
-def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
-    """Plain dicts with string content (OpenAI text parts joined); an assistant's ``tool_calls``
-    become ``{"id", "name", "arguments": dict}``; ``reasoning`` is read as ``reasoning_content``."""
+def normalize_messages(messages: list[Any], joiner: str = "") -> list[dict[str, Any]]:
+    """Plain dicts with string content (OpenAI text parts joined with ``joiner``); an
+    assistant's ``tool_calls`` become ``{"id", "name", "arguments": dict}``; ``reasoning`` is
+    read as ``reasoning_content``. Roles are OpenAI's (a role is written into the prompt, so
+    free text there could open a turn)."""
     out = []
     for i, m in enumerate(messages):
         raw = m if isinstance(m, dict) else m.model_dump(exclude_none=True)
         role = raw.get("role")
-        if not isinstance(role, str) or not role:
-            raise ValueError(f"messages[{i}].role must be a non-empty string")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}].role: {role!r} is not one of {', '.join(ROLES)}")
         msg = dict(raw)
-        msg["content"] = _text_of(raw.get("content"), f"messages[{i}]")
+        msg["content"] = _text_of(raw.get("content"), f"messages[{i}]", joiner)
         if raw.get("tool_calls") is not None:
             msg["tool_calls"] = _tool_calls(raw["tool_calls"], f"messages[{i}].tool_calls")
         reasoning = raw.get("reasoning_content", raw.get("reasoning"))

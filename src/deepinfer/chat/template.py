@@ -31,25 +31,22 @@ def encode_chat(
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this checkpoint's tokenizer has no chat template")
     msgs = normalize_messages(messages)
+    if tools or any(m.get("tool_calls") for m in msgs):
+        # tool calls and schemas would reach the template as unmasked text, and no parser reads
+        # this format's calls back: refused rather than half supported
+        raise ValueError("tools: this model's chat template has no tool-call support in deepinfer")
     markers: dict[str, str] = {}
     masked = []
     for m in msgs:
         marker = f"\x00{secrets.token_hex(8)}\x00"
         markers[marker] = m["content"]
         entry = {**m, "content": marker}
-        if "tool_calls" in m:  # back to OpenAI's shape, which templates read
-            entry["tool_calls"] = [
-                {
-                    "id": c["id"],
-                    "type": "function",
-                    "function": {"name": c["name"], "arguments": c["arguments"]},
-                }
-                for c in m["tool_calls"]
-            ]
+        if m.get("reasoning_content"):
+            reasoning = f"\x00{secrets.token_hex(8)}\x00"
+            markers[reasoning] = m["reasoning_content"]
+            entry["reasoning_content"] = reasoning
         masked.append(entry)
     extra = dict(template_kwargs or {})
-    if tools:
-        extra["tools"] = [{"type": "function", "function": fn} for fn in tools]
     rendered = tokenizer.apply_chat_template(
         masked, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
     )
