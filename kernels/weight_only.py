@@ -3,8 +3,10 @@
 Decode at small batch reads every weight once per step, so fewer weight bytes is speed.
 PyTorch's weight-only kernels are fast only with bf16 activations (measured per kernel at
 M=1 and M=32: benchmarks/RESULTS.md, 2026-11-30 CPU section), so activations enter them in
-bf16 and leave in the caller's dtype; int8 at up to ``INT8_SMALL_ROWS`` rows runs
-``cpu_gemv``'s widening loop instead, in fp32. fp32 projections run ``cpu_gemv``'s
+bf16 and leave in the caller's dtype; int8 at up to ``INT8_SMALL_ROWS`` rows (and whenever
+in_features is not a multiple of 16, which PyTorch's kernel cannot take) runs ``cpu_gemv``'s
+widening loop instead, in fp32. So int8 results are not batch-invariant across that row
+count (fp32 ones are, up to ``cpu_gemv.MAX_ROWS``). fp32 projections run ``cpu_gemv``'s
 small-batch kernel at decode sizes and oneDNN with a packed weight above.
 
 int8: symmetric per output channel. int4: asymmetric per group of ``group`` input channels
@@ -74,10 +76,15 @@ class WeightOnlyLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, self.in_features)
-        if self.method == "int8" and flat.shape[0] <= INT8_SMALL_ROWS and cpu_gemv.available():
+        # PyTorch's int8 kernel takes in_features in multiples of 16 only (others crash it)
+        small = flat.shape[0] <= INT8_SMALL_ROWS or self.in_features % 16
+        if self.method == "int8" and small and flat.device.type == "cpu":
             # decode sizes: fp32 activations through the widening loop (what the one-call
             # decode stack runs too), about PyTorch's speed at one row
-            y = cpu_gemv.small_gemm_int8(flat, self.qweight, self.scales_f32)
+            if cpu_gemv.available():
+                y = cpu_gemv.small_gemm_int8(flat, self.qweight, self.scales_f32)
+            else:
+                y = flat.float() @ self.dequantize().T
             y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(y.dtype)
         flat = flat.to(torch.bfloat16)

@@ -136,3 +136,14 @@ def test_quantization_options_are_checked(llama_path, v4_ckpt):
         LLM(llama_path, quantization="int8", device="cuda")
     with pytest.raises(ValueError, match="not supported for DeepseekV4ForCausalLM"):
         LLM(v4_ckpt, quantization="int8")
+
+
+def test_int8_widths_pytorchs_kernel_cannot_take():
+    """in_features not a multiple of 16 (PyTorch's int8 kernel crashes on them) run the
+    widening loop at every row count."""
+    gen = torch.Generator().manual_seed(1)
+    for k in (8, 24, 72, 100):
+        lin = WeightOnlyLinear(torch.randn(20, k, generator=gen), None, "int8")
+        x = torch.randn(INT8_SMALL_ROWS + 7, k, generator=gen)
+        exact = x @ lin.dequantize().T
+        assert (lin(x) - exact).norm() <= 1e-5 * exact.norm()

@@ -75,7 +75,9 @@ def _zeros(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -
     nbytes = numel * torch.empty(0, dtype=dtype).element_size()
     if dev.type != "cpu" or nbytes < _LAZY_BYTES:
         return torch.zeros(*shape, dtype=dtype, device=dev)
-    buffer = mmap.mmap(-1, nbytes)  # the tensor keeps the mapping alive
+    # private: untouched pages read as the kernel's zero page (a shared mapping would allocate
+    # them on a read); the tensor keeps the mapping alive
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(buffer, dtype=dtype, count=numel).view(*shape)
 
 
