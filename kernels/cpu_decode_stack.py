@@ -30,6 +30,8 @@ _SOURCE = r"""
 using gemv_t = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int);
 using gemv_i8_t = void (*)(const float*, const int8_t*, const float*, const float*, float*, int64_t, int64_t,
                            int64_t, int);
+using gemv_i4_t = void (*)(const float*, const uint8_t*, const float*, const float*, const float*, float*,
+                           int64_t, int64_t, int64_t, int);
 using norm_t = void (*)(const float*, const float*, const float*, float*, float*, int64_t, int64_t, float);
 using silu_t = void (*)(const float*, float*, int64_t, int64_t);
 using rope_t = void (*)(const float*, const float*, const float*, const int64_t*, void*, void*, float*,
@@ -40,30 +42,35 @@ using attn_t = void (*)(const float*, const void*, const void*, const int64_t*, 
 struct Fns {
   gemv_t gemv;
   gemv_i8_t gemv_i8;
+  gemv_i4_t gemv_i4;
   int threads;
-  // y [M, N] = x [M, K] @ W.T (+ bias): fp32 W, or int8 W with a per-row scale when s is set
+  // y [M, N] = x [M, K] @ W.T (+ bias): fp32 W; int8 W with a per-row scale (s set); or packed
+  // int4 W with a scale and offset per group of 32 (s and c set)
   void proj(const int64_t* t, int i, const float* x, float* y, int64_t M, int64_t N, int64_t K) const {
     const auto* b = reinterpret_cast<const float*>(t[i + 1]);
     const auto* s = reinterpret_cast<const float*>(t[i + 2]);
-    if (s) gemv_i8(x, reinterpret_cast<const int8_t*>(t[i]), s, b, y, M, N, K, threads);
+    const auto* c = reinterpret_cast<const float*>(t[i + 3]);
+    if (c) gemv_i4(x, reinterpret_cast<const uint8_t*>(t[i]), s, c, b, y, M, N, K, threads);
+    else if (s) gemv_i8(x, reinterpret_cast<const int8_t*>(t[i]), s, b, y, M, N, K, threads);
     else gemv(x, reinterpret_cast<const float*>(t[i]), b, y, M, N, K, threads);
   }
 };
 
-// fns: gemv_f32, gemv_i8, add_rms_norm, silu_mul, rope_store, decode_attention (for the pools'
-// dtype). table [layers, 16]: norm1 w, (qkv, o, gate_up, down) x (w, bias, int8 scale), norm2 w,
-// k pool, v pool (0 for an absent bias or scale)
+// fns: gemv_f32, gemv_i8, gemv_i4, add_rms_norm, silu_mul, rope_store, decode_attention (for the
+// pools' dtype). table [layers, 20]: norm1 w, (qkv, o, gate_up, down) x (w, bias, scale, int4
+// offset), norm2 w, k pool, v pool (0 for an absent bias, scale or offset)
 extern "C" void llama_decode_stack(const int64_t* fns, const int64_t* table, int64_t layers, float* h,
                                    float* work, const float* cos, const float* sin,
                                    const int64_t* write_rows, const int64_t* dec_rows,
                                    const int64_t* dec_kv, const bool* dec_valid, int64_t M, int64_t D,
                                    int64_t H, int64_t KV, int64_t HD, int64_t I, int64_t n_dec,
                                    int64_t len_dec, float eps, float scale, int threads) {
-  const Fns f{reinterpret_cast<gemv_t>(fns[0]), reinterpret_cast<gemv_i8_t>(fns[1]), threads};
-  const auto norm = reinterpret_cast<norm_t>(fns[2]);
-  const auto silu = reinterpret_cast<silu_t>(fns[3]);
-  const auto rope = reinterpret_cast<rope_t>(fns[4]);
-  const auto attn = reinterpret_cast<attn_t>(fns[5]);
+  const Fns f{reinterpret_cast<gemv_t>(fns[0]), reinterpret_cast<gemv_i8_t>(fns[1]),
+              reinterpret_cast<gemv_i4_t>(fns[2]), threads};
+  const auto norm = reinterpret_cast<norm_t>(fns[3]);
+  const auto silu = reinterpret_cast<silu_t>(fns[4]);
+  const auto rope = reinterpret_cast<rope_t>(fns[5]);
+  const auto attn = reinterpret_cast<attn_t>(fns[6]);
   const int64_t QKV = (H + 2 * KV) * HD, A = H * HD;
   float* normed = work;
   float* qkv = normed + M * D;
@@ -75,21 +82,21 @@ extern "C" void llama_decode_stack(const int64_t* fns, const int64_t* table, int
   float* act = gu + M * 2 * I;
   float* down = act + M * I;
   for (int64_t l = 0; l < layers; ++l) {
-    const int64_t* t = table + l * 16;
+    const int64_t* t = table + l * 20;
     const auto* norm1 = reinterpret_cast<const float*>(t[0]);
-    const auto* norm2 = reinterpret_cast<const float*>(t[13]);
-    void* k_pool = reinterpret_cast<void*>(t[14]);
-    void* v_pool = reinterpret_cast<void*>(t[15]);
+    const auto* norm2 = reinterpret_cast<const float*>(t[17]);
+    void* k_pool = reinterpret_cast<void*>(t[18]);
+    void* v_pool = reinterpret_cast<void*>(t[19]);
     norm(h, nullptr, norm1, h, normed, M, D, eps);
     f.proj(t, 1, normed, qkv, M, QKV, D);
     rope(qkv, cos, sin, write_rows, k_pool, v_pool, q, M, H, KV, HD);
     std::memset(att, 0, sizeof(float) * (M + 1) * A);
     attn(q, k_pool, v_pool, dec_rows, dec_kv, dec_valid, att, n_dec, len_dec, H, KV, HD, scale, threads);
-    f.proj(t, 4, att, o, M, D, A);
+    f.proj(t, 5, att, o, M, D, A);
     norm(h, o, norm2, res, normed, M, D, eps);
-    f.proj(t, 7, normed, gu, M, 2 * I, D);
+    f.proj(t, 9, normed, gu, M, 2 * I, D);
     silu(gu, act, M, I);
-    f.proj(t, 10, act, down, M, D, I);
+    f.proj(t, 13, act, down, M, D, I);
     for (int64_t i = 0; i < M * D; ++i) h[i] = res[i] + down[i];
   }
 }
@@ -104,8 +111,8 @@ _ARGS = (
     + [ctypes.c_int]
 )
 _POOL_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-# rows up to which int8 projections run in the stack: above, PyTorch's int8 kernel (bf16
-# activations) beats the widening loop (RESULTS.md)
+# rows up to which int8/int4 projections run in the stack: above, PyTorch's kernels (bf16
+# activations) beat the widening loops (RESULTS.md)
 INT8_MAX_ROWS = weight_only.INT8_SMALL_ROWS
 
 
@@ -140,6 +147,7 @@ def _functions(pool_dtype: torch.dtype) -> torch.Tensor:
     addresses = [
         _address(cpu_gemv._library(), "gemv_f32"),
         _address(cpu_gemv._library(), "gemv_i8"),
+        _address(cpu_gemv._library(), "gemv_i4"),
         _address(cpu_norm_act._library(), "add_rms_norm_f32"),
         _address(cpu_norm_act._library(), "silu_mul_f32"),
         _address(cpu_rope_store._library(), f"rope_store_f32_{p}"),
@@ -152,7 +160,8 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-Projection = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # weight, bias, int8 scale
+# weight, bias, scale (int8 per row, int4 per group), offset (int4 per group)
+Projection = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
 class LlamaDecodeStack:
@@ -169,31 +178,31 @@ class LlamaDecodeStack:
         eps: float,
     ) -> None:
         """``layers``: per layer ``norm1``, ``norm2`` (fp32 weights) and ``qkv``, ``o``,
-        ``gate_up``, ``down`` as (weight, bias, scale): fp32 weights with no scale, or int8
-        weights with their fp32 per-row scale."""
+        ``gate_up``, ``down`` as (weight, bias, scale, offset): fp32 weights alone, int8 ones
+        with their fp32 per-row scale, or packed int4 ones (uint8) with their fp32 per-group
+        scale and offset (``cpu_gemv.small_gemm_int4``'s layout)."""
+        kinds = {torch.float32: (False, False), torch.int8: (True, False), torch.uint8: (True, True)}
         self.tensors: list[list[torch.Tensor | None]] = []
-        int8 = set()
+        quantized = False
         for layer in layers:
             row: list[torch.Tensor | None] = [layer["norm1"]]  # type: ignore[list-item]
             for name in ("qkv", "o", "gate_up", "down"):
-                weight, bias, scale = layer[name]  # type: ignore[misc]
-                if weight.dtype not in (torch.float32, torch.int8) or (weight.dtype == torch.int8) != (
-                    scale is not None
-                ):
-                    raise ValueError(f"LlamaDecodeStack: {name} must be fp32, or int8 with a scale")
-                int8.add(weight.dtype == torch.int8)
-                row += [weight, bias, scale]
+                weight, bias, scale, offset = layer[name]  # type: ignore[misc]
+                if kinds.get(weight.dtype) != (scale is not None, offset is not None):
+                    raise ValueError(
+                        f"LlamaDecodeStack: {name} must be fp32, int8 + scale or int4 + scale, offset"
+                    )
+                quantized |= scale is not None
+                row += [weight, bias, scale, offset]
             row.append(layer["norm2"])  # type: ignore[arg-type]
             self.tensors.append(row)
         for row in self.tensors:
             for t in row:
                 if t is not None and (
-                    t.dtype not in (torch.float32, torch.int8)
-                    or not t.is_contiguous()
-                    or t.device.type != "cpu"
+                    t.dtype not in kinds or not t.is_contiguous() or t.device.type != "cpu"
                 ):
-                    raise ValueError("LlamaDecodeStack needs contiguous fp32 (or int8) CPU tensors")
-        self.max_rows = INT8_MAX_ROWS if True in int8 else cpu_gemv.MAX_ROWS
+                    raise ValueError("LlamaDecodeStack needs contiguous fp32 / int8 / uint8 CPU tensors")
+        self.max_rows = INT8_MAX_ROWS if quantized else cpu_gemv.MAX_ROWS
         self.weights = torch.tensor([[_ptr(t) for t in row] for row in self.tensors], dtype=torch.int64)
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.intermediate, self.eps = intermediate, eps

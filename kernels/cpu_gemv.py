@@ -38,6 +38,7 @@ _SOURCE = r"""
 #include <ATen/cpu/vec/vec.h>
 #include <omp.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
@@ -147,10 +148,60 @@ extern "C" void gemv_i8(const float* x, const int8_t* w, const float* scale, con
                         int64_t M, int64_t N, int64_t K, int threads) {
   gemv_any<int8_t>(x, w, scale, bias, y, M, N, K, threads);
 }
+
+// One group of 32 int4 weights as two vectors of fp32 weights w = q * s + c; byte j of the
+// group holds q[j] (low nibble) and q[j + 16] (high nibble).
+inline void int4_group(const uint8_t* b, float s, float c, float* lo, float* hi) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+  const Vec sv(s), cv(c);
+  at::vec::fmadd(Vec(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)))), sv, cv).store(lo);
+  at::vec::fmadd(Vec(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4))), sv, cv).store(hi);
+#else
+  for (int j = 0; j < 16; ++j) {
+    lo[j] = std::fma(static_cast<float>(b[j] & 15), s, c);
+    hi[j] = std::fma(static_cast<float>(b[j] >> 4), s, c);
+  }
+#endif
+}
+
+// int4 weights [N, K / 2] (groups of 32, fp32 scale s and offset c per group: w = q * s + c),
+// up to four activation rows per pass, one weight row after another per thread
+extern "C" void gemv_i4(const float* x, const uint8_t* w, const float* scale, const float* offset,
+                        const float* bias, float* y, int64_t M, int64_t N, int64_t K, int threads) {
+  const int64_t G = K / 32;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* wr = w + n * (K / 2);
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int64_t rows = std::min<int64_t>(4, M - m0);
+      Vec acc[4][32 / Vec::size()];
+      for (int m = 0; m < 4; ++m)
+        for (int v = 0; v < 32 / Vec::size(); ++v) acc[m][v] = Vec(0.f);
+      alignas(64) float wg[32];
+      for (int64_t g = 0; g < G; ++g) {
+        int4_group(wr + g * 16, scale[n * G + g], offset[n * G + g], wg, wg + 16);
+        for (int v = 0; v < 32 / Vec::size(); ++v) {
+          const Vec wv = Vec::loadu(wg + v * Vec::size());
+          for (int m = 0; m < rows; ++m)
+            acc[m][v] = at::vec::fmadd(wv, Vec::loadu(x + (m0 + m) * K + g * 32 + v * Vec::size()), acc[m][v]);
+        }
+      }
+      for (int m = 0; m < rows; ++m) {
+        Vec a = acc[m][0];
+        for (int v = 1; v < 32 / Vec::size(); ++v) a = a + acc[m][v];
+        float r = hsum(a);
+        if (bias) r += bias[n];
+        y[(m0 + m) * N + n] = r;
+      }
+    }
+  }
+}
 """
 
 ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 ARGTYPES_I8 = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+ARGTYPES_I4 = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 
 
 @functools.cache
@@ -160,6 +211,7 @@ def _library() -> ctypes.CDLL | None:
     if lib is not None:
         cpu_build.bind(lib, "gemv_f32", ARGTYPES)
         cpu_build.bind(lib, "gemv_i8", ARGTYPES_I8)
+        cpu_build.bind(lib, "gemv_i4", ARGTYPES_I4)
     return lib
 
 
@@ -191,6 +243,41 @@ def small_gemm_int8(
     """``(x @ qweight.T) * scale + bias`` for int8 ``qweight`` [N, K] with fp32 ``scale`` [N]:
     fp32 activations and accumulation (the int8 values widen exactly). Returns fp32 [M, N]."""
     return _run(x, qweight, scale, bias)
+
+
+def small_gemm_int4(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W.T + bias`` for int4 ``W`` packed [N, K / 2] (groups of 32; byte j of a group
+    holds q[j] and q[j + 16]), ``W = q * scale + offset`` with fp32 ``scale``/``offset``
+    [N, K / 32]; fp32 activations and accumulation. Returns fp32 [M, N]."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the small-batch CPU kernel did not build on this machine")
+    m, k = x.shape
+    n = packed.shape[0]
+    if packed.shape[1] * 2 != k or k % 32:
+        raise ValueError(f"small_gemm_int4: x has {k} columns, packed weight {tuple(packed.shape)}")
+    xf = x.float().contiguous()
+    bf = None if bias is None else bias.float().contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    lib.gemv_i4(
+        xf.data_ptr(),
+        packed.data_ptr(),
+        scale.data_ptr(),
+        offset.data_ptr(),
+        None if bf is None else bf.data_ptr(),
+        y.data_ptr(),
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    return y
 
 
 def _run(

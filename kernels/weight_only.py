@@ -3,10 +3,11 @@
 Decode at small batch reads every weight once per step, so fewer weight bytes is speed.
 PyTorch's weight-only kernels are fast only with bf16 activations (measured per kernel at
 M=1 and M=32: benchmarks/RESULTS.md, 2026-11-30 CPU section), so activations enter them in
-bf16 and leave in the caller's dtype; int8 at up to ``INT8_SMALL_ROWS`` rows (and whenever
-in_features is not a multiple of 16, which PyTorch's kernel cannot take) runs ``cpu_gemv``'s
-widening loop instead, in fp32. So int8 results are not batch-invariant across that row
-count (fp32 ones are, up to ``cpu_gemv.MAX_ROWS``). fp32 projections run ``cpu_gemv``'s
+bf16 and leave in the caller's dtype; int8 and int4 at up to ``INT8_SMALL_ROWS`` rows (int8
+also whenever in_features is not a multiple of 16, which PyTorch's kernel cannot take) run
+``cpu_gemv``'s widening loops instead, in fp32 (int4 keeps a second copy in that loop's
+layout: a third more bytes than the weights alone). So quantized results are not
+batch-invariant across that row count (fp32 ones are, up to ``cpu_gemv.MAX_ROWS``). fp32 projections run ``cpu_gemv``'s
 small-batch kernel at decode sizes and oneDNN with a packed weight above.
 
 int8: symmetric per output channel. int4: asymmetric per group of ``group`` input channels
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from deepinfer.kernels import cpu_gemv
 
 INT4_GROUP = 32
-INT8_SMALL_ROWS = 4  # int8 rows up to which ``cpu_gemv``'s loop runs (PyTorch's kernel above)
+INT8_SMALL_ROWS = 4  # int8/int4 rows up to which ``cpu_gemv``'s loops run (PyTorch's kernels above)
 _INNER_K_TILES = 2
 _INT4_ROWS = 16  # the int4 packing takes output rows in multiples of 16 (zero rows pad)
 
@@ -58,10 +59,18 @@ class WeightOnlyLinear:
             self.qweight = torch._convert_weight_to_int4pack_for_cpu(q4, _INNER_K_TILES)
             sz = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1)  # [out, groups, 2]
             self.scales = sz.transpose(0, 1).contiguous().to(torch.bfloat16)
+            # ``cpu_gemv``'s layout of the same values for decode sizes: byte j of a group holds
+            # q[j] and q[j + 16]; w = q * s + c with the kernel's bf16 scale and zero
+            rows = self.out_features
+            g = q[:rows].to(torch.uint8)
+            self.packed4 = (g[..., :16] | (g[..., 16:] << 4)).reshape(rows, -1).contiguous()
+            sz_used = sz[:rows].to(torch.bfloat16).float()
+            self.scale4 = sz_used[..., 0].contiguous()
+            self.offset4 = (sz_used[..., 1] - 8.0 * sz_used[..., 0]).contiguous()
 
     @property
     def nbytes(self) -> int:
-        """Bytes a step reads (weights and scales)."""
+        """Bytes a step reads (weights and scales, in PyTorch's layout)."""
         q = self.qweight
         return q.numel() * q.element_size() + self.scales.numel() * self.scales.element_size()
 
@@ -87,6 +96,11 @@ class WeightOnlyLinear:
                 y = flat.float() @ self.dequantize().T
             y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(y.dtype)
+        if self.method == "int4" and flat.shape[0] <= INT8_SMALL_ROWS and flat.device.type == "cpu":
+            if cpu_gemv.available():  # decode sizes: the widening loop, fp32 activations
+                y = cpu_gemv.small_gemm_int4(flat, self.packed4, self.scale4, self.offset4)
+                y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+                return y if self.bias is None else y + self.bias.to(y.dtype)
         flat = flat.to(torch.bfloat16)
         if self.method == "int8":
             y = torch._weight_int8pack_mm(flat, self.qweight, self.scales)

@@ -298,7 +298,7 @@ def _greedy(llm, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]
     layers=st.integers(1, 3),
     rows=st.integers(1, cpu_gemv.MAX_ROWS),
     kv_dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
-    quantization=st.sampled_from([None, "int8"]),
+    quantization=st.sampled_from([None, "int8", "int4"]),
     seed=st.integers(0, 1000),
 )
 def test_one_call_decode_stack_equals_the_layer_loop(
@@ -306,7 +306,7 @@ def test_one_call_decode_stack_equals_the_layer_loop(
 ):
     """The C++ layer loop calls the same kernels in the same order: greedy tokens and their
     logprobs equal the per-layer path's bitwise, for any Llama shape, 1-16 decode rows, fp32,
-    bf16 and fp16 pools, fp32 or int8 weights (and the stack did run)."""
+    bf16 and fp16 pools, fp32, int8 or int4 weights (and the stack did run)."""
     path = make_tiny_checkpoint(
         tmp_path_factory.mktemp("stack"),
         "llama",
@@ -328,7 +328,7 @@ def test_one_call_decode_stack_equals_the_layer_loop(
     )
     stack = llm.model.decode_stack
     assert stack is not None
-    rows = min(rows, stack.max_rows)  # int8: up to 4 rows
+    rows = min(rows, stack.max_rows)  # int8/int4: up to 4 rows
     calls = {"n": 0}
     real = type(stack).__call__
 

@@ -26,8 +26,8 @@ from deepinfer.tiny import make_tiny_checkpoint
 )
 def test_kernels_compute_with_the_weights_they_report(method, out_features, groups, rows, bias, seed):
     """The kernel's output equals the activations times the dequantized weight (so the error
-    report below is the whole story): in fp32 for int8 at decode sizes (``cpu_gemv``'s
-    widening loop), bf16 activations otherwise; and the weight error is within the format's."""
+    report below is the whole story): in fp32 at decode sizes (``cpu_gemv``'s widening
+    loops), bf16 activations otherwise; and the weight error is within the format's."""
     gen = torch.Generator().manual_seed(seed)
     in_features = groups * INT4_GROUP * 2
     w = torch.randn(out_features, in_features, generator=gen)
@@ -39,7 +39,7 @@ def test_kernels_compute_with_the_weights_they_report(method, out_features, grou
     got = lin(x)
     assert got.dtype == x.dtype and got.shape == (rows, out_features)
     assert (got - expected).norm() <= 2e-2 * expected.norm()  # bf16 accumulation only
-    if method == "int8" and rows <= INT8_SMALL_ROWS:
+    if rows <= INT8_SMALL_ROWS:  # both methods: the widening loops, fp32 throughout
         exact = x @ deq.T + (b if b is not None else 0)
         assert (got - exact).norm() <= 1e-5 * exact.norm()
     weight_error = ((deq - w).norm() / w.norm()).item()
@@ -58,6 +58,11 @@ def test_a_broken_scale_fails_the_kernel_check():
         expected = x.bfloat16().float() @ lin.dequantize().T
         lin.scales, lin.scales_f32 = lin.scales * 1.05, lin.scales_f32 * 1.05
         assert (lin(x) - expected).norm() > 2e-2 * expected.norm()
+    lin = WeightOnlyLinear(torch.randn(16, 64, generator=gen), None, "int4")  # int4's loop too
+    x = torch.randn(INT8_SMALL_ROWS, 64, generator=gen)
+    expected = x @ lin.dequantize().T
+    lin.scale4, lin.offset4 = lin.scale4 * 1.05, lin.offset4 * 1.05
+    assert (lin(x) - expected).norm() > 2e-2 * expected.norm()
 
 
 @pytest.fixture(scope="module")

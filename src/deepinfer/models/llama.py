@@ -339,20 +339,22 @@ class LlamaForCausalLM(CausalLM):
         self.decode_stack = self._decode_stack()
 
     def _decode_stack(self) -> LlamaDecodeStack | None:
-        """The one-call decode driver over the engine's projections: packed fp32 weights or
-        int8 ones (None for other dtypes and methods, or where the CPU kernels did not build)."""
+        """The one-call decode driver over the engine's projections: packed fp32, int8 or int4
+        weights (None for other dtypes, or where the CPU kernels did not build)."""
         cfg = self.config
         if self.model.embed_tokens.weight.dtype != torch.float32 or not cpu_decode_stack.available():
             return None
 
         def projection(engine: Projection | None, weight: torch.Tensor | None, bias: torch.Tensor | None):
-            """(weight, bias, int8 scale) of one projection as the driver reads it."""
+            """(weight, bias, scale, offset) of one projection as the driver reads it."""
             if isinstance(engine, WeightOnlyLinear):
-                if engine.method != "int8" or engine.bias is not None:
-                    raise ValueError("the stack runs int8 weights without bias")
-                return engine.qweight, None, engine.scales_f32
+                if engine.bias is not None:
+                    raise ValueError("the stack runs quantized weights without bias")
+                if engine.method == "int8":
+                    return engine.qweight, None, engine.scales_f32, None
+                return engine.packed4, None, engine.scale4, engine.offset4
             assert weight is not None
-            return weight.detach(), None if bias is None else bias.detach(), None
+            return weight.detach(), None if bias is None else bias.detach(), None, None
 
         try:
             layers = []
@@ -376,7 +378,7 @@ class LlamaForCausalLM(CausalLM):
                 cfg.intermediate_size,
                 cfg.rms_norm_eps,
             )
-        except ValueError:  # int4, or a layout the driver does not take
+        except ValueError:  # a layout the driver does not take
             return None
 
     def cache_spec(self) -> list[LayerCacheSpec]:
