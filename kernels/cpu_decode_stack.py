@@ -113,7 +113,7 @@ _ARGS = (
 _POOL_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 # rows up to which int8/int4 projections run in the stack: above, PyTorch's kernels (bf16
 # activations) beat the widening loops (RESULTS.md)
-INT8_MAX_ROWS = weight_only.INT8_SMALL_ROWS
+QUANTIZED_MAX_ROWS = weight_only.QUANTIZED_SMALL_ROWS
 
 
 @functools.cache
@@ -202,33 +202,30 @@ class LlamaDecodeStack:
                     t.dtype not in kinds or not t.is_contiguous() or t.device.type != "cpu"
                 ):
                     raise ValueError("LlamaDecodeStack needs contiguous fp32 / int8 / uint8 CPU tensors")
-        self.max_rows = INT8_MAX_ROWS if quantized else cpu_gemv.MAX_ROWS
+        self.max_rows = QUANTIZED_MAX_ROWS if quantized else cpu_gemv.MAX_ROWS
         self.weights = torch.tensor([[_ptr(t) for t in row] for row in self.tensors], dtype=torch.int64)
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.intermediate, self.eps = intermediate, eps
         self.hidden = self.tensors[0][0].shape[0]
         self._pools: tuple[int, ...] = ()
-        self._table = torch.empty(0, dtype=torch.int64)
+        self._table: torch.Tensor | None = None
 
     def supports(self, h: torch.Tensor, pools: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """A decode-sized fp32 activation and pools the kernels read."""
-        k0, v0 = pools[0]
-        return (
-            h.dtype == torch.float32
-            and h.dim() == 2
-            and 0 < h.shape[0] <= self.max_rows
-            and not h.requires_grad
-            and k0.dtype in _POOL_NAMES
-            and all(k.dtype == k0.dtype and v.dtype == k0.dtype for k, v in pools)
-            and all(k.is_contiguous() and v.is_contiguous() for k, v in pools)
-            and available()
-        )
+        decode = h.dtype == torch.float32 and h.dim() == 2 and 0 < h.shape[0] <= self.max_rows
+        return decode and not h.requires_grad and self._table_for(pools) is not None
 
-    def _table_for(self, pools: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def _table_for(self, pools: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """The driver's table for these pools (None: pools the kernels cannot read); checked and
+        built again only when the pools change."""
         key = tuple(p.data_ptr() for kv in pools for p in kv)
         if key != self._pools:
+            dtype = pools[0][0].dtype
+            readable = dtype in _POOL_NAMES and all(
+                t.dtype == dtype and t.is_contiguous() for kv in pools for t in kv
+            )
             addresses = torch.tensor(key, dtype=torch.int64).view(-1, 2)
-            self._table = torch.cat([self.weights, addresses], dim=1).contiguous()
+            self._table = torch.cat([self.weights, addresses], dim=1).contiguous() if readable else None
             self._pools = key
         return self._table
 
@@ -256,6 +253,7 @@ class LlamaDecodeStack:
         rows, kv, valid = write_rows.contiguous(), decode_kv.contiguous(), decode_valid.contiguous()
         dec = decode_rows.contiguous()
         table = self._table_for(pools)
+        assert table is not None, "pools the kernels cannot read (check supports() first)"
         lib.llama_decode_stack(
             _functions(pools[0][0].dtype).data_ptr(),
             table.data_ptr(),

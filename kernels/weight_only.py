@@ -3,12 +3,11 @@
 Decode at small batch reads every weight once per step, so fewer weight bytes is speed.
 PyTorch's weight-only kernels are fast only with bf16 activations (measured per kernel at
 M=1 and M=32: benchmarks/RESULTS.md, 2026-11-30 CPU section), so activations enter them in
-bf16 and leave in the caller's dtype; int8 and int4 at up to ``INT8_SMALL_ROWS`` rows (int8
-also whenever in_features is not a multiple of 16, which PyTorch's kernel cannot take) run
-``cpu_gemv``'s widening loops instead, in fp32 (int4 keeps a second copy in that loop's
-layout: a third more bytes than the weights alone). So quantized results are not
-batch-invariant across that row count (fp32 ones are, up to ``cpu_gemv.MAX_ROWS``). fp32 projections run ``cpu_gemv``'s
-small-batch kernel at decode sizes and oneDNN with a packed weight above.
+bf16 and leave in the caller's dtype; int8 and int4 at up to ``QUANTIZED_SMALL_ROWS`` rows
+run ``cpu_gemv``'s widening loops instead, in fp32 (int4 keeps a second copy in that loop's
+layout). So quantized results are not batch-invariant across that row count (fp32 ones are,
+up to ``cpu_gemv.MAX_ROWS``). fp32 projections run ``cpu_gemv``'s small-batch kernel at
+decode sizes and oneDNN with a packed weight above.
 
 int8: symmetric per output channel. int4: asymmetric per group of ``group`` input channels
 (the kernel's ``(q - 8) * scale + zero`` form).
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 from deepinfer.kernels import cpu_gemv
 
 INT4_GROUP = 32
-INT8_SMALL_ROWS = 4  # int8/int4 rows up to which ``cpu_gemv``'s loops run (PyTorch's kernels above)
+QUANTIZED_SMALL_ROWS = 4  # int8/int4 rows up to which ``cpu_gemv``'s loops run (PyTorch's kernels above)
 _INNER_K_TILES = 2
 _INT4_ROWS = 16  # the int4 packing takes output rows in multiples of 16 (zero rows pad)
 
@@ -82,25 +81,26 @@ class WeightOnlyLinear:
         cols = torch._weight_int4pack_mm_for_cpu(eye, self.qweight, INT4_GROUP, self.scales.float())
         return cols.float().T[: self.out_features]
 
+    def _widening(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """fp32 ``flat @ W.T`` through ``cpu_gemv``'s widening loops (what the one-call decode
+        stack runs too) at decode sizes, or None where PyTorch's kernels take over. int8 also
+        runs here whenever in_features is not a multiple of 16: PyTorch's kernel crashes there."""
+        small = flat.shape[0] <= QUANTIZED_SMALL_ROWS
+        if self.method == "int8" and (small or self.in_features % 16):
+            if not cpu_gemv.available():
+                return flat.float() @ self.dequantize().T
+            return cpu_gemv.small_gemm_int8(flat, self.qweight, self.scales_f32)
+        if self.method == "int4" and small and cpu_gemv.available():
+            return cpu_gemv.small_gemm_int4(flat, self.packed4, self.scale4, self.offset4)
+        return None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, self.in_features)
-        # PyTorch's int8 kernel takes in_features in multiples of 16 only (others crash it)
-        small = flat.shape[0] <= INT8_SMALL_ROWS or self.in_features % 16
-        if self.method == "int8" and small and flat.device.type == "cpu":
-            # decode sizes: fp32 activations through the widening loop (what the one-call
-            # decode stack runs too), about PyTorch's speed at one row
-            if cpu_gemv.available():
-                y = cpu_gemv.small_gemm_int8(flat, self.qweight, self.scales_f32)
-            else:
-                y = flat.float() @ self.dequantize().T
+        y = self._widening(flat) if flat.device.type == "cpu" else None
+        if y is not None:
             y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(y.dtype)
-        if self.method == "int4" and flat.shape[0] <= INT8_SMALL_ROWS and flat.device.type == "cpu":
-            if cpu_gemv.available():  # decode sizes: the widening loop, fp32 activations
-                y = cpu_gemv.small_gemm_int4(flat, self.packed4, self.scale4, self.offset4)
-                y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
-                return y if self.bias is None else y + self.bias.to(y.dtype)
         flat = flat.to(torch.bfloat16)
         if self.method == "int8":
             y = torch._weight_int8pack_mm(flat, self.qweight, self.scales)
@@ -135,6 +135,19 @@ class PackedLinear:
             and weight.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available()
         )
+
+    def _widening(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """fp32 ``flat @ W.T`` through ``cpu_gemv``'s widening loops (what the one-call decode
+        stack runs too) at decode sizes, or None where PyTorch's kernels take over. int8 also
+        runs here whenever in_features is not a multiple of 16: PyTorch's kernel crashes there."""
+        small = flat.shape[0] <= QUANTIZED_SMALL_ROWS
+        if self.method == "int8" and (small or self.in_features % 16):
+            if not cpu_gemv.available():
+                return flat.float() @ self.dequantize().T
+            return cpu_gemv.small_gemm_int8(flat, self.qweight, self.scales_f32)
+        if self.method == "int4" and small and cpu_gemv.available():
+            return cpu_gemv.small_gemm_int4(flat, self.packed4, self.scale4, self.offset4)
+        return None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

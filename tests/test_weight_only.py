@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepinfer.kernels.weight_only import INT4_GROUP, INT8_SMALL_ROWS, WeightOnlyLinear
+from deepinfer.kernels.weight_only import INT4_GROUP, QUANTIZED_SMALL_ROWS, WeightOnlyLinear
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -39,7 +39,7 @@ def test_kernels_compute_with_the_weights_they_report(method, out_features, grou
     got = lin(x)
     assert got.dtype == x.dtype and got.shape == (rows, out_features)
     assert (got - expected).norm() <= 2e-2 * expected.norm()  # bf16 accumulation only
-    if rows <= INT8_SMALL_ROWS:  # both methods: the widening loops, fp32 throughout
+    if rows <= QUANTIZED_SMALL_ROWS:  # both methods: the widening loops, fp32 throughout
         exact = x @ deq.T + (b if b is not None else 0)
         assert (got - exact).norm() <= 1e-5 * exact.norm()
     weight_error = ((deq - w).norm() / w.norm()).item()
@@ -52,14 +52,14 @@ def test_a_broken_scale_fails_the_kernel_check():
     widening loop at decode sizes, PyTorch's kernel above)."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(16, 64, generator=gen)
-    for rows in (INT8_SMALL_ROWS, INT8_SMALL_ROWS + 8):
+    for rows in (QUANTIZED_SMALL_ROWS, QUANTIZED_SMALL_ROWS + 8):
         x = torch.randn(rows, 64, generator=gen)
         lin = WeightOnlyLinear(w, None, "int8")
         expected = x.bfloat16().float() @ lin.dequantize().T
         lin.scales, lin.scales_f32 = lin.scales * 1.05, lin.scales_f32 * 1.05
         assert (lin(x) - expected).norm() > 2e-2 * expected.norm()
     lin = WeightOnlyLinear(torch.randn(16, 64, generator=gen), None, "int4")  # int4's loop too
-    x = torch.randn(INT8_SMALL_ROWS, 64, generator=gen)
+    x = torch.randn(QUANTIZED_SMALL_ROWS, 64, generator=gen)
     expected = x @ lin.dequantize().T
     lin.scale4, lin.offset4 = lin.scale4 * 1.05, lin.offset4 * 1.05
     assert (lin(x) - expected).norm() > 2e-2 * expected.norm()
@@ -149,6 +149,6 @@ def test_int8_widths_pytorchs_kernel_cannot_take():
     gen = torch.Generator().manual_seed(1)
     for k in (8, 24, 72, 100):
         lin = WeightOnlyLinear(torch.randn(20, k, generator=gen), None, "int8")
-        x = torch.randn(INT8_SMALL_ROWS + 7, k, generator=gen)
+        x = torch.randn(QUANTIZED_SMALL_ROWS + 7, k, generator=gen)
         exact = x @ lin.dequantize().T
         assert (lin(x) - exact).norm() <= 1e-5 * exact.norm()

@@ -80,6 +80,7 @@ class DeepseekReplyParser:
         self._sent_content = 0
         self._sent_names = 0
         self._sent_arguments = 0
+        self.last: ParsedReply | None = None  # what the last ``delta`` read
 
     # ---- reading --------------------------------------------------------------------------
 
@@ -167,7 +168,7 @@ class DeepseekReplyParser:
 
     def delta(self, text: str, finished: bool) -> dict[str, Any]:
         """The OpenAI ``delta`` fields new since the last call (empty dict: nothing new)."""
-        reply = self.parse(text, finished)
+        reply = self.last = self.parse(text, finished)
         out: dict[str, Any] = {}
         if len(reply.reasoning) > self._sent_reasoning:
             out["reasoning_content"] = reply.reasoning[self._sent_reasoning :]

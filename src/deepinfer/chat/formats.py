@@ -49,6 +49,8 @@ class ChatOptions:
 
 
 class ReplyParser(Protocol):
+    last: Any  # what the last ``delta`` read (None before the first)
+
     def parse(self, text: str, finished: bool) -> Any: ...
 
     def delta(self, text: str, finished: bool) -> dict[str, Any]: ...

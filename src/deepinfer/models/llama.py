@@ -397,17 +397,20 @@ class LlamaForCausalLM(CausalLM):
         """Per-device tables the step reads, made before ``torch.compile`` traces it."""
         return [self.inv_freq(device)]
 
-    def _stack_runs(self, h: torch.Tensor, batch: ForwardBatch) -> bool:
-        """Whether this step is an eager engine decode step the one-call driver covers: no
-        prefill spans, nothing recorded, a few rows, pools it reads."""
+    def _stack_pools(
+        self, h: torch.Tensor, batch: ForwardBatch
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The pools when this step is an eager engine decode step the one-call driver covers
+        (no prefill spans, nothing recorded, a few rows, pools it reads); else None."""
         stack, meta = self.decode_stack, batch.full
         if stack is None or meta is None or batch.functional or batch.grid is not None:
-            return False
+            return None
         if batch.hidden_states is not None or torch.compiler.is_compiling() or not meta.decode_rows.shape[0]:
-            return False
+            return None
         if bool(meta.span_meta[:, 1].any()):
-            return False
-        return stack.supports(h, [(p.window, p.values) for p in batch.pools])
+            return None
+        pools = [(p.window, p.values) for p in batch.pools]
+        return pools if stack.supports(h, pools) else None
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """One engine step (see ``CausalLM``): flat tokens in, logits for ``batch.logits_idx``."""
@@ -415,16 +418,16 @@ class LlamaForCausalLM(CausalLM):
         cos, sin = freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
         h = batch.to_grid(self.model.embed_tokens(input_ids))
         batch.record(h)
-        if self._stack_runs(h, batch):
+        pools = self._stack_pools(h, batch)
+        if pools is not None:
             meta = batch.full
             assert meta is not None and self.decode_stack is not None
-            pools = [(p.window, p.values) for p in batch.pools]
             h = self.decode_stack(
                 h, cos, sin, batch.window_write, meta.decode_rows, meta.decode_kv, meta.decode_valid, pools
             )
         else:
-            for layer, pools in zip(self.model.layers, batch.pools, strict=True):
-                h = layer(h, cos, sin, pools, batch)
+            for layer, layer_pools in zip(self.model.layers, batch.pools, strict=True):
+                h = layer(h, cos, sin, layer_pools, batch)
                 batch.record(h)
         h = batch.to_flat(h)
         if batch.logits_idx is not None:

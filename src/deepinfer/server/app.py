@@ -358,15 +358,7 @@ def build_app(
             choice(i, f.outputs[0], f.outputs[0].text, f.outputs[0].token_ids, f.outputs[0].logprobs, True)
             for i, f in enumerate(finals)
         ]
-        completion_tokens = sum(len(f.outputs[0].token_ids) for f in finals)
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": server.name,
-            "choices": choices,
-            "usage": _usage(prompt_tokens, completion_tokens),
-        }
+        return _response(server, rid, "text_completion", created, choices, prompt_tokens, finals)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -466,17 +458,24 @@ def build_app(
                     "stop_reason": c.stop_reason,
                 }
             )
-        completion_tokens = sum(len(f.outputs[0].token_ids) for f in finals)
-        return {
-            "id": rid,
-            "object": "chat.completion",
-            "created": created,
-            "model": server.name,
-            "choices": choices,
-            "usage": _usage(len(ids), completion_tokens),
-        }
+        return _response(server, rid, "chat.completion", created, choices, len(ids), finals)
 
     return app
+
+
+def _response(
+    server: Server, rid: str, kind: str, created: int, choices: list[dict], prompt_tokens: int, finals: list
+) -> dict:
+    """A whole (non-streamed) response of either endpoint, usage counted from the outputs."""
+    completion_tokens = sum(len(f.outputs[0].token_ids) for f in finals)
+    return {
+        "id": rid,
+        "object": kind,
+        "created": created,
+        "model": server.name,
+        "choices": choices,
+        "usage": _usage(prompt_tokens, completion_tokens),
+    }
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -589,7 +588,7 @@ def _chat_entries(
         if not delta and not ids and not out.finished:
             return found
         finish = c.finish_reason if out.finished else None
-        if finish == "stop" and parser is not None and parser.parse(sent.text, True).tool_calls:
+        if finish == "stop" and parser is not None and parser.last is not None and parser.last.tool_calls:
             finish = "tool_calls"
         entry = {
             "index": i,
