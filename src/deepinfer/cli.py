@@ -326,7 +326,6 @@ def _chat(args: argparse.Namespace) -> int:
             messages.append(
                 {"role": "assistant", "content": parsed.content, "reasoning_content": parsed.reasoning}
             )
-            parser = llm.chat_format.reply_parser(False, options)
     return 0
 
 

@@ -72,7 +72,7 @@ def _zeros(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -
     grows with the blocks in use."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
     numel = math.prod(shape)
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if dev.type != "cpu" or nbytes < _LAZY_BYTES:
         return torch.zeros(*shape, dtype=dtype, device=dev)
     # private: untouched pages read as the kernel's zero page (a shared mapping would allocate
