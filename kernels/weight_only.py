@@ -136,19 +136,6 @@ class PackedLinear:
             and torch.backends.mkldnn.is_available()
         )
 
-    def _widening(self, flat: torch.Tensor) -> torch.Tensor | None:
-        """fp32 ``flat @ W.T`` through ``cpu_gemv``'s widening loops (what the one-call decode
-        stack runs too) at decode sizes, or None where PyTorch's kernels take over. int8 also
-        runs here whenever in_features is not a multiple of 16: PyTorch's kernel crashes there."""
-        small = flat.shape[0] <= QUANTIZED_SMALL_ROWS
-        if self.method == "int8" and (small or self.in_features % 16):
-            if not cpu_gemv.available():
-                return flat.float() @ self.dequantize().T
-            return cpu_gemv.small_gemm_int8(flat, self.qweight, self.scales_f32)
-        if self.method == "int4" and small and cpu_gemv.available():
-            return cpu_gemv.small_gemm_int4(flat, self.packed4, self.scale4, self.offset4)
-        return None
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, self.in_features)
