@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from deepinfer.kernels import cpu_moe
+
 
 def _sort_by_expert(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(expert id per (token, choice) pair, the pairs' order sorted by expert, their tokens'
@@ -76,8 +78,11 @@ def routed_experts(
     """x [N, d], weights/ids [N, k], w1/w3 [E, I, d], w2 [E, d, I] -> [N, d] in x's dtype.
 
     ``sum_j weights[n, j] * w2_e(silu(min(w1_e x, limit)) * clamp(w3_e x, -limit, limit))``
-    with ``e = ids[n, j]``. Its default kernel is ``routed_experts_reference``.
+    with ``e = ids[n, j]``. Its default kernel is ``routed_experts_reference``; decode-sized fp32
+    steps on the CPU run ``cpu_moe``'s one-call kernel.
     """
+    if cpu_moe.supports(x, w1, w2, w3):
+        return cpu_moe.routed_experts(x, weights, ids, w1, w2, w3, limit)
     return routed_experts_reference(x, weights, ids, w1, w2, w3, limit)
 
 

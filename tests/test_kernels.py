@@ -3,16 +3,39 @@
 from __future__ import annotations
 
 import torch
-from deepinfer.kernels.sinkhorn import _numpy, reference, sinkhorn
+from deepinfer.kernels.sinkhorn import _cpp, _library, _numpy, reference, sinkhorn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
-def test_numpy_sinkhorn_matches_reference():
-    logits = torch.randn(37, 4, 4, generator=torch.Generator().manual_seed(0)) * 3
-    ref = reference(logits, 20, 1e-6)
-    assert torch.allclose(_numpy(logits, 20, 1e-6), ref, atol=1e-6)
-    assert torch.allclose(sinkhorn(logits, 20, 1e-6), ref, atol=1e-6)
+@settings(max_examples=40, deadline=None)
+@given(
+    count=st.integers(1, 40),
+    n=st.integers(1, 8),
+    iters=st.integers(0, 25),
+    spread=st.floats(0.1, 8.0),
+    seed=st.integers(0, 2**16),
+)
+def test_sinkhorn_paths_match_reference(count, n, iters, spread, seed):
+    """The C++ and NumPy paths agree with the PyTorch definition for any matrix size and
+    iteration count (the op picks C++ where a compiler exists)."""
+    logits = torch.randn(count, n, n, generator=torch.Generator().manual_seed(seed)) * spread
+    ref = reference(logits, iters, 1e-6)
+    assert torch.allclose(_numpy(logits, iters, 1e-6), ref, atol=2e-6)
+    lib = _library()
+    assert lib is not None  # CI has a compiler: the C++ path must be the one tested
+    assert torch.allclose(_cpp(logits, iters, 1e-6, lib), ref, atol=2e-6)
+    assert torch.allclose(sinkhorn(logits, iters, 1e-6), ref, atol=2e-6)
     # the loop ends on a column normalisation: columns sum to 1 (rows only approach it)
-    assert torch.allclose(ref.sum(-2), torch.ones(37, 4), atol=1e-5)
+    assert torch.allclose(ref.sum(-2), torch.ones(count, n), atol=1e-3)
+
+
+def test_sinkhorn_mutation_is_caught():
+    """The comparison above can fail: ending on rows instead of columns is detected."""
+    logits = torch.randn(8, 4, 4, generator=torch.Generator().manual_seed(3)) * 3
+    wrong = reference(logits, 20, 1e-6)
+    wrong = wrong / (wrong.sum(dim=-1, keepdim=True) + 1e-6)
+    assert not torch.allclose(_cpp(logits, 20, 1e-6, _library()), wrong, atol=2e-6)
 
 
 def test_sinkhorn_rows_do_not_depend_on_the_batch():
@@ -47,6 +70,57 @@ def test_routed_experts_op_matches_the_definition():
     assert torch.allclose(got, _naive_routed_experts(x, weights, ids, w1, w2, w3, 1.5), atol=1e-5)
     empty = routed_experts(x[:0], weights[:0], ids[:0], w1, w2, w3, 1.5)
     assert empty.shape == (0, d)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(0, 20),
+    e=st.integers(1, 9),
+    k=st.integers(1, 4),
+    d=st.integers(1, 40),
+    inter=st.integers(1, 40),
+    limit=st.floats(0.5, 20.0),
+    seed=st.integers(0, 2**16),
+)
+def test_routed_experts_paths_match_the_definition(n, e, k, d, inter, limit, seed):
+    """The one-call CPU kernel and the sorted dispatch both equal the token-by-token
+    definition, for any width (vector tails included), expert count and top-k; the kernel
+    gives a token the same bits whatever it is batched with."""
+    from deepinfer.kernels import cpu_moe
+    from deepinfer.kernels.moe import routed_experts, routed_experts_reference
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=gen) * 2
+    ids = torch.randint(0, e, (n, k), generator=gen)
+    weights = torch.rand(n, k, generator=gen)
+    w1, w3 = torch.randn(e, inter, d, generator=gen), torch.randn(e, inter, d, generator=gen)
+    w2 = torch.randn(e, d, inter, generator=gen) / inter**0.5
+    want = _naive_routed_experts(x, weights, ids, w1, w2, w3, limit)
+    tol = dict(atol=1e-4, rtol=1e-4)
+    assert torch.allclose(routed_experts_reference(x, weights, ids, w1, w2, w3, limit), want, **tol)
+    assert torch.allclose(routed_experts(x, weights, ids, w1, w2, w3, limit), want, **tol)
+    if n <= cpu_moe.MAX_ROWS:
+        assert cpu_moe.supports(x, w1, w2, w3)  # CI has a compiler: the kernel is what ran
+        got = cpu_moe.routed_experts(x, weights, ids, w1, w2, w3, limit)
+        assert torch.allclose(got, want, **tol)
+        for row in range(n):
+            alone = cpu_moe.routed_experts(x[row : row + 1], weights[row : row + 1], ids[row : row + 1], w1, w2, w3, limit)
+            assert torch.equal(alone[0], got[row])
+
+
+def test_routed_experts_kernel_mutation_is_caught():
+    """The comparison can fail: the definition without the SwiGLU clamps (limit 1e9) differs."""
+    from deepinfer.kernels import cpu_moe
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 16, generator=gen) * 4
+    ids = torch.randint(0, 3, (4, 2), generator=gen)
+    weights = torch.rand(4, 2, generator=gen)
+    w1, w3 = torch.randn(3, 8, 16, generator=gen), torch.randn(3, 8, 16, generator=gen)
+    w2 = torch.randn(3, 16, 8, generator=gen)
+    got = cpu_moe.routed_experts(x, weights, ids, w1, w2, w3, 1.0)
+    assert torch.allclose(got, _naive_routed_experts(x, weights, ids, w1, w2, w3, 1.0), atol=1e-4)
+    assert not torch.allclose(got, _naive_routed_experts(x, weights, ids, w1, w2, w3, 1e9), atol=1e-4)
 
 
 def test_custom_ops_pass_opcheck():
