@@ -60,9 +60,12 @@ def main() -> None:
     model = load_model(path)
     from deepinfer.compile_passes import PASSES
 
-    variants = {"passes": compile_step(model, passes=PASSES), "no passes": compile_step(model, passes=[])}
+    variants = {
+        "default passes": compile_step(model),  # the platform's pipeline (CPU: verification only)
+        "all passes": compile_step(model, passes=PASSES),  # the CUDA pipeline
+    }
     print(
-        "| batch | eager step (ms) | compiled, our passes (ms) | compiled, no passes (ms) | speedup (passes) |"
+        "| batch | eager step (ms) | compiled, default passes (ms) | compiled, all passes (ms) | speedup (default) |"
     )
     print("|---:|---:|---:|---:|---:|")
     first: dict[str, float] = {}
@@ -78,9 +81,9 @@ def main() -> None:
                     first[name] = time.perf_counter() - start
                 times[name] = best_time(fn, padded_in, args.repeats)
             eager = best_time(model.step, eager_in, args.repeats)
+            default, every = times["default passes"], times["all passes"]
             print(
-                f"| {batch} | {eager * 1e3:.2f} | {times['passes'] * 1e3:.2f} | {times['no passes'] * 1e3:.2f} "
-                f"| {eager / times['passes']:.2f}x |",
+                f"| {batch} | {eager * 1e3:.2f} | {default * 1e3:.2f} | {every * 1e3:.2f} | {eager / default:.2f}x |",
                 flush=True,
             )
     print(f"first compiled call (compile; one graph serves all batches): {first}")

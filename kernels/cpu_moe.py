@@ -17,7 +17,6 @@ import ctypes
 import functools
 
 import torch
-
 from deepinfer.kernels import cpu_build
 
 # Tokens per call up to which the per-pair dot products beat the sorted GEMM dispatch.

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-
 from deepinfer.kernels import cpu_moe
 
 

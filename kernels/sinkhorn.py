@@ -15,7 +15,6 @@ import functools
 
 import numpy as np
 import torch
-
 from deepinfer.kernels import cpu_build
 
 

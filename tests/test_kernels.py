@@ -104,7 +104,9 @@ def test_routed_experts_paths_match_the_definition(n, e, k, d, inter, limit, see
         got = cpu_moe.routed_experts(x, weights, ids, w1, w2, w3, limit)
         assert torch.allclose(got, want, **tol)
         for row in range(n):
-            alone = cpu_moe.routed_experts(x[row : row + 1], weights[row : row + 1], ids[row : row + 1], w1, w2, w3, limit)
+            alone = cpu_moe.routed_experts(
+                x[row : row + 1], weights[row : row + 1], ids[row : row + 1], w1, w2, w3, limit
+            )
             assert torch.equal(alone[0], got[row])
 
 

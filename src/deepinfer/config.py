@@ -4,6 +4,7 @@ configuration lives with the model (``deepinfer.models``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from deepinfer.speculative.config import SpeculativeConfig
@@ -48,6 +49,9 @@ class EngineConfig:
     # eager: benchmarks/RESULTS.md)
     compile: bool | None = None
     compile_backend: str = "inductor"  # any torch.compile backend ("eager" checks guards fast)
+    # Where a CPU step compiled by Inductor is saved and loaded by later processes
+    # (precompiled.py). None: beside the checkpoint when writable, else ~/.cache/deepinfer
+    compile_cache_dir: str | None = None
     # Replay pure-decode steps from captured graphs (CUDA graphs; NPU graph mode) in batch-size
     # buckets up to max_graph_batch_size. None = on where the platform has a graph mode.
     capture_graphs: bool | None = None
@@ -86,6 +90,11 @@ class EngineConfig:
         need(isinstance(self.ced_prefill, bool), "ced_prefill", "a bool")
         need(
             isinstance(self.compile_backend, str) and bool(self.compile_backend), "compile_backend", "a name"
+        )
+        need(
+            self.compile_cache_dir is None or isinstance(self.compile_cache_dir, str | Path),
+            "compile_cache_dir",
+            "None or a directory path",
         )
         if self.ced_prefill and self.enable_prefix_caching:
             raise ValueError(

@@ -73,7 +73,7 @@ class LLM:
         if self.config.quantization is not None:
             self.model.quantize_weights(self.config.quantization)
         self.tokenizer = self._load_tokenizer()
-        self.engine = Engine(self.model, self.config, self.tokenizer)
+        self.engine = Engine(self.model, self.config, self.tokenizer, checkpoint=self.path)
         self._counter = itertools.count()
 
     @functools.cached_property

@@ -11,6 +11,7 @@ import logging
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,7 +58,11 @@ class Engine:
     ``abort`` and ``make_output``; with ``async_scheduling`` the model runs a step on a worker
     thread while this thread prepares the next."""
 
-    def __init__(self, model: CausalLM, config: EngineConfig, tokenizer: Any = None) -> None:
+    def __init__(
+        self, model: CausalLM, config: EngineConfig, tokenizer: Any = None, checkpoint: Path | None = None
+    ) -> None:
+        """``checkpoint``: the directory the model came from; compiled steps are saved beside
+        it unless ``config.compile_cache_dir`` says otherwise."""
         config.validate()
         self.model = model
         self.config = config
@@ -99,6 +104,7 @@ class Engine:
             max_graph_batch=graph_batch,
             feature_offsets=feature_offsets_for(drafter) if drafter is not None else None,
             kv_cache_dtype=dtype,
+            compile_cache_dir=self._compile_cache_dir(checkpoint) if use_compile else None,
         )
         if self.runner.graphs is not None:
             # every bucket now, on this thread, before any step (and before the asynchronous
@@ -145,6 +151,13 @@ class Engine:
         if config.ced_prefill and self.model.ced_split is None:
             raise ValueError(f"ced_prefill: {type(self.model).__name__} has no causal encoder/decoder split")
         return use_compile, use_graphs
+
+    def _compile_cache_dir(self, checkpoint: Path | None) -> Path:
+        if self.config.compile_cache_dir is not None:
+            return Path(self.config.compile_cache_dir)
+        from deepinfer.precompiled import default_cache_dir
+
+        return default_cache_dir(checkpoint)
 
     def _drafter(self) -> Drafter | None:
         """The drafter ``speculative_config`` asks for (None without speculative decoding)."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -58,6 +60,7 @@ class ModelRunner:
         max_graph_batch: int = 0,
         feature_offsets: Callable[[int, int], list[int]] | None = None,
         kv_cache_dtype: torch.dtype | None = None,
+        compile_cache_dir: Path | None = None,
     ) -> None:
         """``ced_replay``: with CED prefill, how many trailing prompt tokens run the decoder.
         ``compile_model``: run the step through ``torch.compile`` (``deepinfer.compilation``).
@@ -65,7 +68,8 @@ class ModelRunner:
         from graphs captured by this platform backend (``DecodeGraphRunner``).
         ``feature_offsets``: (chunk tokens, drafts) -> chunk offsets whose draft features a
         step returns, for a model drafter (None: logits only). ``kv_cache_dtype``: the pools'
-        dtype (None: the model's compute dtype)."""
+        dtype (None: the model's compute dtype). ``compile_cache_dir``: where a CPU step
+        compiled by Inductor is saved and found again (``precompiled.py``; None: not saved)."""
         self.model = model
         self.feature_offsets = feature_offsets
         self.ced_replay = ced_replay
@@ -79,9 +83,7 @@ class ModelRunner:
         # Compiled steps get padded metadata (never sizes 0 or 1) so shapes stay symbolic.
         self.padding: StepPadding | None = None
         if compile_model:
-            from deepinfer.compilation import compile_step
-
-            self.forward = compile_step(model, backend=compile_backend)
+            self.forward = self._compiled_step(model, compile_backend, compile_cache_dir)
             self.padding = StepPadding.for_pools(num_blocks, num_slots)
         self.graphs: DecodeGraphRunner | None = None
         if graph_capture is not None:
@@ -96,6 +98,19 @@ class ModelRunner:
                 graph_capture,
                 device,
             )
+
+    @staticmethod
+    def _compiled_step(model: CausalLM, backend: str, cache_dir: Path | None) -> Callable[..., Any]:
+        """The step compiled ahead of time and saved (CPU + Inductor, with a cache directory),
+        else compiled by ``torch.compile`` in this process."""
+        device = next(model.parameters()).device
+        if cache_dir is not None and backend == "inductor" and device.type == "cpu":
+            from deepinfer.precompiled import PrecompiledStep
+
+            return PrecompiledStep(model, cache_dir)
+        from deepinfer.compilation import compile_step
+
+        return compile_step(model, backend=backend)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> PreparedStep:
         seq_chunks, sample_rows, prompt_rows = [], [], []

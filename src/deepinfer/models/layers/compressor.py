@@ -64,8 +64,10 @@ class Compressor(nn.Module):
         gate = self.wgate(xw)
         keeps_state = not batch.functional
         if keeps_state and self.overlap and meta.restore_dst.numel():
-            pools.ovl_kv[meta.restore_dst] = pools.snap_kv[meta.restore_src]
-            pools.ovl_gate[meta.restore_dst] = pools.snap_gate[meta.restore_src]
+            # index_copy_ (not ``pool[rows] = ...``): Inductor writes it in place, where an
+            # index_put on a graph input became a copy of the whole pool each step
+            pools.ovl_kv.index_copy_(0, meta.restore_dst, pools.snap_kv[meta.restore_src])
+            pools.ovl_gate.index_copy_(0, meta.restore_dst, pools.snap_gate[meta.restore_src])
         src_kv = [kv, pools.buf_kv[meta.src_buf_rows]]
         src_gate = [gate, pools.buf_gate[meta.src_buf_rows]]
         if self.overlap:
@@ -89,13 +91,13 @@ class Compressor(nn.Module):
         # Read every state row we need before writing any (a slot's rows can be both).
         new_ovl = (src_kv_t[meta.ovl_src], src_gate_t[meta.ovl_src]) if self.overlap else None
         new_snap = (src_kv_t[meta.snap_src], src_gate_t[meta.snap_src]) if self.overlap else None
-        pools.buf_kv[meta.buf_dst] = kv[meta.buf_src].to(pools.buf_kv.dtype)
-        pools.buf_gate[meta.buf_dst] = gate[meta.buf_src].to(pools.buf_gate.dtype)
+        pools.buf_kv.index_copy_(0, meta.buf_dst, kv[meta.buf_src].to(pools.buf_kv.dtype))
+        pools.buf_gate.index_copy_(0, meta.buf_dst, gate[meta.buf_src].to(pools.buf_gate.dtype))
         if new_ovl is not None and new_snap is not None:
-            pools.ovl_kv[meta.ovl_dst] = new_ovl[0].to(pools.ovl_kv.dtype)
-            pools.ovl_gate[meta.ovl_dst] = new_ovl[1].to(pools.ovl_gate.dtype)
-            pools.snap_kv[meta.snap_dst] = new_snap[0].to(pools.snap_kv.dtype)
-            pools.snap_gate[meta.snap_dst] = new_snap[1].to(pools.snap_gate.dtype)
+            pools.ovl_kv.index_copy_(0, meta.ovl_dst, new_ovl[0].to(pools.ovl_kv.dtype))
+            pools.ovl_gate.index_copy_(0, meta.ovl_dst, new_ovl[1].to(pools.ovl_gate.dtype))
+            pools.snap_kv.index_copy_(0, meta.snap_dst, new_snap[0].to(pools.snap_kv.dtype))
+            pools.snap_gate.index_copy_(0, meta.snap_dst, new_snap[1].to(pools.snap_gate.dtype))
         return latent, out
 
     def _emit(

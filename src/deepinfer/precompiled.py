@@ -1,0 +1,170 @@
+"""A compiled model step saved to disk and loaded by later processes (DESIGN.md §4).
+
+``torch.compile`` caches Inductor's code on disk, but dynamo traces the model's ~2,000 ops
+again in every process: a fresh process paid 11-15 s before its first compiled step. Here the
+step is compiled ahead of time with dynamo's ``aot_compile`` (the whole graph: traced
+bytecode, guards and the Inductor artefact) and saved with ``save_compiled_function``; a
+later process loads it (``torch.compiler.load_compiled_function``) and traces nothing.
+
+Every call still checks the saved guards. A step they reject (a shape specialisation the
+first trace did not cover, e.g. the indexer's ``min(top-k, entries)``) is compiled as a new
+variant and saved beside the others, so a loaded artefact is never wrong, and the next
+process loads every variant its predecessors needed.
+
+Artefacts are keyed by everything that changes the compiled code: the torch and Python
+versions, deepinfer's own sources, the CPU's vector ISA (the artefact holds C++ built for
+it), the model's class, config, parameter shapes and dtypes, and the installed passes. The
+weights are graph inputs, not constants, so one artefact serves any checkpoint of the same
+configuration. The Inductor artefact is its generated source: the first load on a machine
+whose Inductor cache is empty builds it (about as long as a cold compile's code generation).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepinfer import compilation
+from deepinfer.cache.forward_batch import ForwardBatch
+from deepinfer.compilation import (
+    GraphPass,
+    PassManager,
+    configure_dynamo,
+    inductor_options,
+    mark_step_dynamic,
+    prepare_model,
+)
+from deepinfer.models.base import CausalLM
+
+logger = logging.getLogger(__name__)
+
+FORMAT = b"deepinfer-precompiled-step-v1"
+_SOURCE_ROOTS = ("deepinfer", "deepinfer.kernels", "deepinfer.compile_passes")
+
+
+def default_cache_dir(checkpoint: Path | None) -> Path:
+    """Beside the checkpoint (``<checkpoint>/.deepinfer-compiled``) where that directory is
+    writable, else ``$XDG_CACHE_HOME/deepinfer/compiled`` (``~/.cache`` by default)."""
+    if checkpoint is not None and os.access(checkpoint, os.W_OK):
+        return checkpoint / ".deepinfer-compiled"
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "deepinfer" / "compiled"
+
+
+def _source_digest() -> bytes:
+    """Digest of every Python source of deepinfer, its kernels and its passes."""
+    import importlib
+
+    digest = hashlib.sha256()
+    for name in _SOURCE_ROOTS:
+        root = Path(importlib.import_module(name).__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.digest()
+
+
+def artefact_key(model: CausalLM, manager: PassManager) -> str:
+    """Hex digest naming the artefact of ``model``'s step compiled with ``manager``'s passes."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    device = next(model.parameters()).device
+    digest = hashlib.sha256(FORMAT)
+    for part in (
+        torch.__version__,
+        sys.version,
+        str(pick_vec_isa()) if device.type == "cpu" else device.type,
+        type(model).__qualname__,
+        repr(model.config),
+    ):
+        digest.update(part.encode() + b"\0")
+    digest.update(_source_digest())
+    digest.update(manager.uuid())
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}:{tensor.device.type};".encode())
+    return digest.hexdigest()[:32]
+
+
+class PrecompiledStep:
+    """``model.step(input_ids, positions, batch)`` from compiled variants saved in
+    ``cache_dir``. The first call loads every saved variant of this model's key; a step that
+    none of their guards accept is compiled ahead of time as a new variant and saved beside
+    them, so the next process starts with it. ``loaded`` / ``compiled`` count variants (tests,
+    logs)."""
+
+    def __init__(self, model: CausalLM, cache_dir: Path, passes: Sequence[GraphPass] | None = None) -> None:
+        device = next(model.parameters()).device
+        self.model = model
+        self.cache_dir = Path(cache_dir)
+        self.pass_manager = PassManager(compilation.default_passes(device) if passes is None else passes)
+        self.key = artefact_key(model, self.pass_manager)
+        self.loaded = 0
+        self.compiled = 0
+        self._variants: list[Any] | None = None  # AOTCompiledFunction, guards checked here
+        self._last = 0  # the variant the previous step ran: tried first
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> Any:
+        args = (self.model, input_ids, positions, batch)
+        if self._variants is None:
+            self._variants = self._load()
+        n = len(self._variants)
+        for i in (*range(self._last, n), *range(self._last)):
+            if self._variants[i].guard_check(*args):
+                self._last = i
+                return self._variants[i](*args)
+        self._variants.append(self._compile(args, n))
+        self._last = n
+        return self._variants[n](*args)
+
+    def variant_paths(self) -> list[Path]:
+        """The saved variants of this model's key, oldest first."""
+        found = self.cache_dir.glob(f"{self.key}-*.step")
+        return sorted(found, key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+
+    def _load(self) -> list[Any]:
+        variants = []
+        paths = self.variant_paths() if self.cache_dir.is_dir() else []
+        if paths:
+            prepare_model(self.model, mark_static=False)
+        for path in paths:
+            try:
+                with path.open("rb") as f:
+                    compiled = torch.compiler.load_compiled_function(f, external_data={"model": self.model})
+            except Exception as exc:  # a damaged artefact is compiled again, never fatal
+                logger.warning("compiled step %s unusable (%s); skipped", path, exc)
+                continue
+            compiled.disable_guard_check()  # __call__ checks them itself
+            variants.append(compiled)
+        self.loaded = len(variants)
+        if variants:
+            logger.info("loaded %d compiled step variant(s) from %s", len(variants), self.cache_dir)
+        return variants
+
+    def _compile(self, args: tuple, index: int) -> Any:
+        """Trace and compile the whole step for these inputs, then save it (best effort)."""
+        model, input_ids, positions, batch = args
+        logger.info("compiling a step variant (%d so far)", index)
+        configure_dynamo()
+        prepare_model(model, mark_static=True)
+        mark_step_dynamic(input_ids, positions, batch)
+        options = inductor_options(self.pass_manager)
+        compiled_fn = torch.compile(model.step, fullgraph=True, dynamic=True, options=options)
+        compiled = compiled_fn.aot_compile(((input_ids, positions, batch), {}))
+        self.compiled += 1
+        try:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            number = 1 + max((int(p.stem.rsplit("-", 1)[1]) for p in self.variant_paths()), default=-1)
+            path = self.cache_dir / f"{self.key}-{number}.step"
+            compiled.save_compiled_function(str(path), external_data={"model": model})
+            logger.info("compiled step variant saved to %s", path)
+        except Exception as exc:
+            logger.warning("compiled step variant not saved in %s (%s)", self.cache_dir, exc)
+        compiled.disable_guard_check()
+        return compiled

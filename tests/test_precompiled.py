@@ -1,0 +1,109 @@
+"""Compiled steps saved to disk and loaded by a fresh process (precompiled.py): the loaded step
+gives the eager engine's tokens and compiles nothing; artefacts are keyed by what changes the
+compiled code; a damaged artefact is skipped, never fatal.
+
+One real compile of a 2-layer tiny V4 (~30 s on 2 cores) serves the whole module."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.compilation import PassManager
+from deepinfer.models.loading import load_model
+from deepinfer.precompiled import PrecompiledStep, artefact_key, default_cache_dir
+from deepinfer.tiny import make_tiny_checkpoint
+
+_FRESH_PROCESS = textwrap.dedent(
+    """
+    import json, sys, time
+    start = time.perf_counter()
+    from deepinfer import LLM, SamplingParams
+    prompts = json.loads(sys.argv[2])
+    llm = LLM(sys.argv[1], compile=True, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    step = llm.engine.runner.forward
+    print(json.dumps({"tokens": tokens, "loaded": step.loaded, "compiled": step.compiled,
+                      "seconds": time.perf_counter() - start}))
+    """
+)
+
+
+def _prompts() -> list[list[int]]:
+    """Short and long prompts: the indexer's top-k covers all of a short prompt's entries and
+    a subset of a long one's, so the workload needs more than one compiled variant."""
+    rng = random.Random(0)
+    return [[rng.randrange(2, 258) for _ in range(n)] for n in (3, 9, 40, 70)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("pre"), arch="deepseek_v4", num_hidden_layers=2)
+
+
+def test_a_fresh_process_loads_the_saved_variants_and_compiles_nothing(checkpoint):
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    eager = [o.outputs[0].token_ids for o in LLM(checkpoint).generate(_prompts(), params, use_tqdm=False)]
+    llm = LLM(checkpoint, compile=True, max_num_batched_tokens=64)
+    first = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
+    step = llm.engine.runner.forward
+    assert isinstance(step, PrecompiledStep)
+    assert first == eager
+    saved = step.variant_paths()
+    assert step.loaded == 0 and step.compiled == len(saved) >= 1
+    assert all(p.parent == checkpoint / ".deepinfer-compiled" for p in saved)
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run(
+        [sys.executable, "-c", _FRESH_PROCESS, str(checkpoint), json.dumps(_prompts())],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=True,
+    )
+    fresh = json.loads(run.stdout.strip().splitlines()[-1])
+    assert fresh["tokens"] == eager
+    assert fresh["loaded"] == len(saved) and fresh["compiled"] == 0
+
+
+def test_a_damaged_artefact_is_skipped(checkpoint, caplog):
+    model = load_model(checkpoint)
+    step = PrecompiledStep(model, checkpoint / "damaged")
+    step.cache_dir.mkdir()
+    (step.cache_dir / f"{step.key}-0.step").write_bytes(b"not an artefact")
+    with caplog.at_level("WARNING", logger="deepinfer.precompiled"):
+        assert step._load() == []
+    assert step.loaded == 0 and "unusable" in caplog.text
+
+
+def test_artefact_key_follows_config_dtype_and_passes(checkpoint, tmp_path):
+    def pass_a(graph: torch.fx.Graph) -> int:
+        return 0
+
+    model = load_model(checkpoint)
+    same = load_model(checkpoint)
+    manager = PassManager([])
+    assert artefact_key(model, manager) == artefact_key(same, manager)
+    assert artefact_key(model, manager) != artefact_key(model, PassManager([pass_a]))
+    assert artefact_key(model, manager) != artefact_key(load_model(checkpoint, dtype=torch.bfloat16), manager)
+    other = make_tiny_checkpoint(tmp_path / "three", arch="deepseek_v4", num_hidden_layers=3)
+    assert artefact_key(model, manager) != artefact_key(load_model(other), manager)
+
+
+def test_default_cache_dir_is_beside_a_writable_checkpoint(tmp_path, monkeypatch):
+    assert default_cache_dir(tmp_path) == tmp_path / ".deepinfer-compiled"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    assert default_cache_dir(tmp_path) == tmp_path / "xdg" / "deepinfer" / "compiled"
+    assert default_cache_dir(None) == tmp_path / "xdg" / "deepinfer" / "compiled"
