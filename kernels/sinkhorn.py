@@ -29,6 +29,7 @@ def reference(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 _SOURCE = r"""
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -50,27 +51,86 @@ static void normalise_rows(float* c, int64_t n, float eps) {
   }
 }
 
-extern "C" void sinkhorn_f32(const float* logits, float* out, int64_t count, int64_t n, int64_t iters,
-                             float eps) {
+// Softmax of each row of one n x n matrix, then + eps (into c).
+static void softmax_rows(const float* x, float* c, int64_t n, float eps) {
+  for (int64_t i = 0; i < n; ++i) {
+    float mx = x[i * n];
+    for (int64_t j = 1; j < n; ++j) mx = std::fmax(mx, x[i * n + j]);
+    float s = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      c[i * n + j] = std::exp(x[i * n + j] - mx);
+      s += c[i * n + j];
+    }
+    for (int64_t j = 0; j < n; ++j) c[i * n + j] = c[i * n + j] / s + eps;
+  }
+}
+
+// Any n: one matrix at a time.
+static void sinkhorn_any(const float* logits, float* out, int64_t count, int64_t n, int64_t iters, float eps) {
   std::vector<float> sums(n);
   for (int64_t m = 0; m < count; ++m) {
-    const float* x = logits + m * n * n;
     float* c = out + m * n * n;
-    for (int64_t i = 0; i < n; ++i) {  // softmax of each row, then + eps
-      float mx = x[i * n];
-      for (int64_t j = 1; j < n; ++j) mx = std::fmax(mx, x[i * n + j]);
-      float s = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
-        c[i * n + j] = std::exp(x[i * n + j] - mx);
-        s += c[i * n + j];
-      }
-      for (int64_t j = 0; j < n; ++j) c[i * n + j] = c[i * n + j] / s + eps;
-    }
+    softmax_rows(logits + m * n * n, c, n, eps);
     normalise_columns(c, n, eps, sums.data());
     for (int64_t it = 1; it < iters; ++it) {
       normalise_rows(c, n, eps);
       normalise_columns(c, n, eps, sums.data());
     }
+  }
+}
+
+// n = N known at compile time: B matrices side by side (element (i, j) of matrix b at
+// c[i][j][b]), so every sum and division runs across the B matrices as one vector operation.
+// Each matrix sees the same operations in the same order as in sinkhorn_any: same bits.
+template <int N>
+static void sinkhorn_blocked(const float* logits, float* out, int64_t count, int64_t iters, float eps) {
+  constexpr int B = 16;
+  alignas(64) float c[N][N][B];
+  alignas(64) float one[N * N];
+  for (int64_t m0 = 0; m0 < count; m0 += B) {
+    const int nb = static_cast<int>(std::min<int64_t>(B, count - m0));
+    for (int b = 0; b < B; ++b) {
+      if (b < nb) {
+        softmax_rows(logits + (m0 + b) * N * N, one, N, eps);
+      } else {
+        for (int k = 0; k < N * N; ++k) one[k] = 1.f;  // idle lanes: finite, never stored
+      }
+      for (int i = 0; i < N; ++i)
+        for (int j = 0; j < N; ++j) c[i][j][b] = one[i * N + j];
+    }
+    for (int64_t it = 0; it < iters || it == 0; ++it) {
+      if (it > 0) {
+        for (int i = 0; i < N; ++i) {
+          float s[B];
+          for (int b = 0; b < B; ++b) s[b] = 0.f;
+          for (int j = 0; j < N; ++j)
+            for (int b = 0; b < B; ++b) s[b] += c[i][j][b];
+          for (int j = 0; j < N; ++j)
+            for (int b = 0; b < B; ++b) c[i][j][b] /= s[b] + eps;
+        }
+      }
+      float s[N][B];
+      for (int j = 0; j < N; ++j)
+        for (int b = 0; b < B; ++b) s[j][b] = 0.f;
+      for (int i = 0; i < N; ++i)
+        for (int j = 0; j < N; ++j)
+          for (int b = 0; b < B; ++b) s[j][b] += c[i][j][b];
+      for (int i = 0; i < N; ++i)
+        for (int j = 0; j < N; ++j)
+          for (int b = 0; b < B; ++b) c[i][j][b] /= s[j][b] + eps;
+    }
+    for (int b = 0; b < nb; ++b)
+      for (int i = 0; i < N; ++i)
+        for (int j = 0; j < N; ++j) out[(m0 + b) * N * N + i * N + j] = c[i][j][b];
+  }
+}
+
+extern "C" void sinkhorn_f32(const float* logits, float* out, int64_t count, int64_t n, int64_t iters,
+                             float eps) {
+  if (n == 4) {
+    sinkhorn_blocked<4>(logits, out, count, iters, eps);
+  } else {
+    sinkhorn_any(logits, out, count, n, iters, eps);
   }
 }
 """

@@ -26,8 +26,6 @@ def test_sinkhorn_paths_match_reference(count, n, iters, spread, seed):
     assert lib is not None  # CI has a compiler: the C++ path must be the one tested
     assert torch.allclose(_cpp(logits, iters, 1e-6, lib), ref, atol=2e-6)
     assert torch.allclose(sinkhorn(logits, iters, 1e-6), ref, atol=2e-6)
-    # the loop ends on a column normalisation: columns sum to 1 (rows only approach it)
-    assert torch.allclose(ref.sum(-2), torch.ones(count, n), atol=1e-3)
 
 
 def test_sinkhorn_mutation_is_caught():
