@@ -40,6 +40,9 @@ def _json_object(text: str) -> dict:
     return value
 
 
+_COMPILE_CHOICES = {"auto": None, "on": True, "off": False}
+
+
 def _generate(args: argparse.Namespace) -> int:
     from deepinfer import LLM, SamplingParams
 
@@ -49,6 +52,7 @@ def _generate(args: argparse.Namespace) -> int:
         device=args.device,
         quantization=args.quantization,
         speculative_config=args.speculative_config,
+        compile=_COMPILE_CHOICES[args.compile],
     )
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -112,7 +116,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
             path,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            compile={"on": True, "off": False, "auto": None}[args.compile],
+            compile=_COMPILE_CHOICES[args.compile],
         )
         work = random_workload(
             args.num_requests, tuple(args.prompt_len), tuple(args.output_len), llm.vocab_size, seed=args.seed
@@ -266,6 +270,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "device": args.device,
         "quantization": args.quantization,
         "speculative_config": args.speculative_config,
+        "compile": _COMPILE_CHOICES[args.compile],
         **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
         **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
     }
@@ -349,6 +354,12 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--speculative-config", type=_json_object, default=None, help="as for generate")
+    parser.add_argument(
+        "--compile",
+        choices=sorted(_COMPILE_CHOICES),
+        default="auto",
+        help="compiled model step (auto: the platform's default; on the CPU it is saved for later runs)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -385,6 +396,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help='speculative decoding, as in vLLM: \'{"method": "ngram"|"mtp"|"dspark", '
         '"num_speculative_tokens": k, "schedule": "static"|"threshold"|"hardware"}\'',
+    )
+    gen.add_argument(
+        "--compile",
+        choices=sorted(_COMPILE_CHOICES),
+        default="auto",
+        help="compiled model step (auto: the platform's default; on the CPU it is saved for later runs)",
     )
     gen.set_defaults(func=_generate)
 

@@ -58,15 +58,38 @@ def default_cache_dir(checkpoint: Path | None) -> Path:
     return base / "deepinfer" / "compiled"
 
 
+# Sources that never run inside the compiled step: editing them keeps saved artefacts. The
+# list names what to leave out rather than what to keep, so a new module the step calls is
+# covered without anyone remembering to add it.
+_NOT_IN_STEP = (
+    "bench_serve.py",
+    "benchmarking.py",
+    "chat",
+    "cli.py",
+    "engine",
+    "graph_dump.py",
+    "llm.py",
+    "outputs.py",
+    "sampling_params.py",
+    "server",
+    "speculative",
+    "tiny.py",
+)
+
+
 def _source_digest() -> bytes:
-    """Digest of every Python source of deepinfer, its kernels and its passes."""
+    """Digest of the Python sources of deepinfer, its kernels and its passes that the step
+    can run (all but ``_NOT_IN_STEP``)."""
     import importlib
 
     digest = hashlib.sha256()
     for name in _SOURCE_ROOTS:
         root = Path(importlib.import_module(name).__file__).parent
         for path in sorted(root.rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode())
+            relative = path.relative_to(root)
+            if name == "deepinfer" and relative.parts[0] in _NOT_IN_STEP:
+                continue
+            digest.update(str(relative).encode())
             digest.update(path.read_bytes())
     return digest.digest()
 
