@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from deepinfer import compilation
+import deepinfer.compilation as compilation
 from deepinfer.cache.forward_batch import ForwardBatch
 from deepinfer.compilation import (
     GraphPass,
