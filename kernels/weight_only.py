@@ -10,7 +10,9 @@ up to ``cpu_gemv.MAX_ROWS``). fp32 projections run ``cpu_gemv``'s small-batch ke
 decode sizes and oneDNN with a packed weight above.
 
 int8: symmetric per output channel. int4: asymmetric per group of ``group`` input channels
-(the kernel's ``(q - 8) * scale + zero`` form).
+(the kernel's ``(q - 8) * scale + zero`` form). Above the widening loop's sizes, int4 runs
+``cpu_int4_vnni`` (activations rounded to int8 per group, as llama.cpp's Q4_0 path does) on
+CPUs with AVX-512 VNNI, PyTorch's kernel elsewhere.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from deepinfer.kernels import cpu_gemv
+from deepinfer.kernels import cpu_gemv, cpu_int4_vnni
 
 INT4_GROUP = 32
 QUANTIZED_SMALL_ROWS = 4  # int8/int4 rows up to which ``cpu_gemv``'s loops run (PyTorch's kernels above)
@@ -36,6 +38,7 @@ class WeightOnlyLinear:
             raise ValueError(f"quantization must be 'int8' or 'int4', got {method!r}")
         w = weight.detach().float()
         self.method = method
+        self.packed_vnni: torch.Tensor | None = None  # int4 on AVX-512 VNNI (below)
         self.out_features, self.in_features = w.shape
         self.bias = None if bias is None else bias.detach().clone()
         if method == "int8":
@@ -66,6 +69,9 @@ class WeightOnlyLinear:
             sz_used = sz[:rows].to(torch.bfloat16).float()
             self.scale4 = sz_used[..., 0].contiguous()
             self.offset4 = (sz_used[..., 1] - 8.0 * sz_used[..., 0]).contiguous()
+            # above the widening loop's sizes, int8 activations on AVX-512 VNNI where the CPU
+            # has it (a third copy of the int4 values, in that kernel's layout)
+            self.packed_vnni = cpu_int4_vnni.pack(q4[:rows]) if cpu_int4_vnni.available() else None
 
     @property
     def nbytes(self) -> int:
@@ -98,6 +104,8 @@ class WeightOnlyLinear:
         shape = x.shape
         flat = x.reshape(-1, self.in_features)
         y = self._widening(flat) if flat.device.type == "cpu" else None
+        if y is None and self.method == "int4" and self.packed_vnni is not None and flat.device.type == "cpu":
+            y = cpu_int4_vnni.gemm(flat, self.packed_vnni, self.scale4, self.offset4)
         if y is not None:
             y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(y.dtype)

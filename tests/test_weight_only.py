@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from deepinfer.kernels import cpu_int4_vnni
 from deepinfer.kernels.weight_only import INT4_GROUP, QUANTIZED_SMALL_ROWS, WeightOnlyLinear
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -89,29 +90,41 @@ def _load_dequantized(twin, quantized) -> None:
     twin.lm_head.weight.copy_(quantized.head.dequantize())
 
 
-def _bf16_projections(model) -> list:
-    """Round every projection's input and output (and the head's input) to bf16, as the
-    kernels do; the caller rounds the logits."""
+def _int8_per_group(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded as ``cpu_int4_vnni`` rounds activations: int8 per group of 32."""
+    groups = x.reshape(*x.shape[:-1], -1, INT4_GROUP)
+    scale = groups.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    return ((groups * inv).round() * scale).reshape(x.shape)
+
+
+def _kernel_rounding(model, int8_activations: bool) -> list:
+    """Round every projection's input and output (and the head's input) to bf16, as
+    PyTorch's kernels do; or, for int4 on AVX-512 VNNI, every projection's input to int8 per
+    group (outputs stay fp32). The caller rounds the logits."""
 
     def round_input(_module, args):
-        return (args[0].bfloat16().float(), *args[1:])
+        x = args[0]
+        return (_int8_per_group(x) if int8_activations else x.bfloat16().float(), *args[1:])
 
     def round_output(_module, _args, out):
         return out.bfloat16().float()
 
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     handles = [m.register_forward_pre_hook(round_input) for m in linears]
-    handles += [m.register_forward_hook(round_output) for m in linears]
-    handles.append(model.model.norm.register_forward_hook(round_output))
+    if not int8_activations:
+        handles += [m.register_forward_hook(round_output) for m in linears]
+        handles.append(model.model.norm.register_forward_hook(round_output))
     return handles
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_engine_runs_the_quantized_projections(llama_path, method):
     """The engine's prompt logprobs equal an fp32 model's whose weights are the dequantized
-    ones and whose projections' inputs and outputs are rounded to bf16 (what the kernels
-    compute with), within 1% of the logits' scale (bf16 roundings of nearly equal sums may go
-    either way); a 5% scale error, say, would be 5x that. And the weights did change."""
+    ones and whose projections' inputs and outputs are rounded as the kernels round them (bf16
+    for PyTorch's; int8 activations per group for int4 on AVX-512 VNNI), within 1% of the
+    logits' scale (roundings of nearly equal values may go either way); a 5% scale error, say,
+    would be 5x that. And the weights did change."""
     prompt = [5, 9, 33, 70, 12, 8, 200, 41, 3, 19]
     quantized = LLM(llama_path, quantization=method)
     out = quantized.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=5), use_tqdm=False)[0]
@@ -119,7 +132,7 @@ def test_engine_runs_the_quantized_projections(llama_path, method):
     ids = torch.tensor([prompt])
     with torch.no_grad():
         _load_dequantized(twin, quantized.model)
-        handles = _bf16_projections(twin)
+        handles = _kernel_rounding(twin, method == "int4" and cpu_int4_vnni.available())
         logits = twin(ids).logits[0].bfloat16().float()
         ref = logits.log_softmax(-1)
         for handle in handles:
@@ -152,3 +165,51 @@ def test_int8_widths_pytorchs_kernel_cannot_take():
         x = torch.randn(QUANTIZED_SMALL_ROWS + 7, k, generator=gen)
         exact = x @ lin.dequantize().T
         assert (lin(x) - exact).norm() <= 1e-5 * exact.norm()
+
+
+needs_vnni = pytest.mark.skipif(not cpu_int4_vnni.available(), reason="this CPU has no AVX-512 VNNI")
+
+
+@needs_vnni
+@settings(max_examples=30, deadline=None)
+@given(
+    n=st.integers(1, 40),
+    groups=st.integers(1, 40),
+    m=st.integers(1, 20),
+    seed=st.integers(0, 2**16),
+)
+def test_vnni_int4_kernel_equals_its_definition(n, groups, m, seed):
+    """``cpu_int4_vnni.gemm`` is ``x_q @ (q * s + c).T`` with ``x_q`` the activations rounded
+    to int8 per group, for any width (whole tiles of 16 groups and partial ones), row counts
+    and weight rows; a row's result is the same bits alone or in any batch."""
+    gen = torch.Generator().manual_seed(seed)
+    k = groups * INT4_GROUP
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    scale = torch.rand(n, groups, generator=gen) * 0.1
+    offset = torch.randn(n, groups, generator=gen) * 0.1
+    x = torch.randn(m, k, generator=gen) * 3
+    if m > 1:
+        x[0, :INT4_GROUP] = 0  # an all-zero group (scale 0)
+    w = q.double() * scale.double().repeat_interleave(INT4_GROUP, 1) + offset.double().repeat_interleave(
+        INT4_GROUP, 1
+    )
+    want = _int8_per_group(x).double() @ w.T
+    packed = cpu_int4_vnni.pack(q)
+    got = cpu_int4_vnni.gemm(x, packed, scale, offset)
+    assert (got.double() - want).abs().max() <= 1e-5 * (1 + want.abs().max())
+    row = m // 2
+    alone = cpu_int4_vnni.gemm(x[row : row + 1], packed, scale, offset)
+    assert torch.equal(alone[0], got[row])
+    # mutation check: a 5% scale error is far outside that bound
+    wrong = cpu_int4_vnni.gemm(x, packed, scale * 1.05, offset)
+    assert (wrong.double() - want).abs().max() > 1e-3 * (1 + want.abs().max())
+
+
+@needs_vnni
+def test_int4_above_the_widening_sizes_runs_the_vnni_kernel():
+    gen = torch.Generator().manual_seed(5)
+    lin = WeightOnlyLinear(torch.randn(48, 96, generator=gen), torch.randn(48, generator=gen), "int4")
+    x = torch.randn(QUANTIZED_SMALL_ROWS + 5, 96, generator=gen)
+    want = _int8_per_group(x) @ lin.dequantize().T + lin.bias
+    assert lin.packed_vnni is not None
+    assert (lin(x) - want).abs().max() <= 1e-4 * want.abs().max()
