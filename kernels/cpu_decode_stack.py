@@ -21,7 +21,15 @@ import functools
 import math
 
 import torch
-from deepinfer.kernels import cpu_attention, cpu_build, cpu_gemv, cpu_norm_act, cpu_rope_store, weight_only
+from deepinfer.kernels import (
+    cpu_attention,
+    cpu_build,
+    cpu_gemv,
+    cpu_int4_vnni,
+    cpu_norm_act,
+    cpu_rope_store,
+    weight_only,
+)
 
 _SOURCE = r"""
 #include <cstdint>
@@ -38,35 +46,45 @@ using rope_t = void (*)(const float*, const float*, const float*, const int64_t*
                         int64_t, int64_t, int64_t, int64_t);
 using attn_t = void (*)(const float*, const void*, const void*, const int64_t*, const int64_t*, const bool*,
                         float*, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
+using gemm_vnni_t = void (*)(const float*, const uint8_t*, const float*, float*, void*, int64_t, int64_t, int64_t,
+                             int);
+
+// the offset slot of an int4 weight packed for cpu_int4_vnni (no scale or offset arrays)
+constexpr int64_t VNNI_PACKED = 1;
 
 struct Fns {
   gemv_t gemv;
   gemv_i8_t gemv_i8;
   gemv_i4_t gemv_i4;
+  gemm_vnni_t gemm_vnni;
+  void* scratch;  // cpu_int4_vnni's quantized activations
   int threads;
-  // y [M, N] = x [M, K] @ W.T (+ bias): fp32 W; int8 W with a per-row scale (s set); or packed
-  // int4 W with a scale and offset per group of 32 (s and c set)
+  // y [M, N] = x [M, K] @ W.T (+ bias): fp32 W; int8 W with a per-row scale (s set); packed
+  // int4 W with a scale and offset per group of 32 (s and c set); or int4 W packed for VNNI
+  // (c = VNNI_PACKED)
   void proj(const int64_t* t, int i, const float* x, float* y, int64_t M, int64_t N, int64_t K) const {
     const auto* b = reinterpret_cast<const float*>(t[i + 1]);
     const auto* s = reinterpret_cast<const float*>(t[i + 2]);
     const auto* c = reinterpret_cast<const float*>(t[i + 3]);
-    if (c) gemv_i4(x, reinterpret_cast<const uint8_t*>(t[i]), s, c, b, y, M, N, K, threads);
+    if (t[i + 3] == VNNI_PACKED) gemm_vnni(x, reinterpret_cast<const uint8_t*>(t[i]), b, y, scratch, M, N, K, threads);
+    else if (c) gemv_i4(x, reinterpret_cast<const uint8_t*>(t[i]), s, c, b, y, M, N, K, threads);
     else if (s) gemv_i8(x, reinterpret_cast<const int8_t*>(t[i]), s, b, y, M, N, K, threads);
     else gemv(x, reinterpret_cast<const float*>(t[i]), b, y, M, N, K, threads);
   }
 };
 
 // fns: gemv_f32, gemv_i8, gemv_i4, add_rms_norm, silu_mul, rope_store, decode_attention (for the
-// pools' dtype). table [layers, 20]: norm1 w, (qkv, o, gate_up, down) x (w, bias, scale, int4
-// offset), norm2 w, k pool, v pool (0 for an absent bias, scale or offset)
+// pools' dtype), gemm_i4_i8 (0 without VNNI). table [layers, 20]: norm1 w, (qkv, o, gate_up,
+// down) x (w, bias, scale, int4 offset or VNNI_PACKED), norm2 w, k pool, v pool (0 for an
+// absent bias, scale or offset)
 extern "C" void llama_decode_stack(const int64_t* fns, const int64_t* table, int64_t layers, float* h,
                                    float* work, const float* cos, const float* sin,
                                    const int64_t* write_rows, const int64_t* dec_rows,
                                    const int64_t* dec_kv, const bool* dec_valid, int64_t M, int64_t D,
                                    int64_t H, int64_t KV, int64_t HD, int64_t I, int64_t n_dec,
-                                   int64_t len_dec, float eps, float scale, int threads) {
+                                   int64_t len_dec, float eps, float scale, void* scratch, int threads) {
   const Fns f{reinterpret_cast<gemv_t>(fns[0]), reinterpret_cast<gemv_i8_t>(fns[1]),
-              reinterpret_cast<gemv_i4_t>(fns[2]), threads};
+              reinterpret_cast<gemv_i4_t>(fns[2]), reinterpret_cast<gemm_vnni_t>(fns[7]), scratch, threads};
   const auto norm = reinterpret_cast<norm_t>(fns[3]);
   const auto silu = reinterpret_cast<silu_t>(fns[4]);
   const auto rope = reinterpret_cast<rope_t>(fns[5]);
@@ -108,12 +126,14 @@ _ARGS = (
     + [ctypes.c_void_p] * 8
     + [ctypes.c_int64] * 8
     + [ctypes.c_float] * 2
-    + [ctypes.c_int]
+    + [ctypes.c_void_p, ctypes.c_int]
 )
 _POOL_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-# rows up to which int8/int4 projections run in the stack: above, PyTorch's kernels (bf16
-# activations) beat the widening loops (RESULTS.md)
+# rows up to which int8/int4 projections run in the stack's widening loops: above, PyTorch's
+# kernels (bf16 activations) beat them (RESULTS.md); int4 packed for VNNI runs there up to
+# cpu_gemv.MAX_ROWS rows
 QUANTIZED_MAX_ROWS = weight_only.QUANTIZED_SMALL_ROWS
+VNNI_PACKED = 1  # the driver's marker (its offset slot) for an int4 weight packed for VNNI
 
 
 @functools.cache
@@ -152,6 +172,7 @@ def _functions(pool_dtype: torch.dtype) -> torch.Tensor:
         _address(cpu_norm_act._library(), "silu_mul_f32"),
         _address(cpu_rope_store._library(), f"rope_store_f32_{p}"),
         _address(cpu_attention._library(), cpu_attention._ENTRY[pool_dtype]),
+        _address(cpu_int4_vnni._library(), "gemm_i4_i8") if cpu_int4_vnni.available() else 0,
     ]
     return torch.tensor(addresses, dtype=torch.int64)
 
@@ -180,7 +201,9 @@ class LlamaDecodeStack:
         """``layers``: per layer ``norm1``, ``norm2`` (fp32 weights) and ``qkv``, ``o``,
         ``gate_up``, ``down`` as (weight, bias, scale, offset): fp32 weights alone, int8 ones
         with their fp32 per-row scale, or packed int4 ones (uint8) with their fp32 per-group
-        scale and offset (``cpu_gemv.small_gemm_int4``'s layout)."""
+        scale and offset (``cpu_gemv.small_gemm_int4``'s layout); optionally ``vnni``: each
+        int4 projection's copy packed for ``cpu_int4_vnni``, which then runs steps of more than
+        ``QUANTIZED_MAX_ROWS`` rows (up to ``cpu_gemv.MAX_ROWS``)."""
         kinds = {torch.float32: (False, False), torch.int8: (True, False), torch.uint8: (True, True)}
         self.tensors: list[list[torch.Tensor | None]] = []
         quantized = False
@@ -202,22 +225,46 @@ class LlamaDecodeStack:
                     t.dtype not in kinds or not t.is_contiguous() or t.device.type != "cpu"
                 ):
                     raise ValueError("LlamaDecodeStack needs contiguous fp32 / int8 / uint8 CPU tensors")
-        self.max_rows = QUANTIZED_MAX_ROWS if quantized else cpu_gemv.MAX_ROWS
         self.weights = torch.tensor([[_ptr(t) for t in row] for row in self.tensors], dtype=torch.int64)
+        self.weights_vnni = self._vnni_table(layers) if quantized else None
+        self.max_rows = QUANTIZED_MAX_ROWS if quantized and self.weights_vnni is None else cpu_gemv.MAX_ROWS
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.intermediate, self.eps = intermediate, eps
         self.hidden = self.tensors[0][0].shape[0]
         self._pools: tuple[int, ...] = ()
-        self._table: torch.Tensor | None = None
+        self._tables: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+
+    def _vnni_table(self, layers: list[dict]) -> torch.Tensor | None:
+        """The weight table with every projection swapped for its VNNI-packed int4 copy (None
+        unless each projection is int4 with such a copy and the kernel built)."""
+        if not cpu_int4_vnni.available():
+            return None
+        rows, keep = [], []
+        for layer, row in zip(layers, self.tensors, strict=True):
+            packed = layer.get("vnni") or {}
+            out = [_ptr(row[0])]
+            for name in ("qkv", "o", "gate_up", "down"):
+                weight, bias, _, offset = layer[name]
+                copy = packed.get(name)
+                if copy is None or offset is None or bias is not None:
+                    return None
+                out += [_ptr(copy), 0, 0, VNNI_PACKED]
+                keep.append(copy)
+            rows.append(out + [_ptr(row[-1])])
+        self.vnni_tensors = keep  # the table holds their addresses
+        return torch.tensor(rows, dtype=torch.int64)
 
     def supports(self, h: torch.Tensor, pools: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """A decode-sized fp32 activation and pools the kernels read."""
         decode = h.dtype == torch.float32 and h.dim() == 2 and 0 < h.shape[0] <= self.max_rows
         return decode and not h.requires_grad and self._table_for(pools) is not None
 
-    def _table_for(self, pools: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
-        """The driver's table for these pools (None: pools the kernels cannot read); checked and
-        built again only when the pools change."""
+    def _table_for(
+        self, pools: list[tuple[torch.Tensor, torch.Tensor]], vnni: bool = False
+    ) -> torch.Tensor | None:
+        """The driver's table for these pools (None: pools the kernels cannot read), with the
+        VNNI-packed int4 weights when ``vnni``; checked and built again only when the pools
+        change."""
         key = tuple(p.data_ptr() for kv in pools for p in kv)
         if key != self._pools:
             dtype = pools[0][0].dtype
@@ -225,9 +272,15 @@ class LlamaDecodeStack:
                 t.dtype == dtype and t.is_contiguous() for kv in pools for t in kv
             )
             addresses = torch.tensor(key, dtype=torch.int64).view(-1, 2)
-            self._table = torch.cat([self.weights, addresses], dim=1).contiguous() if readable else None
+
+            def table(weights: torch.Tensor | None) -> torch.Tensor | None:
+                if weights is None or not readable:
+                    return None
+                return torch.cat([weights, addresses], dim=1).contiguous()
+
+            self._tables = (table(self.weights), table(self.weights_vnni))
             self._pools = key
-        return self._table
+        return self._tables[1 if vnni else 0]
 
     def __call__(
         self,
@@ -252,8 +305,11 @@ class LlamaDecodeStack:
         s = sin.reshape(m, -1).float().contiguous()
         rows, kv, valid = write_rows.contiguous(), decode_kv.contiguous(), decode_valid.contiguous()
         dec = decode_rows.contiguous()
-        table = self._table_for(pools)
+        vnni = self.weights_vnni is not None and m > QUANTIZED_MAX_ROWS
+        table = self._table_for(pools, vnni)
         assert table is not None, "pools the kernels cannot read (check supports() first)"
+        widest = max(d, a, i)  # cpu_int4_vnni's int8 activations and their per-group scales
+        scratch = torch.empty(m * widest + 8 * m * (widest // 32), dtype=torch.uint8) if vnni else None
         lib.llama_decode_stack(
             _functions(pools[0][0].dtype).data_ptr(),
             table.data_ptr(),
@@ -276,6 +332,7 @@ class LlamaDecodeStack:
             kv.shape[1],
             self.eps,
             1.0 / math.sqrt(self.head_dim),
+            None if scratch is None else scratch.data_ptr(),
             torch.get_num_threads(),
         )
         return h

@@ -4,7 +4,9 @@ compute-bound.
 
 llama.cpp's Q4_0 path quantizes activations to int8 per group of 32 and multiplies bytes
 (``vpdpbusd``: 64 multiply-adds per instruction against 16 for an fp32 FMA); this kernel does
-the same with our int4 format (``w = q * s + c`` per group of 32, ``weight_only``). Each group's
+the same with our int4 format (``w = (q - 8) * s + z`` per group of 32 with bf16 ``s`` and
+``z``, ``weight_only``), stored as one stream per weight row: each tile's nibbles, then its
+scales and zeros. Each group's
 integer dot product needs its own scales, so the bytes are laid out with one group per 32-bit
 lane: sixteen groups side by side, four elements of each per lane and step. Eight
 ``vpdpbusd`` then leave sixteen finished group sums in one register, which meet their sixteen
@@ -48,11 +50,16 @@ extern "C" int has_vnni() {
 // (high) sharing byte p * 4L + 4l + j.
 static inline int64_t tile_lanes(int64_t groups, int64_t tile) { return std::min<int64_t>(16, groups - tile * 16); }
 
-// q [N, K] (0..15) -> packed [N, K / 2] in the tile layout.
-extern "C" void pack_weights(const uint8_t* q, uint8_t* packed, int64_t N, int64_t K) {
+// Bytes of one packed weight row: per tile of L groups, 16 L bytes of nibbles, then the L
+// groups' bf16 scales and bf16 zeros (one stream per row, as many bytes as PyTorch's layout).
+static inline int64_t row_bytes(int64_t K) { return K / 2 + 4 * (K / 32); }
+
+// q [N, K] (0..15), scale / zero [N, G] as bf16 bits -> packed [N, row_bytes(K)].
+extern "C" void pack_weights(const uint8_t* q, const uint16_t* scale, const uint16_t* zero, uint8_t* packed,
+                             int64_t N, int64_t K) {
   const int64_t G = K / 32, tiles = (G + 15) / 16;
   for (int64_t n = 0; n < N; ++n) {
-    uint8_t* out = packed + n * (K / 2);
+    uint8_t* out = packed + n * row_bytes(K);
     for (int64_t tile = 0; tile < tiles; ++tile) {
       const int64_t L = tile_lanes(G, tile);
       for (int64_t p = 0; p < 4; ++p)
@@ -61,7 +68,9 @@ extern "C" void pack_weights(const uint8_t* q, uint8_t* packed, int64_t N, int64
             const uint8_t* g = q + n * K + (tile * 16 + l) * 32;
             out[p * 4 * L + 4 * l + j] = static_cast<uint8_t>(g[8 * p + j] | (g[8 * p + 4 + j] << 4));
           }
-      out += 16 * L;
+      std::memcpy(out + 16 * L, scale + n * G + tile * 16, 2 * L);
+      std::memcpy(out + 18 * L, zero + n * G + tile * 16, 2 * L);
+      out += 20 * L;
     }
   }
 }
@@ -98,12 +107,18 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void quantize_rows
   }
 }
 
+constexpr int64_t PREFETCH = 4 * 1024;  // bytes ahead of each weight row's reads
+
+__attribute__((target("avx512f,avx512bw"))) static inline __m512 bf16_to_f32(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
 // R weight rows x MC activation rows: each weight vector feeds MC rows, each activation
 // vector R rows, every integer accumulator in a register.
 template <int R, int MC>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) static inline void tile_pass(
-    const uint8_t* w, const float* sw, const float* cw, const int8_t* xq, const float* sx, const float* cx,
-    const float* bias, float* y, int64_t N, int64_t K, int64_t n0) {
+    const uint8_t* w, const int8_t* xq, const float* sx, const float* cx, const float* bias, float* y, int64_t N,
+    int64_t K, int64_t n0) {
   const int64_t G = K / 32, tiles = (G + 15) / 16;
   __m512 acc[R][MC];
   for (int r = 0; r < R; ++r)
@@ -120,14 +135,18 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static inline void tile_p
     for (int64_t p = 0; p < 4; ++p) {
       __m512i lo[R], hi[R];
       for (int r = 0; r < R; ++r) {
-        const __m512i packed = _mm512_maskz_loadu_epi8(bytes, w + (n0 + r) * (K / 2) + woff + p * 4 * L);
+        const uint8_t* src = w + (n0 + r) * row_bytes(K) + woff + p * 4 * L;
+        _mm_prefetch(reinterpret_cast<const char*>(src + PREFETCH), _MM_HINT_T0);
+        const __m512i packed = L == 16 ? _mm512_loadu_si512(src) : _mm512_maskz_loadu_epi8(bytes, src);
         lo[r] = _mm512_and_si512(packed, low4);
         hi[r] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
       }
       for (int m = 0; m < MC; ++m) {
         const int8_t* xr = xq + m * K + xoff;
-        const __m512i xa = _mm512_maskz_loadu_epi8(bytes, xr + (2 * p) * 4 * L);
-        const __m512i xb = _mm512_maskz_loadu_epi8(bytes, xr + (2 * p + 1) * 4 * L);
+        const __m512i xa = L == 16 ? _mm512_loadu_si512(xr + (2 * p) * 4 * L)
+                                   : _mm512_maskz_loadu_epi8(bytes, xr + (2 * p) * 4 * L);
+        const __m512i xb = L == 16 ? _mm512_loadu_si512(xr + (2 * p + 1) * 4 * L)
+                                   : _mm512_maskz_loadu_epi8(bytes, xr + (2 * p + 1) * 4 * L);
         for (int r = 0; r < R; ++r) {
           iacc[r][m] = _mm512_dpbusd_epi32(iacc[r][m], lo[r], xa);
           iacc[r][m] = _mm512_dpbusd_epi32(iacc[r][m], hi[r], xb);
@@ -135,15 +154,17 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static inline void tile_p
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m512 s = _mm512_maskz_loadu_ps(lanes, sw + (n0 + r) * G + tile * 16);
-      const __m512 c = _mm512_maskz_loadu_ps(lanes, cw + (n0 + r) * G + tile * 16);
+      const uint8_t* sc = w + (n0 + r) * row_bytes(K) + woff + 16 * L;  // bf16 scales, then offsets
+      const __m512 s = bf16_to_f32(_mm256_maskz_loadu_epi16(lanes, sc));
+      // w = (q - 8) * s + z = q * s + c with c = z - 8 s, rounded once
+      const __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, bf16_to_f32(_mm256_maskz_loadu_epi16(lanes, sc + 2 * L)));
       for (int m = 0; m < MC; ++m) {
         const __m512 scale = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(lanes, sx + m * G + tile * 16));
         acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r][m]), scale, acc[r][m]);
         acc[r][m] = _mm512_fmadd_ps(c, _mm512_maskz_loadu_ps(lanes, cx + m * G + tile * 16), acc[r][m]);
       }
     }
-    woff += 16 * L;
+    woff += 20 * L;
     xoff += 32 * L;
   }
   for (int r = 0; r < R; ++r)
@@ -153,9 +174,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static inline void tile_p
 constexpr int R = 4, MC = 4;
 
 template <int RR>
-static void rows_block(const uint8_t* w, const float* scale, const float* offset, const float* bias,
-                       const int8_t* xq, const float* sx, const float* cx, float* y, int64_t M, int64_t N,
-                       int64_t K, int64_t n0) {
+static void rows_block(const uint8_t* w, const float* bias, const int8_t* xq, const float* sx, const float* cx,
+                       float* y, int64_t M, int64_t N, int64_t K, int64_t n0) {
   const int64_t G = K / 32;
   for (int64_t m = 0; m < M; m += MC) {
     const int8_t* xm = xq + m * K;
@@ -163,19 +183,18 @@ static void rows_block(const uint8_t* w, const float* scale, const float* offset
     const float* cxm = cx + m * G;
     float* ym = y + m * N;
     switch (std::min<int64_t>(MC, M - m)) {
-      case 1: tile_pass<RR, 1>(w, scale, offset, xm, sxm, cxm, bias, ym, N, K, n0); break;
-      case 2: tile_pass<RR, 2>(w, scale, offset, xm, sxm, cxm, bias, ym, N, K, n0); break;
-      case 3: tile_pass<RR, 3>(w, scale, offset, xm, sxm, cxm, bias, ym, N, K, n0); break;
-      default: tile_pass<RR, MC>(w, scale, offset, xm, sxm, cxm, bias, ym, N, K, n0); break;
+      case 1: tile_pass<RR, 1>(w, xm, sxm, cxm, bias, ym, N, K, n0); break;
+      case 2: tile_pass<RR, 2>(w, xm, sxm, cxm, bias, ym, N, K, n0); break;
+      case 3: tile_pass<RR, 3>(w, xm, sxm, cxm, bias, ym, N, K, n0); break;
+      default: tile_pass<RR, MC>(w, xm, sxm, cxm, bias, ym, N, K, n0); break;
     }
   }
 }
 
-// y [M, N] = x [M, K] @ W.T (+ bias) for W packed by pack_weights, fp32 scale / offset [N, G].
+// y [M, N] = x [M, K] @ W.T (+ bias) for W packed by pack_weights.
 // scratch: M * K bytes + 2 * M * G floats.
-extern "C" void gemm_i4_i8(const float* x, const uint8_t* w, const float* scale, const float* offset,
-                           const float* bias, float* y, void* scratch, int64_t M, int64_t N, int64_t K,
-                           int threads) {
+extern "C" void gemm_i4_i8(const float* x, const uint8_t* w, const float* bias, float* y, void* scratch, int64_t M,
+                           int64_t N, int64_t K, int threads) {
   const int64_t G = K / 32;
   int8_t* xq = static_cast<int8_t*>(scratch);
   float* sx = reinterpret_cast<float*>(xq + M * K);
@@ -184,10 +203,10 @@ extern "C" void gemm_i4_i8(const float* x, const uint8_t* w, const float* scale,
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t n0 = 0; n0 < N; n0 += R) {
     switch (std::min<int64_t>(R, N - n0)) {
-      case 1: rows_block<1>(w, scale, offset, bias, xq, sx, cx, y, M, N, K, n0); break;
-      case 2: rows_block<2>(w, scale, offset, bias, xq, sx, cx, y, M, N, K, n0); break;
-      case 3: rows_block<3>(w, scale, offset, bias, xq, sx, cx, y, M, N, K, n0); break;
-      default: rows_block<R>(w, scale, offset, bias, xq, sx, cx, y, M, N, K, n0); break;
+      case 1: rows_block<1>(w, bias, xq, sx, cx, y, M, N, K, n0); break;
+      case 2: rows_block<2>(w, bias, xq, sx, cx, y, M, N, K, n0); break;
+      case 3: rows_block<3>(w, bias, xq, sx, cx, y, M, N, K, n0); break;
+      default: rows_block<R>(w, bias, xq, sx, cx, y, M, N, K, n0); break;
     }
   }
 }
@@ -202,8 +221,8 @@ def _library() -> ctypes.CDLL | None:
     lib.has_vnni.restype = ctypes.c_int
     if not lib.has_vnni():
         return None
-    cpu_build.bind(lib, "pack_weights", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2)
-    cpu_build.bind(lib, "gemm_i4_i8", [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_int])
+    cpu_build.bind(lib, "pack_weights", [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2)
+    cpu_build.bind(lib, "gemm_i4_i8", [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int])
     return lib
 
 
@@ -212,32 +231,30 @@ def available() -> bool:
     return _library() is not None
 
 
-def pack(q: torch.Tensor) -> torch.Tensor:
-    """int4 values [N, K] (0..15, K a multiple of 32) -> [N, K / 2] uint8 in the kernel's layout."""
+def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """int4 values [N, K] (0..15, K a multiple of 32) with bf16 ``scale`` / ``zero``
+    [N, K / 32] (``w = (q - 8) * scale + zero``, PyTorch's int4 form) -> the kernel's packed
+    rows [N, K / 2 + 4 K / 32] (uint8)."""
     lib = _library()
     assert lib is not None
     q = q.to(torch.uint8).contiguous()
     n, k = q.shape
-    packed = torch.empty(n, k // 2, dtype=torch.uint8)
-    lib.pack_weights(q.data_ptr(), packed.data_ptr(), n, k)
+    s = scale.to(torch.bfloat16).contiguous().view(torch.int16)
+    c = zero.to(torch.bfloat16).contiguous().view(torch.int16)
+    packed = torch.empty(n, k // 2 + 4 * (k // GROUP), dtype=torch.uint8)
+    lib.pack_weights(q.data_ptr(), s.data_ptr(), c.data_ptr(), packed.data_ptr(), n, k)
     return packed
 
 
-def gemm(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    offset: torch.Tensor,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """fp32 ``x [M, K] @ W.T (+ bias)`` with ``W = q * scale + offset`` per group of 32 and the
-    activations rounded to int8 per group; ``scale`` / ``offset`` fp32 [N, K / 32]."""
+def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 ``x [M, K] @ W.T (+ bias)`` for ``W`` packed by ``pack``, with the activations
+    rounded to int8 per group of 32."""
     lib = _library()
     assert lib is not None
     x = x.float().contiguous()
     m, k = x.shape
     n = packed.shape[0]
-    if packed.shape[1] * 2 != k or k % GROUP:
+    if k % GROUP or packed.shape[1] != k // 2 + 4 * (k // GROUP):
         raise ValueError(f"gemm: x has {k} columns, packed weight {tuple(packed.shape)}")
     y = torch.empty(m, n)
     scratch = torch.empty(m * k + 8 * m * (k // GROUP), dtype=torch.uint8)
@@ -245,8 +262,6 @@ def gemm(
     lib.gemm_i4_i8(
         x.data_ptr(),
         packed.data_ptr(),
-        scale.data_ptr(),
-        offset.data_ptr(),
         b.data_ptr() if b is not None else None,
         y.data_ptr(),
         scratch.data_ptr(),

@@ -71,7 +71,8 @@ class WeightOnlyLinear:
             self.offset4 = (sz_used[..., 1] - 8.0 * sz_used[..., 0]).contiguous()
             # above the widening loop's sizes, int8 activations on AVX-512 VNNI where the CPU
             # has it (a third copy of the int4 values, in that kernel's layout)
-            self.packed_vnni = cpu_int4_vnni.pack(q4[:rows]) if cpu_int4_vnni.available() else None
+            if cpu_int4_vnni.available():
+                self.packed_vnni = cpu_int4_vnni.pack(q4[:rows], sz[:rows, :, 0], sz[:rows, :, 1])
 
     @property
     def nbytes(self) -> int:
@@ -105,7 +106,7 @@ class WeightOnlyLinear:
         flat = x.reshape(-1, self.in_features)
         y = self._widening(flat) if flat.device.type == "cpu" else None
         if y is None and self.method == "int4" and self.packed_vnni is not None and flat.device.type == "cpu":
-            y = cpu_int4_vnni.gemm(flat, self.packed_vnni, self.scale4, self.offset4)
+            y = cpu_int4_vnni.gemm(flat, self.packed_vnni)
         if y is not None:
             y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(y.dtype)

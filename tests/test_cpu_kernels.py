@@ -21,7 +21,7 @@ from deepinfer.kernels import (
 )
 from deepinfer.kernels.paged_attention import paged_attention_reference
 from deepinfer.kernels.weight_only import PackedLinear, cpu_linear
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from deepinfer import LLM, SamplingParams
@@ -301,12 +301,15 @@ def _greedy(llm, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]
     quantization=st.sampled_from([None, "int8", "int4"]),
     seed=st.integers(0, 1000),
 )
+# int4 above the widening loop's 4 rows: the VNNI-packed weights, where the CPU has VNNI
+@example(kv_heads=1, group=2, head_dim=32, layers=2, rows=9, kv_dtype="float32", quantization="int4", seed=9)
 def test_one_call_decode_stack_equals_the_layer_loop(
     tmp_path_factory, kv_heads, group, head_dim, layers, rows, kv_dtype, quantization, seed
 ):
     """The C++ layer loop calls the same kernels in the same order: greedy tokens and their
     logprobs equal the per-layer path's bitwise, for any Llama shape, 1-16 decode rows, fp32,
-    bf16 and fp16 pools, fp32, int8 or int4 weights (and the stack did run)."""
+    bf16 and fp16 pools, fp32, int8 or int4 weights (int4 above 4 rows: the VNNI kernel; and
+    the stack did run)."""
     if quantization == "int4":  # int4 groups of 32 input channels
         head_dim = max(head_dim, 32)
     path = make_tiny_checkpoint(
@@ -330,7 +333,7 @@ def test_one_call_decode_stack_equals_the_layer_loop(
     )
     stack = llm.model.decode_stack
     assert stack is not None
-    rows = min(rows, stack.max_rows)  # int8/int4: up to 4 rows
+    rows = min(rows, stack.max_rows)  # int8: up to 4 rows; int4 without VNNI too
     calls = {"n": 0}
     real = type(stack).__call__
 

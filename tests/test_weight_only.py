@@ -179,29 +179,31 @@ needs_vnni = pytest.mark.skipif(not cpu_int4_vnni.available(), reason="this CPU 
     seed=st.integers(0, 2**16),
 )
 def test_vnni_int4_kernel_equals_its_definition(n, groups, m, seed):
-    """``cpu_int4_vnni.gemm`` is ``x_q @ (q * s + c).T`` with ``x_q`` the activations rounded
+    """``cpu_int4_vnni.gemm`` is ``x_q @ ((q - 8) * s + z).T`` with ``x_q`` the activations rounded
     to int8 per group, for any width (whole tiles of 16 groups and partial ones), row counts
     and weight rows; a row's result is the same bits alone or in any batch."""
     gen = torch.Generator().manual_seed(seed)
     k = groups * INT4_GROUP
     q = torch.randint(0, 16, (n, k), generator=gen)
-    scale = torch.rand(n, groups, generator=gen) * 0.1
-    offset = torch.randn(n, groups, generator=gen) * 0.1
+    scale = (torch.rand(n, groups, generator=gen) * 0.1).bfloat16().float()  # stored as bf16
+    zero = (torch.randn(n, groups, generator=gen) * 0.1).bfloat16().float()
     x = torch.randn(m, k, generator=gen) * 3
     if m > 1:
         x[0, :INT4_GROUP] = 0  # an all-zero group (scale 0)
-    w = q.double() * scale.double().repeat_interleave(INT4_GROUP, 1) + offset.double().repeat_interleave(
-        INT4_GROUP, 1
+    per_element = (
+        scale.double().repeat_interleave(INT4_GROUP, 1),
+        zero.double().repeat_interleave(INT4_GROUP, 1),
     )
+    w = (q.double() - 8) * per_element[0] + per_element[1]
     want = _int8_per_group(x).double() @ w.T
-    packed = cpu_int4_vnni.pack(q)
-    got = cpu_int4_vnni.gemm(x, packed, scale, offset)
+    packed = cpu_int4_vnni.pack(q, scale, zero)
+    got = cpu_int4_vnni.gemm(x, packed)
     assert (got.double() - want).abs().max() <= 1e-5 * (1 + want.abs().max())
     row = m // 2
-    alone = cpu_int4_vnni.gemm(x[row : row + 1], packed, scale, offset)
+    alone = cpu_int4_vnni.gemm(x[row : row + 1], packed)
     assert torch.equal(alone[0], got[row])
     # mutation check: a 5% scale error is far outside that bound
-    wrong = cpu_int4_vnni.gemm(x, packed, scale * 1.05, offset)
+    wrong = cpu_int4_vnni.gemm(x, cpu_int4_vnni.pack(q, scale * 1.05, zero))
     assert (wrong.double() - want).abs().max() > 1e-3 * (1 + want.abs().max())
 
 

@@ -360,6 +360,7 @@ class LlamaForCausalLM(CausalLM):
             layers = []
             for layer in self.model.layers:
                 attn, mlp = layer.self_attn, layer.mlp
+                engines = {"qkv": attn.qkv, "o": attn.out, "gate_up": mlp.gate_up, "down": mlp.down}
                 layers.append(
                     {
                         "norm1": layer.input_layernorm.weight.detach(),
@@ -368,6 +369,11 @@ class LlamaForCausalLM(CausalLM):
                         "gate_up": projection(mlp.gate_up, mlp.gate_up_weight, mlp.gate_up_bias),
                         "down": projection(mlp.down, mlp.down_proj.weight, mlp.down_proj.bias),
                         "norm2": layer.post_attention_layernorm.weight.detach(),
+                        "vnni": {
+                            name: engine.packed_vnni
+                            for name, engine in engines.items()
+                            if isinstance(engine, WeightOnlyLinear) and engine.packed_vnni is not None
+                        },
                     }
                 )
             return LlamaDecodeStack(
