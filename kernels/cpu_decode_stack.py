@@ -130,10 +130,12 @@ _ARGS = (
 )
 _POOL_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 # rows up to which int8/int4 projections run in the stack's widening loops: above, PyTorch's
-# kernels (bf16 activations) beat them (RESULTS.md); int4 packed for VNNI runs there up to
-# cpu_gemv.MAX_ROWS rows
+# kernels (bf16 activations) beat them (RESULTS.md)
 QUANTIZED_MAX_ROWS = weight_only.QUANTIZED_SMALL_ROWS
 VNNI_PACKED = 1  # the driver's marker (its offset slot) for an int4 weight packed for VNNI
+# rows up to which int4 packed for VNNI runs in the stack: the VNNI kernel takes any row count,
+# the per-layer path runs the stack's norm kernels up to here
+VNNI_MAX_ROWS = cpu_norm_act.MAX_ROWS
 
 
 @functools.cache
@@ -203,7 +205,7 @@ class LlamaDecodeStack:
         with their fp32 per-row scale, or packed int4 ones (uint8) with their fp32 per-group
         scale and offset (``cpu_gemv.small_gemm_int4``'s layout); optionally ``vnni``: each
         int4 projection's copy packed for ``cpu_int4_vnni``, which then runs steps of more than
-        ``QUANTIZED_MAX_ROWS`` rows (up to ``cpu_gemv.MAX_ROWS``)."""
+        ``QUANTIZED_MAX_ROWS`` rows (up to ``VNNI_MAX_ROWS``)."""
         kinds = {torch.float32: (False, False), torch.int8: (True, False), torch.uint8: (True, True)}
         self.tensors: list[list[torch.Tensor | None]] = []
         quantized = False
@@ -227,7 +229,10 @@ class LlamaDecodeStack:
                     raise ValueError("LlamaDecodeStack needs contiguous fp32 / int8 / uint8 CPU tensors")
         self.weights = torch.tensor([[_ptr(t) for t in row] for row in self.tensors], dtype=torch.int64)
         self.weights_vnni = self._vnni_table(layers) if quantized else None
-        self.max_rows = QUANTIZED_MAX_ROWS if quantized and self.weights_vnni is None else cpu_gemv.MAX_ROWS
+        if not quantized:
+            self.max_rows = cpu_gemv.MAX_ROWS
+        else:
+            self.max_rows = QUANTIZED_MAX_ROWS if self.weights_vnni is None else VNNI_MAX_ROWS
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.intermediate, self.eps = intermediate, eps
         self.hidden = self.tensors[0][0].shape[0]

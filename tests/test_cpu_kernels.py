@@ -296,18 +296,21 @@ def _greedy(llm, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]
     group=st.integers(1, 4),
     head_dim=st.sampled_from([16, 32, 64]),
     layers=st.integers(1, 3),
-    rows=st.integers(1, cpu_gemv.MAX_ROWS),
+    rows=st.integers(1, cpu_decode_stack.VNNI_MAX_ROWS),
     kv_dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
     quantization=st.sampled_from([None, "int8", "int4"]),
     seed=st.integers(0, 1000),
 )
 # int4 above the widening loop's 4 rows: the VNNI-packed weights, where the CPU has VNNI
 @example(kv_heads=1, group=2, head_dim=32, layers=2, rows=9, kv_dtype="float32", quantization="int4", seed=9)
+@example(
+    kv_heads=2, group=1, head_dim=32, layers=1, rows=40, kv_dtype="bfloat16", quantization="int4", seed=4
+)
 def test_one_call_decode_stack_equals_the_layer_loop(
     tmp_path_factory, kv_heads, group, head_dim, layers, rows, kv_dtype, quantization, seed
 ):
     """The C++ layer loop calls the same kernels in the same order: greedy tokens and their
-    logprobs equal the per-layer path's bitwise, for any Llama shape, 1-16 decode rows, fp32,
+    logprobs equal the per-layer path's bitwise, for any Llama shape, 1-64 decode rows, fp32,
     bf16 and fp16 pools, fp32, int8 or int4 weights (int4 above 4 rows: the VNNI kernel; and
     the stack did run)."""
     if quantization == "int4":  # int4 groups of 32 input channels
@@ -326,14 +329,14 @@ def test_one_call_decode_stack_equals_the_layer_loop(
     # no prefix cache: the second run must compute exactly what the first did
     llm = LLM(
         str(path),
-        max_num_seqs=16,
+        max_num_seqs=cpu_decode_stack.VNNI_MAX_ROWS,
         kv_cache_dtype=kv_dtype,
         enable_prefix_caching=False,
         quantization=quantization,
     )
     stack = llm.model.decode_stack
     assert stack is not None
-    rows = min(rows, stack.max_rows)  # int8: up to 4 rows; int4 without VNNI too
+    rows = min(rows, stack.max_rows)  # fp32: 16; int8: 4; int4: 64 with VNNI, else 4
     calls = {"n": 0}
     real = type(stack).__call__
 
