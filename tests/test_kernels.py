@@ -81,9 +81,9 @@ def test_routed_experts_op_matches_the_definition():
     seed=st.integers(0, 2**16),
 )
 def test_routed_experts_paths_match_the_definition(n, e, k, d, inter, limit, seed):
-    """The one-call CPU kernel and the sorted dispatch both equal the token-by-token
-    definition, for any width (vector tails included), expert count and top-k; the kernel
-    gives a token the same bits whatever it is batched with."""
+    """Both CPU kernels and the sorted dispatch equal the token-by-token definition, for any
+    width (vector tails included), expert count and top-k; each kernel gives a token the same
+    bits whatever it is batched with."""
     from deepinfer.kernels import cpu_moe
     from deepinfer.kernels.moe import routed_experts, routed_experts_reference
 
@@ -97,15 +97,33 @@ def test_routed_experts_paths_match_the_definition(n, e, k, d, inter, limit, see
     tol = dict(atol=1e-4, rtol=1e-4)
     assert torch.allclose(routed_experts_reference(x, weights, ids, w1, w2, w3, limit), want, **tol)
     assert torch.allclose(routed_experts(x, weights, ids, w1, w2, w3, limit), want, **tol)
+    kernels = [cpu_moe.routed_experts_transposed]  # these experts are small
     if n <= cpu_moe.MAX_ROWS:
-        assert cpu_moe.supports(x, w1, w2, w3)  # CI has a compiler: the kernel is what ran
-        got = cpu_moe.routed_experts(x, weights, ids, w1, w2, w3, limit)
+        kernels.append(cpu_moe.routed_experts_dot)
+    assert cpu_moe.supports(x, w1, w2, w3)  # CI has a compiler: a kernel is what ran above
+    for kernel in kernels:
+        got = kernel(x, weights, ids, w1, w2, w3, limit)
         assert torch.allclose(got, want, **tol)
         for row in range(n):
-            alone = cpu_moe.routed_experts(
-                x[row : row + 1], weights[row : row + 1], ids[row : row + 1], w1, w2, w3, limit
-            )
+            alone = kernel(x[row : row + 1], weights[row : row + 1], ids[row : row + 1], w1, w2, w3, limit)
             assert torch.equal(alone[0], got[row])
+
+
+def test_transposed_expert_copies_follow_in_place_writes():
+    """The transposed kernel keeps copies of the experts: writing the weights in place (a
+    research edit, a reload) must not leave it computing with the old ones."""
+    from deepinfer.kernels import cpu_moe
+
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 16, generator=gen)
+    ids = torch.randint(0, 3, (5, 2), generator=gen)
+    weights = torch.rand(5, 2, generator=gen)
+    w1, w3 = torch.randn(3, 8, 16, generator=gen), torch.randn(3, 8, 16, generator=gen)
+    w2 = torch.randn(3, 16, 8, generator=gen)
+    cpu_moe.routed_experts_transposed(x, weights, ids, w1, w2, w3, 10.0)
+    w1.mul_(-2.0)
+    got = cpu_moe.routed_experts_transposed(x, weights, ids, w1, w2, w3, 10.0)
+    assert torch.allclose(got, _naive_routed_experts(x, weights, ids, w1, w2, w3, 10.0), atol=1e-4)
 
 
 def test_routed_experts_kernel_mutation_is_caught():
@@ -118,9 +136,10 @@ def test_routed_experts_kernel_mutation_is_caught():
     weights = torch.rand(4, 2, generator=gen)
     w1, w3 = torch.randn(3, 8, 16, generator=gen), torch.randn(3, 8, 16, generator=gen)
     w2 = torch.randn(3, 16, 8, generator=gen)
-    got = cpu_moe.routed_experts(x, weights, ids, w1, w2, w3, 1.0)
-    assert torch.allclose(got, _naive_routed_experts(x, weights, ids, w1, w2, w3, 1.0), atol=1e-4)
-    assert not torch.allclose(got, _naive_routed_experts(x, weights, ids, w1, w2, w3, 1e9), atol=1e-4)
+    for kernel in (cpu_moe.routed_experts_dot, cpu_moe.routed_experts_transposed):
+        got = kernel(x, weights, ids, w1, w2, w3, 1.0)
+        assert torch.allclose(got, _naive_routed_experts(x, weights, ids, w1, w2, w3, 1.0), atol=1e-4)
+        assert not torch.allclose(got, _naive_routed_experts(x, weights, ids, w1, w2, w3, 1e9), atol=1e-4)
 
 
 def test_custom_ops_pass_opcheck():
