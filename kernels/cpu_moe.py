@@ -187,8 +187,26 @@ def routed_experts(
     return routed_experts_dot(x, weights, ids, w1, w2, w3, limit)
 
 
-def _prepared(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return x.contiguous(), weights.to(torch.float32).contiguous(), ids.to(torch.int64).contiguous()
+def _launch(
+    name: str,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    inter: int,
+    limit: float,
+    *tensors: torch.Tensor,
+) -> torch.Tensor:
+    """Run kernel ``name`` on (x, weights, ids, *tensors, out): the argument order both share."""
+    lib = _library()
+    assert lib is not None
+    x = x.contiguous()
+    weights, ids = weights.to(torch.float32).contiguous(), ids.to(torch.int64).contiguous()
+    (n_tok, d), k = x.shape, ids.shape[1]
+    out = torch.empty_like(x)
+    threads = torch.get_num_threads() if n_tok * k * inter * d >= 1 << 17 else 1
+    pointers = [t.data_ptr() for t in (x, weights, ids, *tensors, out)]
+    getattr(lib, name)(*pointers, n_tok, k, d, inter, limit, threads)
+    return out
 
 
 def routed_experts_transposed(
@@ -201,29 +219,7 @@ def routed_experts_transposed(
     limit: float,
 ) -> torch.Tensor:
     """Each pair as rows times the experts' transposed weights (copies made once)."""
-    lib = _library()
-    assert lib is not None
-    x, weights, ids = _prepared(x, weights, ids)
-    n_tok, d = x.shape
-    k, inter = ids.shape[1], w1.shape[1]
-    w13t, w2t = _transposed(w1, w2, w3)
-    out = torch.empty_like(x)
-    threads = torch.get_num_threads() if n_tok * k * inter * d >= 1 << 17 else 1
-    lib.routed_experts_small_f32(
-        x.data_ptr(),
-        weights.data_ptr(),
-        ids.data_ptr(),
-        w13t.data_ptr(),
-        w2t.data_ptr(),
-        out.data_ptr(),
-        n_tok,
-        k,
-        d,
-        inter,
-        limit,
-        threads,
-    )
-    return out
+    return _launch("routed_experts_small_f32", x, weights, ids, w1.shape[1], limit, *_transposed(w1, w2, w3))
 
 
 def routed_experts_dot(
@@ -236,31 +232,8 @@ def routed_experts_dot(
     limit: float,
 ) -> torch.Tensor:
     """Each pair as dot products against the experts' own weight rows (decode sizes)."""
-    lib = _library()
-    assert lib is not None
-    x, weights, ids = _prepared(x, weights, ids)
-    n_tok, d = x.shape
-    k, inter = ids.shape[1], w1.shape[1]
-    h = torch.empty(n_tok * k, inter)
-    out = torch.empty_like(x)
-    threads = torch.get_num_threads() if n_tok * k * inter * d >= 1 << 17 else 1
-    lib.routed_experts_f32(
-        x.data_ptr(),
-        weights.data_ptr(),
-        ids.data_ptr(),
-        w1.data_ptr(),
-        w2.data_ptr(),
-        w3.data_ptr(),
-        h.data_ptr(),
-        out.data_ptr(),
-        n_tok,
-        k,
-        d,
-        inter,
-        limit,
-        threads,
-    )
-    return out
+    h = torch.empty(x.shape[0] * ids.shape[1], w1.shape[1])  # the pairs' SwiGLU activations
+    return _launch("routed_experts_f32", x, weights, ids, w1.shape[1], limit, w1, w2, w3, h)
 
 
 def _version(t: torch.Tensor) -> int:
