@@ -148,7 +148,7 @@ class PrecompiledStep:
 
     def variant_paths(self) -> list[Path]:
         """The saved variants of this model's key, oldest first."""
-        found = self.cache_dir.glob(f"{self.key}-*.step")
+        found = [p for p in self.cache_dir.glob(f"{self.key}-*.step") if p.stem.rsplit("-", 1)[1].isdigit()]
         return sorted(found, key=lambda p: int(p.stem.rsplit("-", 1)[1]))
 
     def _load(self) -> list[Any]:
