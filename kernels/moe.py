@@ -77,8 +77,8 @@ def routed_experts(
     """x [N, d], weights/ids [N, k], w1/w3 [E, I, d], w2 [E, d, I] -> [N, d] in x's dtype.
 
     ``sum_j weights[n, j] * w2_e(silu(min(w1_e x, limit)) * clamp(w3_e x, -limit, limit))``
-    with ``e = ids[n, j]``. Its default kernel is ``routed_experts_reference``; decode-sized fp32
-    steps on the CPU run ``cpu_moe``'s one-call kernel.
+    with ``e = ids[n, j]``. Its default kernel is ``routed_experts_reference``; fp32 CPU steps
+    that ``cpu_moe`` takes (decode sizes; small experts up to 512 tokens) run its kernels.
     """
     if cpu_moe.supports(x, w1, w2, w3):
         return cpu_moe.routed_experts(x, weights, ids, w1, w2, w3, limit)

@@ -64,8 +64,8 @@ class Compressor(nn.Module):
         gate = self.wgate(xw)
         keeps_state = not batch.functional
         if keeps_state and self.overlap and meta.restore_dst.numel():
-            # index_copy_ (not ``pool[rows] = ...``): Inductor writes it in place, where an
-            # index_put on a graph input became a copy of the whole pool each step
+            # row writes as index_copy_ (the rows are distinct but for padding's null row);
+            # compilation.inductor_options says why compiled steps keep them in place
             pools.ovl_kv.index_copy_(0, meta.restore_dst, pools.snap_kv[meta.restore_src])
             pools.ovl_gate.index_copy_(0, meta.restore_dst, pools.snap_gate[meta.restore_src])
         src_kv = [kv, pools.buf_kv[meta.src_buf_rows]]
