@@ -165,7 +165,9 @@ def main() -> None:
     fp32 = None
     for name in args.variants:
         kwargs, peer = VARIANTS[name]
-        llm = LLM(checkpoint, max_num_seqs=max(args.batches), **kwargs)
+        # no prefix cache: each B reuses the previous B's prompts (and B=1 the warm-up's), which
+        # llama-batched-bench computes again; a cache hit would be a prefill the peer pays for
+        llm = LLM(checkpoint, max_num_seqs=max(args.batches), enable_prefix_caching=False, **kwargs)
         batched_bench(llm, 1)  # warm-up
         peer_rows = (
             llama_cpp_rows(args.llama_cpp, checkpoint, peer, args.batches) if args.llama_cpp and peer else {}
