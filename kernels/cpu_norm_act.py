@@ -76,7 +76,7 @@ void silu_mul_bf16(const c10::BFloat16* gu, c10::BFloat16* out, int64_t rows, in
 _NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # decode-sized inputs; larger ones stay on ATen's threaded, vectorised kernels. 64 covers the
 # int4 decode stack's rows (the per-layer path must run the same kernels); for fp32 steps of
-# 17-64 rows the change measured no difference (RESULTS.md)
+# 17-64 rows the change measured no difference (RESULTS.md, fourth session's correction)
 MAX_ROWS = 64
 
 
