@@ -306,13 +306,17 @@ def _greedy(llm, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]
 @example(
     kv_heads=2, group=1, head_dim=32, layers=1, rows=40, kv_dtype="bfloat16", quantization="int4", seed=4
 )
+# fp32 above the GEMV's 16 rows: oneDNN on the packed copies, called from the driver
+@example(
+    kv_heads=3, group=3, head_dim=64, layers=2, rows=33, kv_dtype="float32", quantization=None, seed=5
+)
 def test_one_call_decode_stack_equals_the_layer_loop(
     tmp_path_factory, kv_heads, group, head_dim, layers, rows, kv_dtype, quantization, seed
 ):
     """The C++ layer loop calls the same kernels in the same order: greedy tokens and their
     logprobs equal the per-layer path's bitwise, for any Llama shape, 1-64 decode rows, fp32,
-    bf16 and fp16 pools, fp32, int8 or int4 weights (int4 above 4 rows: the VNNI kernel; and
-    the stack did run)."""
+    bf16 and fp16 pools, fp32, int8 or int4 weights (fp32 above 16 rows: oneDNN; int4 above 4
+    rows: the VNNI kernel; and the stack did run)."""
     if quantization == "int4":  # int4 groups of 32 input channels
         head_dim = max(head_dim, 32)
     path = make_tiny_checkpoint(
@@ -336,7 +340,7 @@ def test_one_call_decode_stack_equals_the_layer_loop(
     )
     stack = llm.model.decode_stack
     assert stack is not None
-    rows = min(rows, stack.max_rows)  # fp32: 16; int8: 4; int4: 64 with VNNI, else 4
+    rows = min(rows, stack.max_rows)  # fp32: 64; int8: 4; int4: 64 with VNNI, else 4
     calls = {"n": 0}
     real = type(stack).__call__
 

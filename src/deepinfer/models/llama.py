@@ -374,6 +374,11 @@ class LlamaForCausalLM(CausalLM):
                             for name, engine in engines.items()
                             if isinstance(engine, WeightOnlyLinear) and engine.packed_vnni is not None
                         },
+                        "packed": {
+                            name: engine.packed
+                            for name, engine in engines.items()
+                            if isinstance(engine, PackedLinear)
+                        },
                     }
                 )
             return LlamaDecodeStack(
