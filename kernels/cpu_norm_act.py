@@ -2,13 +2,14 @@
 
 At a few rows per step the residual add, the seven ATen calls of an fp32-statistics RMSNorm
 and the chunk/SiLU/multiply of SwiGLU cost microseconds of dispatch each for nanoseconds of
-arithmetic; a B=1 Llama step runs about twenty of them per layer. These kernels do the same
+arithmetic; a B=1 Llama step runs about twenty of them per layer (and in fp32 prefill the
+separate SiLU and multiply passes were ~10% of the step). These kernels do the same
 math in one pass per call: the sum in the activations' dtype, statistics and the weight
 product in fp32, one rounding back, as ``RMSNorm`` does; SiLU as ``x / (1 + exp(-x))``, in
 fp32 on ATen's vectors (a scalar ``std::exp`` loop took ~90 us of a 32-row SmolLM2 layer).
 Sums run in another order than ATen's reductions, so results agree to fp32 rounding, not
-bitwise. Single-threaded and meant for decode-sized inputs (the callers check the row count).
-Built once per machine by ``cpu_build``.
+bitwise. fp32 inputs of more than ``MAX_ROWS`` rows are split by rows across ATen's threads. Built once
+per machine by ``cpu_build``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from deepinfer.kernels import cpu_build
 
 _SOURCE = r"""
+#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <cmath>
@@ -60,16 +62,22 @@ void silu_mul(const T* gu, T* out, int64_t rows, int64_t inner) {
 }
 
 extern "C" {
+// rows of prefill-sized inputs split across ATen's threads (each row's math is the same on any
+// thread); decode-sized ones (up to PARALLEL_ROWS) run inline
+constexpr int64_t PARALLEL_ROWS = 64;
 void add_rms_norm_f32(const float* x, const float* delta, const float* w, float* res, float* out,
                       int64_t rows, int64_t d, float eps) {
-  add_rms_norm<float>(x, delta, w, res, out, rows, d, eps);
+  at::parallel_for(0, rows, PARALLEL_ROWS, [&](int64_t begin, int64_t end) {
+    const int64_t o = begin * d;
+    add_rms_norm<float>(x + o, delta ? delta + o : nullptr, w, res + o, out + o, end - begin, d, eps);
+  });
 }
 void add_rms_norm_bf16(const c10::BFloat16* x, const c10::BFloat16* delta, const float* w,
                        c10::BFloat16* res, c10::BFloat16* out, int64_t rows, int64_t d, float eps) {
   add_rms_norm<c10::BFloat16>(x, delta, w, res, out, rows, d, eps);
 }
 // fp32: ATen's vectorised SiLU (x / (1 + exp(-x)) on whole vectors, the scalar form on the tail)
-void silu_mul_f32(const float* gu, float* out, int64_t rows, int64_t inner) {
+void silu_mul_f32_rows(const float* gu, float* out, int64_t rows, int64_t inner) {
   using V = at::vec::Vectorized<float>;
   const V one(1.f);
   for (int64_t r = 0; r < rows; ++r) {
@@ -84,6 +92,11 @@ void silu_mul_f32(const float* gu, float* out, int64_t rows, int64_t inner) {
     for (; i < inner; ++i) o[i] = (g[i] / (1.f + std::exp(-g[i]))) * u[i];
   }
 }
+void silu_mul_f32(const float* gu, float* out, int64_t rows, int64_t inner) {
+  at::parallel_for(0, rows, PARALLEL_ROWS, [&](int64_t begin, int64_t end) {
+    silu_mul_f32_rows(gu + begin * 2 * inner, out + begin * inner, end - begin, inner);
+  });
+}
 void silu_mul_bf16(const c10::BFloat16* gu, c10::BFloat16* out, int64_t rows, int64_t inner) {
   silu_mul<c10::BFloat16>(gu, out, rows, inner);
 }
@@ -91,9 +104,9 @@ void silu_mul_bf16(const c10::BFloat16* gu, c10::BFloat16* out, int64_t rows, in
 """
 
 _NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-# decode-sized inputs; larger ones stay on ATen's threaded, vectorised kernels. 64 covers the
-# int4 decode stack's rows (the per-layer path must run the same kernels); for fp32 steps of
-# 17-64 rows the change measured no difference (RESULTS.md, fourth session's correction)
+# decode-sized inputs, run on one thread: the decode stack's rows (the per-layer path must run
+# the same kernels); fp32 inputs of more rows (prefill) are split across ATen's threads, bf16
+# ones stay on ATen's kernels (their scalar loops here are not vectorised)
 MAX_ROWS = 64
 
 
@@ -110,11 +123,12 @@ def _library() -> ctypes.CDLL | None:
 
 
 def supports(x: torch.Tensor) -> bool:
-    """A decode-sized 2-D CPU activation without autograd, in a dtype the kernels have."""
+    """A 2-D CPU activation without autograd in a dtype the kernels have: fp32 of any row
+    count, bf16 up to ``MAX_ROWS``."""
     return (
         x.device.type == "cpu"
         and x.dim() == 2
-        and x.shape[0] <= MAX_ROWS
+        and (x.shape[0] <= MAX_ROWS or x.dtype == torch.float32)
         and x.dtype in _NAMES
         and not x.requires_grad
         and _library() is not None
