@@ -307,9 +307,7 @@ def _greedy(llm, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]
     kv_heads=2, group=1, head_dim=32, layers=1, rows=40, kv_dtype="bfloat16", quantization="int4", seed=4
 )
 # fp32 above the GEMV's 16 rows: oneDNN on the packed copies, called from the driver
-@example(
-    kv_heads=3, group=3, head_dim=64, layers=2, rows=33, kv_dtype="float32", quantization=None, seed=5
-)
+@example(kv_heads=3, group=3, head_dim=64, layers=2, rows=33, kv_dtype="float32", quantization=None, seed=5)
 def test_one_call_decode_stack_equals_the_layer_loop(
     tmp_path_factory, kv_heads, group, head_dim, layers, rows, kv_dtype, quantization, seed
 ):
