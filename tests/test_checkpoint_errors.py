@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deepinfer import CheckpointError, load_model
+from deepinfer.weights import loader
 
 
 @pytest.fixture
@@ -152,3 +154,80 @@ def test_unsupported_architecture(ckpt):
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="FancyNetForCausalLM"):
         load_model(ckpt)
+
+
+def _rewrite(file: Path, mutate) -> str:
+    """Rewrite a safetensors file's header (and data) with ``mutate(header, spans, data)``,
+    which returns (header, data, name of the tensor at fault or None)."""
+    raw = file.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header, data = json.loads(raw[8 : 8 + length]), raw[8 + length :]
+    spans = sorted((info["data_offsets"][0], name) for name, info in header.items() if name != "__metadata__")
+    header, data, victim = mutate(header, [name for _, name in spans], data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    file.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    return victim
+
+
+def _set(name: str, key: str, value):
+    def mutate(header, order, data):
+        target = order[0] if name == "first" else order[-1] if name == "last" else order[1]
+        header[target][key] = value(header[target][key])
+        return header, data, target
+
+    return mutate
+
+
+def _truncate(header, order, data):
+    half = len(data) // 2
+    victim = next(n for n in order if header[n]["data_offsets"][1] > half)
+    return header, data[:half], victim
+
+
+MALFORMED = {
+    "negative offset": _set("first", "data_offsets", lambda o: [-8, o[1]]),
+    "overlapping tensors": _set("second", "data_offsets", lambda o: [o[0] - 4, o[1] - 4]),
+    "offsets past the end": _set("last", "data_offsets", lambda o: [o[0] + 64, o[1] + 64]),
+    "wrong byte size": _set("first", "shape", lambda s: [s[0] + 1, *s[1:]]),
+    "string offsets": _set("first", "data_offsets", lambda o: [str(o[0]), str(o[1])]),
+    "bad dtype": _set("second", "dtype", lambda d: "F33"),
+    "negative dimension": _set("last", "shape", lambda s: [-1, *s[1:]]),
+    "truncated shard": _truncate,
+    "list header": lambda header, order, data: (list(header.items()), data, None),
+    "string header": lambda header, order, data: ("weights", data, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_shard_is_a_checkpoint_error_and_nothing_is_read(
+    v4_short_ckpt, tmp_path, case, monkeypatch
+):
+    """Each malformed header (the last of three shards) ends in a CheckpointError naming the
+    file and, where one is at fault, the tensor; no tensor of any shard is read first."""
+    dst = tmp_path / "sharded"
+    shutil.copytree(v4_short_ckpt, dst)
+    shard = sorted(dst.glob("model-*.safetensors"))[-1]
+    victim = _rewrite(shard, MALFORMED[case])
+    reads = []
+    real = loader.SafetensorsFile.read
+    monkeypatch.setattr(
+        loader.SafetensorsFile, "read", lambda self, name: reads.append(name) or real(self, name)
+    )
+    with pytest.raises(CheckpointError) as info:
+        load_model(dst)
+    assert shard.name in str(info.value)
+    if victim is not None:
+        assert repr(victim) in str(info.value)
+    assert reads == []
+
+
+def test_sharded_checkpoint_still_loads_and_reads_each_tensor_once(v4_short_ckpt, monkeypatch):
+    """The control for the test above: the untouched copy loads, reading every tensor once."""
+    reads = []
+    real = loader.SafetensorsFile.read
+    monkeypatch.setattr(
+        loader.SafetensorsFile, "read", lambda self, name: reads.append(name) or real(self, name)
+    )
+    load_model(v4_short_ckpt)
+    assert len(reads) == len(set(reads)) == len(loader.checkpoint_files(v4_short_ckpt))

@@ -1,8 +1,8 @@
 """Load a checkpoint directory into a model built on the meta device (``load_weights``).
 
-Tensors are read one at a time from safetensors files (format by the ``safetensors``
-project; read here with plain file reads, see ``SafetensorsFile``) and assigned in place, so
-peak RAM stays near the size of the loaded model. Every failure names the tensor and the
+Tensors are read one at a time from safetensors files (by the ``safetensors`` library, which
+also validates every header; see ``SafetensorsFile``) and assigned in place, so peak RAM stays
+near the size of the loaded model. Every failure names the tensor and the
 file, because a user with a 300 GB checkpoint needs to know which shard is wrong.
 """
 
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from deepinfer.errors import CheckpointError
@@ -63,86 +64,141 @@ _DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
     "F8_E8M0": torch.float8_e8m0fnu,
+    "F4": torch.float4_e2m1fn_x2,  # two e2m1 values per byte; the header counts values
 }
+# bytes read through one open handle before it is reopened: pages of its memory map that were
+# copied out stay in our resident set until the map is closed
+_REMAP_BYTES = 16 << 20
 
 
 class SafetensorsFile:
-    """One ``.safetensors`` file read with plain ``readinto`` calls, not a memory map.
+    """One ``.safetensors`` file, validated and read by the ``safetensors`` library.
 
-    Pages of a memory map that we copy out of stay in our resident set until the map goes;
-    plain reads keep peak RAM at the tensors we keep (the file stays in the page cache,
-    which is not ours). The header is validated against the file size up front, so a
-    truncated or corrupt file fails before any tensor is read.
+    The library checks the header when the file is opened (a JSON object, known dtypes,
+    non-negative integer offsets that tile the data exactly, sizes matching shapes), so a
+    truncated or corrupt file fails before any tensor is read; its message is turned into a
+    ``CheckpointError`` naming the file and, where one is at fault, the tensor. Tensors are
+    copied out of the library's memory map one at a time and the map is reopened every
+    ``_REMAP_BYTES``, so peak RAM stays at the tensors we keep (tests/test_load_memory.py).
     """
 
     def __init__(self, file: Path) -> None:
         self.file = file
-        size = file.stat().st_size
+        self.entries: dict[str, tuple[torch.dtype, list[int]]] = {}
+        self._handle: Any = None
+        self._mapped = 0
+        with self._open() as f:
+            for name in f.keys():
+                piece = f.get_slice(name)
+                stored = piece.get_dtype()
+                if stored not in _DTYPES:
+                    raise CheckpointError(
+                        f"{file}: tensor {name!r} has dtype {stored}, which deepinfer does not read"
+                    )
+                self.entries[name] = (_DTYPES[stored], list(piece.get_shape()))
+
+    def _open(self) -> Any:
         try:
-            with open(file, "rb") as f:
-                (header_len,) = struct.unpack("<Q", f.read(8))
-                if header_len > size - 8:
-                    raise ValueError(f"header length {header_len} exceeds the file size {size}")
-                header = json.loads(f.read(header_len))
-        except (struct.error, ValueError, UnicodeDecodeError) as exc:
+            return safe_open(str(self.file), framework="pt")
+        except (SafetensorError, OSError) as exc:
             raise CheckpointError(
-                f"{file}: unreadable safetensors file (truncated or corrupt?): {exc}"
+                f"{self.file}: unreadable safetensors file (truncated or corrupt?): {exc}{_diagnose(self.file)}"
             ) from exc
-        header.pop("__metadata__", None)
-        self.data_start = 8 + header_len
-        self.entries: dict[str, tuple[torch.dtype, list[int], int, int]] = {}
-        for name, info in header.items():
-            try:
-                dtype = _DTYPES[info["dtype"]]
-                begin, end = info["data_offsets"]
-                shape = [int(d) for d in info["shape"]]
-            except (KeyError, TypeError, ValueError) as exc:
-                raise CheckpointError(f"{file}: corrupt header entry for tensor {name!r}") from exc
-            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-            if end - begin != nbytes or self.data_start + end > size:
-                raise CheckpointError(
-                    f"{file}: tensor {name!r} lies outside the file or has the wrong byte size "
-                    "(truncated or corrupt?)"
-                )
-            self.entries[name] = (dtype, shape, begin, end)
 
     def read(self, name: str) -> torch.Tensor:
-        dtype, shape, begin, end = self.entries[name]
-        out = torch.empty(shape, dtype=dtype)
-        view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
-        with open(self.file, "rb") as f:
-            f.seek(self.data_start + begin)
-            if f.readinto(view) != end - begin:
-                raise CheckpointError(f"{self.file}: tensor {name!r} is cut short (truncated file?)")
+        """A copy of tensor ``name`` in memory of its own (not the file's map)."""
+        if self._handle is None or self._mapped >= _REMAP_BYTES:
+            self.close()
+            self._handle = self._open().__enter__()
+        try:
+            view = self._handle.get_tensor(name)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{self.file}: tensor {name!r} could not be read: {exc}") from exc
+        out = torch.empty_like(view)
+        out.copy_(view)
+        self._mapped += out.nbytes
         return out
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.__exit__(None, None, None)
+        self._handle, self._mapped = None, 0
+
+
+def _diagnose(file: Path) -> str:
+    """Which tensor of a file the library rejected, and why (for the error message; the
+    library's own message does not always say). Empty when the header cannot be parsed."""
+    try:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(min(length, 100 << 20)))
+        data = file.stat().st_size - 8 - length
+    except (OSError, struct.error, ValueError, UnicodeDecodeError):
+        return ""
+    if not isinstance(header, dict):
+        return f" (the header is a JSON {type(header).__name__}, not an object)"
+    spans = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        problem = _entry_problem(info, data)
+        if problem:
+            return f" (tensor {name!r}: {problem})"
+        spans.append((*info["data_offsets"], name))
+    end = 0
+    for begin, stop, name in sorted(spans):
+        if begin != end:
+            return f" (tensor {name!r} {'overlaps the one before it' if begin < end else 'leaves a gap before it'})"
+        end = stop
+    return f" ({data - end} bytes after the last tensor)" if end != data else ""
+
+
+def _entry_problem(info: Any, data: int) -> str:
+    if not isinstance(info, dict):
+        return "its entry is not an object"
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in _DTYPES:
+        return f"unknown dtype {dtype!r}"
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        return f"shape {shape!r} is not a list of non-negative integers"
+    if not (
+        isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)
+    ):
+        return f"data_offsets {offsets!r} are not two non-negative integers"
+    bits = 4 if dtype == "F4" else torch.empty(0, dtype=_DTYPES[dtype]).element_size() * 8
+    nbytes = math.ceil(math.prod(shape) * bits / 8)
+    if offsets[1] - offsets[0] != nbytes:
+        return f"data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, shape {shape} of {dtype} needs {nbytes}"
+    if offsets[1] > data:
+        return f"data_offsets {offsets} end past the file's {data} data bytes"
+    return ""
 
 
 class _Reader:
-    """Reads tensors by name across the shards of a checkpoint."""
+    """Reads tensors by name across the shards of a checkpoint. Every shard's header is
+    checked, and every indexed name looked up in its shard, before any tensor is read: a
+    malformed checkpoint fails with nothing loaded."""
 
     def __init__(self, names: dict[str, Path]) -> None:
         self.names = names
-        self._files: dict[Path, SafetensorsFile] = {}
+        self._files = {file: SafetensorsFile(file) for file in sorted(set(names.values()))}
+        for name, file in names.items():
+            if name not in self._files[file].entries:
+                raise CheckpointError(f"{file}: tensor {name!r} listed in the index is not in the file")
 
     def file_of(self, name: str) -> Path:
         return self.names[name]
 
     def dtype_of(self, name: str) -> torch.dtype:
         """The stored dtype, from the file header (nothing is read)."""
-        return self._shard(self.names[name]).entries[name][0]
-
-    def _shard(self, file: Path) -> SafetensorsFile:
-        shard = self._files.get(file)
-        if shard is None:
-            shard = self._files.setdefault(file, SafetensorsFile(file))
-        return shard
+        return self._files[self.names[name]].entries[name][0]
 
     def get(self, name: str) -> torch.Tensor:
-        file = self.names[name]
-        shard = self._shard(file)
-        if name not in shard.entries:
-            raise CheckpointError(f"{file}: tensor {name!r} listed in the index is not in the file")
-        return shard.read(name)
+        return self._files[self.names[name]].read(name)
+
+    def close(self) -> None:
+        for shard in self._files.values():
+            shard.close()
 
 
 def _fp8_block(quant: dict[str, Any] | None) -> tuple[int, int]:
@@ -202,6 +258,15 @@ def load_weights(
 ) -> None:
     """Fill a meta-device ``model`` from the checkpoint at ``path`` (strict: all and only)."""
     reader = _Reader(checkpoint_files(path))
+    try:
+        _load_all(model, reader, path, dtype, device, quant)
+    finally:
+        reader.close()
+
+
+def _load_all(
+    model: LoadableModel, reader: _Reader, path: Path, dtype: torch.dtype, device: torch.device, quant: Any
+) -> None:
     persistent = set(model.state_dict(keep_vars=True))  # not runtime buffers (stacked experts)
     expected = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()] if n in persistent}
     missing = sorted(n for n in expected if n not in reader.names)
