@@ -348,7 +348,11 @@ def _chat(args: argparse.Namespace) -> int:
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument(
-        "--quantization", choices=["int8", "int4"], default=None, help="weight-only, dense models on CPU"
+        "--quantization",
+        choices=["none", "fp8", "int8", "int4"],
+        default=None,
+        help="default: as stored (fp8/fp4 stay resident); none: dequantize on load; fp8: quantize "
+        "linears to fp8 blocks; int8/int4: weight-only, dense models on CPU",
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -387,7 +391,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="send each prompt as a user message (chat template)")
     gen.add_argument("--dtype", default="float32")
     gen.add_argument(
-        "--quantization", choices=["int8", "int4"], default=None, help="weight-only, dense models on CPU"
+        "--quantization",
+        choices=["none", "fp8", "int8", "int4"],
+        default=None,
+        help="default: as stored (fp8/fp4 stay resident); none: dequantize on load; fp8: quantize "
+        "linears to fp8 blocks; int8/int4: weight-only, dense models on CPU",
     )
     gen.add_argument("--device", default="cpu")
     gen.add_argument(

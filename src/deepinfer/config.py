@@ -10,6 +10,7 @@ from typing import Any
 from deepinfer.speculative.config import SpeculativeConfig
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = (None, "none", "fp8", "int8", "int4")
 
 
 @dataclass
@@ -34,9 +35,12 @@ class EngineConfig:
     # the model and the scheduler compete for the same cores (benchmarks/RESULTS.md)
     async_scheduling: bool | None = None
     fake_quant: bool | None = None  # None: the model's default (V4 off, V4.1 on)
-    # Weight-only quantization of a dense model's projections for CPU decode (vLLM's option
-    # name): None keeps the loaded weights (fp32 stays exact); "int8" per channel, "int4"
-    # per group of 32 (kernels/weight_only.py)
+    # Weights in memory (vLLM's option name). None: as the checkpoint stores them (fp8-block
+    # linears and fp4 routed experts stay resident, dequantized a tile at a time in the
+    # matmul: kernels/quantized.py); "none": dequantize fp8/fp4 to ``dtype`` on load; "fp8":
+    # also quantize the float linears the release format stores in fp8 (DeepSeek models);
+    # "int8" per channel / "int4" per group of 32: weight-only copies of a dense model's
+    # projections for CPU decode (kernels/weight_only.py)
     quantization: str | None = None
     # dtype of the paged K/V cache (vLLM's option name): "auto" = the model's compute dtype;
     # "bfloat16" / "float16" halve an fp32 model's cache (compressor state stays fp32)
@@ -102,13 +106,17 @@ class EngineConfig:
                 "window for positions its own prompt never replayed"
             )
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        need(self.quantization in (None, "int8", "int4"), "quantization", "None, 'int8' or 'int4'")
+        need(
+            self.quantization in QUANTIZATIONS,
+            "quantization",
+            f"one of {', '.join(repr(q) for q in QUANTIZATIONS)}",
+        )
         need(
             self.kv_cache_dtype in KV_CACHE_DTYPES,
             "kv_cache_dtype",
             f"one of {', '.join(repr(k) for k in KV_CACHE_DTYPES)}",
         )
-        if self.quantization is not None and self.device != "cpu":
+        if self.quantization in ("int8", "int4") and self.device != "cpu":
             raise ValueError(
                 f"quantization={self.quantization!r} runs on the CPU only, got device={self.device!r}"
             )

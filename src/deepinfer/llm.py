@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 PromptType = str | list[int] | dict[str, Any]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# scale blocks of ``quantization="fp8"`` (the released V4 checkpoints' weight_block_size)
+FP8_BLOCK = (128, 128)
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -64,14 +66,18 @@ class LLM:
         from deepinfer.weights.catalog import resolve_model
 
         self.path = resolve_model(model)
+        quantization = self.config.quantization
         self.model = load_model(
             self.path,
             dtype=parse_dtype(self.config.dtype),
             device=self.config.device,
             fake_quant=self.config.fake_quant,
+            keep_quantized=quantization in (None, "fp8"),
         )
-        if self.config.quantization is not None:
-            self.model.quantize_weights(self.config.quantization)
+        if quantization == "fp8":
+            self.model.quantize_fp8(FP8_BLOCK)
+        elif quantization in ("int8", "int4"):
+            self.model.quantize_weights(quantization)
         self.tokenizer = self._load_tokenizer()
         self.engine = Engine(self.model, self.config, self.tokenizer, checkpoint=self.path)
         self._counter = itertools.count()

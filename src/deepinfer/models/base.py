@@ -14,6 +14,7 @@ from deepinfer.cache.forward_batch import ForwardBatch
 from deepinfer.cache.layer_spec import LayerCacheSpec
 from deepinfer.cache.session import research_batch
 from deepinfer.models.layers.moe import MoE
+from deepinfer.models.layers.quantized_linear import Fp8BlockLinear, quantize_linears_fp8, replace_linear
 
 
 @dataclass
@@ -36,6 +37,15 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         )
     shifted = labels[:, 1:].reshape(-1).to(logits.device)
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), shifted, ignore_index=-100)
+
+
+def _expert_slot(model: nn.Module, name: str) -> tuple[MoE, int, str] | None:
+    """(MoE layer, expert index, "w1"/"w2"/"w3") for a routed expert's weight name."""
+    parts = name.split(".")
+    if len(parts) < 5 or parts[-4] != "experts" or not parts[-3].isdigit():
+        return None
+    owner = model.get_submodule(".".join(parts[:-4]))
+    return (owner, int(parts[-3]), parts[-2]) if isinstance(owner, MoE) else None
 
 
 class CausalLM(nn.Module):
@@ -71,14 +81,51 @@ class CausalLM(nn.Module):
         """Whether the loaded tensor ``name`` stays fp32."""
         return any(m in name for m in self.fp32_param_markers)
 
-    def keeps_stored(self, name: str) -> bool:
-        """Whether an fp8 tensor ``name`` is handed over as stored (with its scale) through
-        ``keep_stored`` instead of being dequantised on load."""
-        return False
+    # Set by ``load_model`` before loading: linears stored as fp8 blocks and routed experts
+    # stored as fp4 stay so in memory (``keeps_stored``) instead of being dequantised
+    keep_quantized: bool = False
+    # the linears ``quantization="fp8"`` quantizes on load (the released format's choice);
+    # none for models without an fp8 release format
+    fp8_linear_markers: ClassVar[tuple[str, ...]] = ()
 
-    def keep_stored(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
-        """Adopt the stored fp8 ``weight`` and its ``scale`` (see ``keeps_stored``)."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no tensor as stored ({name})")
+    def keeps_stored(self, name: str) -> bool:
+        """Whether a quantized tensor ``name`` (fp8 / packed fp4, with a ``.scale``) is
+        handed over as stored through ``keep_stored`` instead of being dequantised on load:
+        with ``keep_quantized``, a linear's weight or a routed expert's."""
+        if not self.keep_quantized or not name.endswith(".weight"):
+            return False
+        return _expert_slot(self, name) is not None or isinstance(self.get_submodule(name[:-7]), nn.Linear)
+
+    def keep_stored(
+        self, name: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None
+    ) -> None:
+        """Adopt the stored ``weight`` and its ``scale`` (see ``keeps_stored``): a routed
+        expert's fp4 matrix into its MoE layer's stacked fp4 tensors, an fp8 linear's as an
+        ``Fp8BlockLinear`` with scale blocks ``block``."""
+        slot = _expert_slot(self, name)
+        if slot is not None:
+            moe, expert, which = slot
+            moe.keep_fp4(expert, which, weight, scale)
+        elif weight.dtype == torch.float8_e4m3fn and block is not None:
+            replace_linear(self, name[:-7], Fp8BlockLinear(weight, scale, block))
+        else:
+            raise ValueError(
+                f"{weight.dtype} weight with {scale.dtype} scales is not a format deepinfer keeps"
+            )
+
+    def quantize_fp8(self, block: tuple[int, int]) -> None:
+        """``quantization="fp8"``: the float linears the release format stores in fp8
+        (``fp8_linear_markers``) become resident fp8 blocks."""
+        if not self.fp8_linear_markers:
+            raise ValueError(
+                f"quantization='fp8' is not supported for {type(self).__name__} (use 'int8' or 'int4')"
+            )
+        names = [
+            n
+            for n, m in self.named_modules()
+            if isinstance(m, nn.Linear) and any(marker in n + "." for marker in self.fp8_linear_markers)
+        ]
+        quantize_linears_fp8(self, names, block)
 
     def drop_optional_layers(self) -> None:
         """The checkpoint has none of ``optional_checkpoint_prefix``: serve without them."""

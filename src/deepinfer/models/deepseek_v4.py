@@ -21,6 +21,7 @@ from deepinfer.models.layers.mhc import HyperConnectedBlock, hc_collapse, hc_exp
 from deepinfer.models.layers.moe import MoE
 from deepinfer.models.layers.norms import RMSNorm
 from deepinfer.models.layers.rope import Rotary
+from deepinfer.weights.writer import FP8_LINEARS
 
 
 class Block(HyperConnectedBlock):
@@ -163,6 +164,8 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     # Parameters the reference keeps in fp32 whatever the compute dtype (model_spec.md §2.10).
     fp32_param_markers = ("norm.weight", "hc_", "attn_sink", ".ape", "gate.bias")
+    # the linears the release format stores as fp8 blocks (``quantization="fp8"``)
+    fp8_linear_markers = FP8_LINEARS
     # The MTP layer: unused when the config asks for none, optional when it does.
     ignored_checkpoint_prefixes = ("mtp.",)
     optional_checkpoint_prefix = "mtp."

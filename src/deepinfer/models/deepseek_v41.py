@@ -40,6 +40,7 @@ from deepinfer.models.layers.engram import (
 from deepinfer.models.layers.mhc import hc_collapse
 from deepinfer.models.layers.norms import RMSNorm
 from deepinfer.models.layers.rope import Rotary
+from deepinfer.weights.writer import FP8_LINEARS
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ class DeepseekV41ForCausalLM(CausalLM):
         "head.weight",
         "confidence_head",
     )
+    # the linears the release format stores as fp8 blocks (``quantization="fp8"``)
+    fp8_linear_markers = FP8_LINEARS
     # Vision tower and the image routing bias: deepinfer serves text (skipped with one warning).
     skipped_checkpoint_prefixes = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
     skipped_checkpoint_suffixes = (".bias_vl",)
@@ -123,14 +126,21 @@ class DeepseekV41ForCausalLM(CausalLM):
         return False
 
     def keeps_stored(self, name: str) -> bool:
-        """Engram tables stay fp8 with their per-32 scales (dequantised per looked-up row)."""
+        """Engram tables stay fp8 with their per-32 scales (dequantised per looked-up row),
+        whatever ``keep_quantized`` says; other tensors as ``CausalLM`` decides."""
         owner, _, leaf = name.rpartition(".")
-        return leaf == "weight" and isinstance(self.get_submodule(owner), EngramTable)
+        if leaf == "weight" and isinstance(self.get_submodule(owner), EngramTable):
+            return True
+        return super().keeps_stored(name)
 
-    def keep_stored(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
+    def keep_stored(
+        self, name: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None
+    ) -> None:
         table = self.get_submodule(name.rpartition(".")[0])
-        assert isinstance(table, EngramTable)
-        table.keep_stored(weight, scale)
+        if isinstance(table, EngramTable):
+            table.keep_stored(weight, scale)
+        else:
+            super().keep_stored(name, weight, scale, block)
 
     def drop_optional_layers(self) -> None:
         self.mtp = nn.ModuleList()

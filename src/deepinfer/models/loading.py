@@ -25,6 +25,7 @@ def load_model(
     device: str | torch.device = "cpu",
     fake_quant: bool | None = None,
     requires_grad: bool = False,
+    keep_quantized: bool = False,
 ) -> CausalLM:
     """Build the architecture named in ``config.json`` and load its weights.
 
@@ -33,7 +34,9 @@ def load_model(
     in the parameters when ``requires_grad`` (or after ``model.requires_grad_()``).
     ``fake_quant`` applies the QAT activation rounding of the released models; None takes the
     model's default (off for V4, as transformers 5.24 applies none; on for V4.1, whose
-    reference forward rounds).
+    reference forward rounds). ``keep_quantized`` keeps fp8-block linears and fp4 routed
+    experts as stored (``Fp8BlockLinear``, ``MoE.keep_fp4``; what ``LLM`` does by default)
+    instead of dequantizing them to ``dtype`` (differentiable float parameters).
     """
     device = resolve_device(device)
     path = resolve_model(path)
@@ -49,6 +52,7 @@ def load_model(
         cfg.fake_quant = fake_quant
     with torch.device("meta"):
         model = cls(cfg)
+    model.keep_quantized = keep_quantized
     model.allocate_stacked_experts(dtype, torch.device(device))
     # the parsed config knows the fp8 block size also when config.json is the flat reference one
     quant = getattr(cfg, "quantization", None) or raw.get("quantization_config")

@@ -245,7 +245,9 @@ class LoadableModel(Protocol):
 
     def keeps_fp32(self, name: str) -> bool: ...
     def keeps_stored(self, name: str) -> bool: ...
-    def keep_stored(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> None: ...
+    def keep_stored(
+        self, name: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None
+    ) -> None: ...
     def drop_optional_layers(self) -> None: ...
     def state_dict(self, *, keep_vars: bool) -> dict[str, Any]: ...
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
@@ -289,7 +291,7 @@ def _load_all(
         )
     consumed: set[str] = set()
     for name, slot in expected.items():
-        if _keep_stored(model, reader, name, device):
+        if _keep_stored(model, reader, name, device, quant):
             consumed |= {name, name[: -len("weight")] + "scale"}
             continue
         tensor, scales = _read_weight(reader, name, quant)
@@ -327,17 +329,25 @@ def _load_all(
         )
 
 
-def _keep_stored(model: LoadableModel, reader: _Reader, name: str, device: torch.device) -> bool:
-    """Hand an fp8 tensor and its scale as stored to the model when it keeps them (Engram
-    tables, dequantised per looked-up row) instead of dequantising on load."""
-    if not model.keeps_stored(name) or reader.dtype_of(name) != torch.float8_e4m3fn:
+def _keep_stored(
+    model: LoadableModel, reader: _Reader, name: str, device: torch.device, quant: dict[str, Any] | None
+) -> bool:
+    """Hand a quantized tensor (fp8 e4m3, or packed fp4 with a scale) and its scale as stored
+    to the model when it keeps them (Engram tables; with ``keep_quantized``, fp8 linears and
+    fp4 routed experts) instead of dequantising on load."""
+    stored = reader.dtype_of(name)
+    if stored != torch.float8_e4m3fn and stored not in PACKED_FP4_DTYPES:
         return False
-    raw = reader.get(name)
     scale_name = name[: -len("weight")] + "scale"
+    if stored != torch.float8_e4m3fn and scale_name not in reader.names:
+        return False  # a plain integer tensor
+    if not model.keeps_stored(name):
+        return False
     if scale_name not in reader.names:
-        raise CheckpointError(f"{reader.file_of(name)}: fp8 tensor {name!r} has no {scale_name!r}")
+        raise CheckpointError(f"{reader.file_of(name)}: {stored} tensor {name!r} has no {scale_name!r}")
+    raw = reader.get(name)
     try:
-        model.keep_stored(name, raw.to(device), reader.get(scale_name).to(device))
+        model.keep_stored(name, raw.to(device), reader.get(scale_name).to(device), _fp8_block(quant))
     except ValueError as exc:
         raise CheckpointError(f"{reader.file_of(name)}: tensor {name!r}: {exc}") from exc
     return True

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from deepinfer.weights.quant import quantize_fp4, quantize_fp8_blocks
 
 # Official fp8 checkpoints keep these in bf16 (compressor, indexer weights_proj, wo_a, gate).
-_FP8_LINEARS = (
+FP8_LINEARS = (
     "attn.wq_a.",
     "attn.wq_b.",
     "attn.wkv.",
@@ -27,6 +27,21 @@ _FP8_LINEARS = (
 _FP8_ROW_TABLES = ("engram.embed.weight",)
 
 
+def stored_format(name: str, t: torch.Tensor, fp32_markers: tuple[str, ...]) -> str:
+    """How the release format stores tensor ``name``: "fp4" (routed experts), "fp8_rows"
+    (Engram tables), "fp8" (block-scaled linears), "bf16", "fp32" (``fp32_markers``) or
+    "int" (integer tensors, as they are)."""
+    if ".experts." in name and name.endswith(".weight") and ".shared_experts." not in name:
+        return "fp4"
+    if name.endswith(_FP8_ROW_TABLES):
+        return "fp8_rows"
+    if name.endswith(".weight") and any(m in name for m in FP8_LINEARS):
+        return "fp8"
+    if not t.is_floating_point():
+        return "int"
+    return "fp32" if any(m in name for m in fp32_markers) else "bf16"
+
+
 def quantize_state_dict(
     state: dict[str, torch.Tensor], block: tuple[int, int], fp32_markers: tuple[str, ...]
 ) -> dict[str, torch.Tensor]:
@@ -36,13 +51,14 @@ def quantize_state_dict(
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         scale_name = name[: -len("weight")] + "scale"
-        if ".experts." in name and name.endswith(".weight"):
+        fmt = stored_format(name, t, fp32_markers)
+        if fmt == "fp4":
             out[name], out[scale_name] = quantize_fp4(t)
-        elif name.endswith(_FP8_ROW_TABLES):
+        elif fmt == "fp8_rows":
             out[name], out[scale_name] = quantize_fp8_blocks(t, (1, 32))
-        elif name.endswith(".weight") and any(m in name for m in _FP8_LINEARS):
+        elif fmt == "fp8":
             out[name], out[scale_name] = quantize_fp8_blocks(t, block)
-        elif t.is_floating_point() and not any(m in name for m in fp32_markers):
+        elif fmt == "bf16":
             out[name] = t.to(torch.bfloat16)
         else:
             out[name] = t

@@ -213,7 +213,9 @@ class Engram(nn.Module):
 
     def forward(self, streams: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:
         """streams [T, n, d], hash_ids [T, cols] -> streams [T, n, d]."""
-        rows = self.embed(hash_ids, self.wkv.weight.dtype)  # [T, cols, head_dim]
+        # rows in compute dtype: the projection's, or (resident fp8) the gating weights'
+        dtype = self.wkv.weight.dtype if isinstance(self.wkv, nn.Linear) else self.q_weight.dtype
+        rows = self.embed(hash_ids, dtype)  # [T, cols, head_dim]
         kv = self.wkv(rows.flatten(-2))
         key, value = kv.split([self.hc_mult * self.hidden, self.hidden], dim=-1)
         key = key.float().unflatten(-1, (self.hc_mult, self.hidden))

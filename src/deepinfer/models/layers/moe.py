@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.kernels.moe import routed_experts, routed_experts_reference
+from deepinfer.kernels.quantized import routed_experts_fp4
 from deepinfer.models.deepseek_v4_config import DeepseekV4Config
 
 
@@ -76,6 +77,11 @@ class MoE(nn.Module):
         self.register_buffer("w1_stacked", None, persistent=False)
         self.register_buffer("w2_stacked", None, persistent=False)
         self.register_buffer("w3_stacked", None, persistent=False)
+        # Routed experts kept as stored (fp4 e2m1 bytes [E, N, K/2] and ue8m0 scales
+        # [E, N, K/32] per matrix), filled by ``keep_fp4``; they replace the float copies.
+        for name in ("w1", "w2", "w3"):
+            self.register_buffer(f"{name}_fp4", None, persistent=False)
+            self.register_buffer(f"{name}_fp4_scale", None, persistent=False)
 
     @torch.no_grad()
     def stack_experts(self) -> None:
@@ -89,6 +95,35 @@ class MoE(nn.Module):
             shape = (len(self.experts), *getattr(self.experts[0], name).weight.shape)
             self._adopt(name, torch.empty(shape, dtype=dtype, device=device))
 
+    @torch.no_grad()
+    def keep_fp4(self, expert: int, which: str, packed: torch.Tensor, scale: torch.Tensor) -> None:
+        """Store expert ``expert``'s ``which`` ("w1"/"w2"/"w3") matrix as the checkpoint has
+        it: packed fp4 bytes and per-32 scales. The first one drops the float stacked
+        tensors and the experts' float parameters (never filled: no memory was touched)."""
+        linear = getattr(self.experts[expert], which)
+        out_f, in_f = (linear.out_features, linear.in_features)
+        if tuple(packed.shape) != (out_f, in_f // 2) or tuple(scale.shape) != (out_f, in_f // 32):
+            raise ValueError(
+                f"fp4 expert matrix {tuple(packed.shape)} with scales {tuple(scale.shape)}, expected "
+                f"{(out_f, in_f // 2)} and {(out_f, in_f // 32)}"
+            )
+        if not self.holds_fp4:
+            for name in ("w1", "w2", "w3"):
+                setattr(self, f"{name}_stacked", None)
+                for e in self.experts:
+                    getattr(e, name).weight = None
+        if getattr(self, f"{which}_fp4") is None:
+            n = len(self.experts)
+            setattr(self, f"{which}_fp4", packed.new_empty(n, *packed.shape).view(torch.uint8))
+            setattr(self, f"{which}_fp4_scale", scale.new_empty(n, *scale.shape))
+        getattr(self, f"{which}_fp4")[expert].copy_(packed.view(torch.uint8))
+        getattr(self, f"{which}_fp4_scale")[expert].copy_(scale)
+
+    @property
+    def holds_fp4(self) -> bool:
+        """Whether the routed experts are resident as fp4 (``keep_fp4``)."""
+        return self.w1_fp4 is not None or self.w2_fp4 is not None or self.w3_fp4 is not None
+
     def _adopt(self, name: str, stacked: torch.Tensor) -> None:
         setattr(self, f"{name}_stacked", stacked)
         for i, expert in enumerate(self.experts):
@@ -101,6 +136,20 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids = self.gate(flat, input_ids)
+        if self.holds_fp4:  # experts resident as fp4 (no float parameters to differentiate)
+            routed = routed_experts_fp4(
+                flat,
+                weights,
+                ids,
+                self.w1_fp4,
+                self.w1_fp4_scale,
+                self.w2_fp4,
+                self.w2_fp4_scale,
+                self.w3_fp4,
+                self.w3_fp4_scale,
+                self.limit,
+            )
+            return (routed + self.shared_experts(flat)).view(shape)
         if functional:
             w1, w2, w3 = ([getattr(e, name).weight for e in self.experts] for name in ("w1", "w2", "w3"))
             routed = routed_experts_reference(flat, weights, ids, w1, w2, w3, self.limit)

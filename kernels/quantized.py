@@ -1,0 +1,100 @@
+"""Weights that stay in their stored fp8 / fp4 formats: ``deepinfer::fp8_block_linear`` and
+``deepinfer::routed_experts_fp4``.
+
+The released V4 checkpoints keep most linears as fp8 e4m3 with one power-of-two scale per
+weight block, and routed experts as fp4 e2m1 (two per byte) with one ue8m0 scale per 32
+input channels (model_spec.md §2.10; ``weights/quant.py``). Dequantizing them on load makes
+resident weights 2-4x the files. These ops keep the stored bytes and dequantize one tile at
+a time inside the matmul: a block of weight rows for the fp8 linear, one expert's three
+matrices for the routed experts, never a whole weight. Dequantization is exact (fp8 and e2m1
+values times a power of two are representable in fp32), so the result is the dequantize-on-
+load path's matmul up to summation order.
+
+The references here run on every device; each op is opaque to ``torch.compile``. A GPU kernel
+(``torch._scaled_mm`` with block scales, or Triton) is not written yet: on CUDA these ops run
+the same tile loop.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from deepinfer.kernels.moe import _combine, _sort_by_expert, _swiglu
+
+from deepinfer.weights.quant import dequantize_fp4
+
+# fp8 weight rows dequantized per step of the tile loop (rounded to whole scale blocks):
+# 256 rows of a 7168-wide weight are 7 MiB of fp32
+TILE_ROWS = 256
+
+
+def dequantize_fp8_rows(
+    weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int, start: int, stop: int
+) -> torch.Tensor:
+    """Rows ``start:stop`` of an fp8 block-scaled weight in fp32 (``start`` on a block edge)."""
+    rows = weight[start:stop].float()
+    s = scale[start // block_n : math.ceil(stop / block_n)].float()
+    s = s.repeat_interleave(block_n, 0)[: stop - start].repeat_interleave(block_k, 1)
+    return rows * s[:, : weight.shape[1]]
+
+
+@torch.library.custom_op("deepinfer::fp8_block_linear", mutates_args=())
+def fp8_block_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int
+) -> torch.Tensor:
+    """``x`` [M, K] @ dequant(``weight`` [N, K] fp8 e4m3, ``scale`` [ceil(N / block_n),
+    ceil(K / block_k)]).T -> [M, N] in ``x``'s dtype; rows of the weight dequantized a tile at
+    a time."""
+    n = weight.shape[0]
+    out = x.new_empty(x.shape[0], n)
+    tile = max(1, TILE_ROWS // block_n) * block_n
+    for start in range(0, n, tile):
+        stop = min(n, start + tile)
+        w = dequantize_fp8_rows(weight, scale, block_n, block_k, start, stop)
+        out[:, start:stop] = F.linear(x, w.to(x.dtype))
+    return out
+
+
+@fp8_block_linear.register_fake
+def _(x, weight, scale, block_n, block_k):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("deepinfer::routed_experts_fp4", mutates_args=())
+def routed_experts_fp4(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w1: torch.Tensor,
+    s1: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    w3: torch.Tensor,
+    s3: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """``deepinfer::routed_experts`` with the experts stored as fp4: ``w1``/``w3`` [E, I, d/2]
+    and ``w2`` [E, d, I/2] packed e2m1 bytes, ``s1``/``s3`` [E, I, d/32] and ``s2``
+    [E, d, I/32] ue8m0 scales. Each expert that has tokens is dequantized alone, runs its
+    tokens, and is dropped."""
+    flat_ids, order, picked = _sort_by_expert(x, ids)
+    counts = torch.bincount(flat_ids, minlength=w1.shape[0]).tolist()
+    outs, start = [], 0
+    for e, count in enumerate(counts):
+        if not count:
+            continue
+        rows = picked[start : start + count]
+        gate = F.linear(rows, dequantize_fp4(w1[e], s1[e]).to(x.dtype))
+        up = F.linear(rows, dequantize_fp4(w3[e], s3[e]).to(x.dtype))
+        outs.append(F.linear(_swiglu(gate, up, limit), dequantize_fp4(w2[e], s2[e]).to(x.dtype)))
+        start += count
+    if not outs:
+        return torch.zeros_like(x)
+    return _combine(x, torch.cat(outs), weights, order, ids.shape[1])
+
+
+@routed_experts_fp4.register_fake
+def _(x, weights, ids, w1, s1, w2, s2, w3, s3, limit):
+    return torch.empty_like(x)

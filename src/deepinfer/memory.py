@@ -1,0 +1,204 @@
+"""How many bytes a model's weights and its KV cache take: what a loaded engine holds
+(``LLM.memory_report``) and what a model would need before anything is loaded (``plan``,
+``deepinfer plan``: the model is built on the meta device from its config alone).
+
+Cache bytes come from the layers' ``LayerCacheSpec`` through ``CacheLayout`` (the engine's own
+block geometry), so the plan and the engine count the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from deepinfer.cache.layer_spec import LayerCacheSpec
+from deepinfer.cache.pools import CacheLayout
+from deepinfer.weights.writer import stored_format
+
+GIB = 1 << 30
+
+
+def weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Resident bytes of the parameters and buffers by dtype name, each storage once (the
+    experts' views into their stacked tensors, tied weights)."""
+    seen: set[int] = set()
+    out: dict[str, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if t is None or t.is_meta:
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        key = str(t.dtype).removeprefix("torch.")
+        out[key] = out.get(key, 0) + storage.nbytes()
+    return out
+
+
+def layer_kind(spec: LayerCacheSpec) -> str:
+    """A name for what a layer keeps per token."""
+    if not spec.window and not spec.ratio:
+        return "full attention"
+    if not spec.ratio:
+        return f"window {spec.window}"
+    shared = " (reads another layer's entries)" if spec.shared_from is not None else ""
+    return f"window {spec.window} + 1/{spec.ratio} compressed{shared}"
+
+
+def kv_bytes_per_token(layout: CacheLayout, dtype: torch.dtype) -> dict[str, dict[str, float]]:
+    """Per layer kind: how many layers, and the cache bytes one token costs in each (its
+    window K=V row, its share of the compressed entries and indexer keys, the overlap
+    snapshots), as the paged pools hold them."""
+    out: dict[str, dict[str, float]] = {}
+    for spec in layout.specs:
+        one = CacheLayout((spec,), layout.block_size, layout.window, layout.ratios)
+        kind = out.setdefault(layer_kind(spec), {"layers": 0, "bytes_per_token_per_layer": 0.0})
+        kind["layers"] += 1
+        kind["bytes_per_token_per_layer"] = one.block_bytes(dtype) / layout.block_size
+    return out
+
+
+@dataclass
+class MemoryPlan:
+    """What a model needs per device at a context length (``plan``)."""
+
+    model: str
+    max_model_len: int
+    tensor_parallel_size: int
+    weight_bytes_per_device: int
+    weight_bytes_by_format: dict[str, int]
+    kv_bytes_per_token: float  # all layers, one sequence
+    kv_bytes_per_sequence: int  # at max_model_len, plus its compressor slot
+    kv_by_layer_kind: dict[str, dict[str, float]]
+    memory_bytes: int | None = None  # per device
+    usable_bytes: int | None = None  # memory x utilization
+    sequences_that_fit: int | None = None
+    longest_context_that_fits: int | None = None
+    assumptions: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_BYTES = {"bf16": 2, "fp32": 4}
+
+
+def planned_weight_bytes(model: nn.Module, quantization: dict[str, Any] | None, tp: int) -> dict[str, int]:
+    """Resident bytes per device by storage format for a meta-device ``model`` whose
+    checkpoint has ``quantization`` (the release format: fp8 blocks, fp4 experts, fp8 Engram
+    rows) or none (bf16), split over ``tp`` devices: tensors of two or more dimensions are
+    sharded (column/row-parallel linears, experts across devices, vocab-parallel embedding
+    and head), one-dimensional ones and the routers are replicated."""
+    block = tuple((quantization or {}).get("weight_block_size") or (128, 128))
+    fp32_markers = getattr(model, "fp32_param_markers", ())
+    keeps_fp32 = getattr(model, "keeps_fp32", lambda name: any(m in name for m in fp32_markers))
+    state = model.state_dict(keep_vars=True)
+    out: dict[str, int] = {}
+    for name, t in state.items():
+        if t is None:
+            continue
+        fmt = (
+            stored_format(name, t, fp32_markers)
+            if quantization
+            else ("int" if not t.is_floating_point() else "bf16")
+        )
+        if fmt == "bf16" and keeps_fp32(name):
+            fmt = "fp32"
+        n = t.numel()
+        if fmt == "fp4":  # two values a byte, one ue8m0 scale per 32
+            size = n // 2 + n // 32
+        elif fmt == "fp8_rows":  # Engram rows: one scale per 32
+            size = n + n // 32
+        elif fmt == "fp8":
+            size = n + math.ceil(t.shape[0] / block[0]) * math.ceil(t.shape[1] / block[1])
+        elif fmt == "int":
+            size = n * t.element_size()
+        else:
+            size = n * _BYTES[fmt]
+        sharded = t.dim() >= 2 and not name.endswith("gate.weight")
+        out[fmt] = out.get(fmt, 0) + (math.ceil(size / tp) if sharded else size)
+    return out
+
+
+def plan(
+    model: nn.Module,
+    quantization: dict[str, Any] | None,
+    max_model_len: int,
+    *,
+    name: str = "",
+    tensor_parallel_size: int = 1,
+    memory_bytes: int | None = None,
+    utilization: float = 0.9,
+    block_size: int = 16,
+    kv_dtype: torch.dtype = torch.bfloat16,
+) -> MemoryPlan:
+    """Weights and KV cache per device for ``model`` (built on the meta device) at
+    ``max_model_len`` tokens; with ``memory_bytes`` per device, how many such sequences fit
+    and the longest context one sequence can have."""
+    tp = tensor_parallel_size
+    weights = planned_weight_bytes(model, quantization, tp)
+    layout = CacheLayout.from_specs(model.cache_spec(), block_size)
+    per_token = layout.block_bytes(kv_dtype) / layout.block_size
+    slot = layout.slot_bytes(kv_dtype)
+    blocks = math.ceil(max_model_len / layout.block_size)
+    per_sequence = blocks * layout.block_bytes(kv_dtype) + slot
+    result = MemoryPlan(
+        model=name,
+        max_model_len=max_model_len,
+        tensor_parallel_size=tp,
+        weight_bytes_per_device=sum(weights.values()),
+        weight_bytes_by_format=weights,
+        kv_bytes_per_token=per_token,
+        kv_bytes_per_sequence=per_sequence,
+        kv_by_layer_kind=kv_bytes_per_token(layout, kv_dtype),
+        assumptions=[
+            f"weights as the checkpoint stores them ({'fp8 blocks, fp4 experts' if quantization else 'bf16'}), "
+            "kept resident; fp32 where the model keeps fp32",
+            f"tensor parallel {tp}: tensors of 2+ dims split evenly, 1-dim tensors and routers replicated",
+            f"KV cache in {str(kv_dtype).removeprefix('torch.')}, paged in blocks of {layout.block_size} "
+            "tokens; every layer keeps each token's window K=V row (the window is not yet bounded); "
+            "the single K=V head is replicated on every tensor-parallel device",
+        ],
+    )
+    if memory_bytes is not None:
+        usable = int(memory_bytes * utilization)
+        free = usable - result.weight_bytes_per_device
+        result.memory_bytes, result.usable_bytes = memory_bytes, usable
+        result.sequences_that_fit = max(0, free // per_sequence)
+        fit_blocks = max(0, (free - slot) // layout.block_bytes(kv_dtype))
+        longest = int(fit_blocks * layout.block_size)
+        cap = getattr(model.config, "max_position_embeddings", longest)
+        result.longest_context_that_fits = min(longest, cap)
+        result.assumptions.append(
+            f"usable memory: {utilization:.0%} of {memory_bytes / GIB:.1f} GiB per device (activations "
+            "and the rest stay outside)"
+        )
+    return result
+
+
+def format_plan(p: MemoryPlan) -> str:
+    """The plan as a short report."""
+    lines = [
+        f"model: {p.model}  (max_model_len {p.max_model_len:,}, tensor parallel {p.tensor_parallel_size})",
+        f"weights per device: {p.weight_bytes_per_device / GIB:,.2f} GiB  ("
+        + ", ".join(f"{k} {v / GIB:,.2f} GiB" for k, v in sorted(p.weight_bytes_by_format.items()))
+        + ")",
+        f"KV cache per token: {p.kv_bytes_per_token / 1024:,.1f} KiB; per sequence at "
+        f"{p.max_model_len:,} tokens: {p.kv_bytes_per_sequence / GIB:,.2f} GiB",
+    ]
+    for kind, v in p.kv_by_layer_kind.items():
+        lines.append(
+            f"  {int(v['layers'])} x {kind}: {v['bytes_per_token_per_layer']:,.0f} B per token per layer"
+        )
+    if p.memory_bytes is not None:
+        lines.append(
+            f"per device {p.memory_bytes / GIB:,.1f} GiB, usable {p.usable_bytes / GIB:,.1f} GiB: "
+            f"{p.sequences_that_fit:,} sequence(s) of {p.max_model_len:,} tokens fit; "
+            f"longest context for one sequence: {p.longest_context_that_fits:,} tokens"
+        )
+    lines += [f"assumes: {a}" for a in p.assumptions]
+    return "\n".join(lines)
