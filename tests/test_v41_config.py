@@ -14,83 +14,10 @@ from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
 from deepinfer.models.deepseek_v41_config import deepseek_v41_config_from_dict
 from deepinfer.models.param_count import count_parameters
 from deepinfer.models.registry import resolve
+from deepinfer.models.released_configs import V41_FLASH, V41_FLASH_TEXT
 
-# The released DeepSeek-V4.1-Flash config.json text_config (model_spec.md §1.1).
-RELEASED_TEXT = {
-    "model_type": "deepseek_v41_text",
-    "vocab_size": 129280,
-    "hidden_size": 5120,
-    "num_hidden_layers": 40,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 1,
-    "head_dim": 512,
-    "qk_rope_head_dim": 64,
-    "q_lora_rank": 1280,
-    "o_groups": 8,
-    "o_lora_rank": 1024,
-    "rms_norm_eps": 1e-20,
-    "max_position_embeddings": 1048576,
-    "rope_theta": 10000,
-    "compress_rope_theta": 160000,
-    "rope_scaling": {
-        "type": "yarn",
-        "factor": 16,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "original_max_position_embeddings": 65536,
-    },
-    "sliding_window": 128,
-    "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
-    "kv_source_layer_ids": [2, 8, 14, 20],
-    "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
-    "candidate_source_layer_id": 20,
-    "candidate_topk_blocks": 2048,
-    "candidate_block_size": 8,
-    "index_n_heads": 32,
-    "index_head_dim": 128,
-    "index_topk": 512,
-    "n_routed_experts": 384,
-    "num_experts_per_tok": 6,
-    "n_shared_experts": 1,
-    "moe_intermediate_size": 2304,
-    "scoring_func": "sqrtsoftplus",
-    "topk_method": "noaux_tc",
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 1.5,
-    "swiglu_limit": 10.0,
-    "hc_mult": 4,
-    "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-6,
-    "engram_layer_ids": [1, 14],
-    "engram_num_embeddings": [384006168, 384016682],
-    "engram_max_ngram_size": 4,
-    "engram_n_heads": 8,
-    "engram_head_dim": 256,
-    "engram_vocab_size": 16000000,
-    "engram_compressed_vocab_size": 99092,
-    "engram_pad_token_id": 2,
-    "num_nextn_predict_layers": 3,
-    "dspark_block_size": 5,
-    "dspark_noise_token_id": 128799,
-    "dspark_target_layer_ids": [37, 38, 39],
-    "dspark_markov_rank": 256,
-    "dspark_n_routed_experts": 128,
-    "dspark_num_experts_per_tok": 3,
-}
-RELEASED = {
-    "architectures": ["DeepseekV41ForCausalLM"],
-    "model_type": "deepseek_v41",
-    "image_token_id": 129264,
-    "text_config": RELEASED_TEXT,
-    "vision_config": {"model_type": "deepseek_v41_vision", "num_hidden_layers": 32},
-    "quantization_config": {
-        "quant_method": "fp8",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [32, 32],
-        "scale_fmt": "ue8m0",
-        "expert_dtype": "fp4",
-    },
-}
+RELEASED_TEXT, RELEASED = V41_FLASH_TEXT, V41_FLASH
+
 # The same model under the reference's flat inference/config.json names.
 FLAT = {
     "vocab_size": 129280,

@@ -29,6 +29,38 @@ def _make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from deepinfer.memory import GIB, format_plan, plan
+    from deepinfer.models.registry import load_config_json, resolve
+    from deepinfer.models.released_configs import RELEASED_CONFIGS
+    from deepinfer.weights.catalog import resolve_model
+
+    source = args.model
+    if source in RELEASED_CONFIGS:
+        raw = RELEASED_CONFIGS[source]
+    elif Path(source).is_file():
+        raw = json.loads(Path(source).read_text())
+    else:
+        raw = load_config_json(resolve_model(source))
+    cfg, cls = resolve(raw)
+    with torch.device("meta"):
+        model = cls(cfg)
+    quantization = getattr(cfg, "quantization", None) or raw.get("quantization_config")
+    result = plan(
+        model,
+        quantization,
+        args.max_model_len,
+        name=source,
+        tensor_parallel_size=args.tensor_parallel_size,
+        memory_bytes=None if args.memory_gib is None else int(args.memory_gib * GIB),
+        utilization=args.memory_utilization,
+        block_size=args.block_size,
+        kv_dtype=getattr(torch, args.kv_cache_dtype),
+    )
+    print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))
+    return 0
+
+
 def _json_object(text: str) -> dict:
     """An argparse type: a JSON object (vLLM's ``--speculative-config`` spelling)."""
     try:
@@ -378,6 +410,24 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--quant", choices=["none", "fp8"], default="none")
     tiny.add_argument("--shards", type=int, default=1)
     tiny.set_defaults(func=_make_tiny)
+
+    pl = sub.add_parser(
+        "plan",
+        help="weights and KV cache per device for a model and context length, from its config alone",
+    )
+    pl.add_argument(
+        "model",
+        help="a checkpoint directory, a named model, a config.json, or one of: "
+        "deepseek-v4-flash, deepseek-v4.1-flash (the released configs)",
+    )
+    pl.add_argument("--max-model-len", type=int, required=True)
+    pl.add_argument("--tensor-parallel-size", type=int, default=1)
+    pl.add_argument("--memory-gib", type=float, default=None, help="memory per device (GiB)")
+    pl.add_argument("--memory-utilization", type=float, default=0.9, help="share of it for weights and cache")
+    pl.add_argument("--block-size", type=int, default=16)
+    pl.add_argument("--kv-cache-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=_plan)
 
     gen = sub.add_parser("generate", help="offline generation from a checkpoint directory")
     gen.add_argument("--model", required=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from deepinfer.config import EngineConfig
 from deepinfer.engine.engine import Engine
 from deepinfer.engine.request import Request
+from deepinfer.memory import weight_bytes
 from deepinfer.models.loading import load_model
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
 
 PromptType = str | list[int] | dict[str, Any]
 
+logger = logging.getLogger("deepinfer")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # scale blocks of ``quantization="fp8"`` (the released V4 checkpoints' weight_block_size)
 FP8_BLOCK = (128, 128)
@@ -80,7 +83,22 @@ class LLM:
             self.model.quantize_weights(quantization)
         self.tokenizer = self._load_tokenizer()
         self.engine = Engine(self.model, self.config, self.tokenizer, checkpoint=self.path)
+        by_dtype = weight_bytes(self.model)
+        logger.info(
+            "weights: %.1f MiB resident (%s)",
+            sum(by_dtype.values()) / 2**20,
+            ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(by_dtype.items())),
+        )
         self._counter = itertools.count()
+
+    def memory_report(self) -> dict[str, Any]:
+        """Where the memory goes: resident weight bytes by dtype, and the KV cache (bytes
+        allocated and in use, bytes per token by layer kind; ``Engine.memory_report``)."""
+        by_dtype = weight_bytes(self.model)
+        return {
+            "weights": {"bytes": sum(by_dtype.values()), "by_dtype": by_dtype},
+            "kv_cache": self.engine.memory_report(),
+        }
 
     @functools.cached_property
     def chat_format(self) -> ChatFormat:

@@ -9,7 +9,7 @@ block geometry), so the plan and the engine count the same bytes.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
 import torch
@@ -37,6 +37,27 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
         key = str(t.dtype).removeprefix("torch.")
         out[key] = out.get(key, 0) + storage.nbytes()
     return out
+
+
+def pool_bytes(pools: list[Any]) -> int:
+    """Bytes of the cache tensors in ``pools`` (``LayerPools``, nested ``CompressorPools``),
+    each tensor once (V4.1's layers share entries)."""
+    seen: set[int] = set()
+    total = 0
+
+    def visit(obj: Any) -> None:
+        nonlocal total
+        if isinstance(obj, torch.Tensor):
+            if obj.data_ptr() not in seen:
+                seen.add(obj.data_ptr())
+                total += obj.untyped_storage().nbytes()
+        elif is_dataclass(obj):
+            for f in fields(obj):
+                visit(getattr(obj, f.name))
+
+    for layer in pools:
+        visit(layer)
+    return total
 
 
 def layer_kind(spec: LayerCacheSpec) -> str:
@@ -77,7 +98,8 @@ class MemoryPlan:
     memory_bytes: int | None = None  # per device
     usable_bytes: int | None = None  # memory x utilization
     sequences_that_fit: int | None = None
-    longest_context_that_fits: int | None = None
+    longest_context_that_fits: int | None = None  # one sequence, capped at the model's limit
+    cache_tokens_that_fit: int | None = None  # the cache left after the weights, in tokens
     assumptions: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -173,6 +195,7 @@ def plan(
         longest = int(fit_blocks * layout.block_size)
         cap = getattr(model.config, "max_position_embeddings", longest)
         result.longest_context_that_fits = min(longest, cap)
+        result.cache_tokens_that_fit = longest
         result.assumptions.append(
             f"usable memory: {utilization:.0%} of {memory_bytes / GIB:.1f} GiB per device (activations "
             "and the rest stay outside)"
@@ -198,7 +221,8 @@ def format_plan(p: MemoryPlan) -> str:
         lines.append(
             f"per device {p.memory_bytes / GIB:,.1f} GiB, usable {p.usable_bytes / GIB:,.1f} GiB: "
             f"{p.sequences_that_fit:,} sequence(s) of {p.max_model_len:,} tokens fit; "
-            f"longest context for one sequence: {p.longest_context_that_fits:,} tokens"
+            f"longest context for one sequence: {p.longest_context_that_fits:,} tokens "
+            f"(the cache holds {p.cache_tokens_that_fit:,} tokens)"
         )
     lines += [f"assumes: {a}" for a in p.assumptions]
     return "\n".join(lines)

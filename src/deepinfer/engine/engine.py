@@ -24,6 +24,7 @@ from deepinfer.engine.model_runner import ModelRunner, PreparedStep
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
+from deepinfer.memory import kv_bytes_per_token, pool_bytes
 from deepinfer.models.base import CausalLM
 from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer.platforms import Platform, platform_for
@@ -74,6 +75,7 @@ class Engine:
         dtype = (
             model.compute_dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
         )
+        self.kv_dtype = dtype
         self.layout = CacheLayout.from_specs(model.cache_spec(), config.block_size)
         platform = platform_for(self.device)
         use_compile, use_graphs = self._execution_modes(platform)
@@ -211,6 +213,25 @@ class Engine:
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    def memory_report(self) -> dict[str, Any]:
+        """The KV cache: bytes allocated (every pool tensor; on the CPU pages are touched as
+        blocks fill) and in use (blocks some request holds), and what a token costs per
+        layer kind (``LLM.memory_report``)."""
+        block = self.layout.block_bytes(self.kv_dtype)
+        in_use = sum(1 for refs in self.pool.ref_count if refs > 0)
+        return {
+            "dtype": str(self.kv_dtype).removeprefix("torch."),
+            "allocated_bytes": pool_bytes(self.runner.pools),
+            "block_size": self.layout.block_size,
+            "block_bytes": block,
+            "blocks": self.num_blocks,
+            "blocks_in_use": in_use,
+            "in_use_bytes": in_use * block,
+            "slot_bytes": self.layout.slot_bytes(self.kv_dtype),
+            "bytes_per_token": block / self.layout.block_size,
+            "by_layer_kind": kv_bytes_per_token(self.layout, self.kv_dtype),
+        }
 
     # ---- requests -------------------------------------------------------------------------
 

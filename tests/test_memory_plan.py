@@ -1,0 +1,95 @@
+"""``LLM.memory_report()`` and ``deepinfer plan``: the bytes they report follow from the config
+(checked against arithmetic written out here), the plan and a running engine agree on the
+cache, and the cache bytes in use follow the blocks requests hold."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.cli import main
+from deepinfer.memory import GIB, plan, weight_bytes
+from deepinfer.models.registry import resolve
+from deepinfer.models.released_configs import RELEASED_CONFIGS, V4_FLASH
+from deepinfer.tiny import make_tiny_checkpoint
+
+
+def _meta(raw):
+    cfg, cls = resolve(raw)
+    with torch.device("meta"):
+        return cls(cfg), cfg
+
+
+def test_v4_flash_weight_plan_follows_the_config():
+    """fp4 routed experts: 17/32 byte per value (a nibble plus a ue8m0 scale per 32), for 43
+    backbone layers and the MTP layer, each 256 experts x 3 matrices of 4096 x 2048; split
+    evenly over 8 devices."""
+    model, cfg = _meta(V4_FLASH)
+    one = plan(model, cfg.quantization, 4096)
+    eight = plan(model, cfg.quantization, 4096, tensor_parallel_size=8)
+    experts = (43 + 1) * 256 * 3 * 4096 * 2048
+    assert one.weight_bytes_by_format["fp4"] == experts * 17 // 32
+    assert eight.weight_bytes_by_format["fp4"] == math.ceil(experts * 17 // 32 / 8)
+    # fp8 q/kv/out projections: one byte per value plus one per 128 x 128 block
+    wq_a = 4096 * 1024 + math.ceil(1024 / 128) * math.ceil(4096 / 128)
+    assert one.weight_bytes_by_format["fp8"] > 44 * wq_a
+    assert one.weight_bytes_per_device > 7 * eight.weight_bytes_per_device
+
+
+def test_plan_kv_cache_matches_what_the_engine_allocates(tmp_path):
+    """The plan's bytes per token (meta model, config only) equal a running engine's."""
+    path = make_tiny_checkpoint(tmp_path, arch="deepseek_v4", seed=1, quant="fp8")
+    llm = LLM(str(path), kv_cache_dtype="float32", num_cache_blocks=8)
+    report = llm.memory_report()["kv_cache"]
+    model, cfg = _meta(json.loads((path / "config.json").read_text()))
+    planned = plan(model, cfg.quantization, 1000, block_size=llm.config.block_size, kv_dtype=torch.float32)
+    assert planned.kv_bytes_per_token == report["bytes_per_token"]
+    assert planned.kv_by_layer_kind == report["by_layer_kind"]
+    kinds = report["by_layer_kind"]
+    assert sum(k["layers"] for k in kinds.values()) == cfg.num_hidden_layers
+    assert report["bytes_per_token"] == pytest.approx(
+        sum(k["layers"] * k["bytes_per_token_per_layer"] for k in kinds.values())
+    )
+
+
+def test_sequences_that_fit_is_the_memory_left_after_the_weights(tmp_path):
+    model, cfg = _meta(RELEASED_CONFIGS["deepseek-v4.1-flash"])
+    base = plan(model, cfg.quantization, 65536, tensor_parallel_size=8)
+    for k in (0, 1, 7):
+        memory = base.weight_bytes_per_device + k * base.kv_bytes_per_sequence
+        got = plan(
+            model, cfg.quantization, 65536, tensor_parallel_size=8, memory_bytes=memory, utilization=1.0
+        )
+        assert got.sequences_that_fit == k
+        assert got.cache_tokens_that_fit >= k * 65536
+
+
+def test_memory_report_counts_blocks_in_use(tmp_path):
+    path = make_tiny_checkpoint(tmp_path, "llama")
+    llm = LLM(str(path), num_cache_blocks=16, enable_prefix_caching=False)
+    report = llm.memory_report()
+    assert report["weights"]["bytes"] == sum(weight_bytes(llm.model).values()) > 0
+    kv = report["kv_cache"]
+    assert kv["blocks_in_use"] == 0 and kv["in_use_bytes"] == 0
+    assert kv["allocated_bytes"] >= kv["blocks"] * kv["block_bytes"]
+    engine = llm.engine
+    prompt = list(range(3, 3 + 2 * kv["block_size"] + 1))  # three blocks once prefilled
+    request = engine.add_request("r", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    while not request.output_token_ids:
+        engine.step()
+    held = llm.memory_report()["kv_cache"]
+    assert held["blocks_in_use"] == 3
+    assert held["in_use_bytes"] == 3 * kv["block_bytes"]
+
+
+def test_plan_cli_prints_json(capsys):
+    assert main(["plan", "deepseek-v4-flash", "--max-model-len", "8192", "--tensor-parallel-size", "8",
+                 "--memory-gib", "131", "--json"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert out["tensor_parallel_size"] == 8 and out["max_model_len"] == 8192
+    assert out["sequences_that_fit"] >= 1
+    assert 0 < out["weight_bytes_per_device"] < 131 * GIB
