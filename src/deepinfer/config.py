@@ -45,6 +45,11 @@ class EngineConfig:
     # dtype of the paged K/V cache (vLLM's option name): "auto" = the model's compute dtype;
     # "bfloat16" / "float16" halve an fp32 model's cache (compressor state stays fp32)
     kv_cache_dtype: str = "auto"
+    # Sliding-window layers keep their K=V in a pool of their own, of which a sequence holds
+    # only the blocks its window covers (older ones become evictable prefix-cache entries):
+    # window memory stays ~window tokens per sequence. False: every token's window row stays
+    # in the paged blocks for the whole sequence (the earlier layout, for comparison)
+    bounded_window_cache: bool = True
     # V4.1's causal encoder/decoder prefill (model_spec.md §2.9): decoder layers run only over
     # each prompt's last window; approximate (not the reference forward), so off by default
     ced_prefill: bool = False
@@ -92,6 +97,7 @@ class EngineConfig:
         need(isinstance(frac, float | int) and 0 < frac <= 1, "cache_memory_fraction", "in (0, 1]")
         need(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "a bool")
         need(isinstance(self.ced_prefill, bool), "ced_prefill", "a bool")
+        need(isinstance(self.bounded_window_cache, bool), "bounded_window_cache", "a bool")
         need(
             isinstance(self.compile_backend, str) and bool(self.compile_backend), "compile_backend", "a name"
         )

@@ -71,15 +71,22 @@ def layer_kind(spec: LayerCacheSpec) -> str:
 
 
 def kv_bytes_per_token(layout: CacheLayout, dtype: torch.dtype) -> dict[str, dict[str, float]]:
-    """Per layer kind: how many layers, and the cache bytes one token costs in each (its
-    window K=V row, its share of the compressed entries and indexer keys, the overlap
-    snapshots), as the paged pools hold them."""
+    """Per layer kind: how many layers; the cache bytes each token adds to one layer as the
+    sequence grows (its compressed entries' and indexer keys' share and the overlap
+    snapshots, plus its window K=V row unless the window is bounded); and, with a bounded
+    window, the fixed window bytes one sequence holds in one layer."""
     out: dict[str, dict[str, float]] = {}
     for spec in layout.specs:
-        one = CacheLayout((spec,), layout.block_size, layout.window, layout.ratios)
-        kind = out.setdefault(layer_kind(spec), {"layers": 0, "bytes_per_token_per_layer": 0.0})
+        one = CacheLayout((spec,), layout.block_size, layout.window, layout.ratios, layout.bounded_window)
+        kind = out.setdefault(
+            layer_kind(spec),
+            {"layers": 0, "bytes_per_token_per_layer": 0.0, "window_bytes_per_sequence_per_layer": 0},
+        )
         kind["layers"] += 1
         kind["bytes_per_token_per_layer"] = one.block_bytes(dtype) / layout.block_size
+        kind["window_bytes_per_sequence_per_layer"] = (
+            one.window_blocks_per_sequence() * one.window_block_bytes(dtype) if layout.bounded_window else 0
+        )
     return out
 
 
@@ -92,8 +99,9 @@ class MemoryPlan:
     tensor_parallel_size: int
     weight_bytes_per_device: int
     weight_bytes_by_format: dict[str, int]
-    kv_bytes_per_token: float  # all layers, one sequence
-    kv_bytes_per_sequence: int  # at max_model_len, plus its compressor slot
+    kv_bytes_per_token: float  # all layers, what each token adds
+    kv_window_bytes_per_sequence: int  # all layers, the bounded window one sequence holds
+    kv_bytes_per_sequence: int  # at max_model_len: tokens, window and compressor slot
     kv_by_layer_kind: dict[str, dict[str, float]]
     memory_bytes: int | None = None  # per device
     usable_bytes: int | None = None  # memory x utilization
@@ -157,15 +165,17 @@ def plan(
     utilization: float = 0.9,
     block_size: int = 16,
     kv_dtype: torch.dtype = torch.bfloat16,
+    bounded_window: bool = True,
 ) -> MemoryPlan:
     """Weights and KV cache per device for ``model`` (built on the meta device) at
     ``max_model_len`` tokens; with ``memory_bytes`` per device, how many such sequences fit
     and the longest context one sequence can have."""
     tp = tensor_parallel_size
     weights = planned_weight_bytes(model, quantization, tp)
-    layout = CacheLayout.from_specs(model.cache_spec(), block_size)
+    layout = CacheLayout.from_specs(model.cache_spec(), block_size, bounded_window=bounded_window)
     per_token = layout.block_bytes(kv_dtype) / layout.block_size
-    slot = layout.slot_bytes(kv_dtype)
+    window = layout.window_blocks_per_sequence() * layout.window_block_bytes(kv_dtype)
+    slot = layout.slot_bytes(kv_dtype) + window  # what a sequence holds whatever its length
     blocks = math.ceil(max_model_len / layout.block_size)
     per_sequence = blocks * layout.block_bytes(kv_dtype) + slot
     result = MemoryPlan(
@@ -175,6 +185,7 @@ def plan(
         weight_bytes_per_device=sum(weights.values()),
         weight_bytes_by_format=weights,
         kv_bytes_per_token=per_token,
+        kv_window_bytes_per_sequence=window,
         kv_bytes_per_sequence=per_sequence,
         kv_by_layer_kind=kv_bytes_per_token(layout, kv_dtype),
         assumptions=[
@@ -182,8 +193,14 @@ def plan(
             "kept resident; fp32 where the model keeps fp32",
             f"tensor parallel {tp}: tensors of 2+ dims split evenly, 1-dim tensors and routers replicated",
             f"KV cache in {str(kv_dtype).removeprefix('torch.')}, paged in blocks of {layout.block_size} "
-            "tokens; every layer keeps each token's window K=V row (the window is not yet bounded); "
-            "the single K=V head is replicated on every tensor-parallel device",
+            "tokens; "
+            + (
+                f"each sequence holds {layout.window_blocks_per_sequence()} window block(s) per layer "
+                f"(window {layout.window})"
+                if layout.bounded_window
+                else "every layer keeps each token's window K=V row"
+            )
+            + "; the single K=V head is replicated on every tensor-parallel device",
         ],
     )
     if memory_bytes is not None:

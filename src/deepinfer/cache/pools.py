@@ -28,29 +28,55 @@ class CacheLayout:
     block_size: int
     window: int
     ratios: tuple[int, ...]  # distinct compression ratios, ascending
+    # Sliding-window K=V (and per-token ids) live in a pool of their own, whose blocks a
+    # sequence gives back once they fall out of its window (``WindowBlocks``): a sequence holds
+    # about ``window`` tokens of them whatever its length. Only for windowed layers.
+    bounded_window: bool = False
 
     @classmethod
-    def from_specs(cls, specs: list[LayerCacheSpec], block_size: int) -> CacheLayout:
+    def from_specs(
+        cls, specs: list[LayerCacheSpec], block_size: int, bounded_window: bool = False
+    ) -> CacheLayout:
+        """``bounded_window``: keep the window K=V apart, bounded per sequence (ignored for
+        full-attention models, whose "window" is every position)."""
         ratios = tuple(sorted({s.ratio for s in specs if s.ratio}))
         unit = math.lcm(*ratios) if ratios else 1
         rounded = math.ceil(block_size / unit) * unit
         windows = {s.window for s in specs}
         if len(windows) != 1:
             raise ValueError(f"every layer must share one window size, got {sorted(windows)}")
-        return cls(tuple(specs), rounded, windows.pop(), ratios)
+        window = windows.pop()
+        return cls(tuple(specs), rounded, window, ratios, bounded_window and window > 0)
+
+    def window_blocks_per_sequence(self) -> int:
+        """Window blocks a sequence holds between steps: those covering its last
+        ``window - 1`` positions and the block the next token lands in."""
+        return math.ceil((self.window - 1) / self.block_size) + 1
+
+    def window_block_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes one block of the window pool costs across all layers (0 when the window K=V
+        sits in the main blocks)."""
+        if not self.bounded_window:
+            return 0
+        return self._window_bytes(dtype)
+
+    def _window_bytes(self, dtype: torch.dtype) -> int:
+        elems = sum(self.block_size * s.kv_dim * (2 if s.separate_values else 1) for s in self.specs)
+        token_bytes = sum(self.block_size * 8 for s in self.specs if s.token_ids)
+        return elems * torch.empty(0, dtype=dtype).element_size() + token_bytes
 
     def block_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes one block costs across all layers (window, entries, keys, snapshots)."""
+        """Bytes one block costs across all layers (window unless bounded, entries, keys,
+        snapshots)."""
         elems = fp32_elems = 0
         for s in self.specs:
-            elems += self.block_size * s.kv_dim * (2 if s.separate_values else 1)
             if s.ratio and s.shared_from is None:
                 per = self.block_size // s.ratio
                 elems += per * (s.kv_dim + s.index_dim)
                 if s.overlap:  # overlap snapshots, fp32
                     fp32_elems += 2 * s.ratio * (s.compressor_width + s.index_width)
-        token_bytes = sum(self.block_size * 8 for s in self.specs if s.token_ids)
-        return elems * torch.empty(0, dtype=dtype).element_size() + fp32_elems * 4 + token_bytes
+        window = 0 if self.bounded_window else self._window_bytes(dtype)
+        return elems * torch.empty(0, dtype=dtype).element_size() + fp32_elems * 4 + window
 
     def slot_bytes(self, dtype: torch.dtype) -> int:
         """Bytes one sequence slot costs (partial-group buffers and live overlap)."""
@@ -95,10 +121,17 @@ def _compressor_pools(
 
 
 def allocate_pools(
-    layout: CacheLayout, num_blocks: int, num_slots: int, dtype: torch.dtype, device: torch.device
+    layout: CacheLayout,
+    num_blocks: int,
+    num_slots: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_window_blocks: int | None = None,
 ) -> list[LayerPools]:
     """Physical pools for ``num_blocks`` blocks and ``num_slots`` sequences, plus one null
-    block (id ``num_blocks``) and one null slot (id ``num_slots``) for padded rows.
+    block (id ``num_blocks``) and one null slot (id ``num_slots``) for padded rows. With
+    ``layout.bounded_window`` the window K=V and token ids take ``num_window_blocks`` blocks
+    of their own (plus a null one, id ``num_window_blocks``).
 
     Every pool starts zeroed: masked rows are still gathered (a masked score is zeroed, and
     ``0 * NaN`` would poison the sum), and some masked rows were never written by their
@@ -113,13 +146,16 @@ def allocate_pools(
             raise ValueError(f"cache_spec: layer {i} shares the entries of layer {src}, not an earlier owner")
     pools: list[LayerPools] = []
     bs = layout.block_size
+    if layout.bounded_window and num_window_blocks is None:
+        raise ValueError("a bounded window needs num_window_blocks")
     num_blocks, num_slots = num_blocks + 1, num_slots + 1  # + the null block and slot
+    window_rows = (num_window_blocks + 1 if layout.bounded_window else num_blocks) * bs
     for s in layout.specs:
-        layer = LayerPools(window=_zeros(num_blocks * bs, s.kv_dim, dtype=dtype, device=device))
+        layer = LayerPools(window=_zeros(window_rows, s.kv_dim, dtype=dtype, device=device))
         if s.separate_values:
-            layer.values = _zeros(num_blocks * bs, s.kv_dim, dtype=dtype, device=device)
+            layer.values = _zeros(window_rows, s.kv_dim, dtype=dtype, device=device)
         if s.token_ids:
-            layer.token_ids = _zeros(num_blocks * bs, dtype=torch.long, device=device)
+            layer.token_ids = _zeros(window_rows, dtype=torch.long, device=device)
         if s.ratio and s.shared_from is not None:
             source = pools[s.shared_from]
             layer.entries, layer.index_keys = source.entries, source.index_keys

@@ -34,6 +34,7 @@ class StepPadding:
     null_slot: int
     num_tokens: int | None = None
     max_model_len: int | None = None
+    null_window_block: int | None = None  # the window pool's null block (a bounded window)
 
     @classmethod
     def for_pools(cls, num_blocks: int, num_slots: int, **kw) -> StepPadding:
@@ -63,6 +64,9 @@ class SeqChunk:
     logits_offsets: list[int] = field(default_factory=list)  # chunk offsets needing logits
     replay_from: int = 0  # CED prefill: positions before this run the encoder layers only
     feature_offsets: list[int] | None = None  # chunk offsets whose draft features are returned
+    # window-pool block of each of ``block_table``'s blocks (a bounded window; blocks out of
+    # the window point at the window pool's null block); None: the window sits in block_table
+    window_table: list[int] | None = None
 
 
 @dataclass
@@ -71,6 +75,7 @@ class _TokenLayout:
 
     positions: torch.Tensor  # [T]
     token_block: torch.Tensor  # [T, max_blocks] each token's block table
+    window_block: torch.Tensor  # [T, max_blocks] its window blocks (token_block unless bounded)
     slot: torch.Tensor  # [T]
     end: torch.Tensor  # [T] end position (exclusive) of the token's chunk
     base: list[int]  # first token row of each chunk
@@ -304,7 +309,8 @@ def _build_on_host(
     if padding is not None:
         real = sum(c.num_tokens for c in chunks)
         target = _padded_len(real, padding.num_tokens)
-        null = SeqChunk([padding.null_block], padding.null_slot, 0, 1)
+        null_window = None if padding.null_window_block is None else [padding.null_window_block]
+        null = SeqChunk([padding.null_block], padding.null_slot, 0, 1, window_table=null_window)
         chunks = chunks + [null] * (target - real)
     lengths = torch.tensor([c.num_tokens for c in chunks], dtype=torch.long)
     starts = torch.tensor([c.start for c in chunks], dtype=torch.long)
@@ -313,10 +319,22 @@ def _build_on_host(
     positions = starts[seq_of_token] + torch.arange(int(lengths.sum())) - first_row[seq_of_token]
     max_blocks = max(len(c.block_table) for c in chunks)
     tables = torch.tensor([c.block_table + [0] * (max_blocks - len(c.block_table)) for c in chunks])
+    window_tables = tables
+    if any(c.window_table is not None for c in chunks):
+        null_window = padding.null_window_block if padding is not None else None
+        rows = []
+        for c in chunks:
+            table = c.window_table
+            if table is None or len(table) != len(c.block_table):
+                raise ValueError("a bounded window needs a window table as long as each block table")
+            fill = null_window if null_window is not None else table[-1]
+            rows.append(table + [fill] * (max_blocks - len(table)))
+        window_tables = torch.tensor(rows, dtype=torch.long)
     slots = torch.tensor([c.slot for c in chunks], dtype=torch.long)
     tokens = _TokenLayout(
         positions=positions,
         token_block=tables[seq_of_token],
+        window_block=window_tables[seq_of_token],
         slot=slots[seq_of_token],
         end=(starts + lengths)[seq_of_token],
         base=first_row.tolist(),
@@ -324,8 +342,9 @@ def _build_on_host(
     positions = tokens.positions
 
     def rows_at(q: torch.Tensor) -> torch.Tensor:
+        """Window-pool rows of positions ``q`` [T, n] of each token's sequence."""
         qc = q.clamp(min=0)
-        return tokens.token_block.gather(1, qc // bs) * bs + qc % bs
+        return tokens.window_block.gather(1, qc // bs) * bs + qc % bs
 
     window_q = positions.unsqueeze(1) - torch.arange(w)  # [T, W]
     logits_idx = [base + k for c, base in zip(chunks, tokens.base, strict=True) for k in c.logits_offsets]

@@ -81,6 +81,19 @@ class BlockPool:
             self.ref_count[block] += 1
         return found
 
+    def acquire(self, hashes: Sequence[bytes]) -> list[int] | None:
+        """The cached blocks for exactly ``hashes``, a reference taken to each; None (and
+        nothing taken) unless every one is cached. Not counted as prefix-cache queries."""
+        blocks = [self._block_of.get(h) for h in hashes]
+        if any(b is None for b in blocks):
+            return None
+        for block in blocks:
+            assert block is not None
+            if self.ref_count[block] == 0:
+                del self._free[block]
+            self.ref_count[block] += 1
+        return blocks  # type: ignore[return-value]
+
     def cache(self, block: int, h: bytes) -> None:
         """Publish a full, computed block under its prefix hash (first writer wins)."""
         if block in self._hash_of or h in self._block_of:

@@ -76,7 +76,9 @@ class Engine:
             model.compute_dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
         )
         self.kv_dtype = dtype
-        self.layout = CacheLayout.from_specs(model.cache_spec(), config.block_size)
+        self.layout = CacheLayout.from_specs(
+            model.cache_spec(), config.block_size, bounded_window=config.bounded_window_cache
+        )
         platform = platform_for(self.device)
         use_compile, use_graphs = self._execution_modes(platform)
         if self.device.type == "cpu":
@@ -90,6 +92,12 @@ class Engine:
             if use_graphs
             else 0
         )
+        self.window_pool: BlockPool | None = None
+        num_window_blocks = None
+        if self.layout.bounded_window:
+            num_window_blocks = self._window_blocks()
+            self.window_pool = BlockPool(num_window_blocks)
+            side_bytes += (num_window_blocks + 1) * self.layout.window_block_bytes(dtype)
         num_blocks = config.num_cache_blocks or self._blocks_for_budget(dtype, side_bytes)
         self.pool = BlockPool(num_blocks)
         self.runner = ModelRunner(
@@ -107,6 +115,7 @@ class Engine:
             feature_offsets=feature_offsets_for(drafter) if drafter is not None else None,
             kv_cache_dtype=dtype,
             compile_cache_dir=self._compile_cache_dir(checkpoint) if use_compile else None,
+            num_window_blocks=num_window_blocks,
         )
         if self.runner.graphs is not None:
             # every bucket now, on this thread, before any step (and before the asynchronous
@@ -126,6 +135,8 @@ class Engine:
             self.spec.draft if self.spec is not None else None,
             self.spec.plan if self.spec is not None else None,
             drafts_after_recompute=self.spec is not None and self.spec.rollback.drafts_after_recompute,
+            window_pool=self.window_pool,
+            window=self.layout.window,
         )
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -192,6 +203,16 @@ class Engine:
         rollback = Rollback(ratios, overlap_ratios, self.runner)
         return SpeculativeDecoder(config, drafter, self.max_model_len, rollback, sps, lagged)
 
+    def _window_blocks(self) -> int:
+        """Window-pool blocks: every sequence's window between steps plus a step's chunks
+        (a chunk of C tokens may add ceil(C / block_size) + 1 blocks), twice over: the second
+        half keeps given-back window blocks as evictable prefix-cache entries."""
+        cfg, layout = self.config, self.layout
+        active = cfg.max_num_seqs * (layout.window_blocks_per_sequence() + 1) + math.ceil(
+            cfg.max_num_batched_tokens / layout.block_size
+        )
+        return 2 * active
+
     def _blocks_for_budget(self, dtype: torch.dtype, graph_bytes: int = 0) -> int:
         """Blocks that fit the budget after the sequence slots, the null block and slot, and
         ``graph_bytes`` (the captured graphs' memory pool, a drafter's own caches)."""
@@ -220,6 +241,16 @@ class Engine:
         layer kind (``LLM.memory_report``)."""
         block = self.layout.block_bytes(self.kv_dtype)
         in_use = sum(1 for refs in self.pool.ref_count if refs > 0)
+        window = {}
+        if self.window_pool is not None:
+            window_block = self.layout.window_block_bytes(self.kv_dtype)
+            window_in_use = sum(1 for refs in self.window_pool.ref_count if refs > 0)
+            window = {
+                "window_blocks": self.window_pool.num_blocks,
+                "window_block_bytes": window_block,
+                "window_blocks_in_use": window_in_use,
+                "window_in_use_bytes": window_in_use * window_block,
+            }
         return {
             "dtype": str(self.kv_dtype).removeprefix("torch."),
             "allocated_bytes": pool_bytes(self.runner.pools),
@@ -227,10 +258,12 @@ class Engine:
             "block_bytes": block,
             "blocks": self.num_blocks,
             "blocks_in_use": in_use,
-            "in_use_bytes": in_use * block,
+            "in_use_bytes": in_use * block + window.get("window_in_use_bytes", 0),
             "slot_bytes": self.layout.slot_bytes(self.kv_dtype),
             "bytes_per_token": block / self.layout.block_size,
             "by_layer_kind": kv_bytes_per_token(self.layout, self.kv_dtype),
+            "bounded_window": self.layout.bounded_window,
+            **window,
         }
 
     # ---- requests -------------------------------------------------------------------------

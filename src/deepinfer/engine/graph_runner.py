@@ -55,9 +55,10 @@ def measure_step_memory(
     one-block pools before the cache exists, so the cache budget can leave room for it."""
     if device.type != "cuda":
         return 0
-    pools = allocate_pools(layout, 1, 1, dtype, device)
+    window = 1 if layout.bounded_window else None
+    pools = allocate_pools(layout, 1, 1, dtype, device, window)
     positions, batch = build_forward_batch(
-        layout, pools, [], device, StepPadding(1, 1, max_batch, max_model_len)
+        layout, pools, [], device, StepPadding(1, 1, max_batch, max_model_len, null_window_block=window)
     )
     ids = torch.zeros(max_batch, dtype=torch.long, device=device)
     torch.cuda.synchronize(device)
@@ -89,9 +90,11 @@ class DecodeGraphRunner:
         max_batch: int,
         capture: GraphCapture,
         device: torch.device,
+        null_window_block: int | None = None,
     ) -> None:
         self.step, self.layout, self.pools, self.device = step, layout, pools, device
         self.null_block, self.null_slot = null_block, null_slot
+        self.null_window_block = null_window_block
         self.max_model_len = max_model_len
         self.buckets = decode_buckets(max_batch)
         self.capture_fn = capture
@@ -99,7 +102,13 @@ class DecodeGraphRunner:
         self.replays = 0
 
     def padding(self, bucket: int) -> StepPadding:
-        return StepPadding(self.null_block, self.null_slot, bucket, self.max_model_len)
+        return StepPadding(
+            self.null_block,
+            self.null_slot,
+            bucket,
+            self.max_model_len,
+            null_window_block=self.null_window_block,
+        )
 
     def bucket_for(self, chunks: list[SeqChunk]) -> int | None:
         """The bucket a step replays in, or None when it must run uncaptured (a prefill

@@ -17,6 +17,7 @@ from deepinfer.cache.forward_batch import ForwardBatch
 from deepinfer.cache.pools import CacheLayout, allocate_pools
 from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch
 from deepinfer.engine.graph_runner import DecodeGraphRunner
+from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import ScheduledChunk
 from deepinfer.models.base import CausalLM
 from deepinfer.platforms import GraphCapture
@@ -61,6 +62,7 @@ class ModelRunner:
         feature_offsets: Callable[[int, int], list[int]] | None = None,
         kv_cache_dtype: torch.dtype | None = None,
         compile_cache_dir: Path | None = None,
+        num_window_blocks: int | None = None,
     ) -> None:
         """``ced_replay``: with CED prefill, how many trailing prompt tokens run the decoder.
         ``compile_model``: run the step through ``torch.compile`` (``deepinfer.compilation``).
@@ -69,7 +71,8 @@ class ModelRunner:
         ``feature_offsets``: (chunk tokens, drafts) -> chunk offsets whose draft features a
         step returns, for a model drafter (None: logits only). ``kv_cache_dtype``: the pools'
         dtype (None: the model's compute dtype). ``compile_cache_dir``: where a CPU step
-        compiled by Inductor is saved and found again (``precompiled.py``; None: not saved)."""
+        compiled by Inductor is saved and found again (``precompiled.py``; None: not saved).
+        ``num_window_blocks``: the window pool's blocks when ``layout.bounded_window``."""
         self.model = model
         self.feature_offsets = feature_offsets
         self.ced_replay = ced_replay
@@ -77,14 +80,18 @@ class ModelRunner:
         self.layout = layout
         self.device = device
         dtype = kv_cache_dtype or model.compute_dtype
-        self.pools = allocate_pools(layout, num_blocks, num_slots, dtype, device)
+        self.pools = allocate_pools(layout, num_blocks, num_slots, dtype, device, num_window_blocks)
         self.num_slots = num_slots
         self.null_block, self.null_slot = num_blocks, num_slots  # reserved by allocate_pools
+        # the window pool's null block (reserved too) when the window is bounded
+        self.null_window_block = num_window_blocks if layout.bounded_window else None
         # Compiled steps get padded metadata (never sizes 0 or 1) so shapes stay symbolic.
         self.padding: StepPadding | None = None
         if compile_model:
             self.forward = self._compiled_step(model, compile_backend, compile_cache_dir)
-            self.padding = StepPadding.for_pools(num_blocks, num_slots)
+            self.padding = StepPadding.for_pools(
+                num_blocks, num_slots, null_window_block=self.null_window_block
+            )
         self.graphs: DecodeGraphRunner | None = None
         if graph_capture is not None:
             self.graphs = DecodeGraphRunner(
@@ -97,6 +104,7 @@ class ModelRunner:
                 max_graph_batch,
                 graph_capture,
                 device,
+                self.null_window_block,
             )
 
     @staticmethod
@@ -153,6 +161,7 @@ class ModelRunner:
                     offsets,
                     replay_from,
                     features,
+                    self._window_table(req),
                 )
             )
         # steps that return draft features run outside the captured graphs
@@ -161,6 +170,16 @@ class ModelRunner:
         padding = self.graphs.padding(bucket) if self.graphs is not None and bucket else self.padding
         positions, batch = build_forward_batch(self.layout, self.pools, seq_chunks, self.device, padding)
         return PreparedStep(chunks, positions, batch, sample_rows, prompt_rows, bucket, feature_rows)
+
+    def _window_table(self, request: Request) -> list[int] | None:
+        """The request's window blocks aligned with its block table (blocks given back, or
+        not yet taken, point at the window pool's null block); None without a bounded
+        window."""
+        null = self.null_window_block
+        if null is None:
+            return None
+        ids = request.window_block_ids[: len(request.block_ids)]
+        return [b if b >= 0 else null for b in ids] + [null] * (len(request.block_ids) - len(ids))
 
     def _slot_rows(self) -> list[tuple[torch.Tensor, int]]:
         """Every per-slot compressor tensor (partial-group buffers, live overlap) and its
@@ -203,7 +222,9 @@ class ModelRunner:
         sizes.append(max_tokens)
         rates = []
         for size in sizes:
-            padding = StepPadding(self.null_block, self.null_slot, size)
+            padding = StepPadding(
+                self.null_block, self.null_slot, size, null_window_block=self.null_window_block
+            )
             positions, batch = build_forward_batch(self.layout, self.pools, [], self.device, padding)
             ids = torch.zeros(size, dtype=torch.long, device=self.device)
             best = float("inf")

@@ -29,6 +29,8 @@ class Request:
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # a bounded window: the window-pool block of each of block_ids' blocks, -1 once given back
+    window_block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks published so far
     cache_salt: str | None = None  # prefix-cache isolation: only equal salts share blocks
     slot: int | None = None

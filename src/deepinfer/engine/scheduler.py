@@ -48,6 +48,8 @@ class Scheduler:
         drafter: Callable[[Request, int], list[int]] | None = None,
         plan_drafts: Callable[[list[Request]], None] | None = None,
         drafts_after_recompute: bool = False,
+        window_pool: BlockPool | None = None,
+        window: int = 0,
     ) -> None:
         """``drafter(request, room)``: speculative tokens for a decoding request (at most
         ``room``, or []);
@@ -55,7 +57,11 @@ class Scheduler:
         verification schedule can size every request's draft together.
         ``drafts_after_recompute``: a chunk that recomputes the last few accepted tokens after
         a rejection may carry drafts (when a rejection never rolls back past the chunk's own
-        accepted part, ``speculative.rollback``; else recomputed chunks would keep growing)."""
+        accepted part, ``speculative.rollback``; else recomputed chunks would keep growing).
+        ``window_pool``: the blocks of a bounded window cache (``window`` tokens): a request
+        holds those covering its last ``window - 1`` positions and the ones its next chunk
+        writes, gives older ones back (kept, hashed, as evictable prefix-cache entries), and
+        takes a prefix hit only where the window before the hit is still cached."""
         self.config = config
         self.drafts_after_recompute = drafts_after_recompute
         self.drafter = drafter
@@ -65,6 +71,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.window_pool = window_pool
+        self.window = window
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -77,18 +85,48 @@ class Scheduler:
 
     def _ensure_blocks(self, request: Request, num_tokens: int) -> bool:
         need = math.ceil(num_tokens / self.block_size) - len(request.block_ids)
-        if need <= 0:
+        if need > 0:
+            blocks = self.pool.allocate(need)
+            if blocks is None:
+                return False
+            request.block_ids.extend(blocks)
+        return self._ensure_window(request, num_tokens)
+
+    def _ensure_window(self, request: Request, num_tokens: int) -> bool:
+        """Window blocks for the positions the next chunk writes (up to ``num_tokens``)."""
+        if self.window_pool is None:
             return True
-        blocks = self.pool.allocate(need)
-        if blocks is None:
+        ids = request.window_block_ids
+        blocks = math.ceil(num_tokens / self.block_size)
+        ids.extend([-1] * (blocks - len(ids)))
+        first = request.num_computed_tokens // self.block_size
+        missing = [j for j in range(first, blocks) if ids[j] < 0]
+        taken = self.window_pool.allocate(len(missing)) if missing else []
+        if taken is None:
             return False
-        request.block_ids.extend(blocks)
+        for j, block in zip(missing, taken, strict=True):
+            ids[j] = block
         return True
+
+    def _trim_window(self, request: Request) -> None:
+        """Give back the window blocks no later position reads (all before the next
+        position's window), keeping their prefix-cache hashes."""
+        if self.window_pool is None:
+            return
+        oldest = request.num_computed_tokens - self.window + 1  # first position still read
+        ids = request.window_block_ids
+        for j in range(min(max(0, oldest) // self.block_size, len(ids))):
+            if ids[j] >= 0:
+                self.window_pool.free([ids[j]])
+                ids[j] = -1
 
     def _release(self, request: Request) -> None:
         self.pool.free(request.block_ids)
         request.block_ids = []
         request.block_hashes = []
+        if self.window_pool is not None:
+            self.window_pool.free([b for b in request.window_block_ids if b >= 0])
+        request.window_block_ids = []
         if request.slot is not None:
             self.free_slots.append(request.slot)
             request.slot = None
@@ -106,12 +144,30 @@ class Scheduler:
             parent = block_hash(parent, tokens[k * bs : (k + 1) * bs], request.cache_salt)
             hashes.append(parent)
         hit = self.pool.lookup(hashes)
+        hit = self._window_for_hit(request, hit, hashes)
         request.block_ids = hit
         request.block_hashes = hashes[: len(hit)]
         request.num_computed_tokens = len(hit) * bs
         request.restore_overlap = bool(hit)
         if request.num_preemptions == 0:
             request.num_cached_tokens = request.num_computed_tokens
+
+    def _window_for_hit(self, request: Request, hit: list[int], hashes: list[bytes]) -> list[int]:
+        """With a bounded window, shorten a prefix hit to the longest one whose window (the
+        ``window - 1`` positions before it) is still cached, and take those window blocks."""
+        if self.window_pool is None:
+            return hit
+        bs = self.block_size
+        while hit:
+            end = len(hit) * bs
+            first = max(0, end - self.window + 1) // bs
+            window = self.window_pool.acquire(hashes[first : len(hit)])
+            if window is not None:
+                request.window_block_ids = [-1] * first + window
+                return hit
+            self.pool.free([hit.pop()])
+            self.pool.hit_blocks -= 1
+        return hit
 
     def publish_full_blocks(self, request: Request, computed: int | None = None) -> None:
         """After a step (or as a request finishes): publish newly completed blocks under their
@@ -128,6 +184,9 @@ class Scheduler:
             parent = block_hash(parent, tokens[k * bs : (k + 1) * bs], request.cache_salt)
             request.block_hashes.append(parent)
             self.pool.cache(request.block_ids[k], parent)
+            window = request.window_block_ids
+            if self.window_pool is not None and k < len(window) and window[k] >= 0:
+                self.window_pool.cache(window[k], parent)
 
     # ---- the policy -----------------------------------------------------------------------
 
@@ -158,6 +217,8 @@ class Scheduler:
         scheduled: set[int] = set()
         if self.plan_drafts is not None:
             self.plan_drafts([r for r in self.running if self.may_draft(r)])
+        for request in self.running:
+            self._trim_window(request)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
