@@ -168,7 +168,12 @@ def test_kv_cache_dtype_halves_the_cache_and_keeps_the_logits(arch, tmp_path):
     for p in half.engine.runner.pools:
         if p.compressor is not None:
             assert p.compressor.buf_kv.dtype == torch.float32
-    ratio = half.engine.layout.block_bytes(torch.bfloat16) / full.engine.layout.block_bytes(torch.float32)
+    layout = half.engine.layout
+
+    def per_block(dtype):  # a block's entries and snapshots plus a block of window rows
+        return layout.block_bytes(dtype) + layout.window_block_bytes(dtype)
+
+    ratio = per_block(torch.bfloat16) / per_block(torch.float32)
     assert 0.45 <= ratio <= 0.6
     a = full.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs[1:]
     b = half.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs[1:]

@@ -227,12 +227,15 @@ def format_plan(p: MemoryPlan) -> str:
         f"weights per device: {p.weight_bytes_per_device / GIB:,.2f} GiB  ("
         + ", ".join(f"{k} {v / GIB:,.2f} GiB" for k, v in sorted(p.weight_bytes_by_format.items()))
         + ")",
-        f"KV cache per token: {p.kv_bytes_per_token / 1024:,.1f} KiB; per sequence at "
+        f"KV cache per token: {p.kv_bytes_per_token / 1024:,.2f} KiB, plus a bounded window of "
+        f"{p.kv_window_bytes_per_sequence / 2**20:,.2f} MiB per sequence; per sequence at "
         f"{p.max_model_len:,} tokens: {p.kv_bytes_per_sequence / GIB:,.2f} GiB",
     ]
     for kind, v in p.kv_by_layer_kind.items():
+        window = v["window_bytes_per_sequence_per_layer"]
         lines.append(
-            f"  {int(v['layers'])} x {kind}: {v['bytes_per_token_per_layer']:,.0f} B per token per layer"
+            f"  {int(v['layers'])} x {kind}: {v['bytes_per_token_per_layer']:,.1f} B per token per layer"
+            + (f", window {window / 1024:,.0f} KiB per sequence per layer" if window else "")
         )
     if p.memory_bytes is not None:
         lines.append(

@@ -400,6 +400,7 @@ class Engine:
         for c in chunks:
             if c.request.status is Status.RUNNING:
                 self.scheduler.publish_full_blocks(c.request)
+                self.scheduler.trim_window(c.request)  # published first: trimmed blocks stay cached
         if self.spec is not None:
             featured = [
                 (c, rows)

@@ -108,9 +108,11 @@ class Scheduler:
             ids[j] = block
         return True
 
-    def _trim_window(self, request: Request) -> None:
+    def trim_window(self, request: Request) -> None:
         """Give back the window blocks no later position reads (all before the next
-        position's window), keeping their prefix-cache hashes."""
+        position's window), keeping their prefix-cache hashes. Run after each step and before
+        each schedule; a block given back while a step that reads it is still to run is safe:
+        only steps write blocks, one at a time, so a new owner writes it only later."""
         if self.window_pool is None:
             return
         oldest = request.num_computed_tokens - self.window + 1  # first position still read
@@ -218,7 +220,7 @@ class Scheduler:
         if self.plan_drafts is not None:
             self.plan_drafts([r for r in self.running if self.may_draft(r)])
         for request in self.running:
-            self._trim_window(request)
+            self.trim_window(request)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
