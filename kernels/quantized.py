@@ -23,8 +23,6 @@ import torch
 import torch.nn.functional as F
 from deepinfer.kernels.moe import _combine, _sort_by_expert, _swiglu
 
-from deepinfer.weights.quant import dequantize_fp4
-
 # fp8 weight rows dequantized per step of the tile loop (rounded to whole scale blocks):
 # 256 rows of a 7168-wide weight are 7 MiB of fp32
 TILE_ROWS = 256
@@ -60,6 +58,24 @@ def fp8_block_linear(
 @fp8_block_linear.register_fake
 def _(x, weight, scale, block_n, block_k):
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """fp4 e2m1 codes (bit 3 the sign; the OCP MX order) as fp32 values, by arithmetic on the
+    code bits (no constant table: a captured step copies nothing from the host)."""
+    c = codes.to(torch.int32)
+    exponent, mantissa = (c >> 1) & 3, (c & 1).float()
+    mag = torch.where(exponent == 0, mantissa * 0.5, torch.exp2(exponent.float() - 1) * (1 + mantissa * 0.5))
+    return torch.where((c >> 3) == 1, -mag, mag)
+
+
+def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """fp4 bytes [N, K / 2] (low nibble first) with one scale per ``group`` values [N, K / group]
+    -> fp32 [N, K]."""
+    n, half = packed.shape
+    byte = packed.view(torch.uint8)
+    values = torch.stack((e2m1_values(byte & 0xF), e2m1_values(byte >> 4)), dim=-1).view(n, 2 * half)
+    return (values.view(n, -1, group) * scale.float().unsqueeze(-1)).view(n, 2 * half)
 
 
 @torch.library.custom_op("deepinfer::routed_experts_fp4", mutates_args=())

@@ -83,7 +83,7 @@ def test_fake_quant_is_wired_into_cached_state_and_chunks_agree(v4_ckpt):
 
 def test_e2m1_rounding_is_nearest_with_ties_to_the_even_code():
     """The arithmetic rounding equals a table search over the grid, midpoints included."""
-    from deepinfer.models.layers.fake_quant import _round_e2m1
+    from deepinfer.cache.kv_formats import round_e2m1 as _round_e2m1
 
     mids = (E2M1[1:] + E2M1[:-1]) / 2
     x = torch.cat([torch.linspace(-7, 7, 20001), mids, -mids, E2M1, -E2M1, torch.randn(5000) * 3])

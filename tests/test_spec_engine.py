@@ -15,6 +15,7 @@ from mutations import accept_every_draft, wrong_from
 from rounding import assert_equal_up_to_rounding_flips
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.models.layers.gather import gather_rows
 from deepinfer.speculative.ngram import NgramDrafter
 from deepinfer.tiny import make_tiny_checkpoint
 
@@ -275,14 +276,19 @@ def _v4_state(engine, req) -> dict[int, list[torch.Tensor]]:
     n = req.num_computed_tokens
     bs = engine.layout.block_size
     table = torch.tensor(req.block_ids)
-    pos = torch.arange(n)
-    rows = [p.window[table[pos // bs] * bs + pos % bs] for p in engine.runner.pools]
+    if engine.window_pool is not None:  # a bounded window holds the last window - 1 positions
+        pos = torch.arange(max(0, n - engine.layout.window + 1), n)
+        window_rows = torch.tensor(req.window_block_ids)[pos // bs] * bs + pos % bs
+    else:
+        pos = torch.arange(n)
+        window_rows = table[pos // bs] * bs + pos % bs
+    rows = [gather_rows(p.window, window_rows) for p in engine.runner.pools]
     for spec, pools in zip(engine.layout.specs, engine.runner.pools, strict=True):
         if spec.ratio and spec.shared_from is None:
             epb = bs // spec.ratio
             j = torch.arange(n // spec.ratio)
             flat = table[j // epb] * epb + j % epb
-            rows += [t[flat] for t in (pools.entries, pools.index_keys) if t is not None]
+            rows += [gather_rows(t, flat) for t in (pools.entries, pools.index_keys) if t is not None]
             r, slot = spec.ratio, req.slot
             live = slot * r + torch.arange((n // r) * r, n) % r  # the open group's positions
             for comp in (pools.compressor, pools.indexer):

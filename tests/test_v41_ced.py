@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.cache import kv_formats
+from deepinfer.cache.kv_formats import PackedRows
 from deepinfer.cache.session import Session
 from deepinfer.models.loading import load_model
 
@@ -83,7 +85,11 @@ def test_short_prompts_stay_exact_beside_ced_prompts_and_stale_rows_do_not_leak(
     dirty = LLM(v41_ckpt, ced_prefill=True, enable_prefix_caching=False, max_num_batched_tokens=48)
     gen = torch.Generator().manual_seed(0)
     for pools in dirty.engine.runner.pools:
-        pools.window.copy_(torch.randn(pools.window.shape, generator=gen) * 1e4)
+        garbage = torch.randn(pools.window.shape, generator=gen) * 1e4
+        if isinstance(pools.window, PackedRows):  # the trained-precision cache: encode it
+            pools.window.data.copy_(kv_formats.encode(pools.window.fmt, garbage))
+        else:
+            pools.window.copy_(garbage)
     outs = [o.outputs[0].token_ids for o in dirty.generate(short + long, params, use_tqdm=False)]
     assert outs == expected_short + expected_long
 

@@ -42,8 +42,11 @@ class EngineConfig:
     # "int8" per channel / "int4" per group of 32: weight-only copies of a dense model's
     # projections for CPU decode (kernels/weight_only.py)
     quantization: str | None = None
-    # dtype of the paged K/V cache (vLLM's option name): "auto" = the model's compute dtype;
-    # "bfloat16" / "float16" halve an fp32 model's cache (compressor state stays fp32)
+    # dtype of the paged K/V cache (vLLM's option name): "auto" = the precision the model was
+    # trained for where it has one (QAT fake-quant on: window K=V in fp8, compressed entries
+    # and indexer keys in fp4, with their scales; cache/kv_formats.py), else its compute
+    # dtype; "float32" / "bfloat16" / "float16" force that dtype everywhere (compressor
+    # state stays fp32)
     kv_cache_dtype: str = "auto"
     # Sliding-window layers keep their K=V in a pool of their own, of which a sequence holds
     # only the blocks its window covers (older ones become evictable prefix-cache entries):

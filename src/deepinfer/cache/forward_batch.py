@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.cache.kv_formats import PackedRows, encode
+
 
 @dataclass
 class CompressorPools:
@@ -36,10 +38,10 @@ class CompressorPools:
 class LayerPools:
     """Physical cache tensors of one layer."""
 
-    window: torch.Tensor  # [blocks * block_size, D]  (K for dense models)
+    window: torch.Tensor | PackedRows  # [blocks * block_size, D]  (K for dense models)
     values: torch.Tensor | None = None  # [blocks * block_size, D]  V when stored apart from K
-    entries: torch.Tensor | None = None  # [blocks * block_size / ratio, D]
-    index_keys: torch.Tensor | None = None  # [blocks * block_size / ratio, index_dim]
+    entries: torch.Tensor | PackedRows | None = None  # [blocks * block_size / ratio, D]
+    index_keys: torch.Tensor | PackedRows | None = None  # [blocks * block_size / ratio, index_dim]
     # (entries and index_keys alias another layer's tensors under V4.1's KV sharing)
     compressor: CompressorPools | None = None
     indexer: CompressorPools | None = None
@@ -126,9 +128,25 @@ class ForwardBatch:
     grid: Grid | None = None
     hidden_states: list[torch.Tensor] | None = None
 
-    def write(self, pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def write(
+        self,
+        pool: torch.Tensor | PackedRows,
+        rows: torch.Tensor,
+        values: torch.Tensor,
+        raw: torch.Tensor | None = None,
+    ) -> torch.Tensor | PackedRows:
         """Store ``values`` at ``rows`` of ``pool``; returns the tensor to read them from (the
-        pool itself, or under the functional binding a new tensor)."""
+        pool itself, or under the functional binding a new tensor). A pool packed in a
+        trained-precision format encodes ``raw``, the values before fake-quant (``values``
+        is what its reads will give back)."""
+        if isinstance(pool, PackedRows):
+            if raw is None:
+                raise ValueError(f"a {pool.fmt} pool is written from the values before fake-quant (raw=)")
+            data = encode(pool.fmt, raw)
+            if self.functional:
+                return dataclasses.replace(pool, data=pool.data.index_copy(0, rows, data))
+            pool.data.index_copy_(0, rows, data)
+            return pool
         values = values.to(pool.dtype)
         if self.functional:
             return pool.index_copy(0, rows, values)

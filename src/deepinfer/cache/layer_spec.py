@@ -19,7 +19,8 @@ class LayerCacheSpec:
     ``shared_from``: the layer whose compressed entries and index keys this layer reads instead
     of keeping its own (V4.1's KV sharing); such a layer owns no compressor state either.
     ``token_ids``: one int64 per token (V4.1 keeps each token's Engram-compressed id here, the
-    n-gram history of later tokens).
+    n-gram history of later tokens). ``window_format`` / ``entry_format`` / ``index_format``:
+    the format every value of those rows already has (None: any value).
     """
 
     window: int
@@ -32,3 +33,8 @@ class LayerCacheSpec:
     index_width: int = 0
     shared_from: int | None = None
     token_ids: bool = False
+    # The trained-precision formats the model writes these rows in (QAT fake-quant on;
+    # ``cache/kv_formats.py``): with ``kv_cache_dtype="auto"`` the pools store them packed
+    window_format: str | None = None
+    entry_format: str | None = None
+    index_format: str | None = None

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.cache import kv_formats
 from deepinfer.cache.forward_batch import CompressorPools, LayerPools
 from deepinfer.cache.layer_spec import LayerCacheSpec
 
@@ -32,13 +33,20 @@ class CacheLayout:
     # sequence gives back once they fall out of its window (``WindowBlocks``): a sequence holds
     # about ``window`` tokens of them whatever its length. Only for windowed layers.
     bounded_window: bool = False
+    # rows whose spec names a trained-precision format are stored packed in it
+    packed_kv: bool = False
 
     @classmethod
     def from_specs(
-        cls, specs: list[LayerCacheSpec], block_size: int, bounded_window: bool = False
+        cls,
+        specs: list[LayerCacheSpec],
+        block_size: int,
+        bounded_window: bool = False,
+        packed_kv: bool = False,
     ) -> CacheLayout:
         """``bounded_window``: keep the window K=V apart, bounded per sequence (ignored for
-        full-attention models, whose "window" is every position)."""
+        full-attention models, whose "window" is every position). ``packed_kv``: store rows in
+        their specs' formats (``kv_formats``)."""
         ratios = tuple(sorted({s.ratio for s in specs if s.ratio}))
         unit = math.lcm(*ratios) if ratios else 1
         rounded = math.ceil(block_size / unit) * unit
@@ -46,7 +54,17 @@ class CacheLayout:
         if len(windows) != 1:
             raise ValueError(f"every layer must share one window size, got {sorted(windows)}")
         window = windows.pop()
-        return cls(tuple(specs), rounded, window, ratios, bounded_window and window > 0)
+        return cls(tuple(specs), rounded, window, ratios, bounded_window and window > 0, packed_kv)
+
+    def format_of(self, fmt: str | None, dim: int) -> str | None:
+        """The packed format rows of ``dim`` values of a spec's ``fmt`` take (None: plain)."""
+        return fmt if self.packed_kv and fmt is not None and kv_formats.fits(fmt, dim) else None
+
+    def row_bytes(self, fmt: str | None, dim: int, dtype: torch.dtype) -> int:
+        packed = self.format_of(fmt, dim)
+        return (
+            kv_formats.row_bytes(packed, dim) if packed else dim * torch.empty(0, dtype=dtype).element_size()
+        )
 
     def window_blocks_per_sequence(self) -> int:
         """Window blocks a sequence holds between steps: those covering its last
@@ -61,22 +79,27 @@ class CacheLayout:
         return self._window_bytes(dtype)
 
     def _window_bytes(self, dtype: torch.dtype) -> int:
-        elems = sum(self.block_size * s.kv_dim * (2 if s.separate_values else 1) for s in self.specs)
-        token_bytes = sum(self.block_size * 8 for s in self.specs if s.token_ids)
-        return elems * torch.empty(0, dtype=dtype).element_size() + token_bytes
+        rows = sum(
+            self.row_bytes(s.window_format, s.kv_dim, dtype) * (2 if s.separate_values else 1)
+            for s in self.specs
+        )
+        token_bytes = sum(8 for s in self.specs if s.token_ids)
+        return self.block_size * (rows + token_bytes)
 
     def block_bytes(self, dtype: torch.dtype) -> int:
         """Bytes one block costs across all layers (window unless bounded, entries, keys,
         snapshots)."""
-        elems = fp32_elems = 0
+        entry_bytes = fp32_elems = 0
         for s in self.specs:
             if s.ratio and s.shared_from is None:
                 per = self.block_size // s.ratio
-                elems += per * (s.kv_dim + s.index_dim)
+                entry_bytes += per * self.row_bytes(s.entry_format, s.kv_dim, dtype)
+                if s.index_dim:
+                    entry_bytes += per * self.row_bytes(s.index_format, s.index_dim, dtype)
                 if s.overlap:  # overlap snapshots, fp32
                     fp32_elems += 2 * s.ratio * (s.compressor_width + s.index_width)
         window = 0 if self.bounded_window else self._window_bytes(dtype)
-        return elems * torch.empty(0, dtype=dtype).element_size() + fp32_elems * 4 + window
+        return entry_bytes + fp32_elems * 4 + window
 
     def slot_bytes(self, dtype: torch.dtype) -> int:
         """Bytes one sequence slot costs (partial-group buffers and live overlap)."""
@@ -150,8 +173,15 @@ def allocate_pools(
         raise ValueError("a bounded window needs num_window_blocks")
     num_blocks, num_slots = num_blocks + 1, num_slots + 1  # + the null block and slot
     window_rows = (num_window_blocks + 1 if layout.bounded_window else num_blocks) * bs
+
+    def rows_of(count: int, dim: int, fmt: str | None):
+        packed = layout.format_of(fmt, dim)
+        if packed is None:
+            return _zeros(count, dim, dtype=dtype, device=device)
+        return kv_formats.packed_zeros(packed, count, dim, dtype, device, _zeros)
+
     for s in layout.specs:
-        layer = LayerPools(window=_zeros(window_rows, s.kv_dim, dtype=dtype, device=device))
+        layer = LayerPools(window=rows_of(window_rows, s.kv_dim, s.window_format))
         if s.separate_values:
             layer.values = _zeros(window_rows, s.kv_dim, dtype=dtype, device=device)
         if s.token_ids:
@@ -161,12 +191,12 @@ def allocate_pools(
             layer.entries, layer.index_keys = source.entries, source.index_keys
         elif s.ratio:
             entries = num_blocks * (bs // s.ratio)
-            layer.entries = _zeros(entries, s.kv_dim, dtype=dtype, device=device)
+            layer.entries = rows_of(entries, s.kv_dim, s.entry_format)
             layer.compressor = _compressor_pools(
                 s.ratio, s.compressor_width, s.overlap, num_blocks, num_slots, torch.float32, device
             )
             if s.index_dim:
-                layer.index_keys = _zeros(entries, s.index_dim, dtype=dtype, device=device)
+                layer.index_keys = rows_of(entries, s.index_dim, s.index_format)
             if s.index_width:
                 layer.indexer = _compressor_pools(
                     s.ratio, s.index_width, True, num_blocks, num_slots, torch.float32, device

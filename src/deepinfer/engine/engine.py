@@ -77,7 +77,10 @@ class Engine:
         )
         self.kv_dtype = dtype
         self.layout = CacheLayout.from_specs(
-            model.cache_spec(), config.block_size, bounded_window=config.bounded_window_cache
+            model.cache_spec(),
+            config.block_size,
+            bounded_window=config.bounded_window_cache,
+            packed_kv=config.kv_cache_dtype == "auto",  # the trained precision where the model has one
         )
         platform = platform_for(self.device)
         use_compile, use_graphs = self._execution_modes(platform)
@@ -221,10 +224,11 @@ class Engine:
             cfg.cache_memory_fraction * available_memory_bytes(self.device)
         )
         budget -= (cfg.max_num_seqs + 1) * self.layout.slot_bytes(dtype) + graph_bytes
-        budget -= self.layout.block_bytes(dtype)  # the null block
-        blocks = budget // self.layout.block_bytes(dtype)
-        # never more than every slot filled to max_model_len needs
-        blocks = min(blocks, cfg.max_num_seqs * math.ceil(self.max_model_len / self.layout.block_size))
+        block = self.layout.block_bytes(dtype)
+        # never more than every slot filled to max_model_len needs (all of that when a block
+        # costs nothing: sliding-window layers alone, their window bounded apart)
+        most = cfg.max_num_seqs * math.ceil(self.max_model_len / self.layout.block_size)
+        blocks = min((budget - block) // block, most) if block else most  # less the null block
         if blocks < 1:
             raise ValueError(
                 f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes} is too small for one cache block"

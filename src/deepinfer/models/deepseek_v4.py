@@ -217,6 +217,10 @@ class DeepseekV4ForCausalLM(CausalLM):
                     compressor_width=cfg.head_dim * (2 if overlap else 1) if ratio else 0,
                     index_dim=cfg.index_head_dim if overlap else 0,
                     index_width=2 * cfg.index_head_dim if overlap else 0,
+                    # the QAT formats every written value has (fake-quant on)
+                    window_format="fp8_pow2_32" if cfg.fake_quant else None,
+                    entry_format="fp4_e4m3_16" if cfg.fake_quant and ratio else None,
+                    index_format="fp4_pow2_32" if cfg.fake_quant and overlap else None,
                 )
             )
         return specs

@@ -207,6 +207,10 @@ class DeepseekV41ForCausalLM(CausalLM):
                     index_dim=cfg.index_head_dim if owns else 0,
                     shared_from=role.kv_source if role.ratio and not owns else None,
                     token_ids=i == self._history_layer,
+                    # the QAT formats every written value has (fake-quant on)
+                    window_format="fp8_pow2_32" if cfg.fake_quant else None,
+                    entry_format="fp4_e4m3_16" if cfg.fake_quant and role.ratio and owns else None,
+                    index_format="fp4_pow2_32" if cfg.fake_quant and role.ratio and owns else None,
                 )
             )
         return specs

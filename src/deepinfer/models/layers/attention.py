@@ -102,8 +102,9 @@ class LatentAttention(nn.Module):
         """Queries, the query LoRA residual, RoPE tables and the window part (this step's K=V
         written first, so a token sees itself and its chunk's earlier tokens)."""
         q, q_residual, cos, sin = self.queries(x, positions)
-        kv = self.latent_kv(x, cos, sin)
-        stored = batch.write(pools.window, batch.window_write, kv)
+        raw = self.latent_kv(x, cos, sin, quantized=False)
+        kv = fake_quant_fp8_pow2(raw) if self.fake_quant else raw
+        stored = batch.write(pools.window, batch.window_write, kv, raw=raw)
         window = gather_rows(stored, batch.window_idx).to(kv.dtype)  # [T, W, D]
         return q, q_residual, cos, sin, (window, batch.window_valid)  # positions (p - W, p]
 
@@ -118,11 +119,14 @@ class LatentAttention(nn.Module):
             q = unweighted_rms_norm(q, self.eps)
         return apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1)), q_residual, cos, sin
 
-    def latent_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def latent_kv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, quantized: bool = True
+    ) -> torch.Tensor:
         """The shared K=V vector [T, D] of each row (a row-wise projection: drafters that keep
-        their own window cache compute it for committed rows without running attention)."""
+        their own window cache compute it for committed rows without running attention);
+        ``quantized=False``: before the QAT fake-quant (what a packed pool encodes)."""
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
-        return fake_quant_fp8_pow2(kv) if self.fake_quant else kv
+        return fake_quant_fp8_pow2(kv) if self.fake_quant and quantized else kv
 
     def attend(
         self,

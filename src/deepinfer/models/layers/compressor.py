@@ -112,10 +112,9 @@ class Compressor(nn.Module):
         return the latent before RoPE and the entries to read."""
         latent = self.norm(pooled.to(dtype))
         cos, sin = self.rotary(meta.group_pos)
-        entry = apply_rope(latent, cos, sin)
-        if self.quantize is not None:
-            entry = self.quantize(entry)
-        return latent, batch.write(out, meta.entry_slot, entry)
+        raw = apply_rope(latent, cos, sin)
+        entry = self.quantize(raw) if self.quantize is not None else raw
+        return latent, batch.write(out, meta.entry_slot, entry, raw=raw)
 
     def _overlap_slots(
         self,

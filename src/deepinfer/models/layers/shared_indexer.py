@@ -91,10 +91,9 @@ class SharedIndexer(nn.Module):
         assert self.wk is not None and self.k_norm is not None, "only a KV source makes index keys"
         k = self.k_norm(self.wk(latent))
         cos, sin = self.rotary(meta.group_pos)
-        k = apply_rope(k, cos, sin)
-        if self.fake_quant:
-            k = fake_quant_fp4_pow2(k)
-        return batch.write(keys, meta.entry_slot, k)
+        raw = apply_rope(k, cos, sin)
+        k = fake_quant_fp4_pow2(raw) if self.fake_quant else raw
+        return batch.write(keys, meta.entry_slot, k, raw=raw)
 
     def scores(
         self,
