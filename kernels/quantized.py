@@ -10,9 +10,11 @@ matrices for the routed experts, never a whole weight. Dequantization is exact (
 values times a power of two are representable in fp32), so the result is the dequantize-on-
 load path's matmul up to summation order.
 
-The references here run on every device; each op is opaque to ``torch.compile``. A GPU kernel
-(``torch._scaled_mm`` with block scales, or Triton) is not written yet: on CUDA these ops run
-the same tile loop.
+The references here run on every device; each op is opaque to ``torch.compile``. On CUDA
+the fp8 linear runs a Triton kernel (``quantized_triton.py``: the block scales applied in
+registers, nothing dequantized in memory; checked on CPU under Triton's interpreter, not yet
+run on a GPU); the fp4 experts run the reference's expert loop there too, and
+``torch._scaled_mm`` with block scales (fp8 activations) is not used.
 """
 
 from __future__ import annotations
@@ -58,6 +60,20 @@ def fp8_block_linear(
 @fp8_block_linear.register_fake
 def _(x, weight, scale, block_n, block_k):
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def _register_cuda_kernels() -> None:
+    """The Triton fp8 linear for CUDA tensors when there is a GPU and Triton is installed
+    (checked here, not on CPU-only machines, where importing Triton only costs time)."""
+    if not torch.cuda.is_available():
+        return
+    from deepinfer.kernels.quantized_triton import fp8_block_linear_triton, triton
+
+    if triton is not None:
+        fp8_block_linear.register_kernel("cuda")(fp8_block_linear_triton)
+
+
+_register_cuda_kernels()
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:

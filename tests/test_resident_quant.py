@@ -6,6 +6,9 @@ path, and ``quantization="fp8"`` quantizes float linears on load."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -182,3 +185,31 @@ def test_fp8_quantization_on_load_of_a_float_checkpoint(v4_ckpt):
 def test_fp8_quantization_is_refused_for_dense_models(tmp_path):
     with pytest.raises(ValueError, match="quantization='fp8' is not supported"):
         LLM(str(make_tiny_checkpoint(tmp_path, "llama")), quantization="fp8")
+
+
+def test_the_triton_fp8_linear_matches_the_reference_under_the_interpreter():
+    """The CUDA kernel, run by Triton's interpreter on CPU tensors: fp32 and bf16 activations,
+    blocks of 1 / 32 / 128 rows, ragged tiles; a scale table read one block late fails."""
+    code = """
+import torch
+from deepinfer.kernels.quantized import fp8_block_linear
+from deepinfer.kernels.quantized_triton import fp8_block_linear_triton
+from deepinfer.weights.quant import quantize_fp8_blocks
+g = torch.Generator().manual_seed(0)
+for m, n, k, bn, bk in ((1, 70, 96, 32, 32), (37, 300, 200, 128, 128), (5, 64, 64, 1, 32)):
+    q, s = quantize_fp8_blocks(torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 8, (bn, bk))
+    for dt, tol in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):
+        x = torch.randn(m, k, generator=g).to(dt)
+        ref = fp8_block_linear(x, q, s, bn, bk).float()
+        got = fp8_block_linear_triton(x, q, s, bn, bk)
+        assert got.dtype == dt and got.shape == ref.shape
+        err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+        assert err <= tol, (m, n, k, dt, err)
+        late = torch.cat([s[1:], s[-1:]])
+        bad = ((fp8_block_linear_triton(x, q, late, bn, bk).float() - ref).abs().max() / ref.abs().max()).item()
+        assert bad > 10 * tol or n <= bn, (m, n, k, dt, bad)
+print("ok")
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

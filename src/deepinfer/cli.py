@@ -55,7 +55,8 @@ def _plan(args: argparse.Namespace) -> int:
         memory_bytes=None if args.memory_gib is None else int(args.memory_gib * GIB),
         utilization=args.memory_utilization,
         block_size=args.block_size,
-        kv_dtype=getattr(torch, args.kv_cache_dtype),
+        kv_dtype=torch.bfloat16 if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype),
+        packed_kv=args.kv_cache_dtype == "auto",
     )
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))
     return 0
@@ -425,7 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--memory-gib", type=float, default=None, help="memory per device (GiB)")
     pl.add_argument("--memory-utilization", type=float, default=0.9, help="share of it for weights and cache")
     pl.add_argument("--block-size", type=int, default=16)
-    pl.add_argument("--kv-cache-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    pl.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        default="auto",
+        help="auto: the trained precision where the model has one (fake-quant on), else bfloat16",
+    )
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=_plan)
 

@@ -77,7 +77,9 @@ def kv_bytes_per_token(layout: CacheLayout, dtype: torch.dtype) -> dict[str, dic
     window, the fixed window bytes one sequence holds in one layer."""
     out: dict[str, dict[str, float]] = {}
     for spec in layout.specs:
-        one = CacheLayout((spec,), layout.block_size, layout.window, layout.ratios, layout.bounded_window)
+        one = CacheLayout(
+            (spec,), layout.block_size, layout.window, layout.ratios, layout.bounded_window, layout.packed_kv
+        )
         kind = out.setdefault(
             layer_kind(spec),
             {"layers": 0, "bytes_per_token_per_layer": 0.0, "window_bytes_per_sequence_per_layer": 0},
@@ -166,13 +168,18 @@ def plan(
     block_size: int = 16,
     kv_dtype: torch.dtype = torch.bfloat16,
     bounded_window: bool = True,
+    packed_kv: bool = True,
 ) -> MemoryPlan:
     """Weights and KV cache per device for ``model`` (built on the meta device) at
     ``max_model_len`` tokens; with ``memory_bytes`` per device, how many such sequences fit
-    and the longest context one sequence can have."""
+    and the longest context one sequence can have. ``packed_kv``: the engine's
+    ``kv_cache_dtype="auto"`` (rows the model writes in a trained-precision format stored in
+    it), with ``kv_dtype`` for the rest."""
     tp = tensor_parallel_size
     weights = planned_weight_bytes(model, quantization, tp)
-    layout = CacheLayout.from_specs(model.cache_spec(), block_size, bounded_window=bounded_window)
+    layout = CacheLayout.from_specs(
+        model.cache_spec(), block_size, bounded_window=bounded_window, packed_kv=packed_kv
+    )
     per_token = layout.block_bytes(kv_dtype) / layout.block_size
     window = layout.window_blocks_per_sequence() * layout.window_block_bytes(kv_dtype)
     slot = layout.slot_bytes(kv_dtype) + window  # what a sequence holds whatever its length
@@ -192,8 +199,9 @@ def plan(
             f"weights as the checkpoint stores them ({'fp8 blocks, fp4 experts' if quantization else 'bf16'}), "
             "kept resident; fp32 where the model keeps fp32",
             f"tensor parallel {tp}: tensors of 2+ dims split evenly, 1-dim tensors and routers replicated",
-            f"KV cache in {str(kv_dtype).removeprefix('torch.')}, paged in blocks of {layout.block_size} "
-            "tokens; "
+            f"KV cache in {str(kv_dtype).removeprefix('torch.')}"
+            + (" (rows with a trained-precision format packed in it)" if packed_kv else "")
+            + f", paged in blocks of {layout.block_size} tokens; "
             + (
                 f"each sequence holds {layout.window_blocks_per_sequence()} window block(s) per layer "
                 f"(window {layout.window})"
