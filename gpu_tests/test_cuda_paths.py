@@ -3,6 +3,8 @@
 cheapest first, so a stage cut short by its time limit still reports the most:
 
 - the Triton sink-attention kernel (the op's CUDA implementation) equals the plain form;
+- the Triton fp8 linear equals its CPU reference, and resident fp8/fp4 weights serve the
+  dequantize-on-load engine's greedy tokens;
 - the fused MoE op on CUDA equals its CPU result;
 - sampling with penalties runs on CUDA logits;
 - speculative decoding with every drafter (eager) gives the plain engine's greedy tokens;
@@ -48,6 +50,31 @@ def test_triton_sink_attention_on_cuda():
     ref = attention_with_sink(q, list(zip(kv, vis, strict=True)), sink, d**-0.5)
     got = sink_attention(q, kv, vis, sink, d**-0.5)  # dispatches to the Triton kernel on CUDA
     assert (got - ref).abs().max() <= 1e-4
+
+
+def test_resident_fp8_and_fp4_on_cuda_equal_cpu(tmp_path):
+    """The Triton fp8 linear equals the CPU reference; a release-format tiny V4 served with
+    its weights resident gives the dequantize-on-load engine's greedy tokens on CUDA."""
+    from deepinfer.kernels.quantized import fp8_block_linear
+
+    from deepinfer.weights.quant import quantize_fp8_blocks
+
+    g = torch.Generator().manual_seed(0)
+    q, s = quantize_fp8_blocks(torch.randn(1000, 700, generator=g), (128, 128))
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):
+        x = torch.randn(33, 700, generator=g).to(dtype)
+        ref = fp8_block_linear(x, q, s, 128, 128).float()
+        got = fp8_block_linear(x.cuda(), q.cuda(), s.cuda(), 128, 128).float().cpu()
+        assert ((got - ref).abs().max() / ref.abs().max()).item() <= tol
+    path = make_tiny_checkpoint(tmp_path, arch="deepseek_v4", seed=1, quant="fp8")
+    prompts = _prompts(3, 6, 60)
+    kept = LLM(str(path), device="cuda", dtype="bfloat16").generate(
+        prompts, greedy_params(16), use_tqdm=False
+    )
+    plain = LLM(str(path), device="cuda", dtype="bfloat16", quantization="none").generate(
+        prompts, greedy_params(16), use_tqdm=False
+    )
+    assert_same_up_to_near_ties(kept, plain)
 
 
 def test_fused_ops_on_cuda_equal_cpu():

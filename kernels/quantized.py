@@ -11,10 +11,10 @@ values times a power of two are representable in fp32), so the result is the deq
 load path's matmul up to summation order.
 
 The references here run on every device; each op is opaque to ``torch.compile``. On CUDA
-the fp8 linear runs a Triton kernel (``quantized_triton.py``: the block scales applied in
-registers, nothing dequantized in memory; checked on CPU under Triton's interpreter, not yet
-run on a GPU); the fp4 experts run the reference's expert loop there too, and
-``torch._scaled_mm`` with block scales (fp8 activations) is not used.
+both run Triton kernels (``quantized_triton.py``: codes decoded and scaled in registers,
+nothing dequantized in memory; checked on CPU under Triton's interpreter, not yet run on a
+GPU; the fp4 experts still loop over active experts on the host, as the reference does).
+``torch._scaled_mm`` with block scales (which rounds activations to fp8) is not used.
 """
 
 from __future__ import annotations
@@ -67,13 +67,11 @@ def _register_cuda_kernels() -> None:
     (checked here, not on CPU-only machines, where importing Triton only costs time)."""
     if not torch.cuda.is_available():
         return
-    from deepinfer.kernels.quantized_triton import fp8_block_linear_triton, triton
+    from deepinfer.kernels.quantized_triton import fp8_block_linear_triton, routed_experts_fp4_triton, triton
 
     if triton is not None:
         fp8_block_linear.register_kernel("cuda")(fp8_block_linear_triton)
-
-
-_register_cuda_kernels()
+        routed_experts_fp4.register_kernel("cuda")(routed_experts_fp4_triton)
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -130,3 +128,6 @@ def routed_experts_fp4(
 @routed_experts_fp4.register_fake
 def _(x, weights, ids, w1, s1, w2, s2, w3, s3, limit):
     return torch.empty_like(x)
+
+
+_register_cuda_kernels()

@@ -62,6 +62,104 @@ if triton is not None:
         tl.store(out, acc, mask=(rows[:, None] < m) & (cols[None, :] < n))
 
 
+if triton is not None:
+
+    @triton.jit
+    def _fp4_linear(
+        x_ptr,
+        w_ptr,
+        s_ptr,
+        out_ptr,
+        m,
+        n,
+        k,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """out [m, n] = x [m, k] @ dequant(w [n, k / 2] e2m1 pairs, s [n, k / 32] e8m0).T."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for start in range(0, k, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            k_ok = ks < k
+            x = tl.load(
+                x_ptr + rows[:, None] * k + ks[None, :], mask=(rows[:, None] < m) & k_ok[None, :], other=0.0
+            )
+            w_ok = (cols[:, None] < n) & k_ok[None, :]
+            byte = tl.load(w_ptr + cols[:, None] * (k // 2) + ks[None, :] // 2, mask=w_ok, other=0).to(
+                tl.int32
+            )
+            code = tl.where(ks[None, :] % 2 == 0, byte & 15, byte >> 4)
+            exponent = (code >> 1) & 3
+            mantissa = (code & 1).to(tl.float32)
+            mag = tl.where(
+                exponent == 0, mantissa * 0.5, tl.exp2(exponent.to(tl.float32) - 1.0) * (1.0 + mantissa * 0.5)
+            )
+            value = tl.where((code >> 3) == 1, -mag, mag)
+            s = tl.load(s_ptr + cols[:, None] * (k // 32) + ks[None, :] // 32, mask=w_ok, other=0.0)
+            acc += tl.dot(x, tl.trans(value * s), input_precision="ieee")
+        out = out_ptr + rows[:, None] * n + cols[None, :]
+        tl.store(out, acc, mask=(rows[:, None] < m) & (cols[None, :] < n))
+
+
+def fp4_linear_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x`` [M, K] @ dequant(``packed`` [N, K / 2] fp4 pairs, ``scale`` [N, K / 32]).T in
+    ``x``'s dtype, the weight decoded in registers."""
+    assert triton is not None
+    m, k = x.shape
+    n = packed.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    if m and n:
+        block_m = 16 if m <= 16 else 64
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
+        _fp4_linear[grid](
+            x.float().contiguous(),
+            packed.contiguous().view(torch.uint8),
+            scale.float().contiguous(),
+            out,
+            m,
+            n,
+            k,
+            BLOCK_M=block_m,
+            BLOCK_N=64,
+            BLOCK_K=32,
+        )
+    return out.to(x.dtype)
+
+
+def routed_experts_fp4_triton(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w1: torch.Tensor,
+    s1: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    w3: torch.Tensor,
+    s3: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """``deepinfer::routed_experts_fp4`` with each active expert's three matmuls in
+    ``fp4_linear_triton`` (the weights never dequantized in memory)."""
+    from deepinfer.kernels.moe import _combine, _sort_by_expert, _swiglu
+
+    flat_ids, order, picked = _sort_by_expert(x, ids)
+    counts = torch.bincount(flat_ids, minlength=w1.shape[0]).tolist()
+    outs, start = [], 0
+    for e, count in enumerate(counts):
+        if not count:
+            continue
+        rows = picked[start : start + count]
+        hidden = _swiglu(fp4_linear_triton(rows, w1[e], s1[e]), fp4_linear_triton(rows, w3[e], s3[e]), limit)
+        outs.append(fp4_linear_triton(hidden, w2[e], s2[e]))
+        start += count
+    if not outs:
+        return torch.zeros_like(x)
+    return _combine(x, torch.cat(outs), weights, order, ids.shape[1])
+
+
 def fp8_block_linear_triton(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int
 ) -> torch.Tensor:

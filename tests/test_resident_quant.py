@@ -187,9 +187,10 @@ def test_fp8_quantization_is_refused_for_dense_models(tmp_path):
         LLM(str(make_tiny_checkpoint(tmp_path, "llama")), quantization="fp8")
 
 
-def test_the_triton_fp8_linear_matches_the_reference_under_the_interpreter():
-    """The CUDA kernel, run by Triton's interpreter on CPU tensors: fp32 and bf16 activations,
-    blocks of 1 / 32 / 128 rows, ragged tiles; a scale table read one block late fails."""
+def test_the_triton_kernels_match_the_references_under_the_interpreter():
+    """The CUDA kernels, run by Triton's interpreter on CPU tensors: the fp8 linear with fp32
+    and bf16 activations, blocks of 1 / 32 / 128 rows, ragged tiles (a scale table read one
+    block late fails); the fp4 routed experts."""
     code = """
 import torch
 from deepinfer.kernels.quantized import fp8_block_linear
@@ -208,6 +209,20 @@ for m, n, k, bn, bk in ((1, 70, 96, 32, 32), (37, 300, 200, 128, 128), (5, 64, 6
         late = torch.cat([s[1:], s[-1:]])
         bad = ((fp8_block_linear_triton(x, q, late, bn, bk).float() - ref).abs().max() / ref.abs().max()).item()
         assert bad > 10 * tol or n <= bn, (m, n, k, dt, bad)
+from deepinfer.kernels.quantized import routed_experts_fp4
+from deepinfer.kernels.quantized_triton import routed_experts_fp4_triton
+from deepinfer.weights.quant import quantize_fp4
+experts, hidden, inter = 3, 64, 96
+packed = {}
+for name, shape in (("w1", (inter, hidden)), ("w2", (hidden, inter)), ("w3", (inter, hidden))):
+    pairs = [quantize_fp4(torch.randn(*shape, generator=g)) for _ in range(experts)]
+    packed[name] = (torch.stack([p for p, _ in pairs]).view(torch.uint8), torch.stack([s for _, s in pairs]))
+x = torch.randn(9, hidden, generator=g)
+ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(9)])
+weights = torch.rand(9, 2, generator=g)
+args = (x, weights, ids, *packed["w1"], *packed["w2"], *packed["w3"], 7.0)
+ref, got = routed_experts_fp4(*args), routed_experts_fp4_triton(*args)
+assert ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-4
 print("ok")
 """
     env = {**os.environ, "TRITON_INTERPRET": "1"}
