@@ -20,6 +20,7 @@ GPU; the fp4 experts still loop over active experts on the host, as the referenc
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +93,36 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, group: int = 32) -
     return (values.view(n, -1, group) * scale.float().unsqueeze(-1)).view(n, 2 * half)
 
 
+def fp4_expert_loop(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    packed: tuple[torch.Tensor, ...],
+    limit: float,
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The routed experts over fp4 weights ``packed`` = (w1, s1, w2, s2, w3, s3), each
+    expert that has tokens run alone through ``linear(rows, fp4 matrix, its scales)``."""
+    w1, s1, w2, s2, w3, s3 = packed
+    flat_ids, order, picked = _sort_by_expert(x, ids)
+    counts = torch.bincount(flat_ids, minlength=w1.shape[0]).tolist()
+    outs, start = [], 0
+    for e, count in enumerate(counts):
+        if not count:
+            continue
+        rows = picked[start : start + count]
+        hidden = _swiglu(linear(rows, w1[e], s1[e]), linear(rows, w3[e], s3[e]), limit)
+        outs.append(linear(hidden, w2[e], s2[e]))
+        start += count
+    if not outs:
+        return torch.zeros_like(x)
+    return _combine(x, torch.cat(outs), weights, order, ids.shape[1])
+
+
+def _dequantized_linear(rows: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return F.linear(rows, dequantize_fp4(packed, scale).to(rows.dtype))
+
+
 @torch.library.custom_op("deepinfer::routed_experts_fp4", mutates_args=())
 def routed_experts_fp4(
     x: torch.Tensor,
@@ -109,20 +140,7 @@ def routed_experts_fp4(
     and ``w2`` [E, d, I/2] packed e2m1 bytes, ``s1``/``s3`` [E, I, d/32] and ``s2``
     [E, d, I/32] ue8m0 scales. Each expert that has tokens is dequantized alone, runs its
     tokens, and is dropped."""
-    flat_ids, order, picked = _sort_by_expert(x, ids)
-    counts = torch.bincount(flat_ids, minlength=w1.shape[0]).tolist()
-    outs, start = [], 0
-    for e, count in enumerate(counts):
-        if not count:
-            continue
-        rows = picked[start : start + count]
-        gate = F.linear(rows, dequantize_fp4(w1[e], s1[e]).to(x.dtype))
-        up = F.linear(rows, dequantize_fp4(w3[e], s3[e]).to(x.dtype))
-        outs.append(F.linear(_swiglu(gate, up, limit), dequantize_fp4(w2[e], s2[e]).to(x.dtype)))
-        start += count
-    if not outs:
-        return torch.zeros_like(x)
-    return _combine(x, torch.cat(outs), weights, order, ids.shape[1])
+    return fp4_expert_loop(x, weights, ids, (w1, s1, w2, s2, w3, s3), limit, _dequantized_linear)
 
 
 @routed_experts_fp4.register_fake

@@ -133,31 +133,14 @@ def routed_experts_fp4_triton(
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    w1: torch.Tensor,
-    s1: torch.Tensor,
-    w2: torch.Tensor,
-    s2: torch.Tensor,
-    w3: torch.Tensor,
-    s3: torch.Tensor,
-    limit: float,
+    *packed_and_limit,
 ) -> torch.Tensor:
-    """``deepinfer::routed_experts_fp4`` with each active expert's three matmuls in
-    ``fp4_linear_triton`` (the weights never dequantized in memory)."""
-    from deepinfer.kernels.moe import _combine, _sort_by_expert, _swiglu
+    """``deepinfer::routed_experts_fp4`` (same arguments) with each active expert's three
+    matmuls in ``fp4_linear_triton`` (the weights never dequantized in memory)."""
+    from deepinfer.kernels.quantized import fp4_expert_loop
 
-    flat_ids, order, picked = _sort_by_expert(x, ids)
-    counts = torch.bincount(flat_ids, minlength=w1.shape[0]).tolist()
-    outs, start = [], 0
-    for e, count in enumerate(counts):
-        if not count:
-            continue
-        rows = picked[start : start + count]
-        hidden = _swiglu(fp4_linear_triton(rows, w1[e], s1[e]), fp4_linear_triton(rows, w3[e], s3[e]), limit)
-        outs.append(fp4_linear_triton(hidden, w2[e], s2[e]))
-        start += count
-    if not outs:
-        return torch.zeros_like(x)
-    return _combine(x, torch.cat(outs), weights, order, ids.shape[1])
+    *packed, limit = packed_and_limit
+    return fp4_expert_loop(x, weights, ids, tuple(packed), limit, fp4_linear_triton)
 
 
 def fp8_block_linear_triton(

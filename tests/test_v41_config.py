@@ -14,68 +14,11 @@ from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
 from deepinfer.models.deepseek_v41_config import deepseek_v41_config_from_dict
 from deepinfer.models.param_count import count_parameters
 from deepinfer.models.registry import resolve
-from deepinfer.models.released_configs import V41_FLASH, V41_FLASH_TEXT
+from deepinfer.models.released_configs import V41_FLASH, V41_FLASH_FLAT, V41_FLASH_TEXT
 
 RELEASED_TEXT, RELEASED = V41_FLASH_TEXT, V41_FLASH
 
-# The same model under the reference's flat inference/config.json names.
-FLAT = {
-    "vocab_size": 129280,
-    "dim": 5120,
-    "moe_inter_dim": 2304,
-    "n_layers": 40,
-    "n_mtp_layers": 3,
-    "n_heads": 64,
-    "n_routed_experts": 384,
-    "n_shared_experts": 1,
-    "n_activated_experts": 6,
-    "score_func": "sqrtsoftplus",
-    "route_scale": 1.5,
-    "swiglu_limit": 10.0,
-    "q_lora_rank": 1280,
-    "head_dim": 512,
-    "rope_head_dim": 64,
-    "norm_eps": 1e-20,
-    "o_groups": 8,
-    "o_lora_rank": 1024,
-    "window_size": 128,
-    "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
-    "kv_source_layers": [2, 8, 14, 20],
-    "index_source_layers": [2, 8, 14, 20, 24, 28, 32, 36],
-    "compress_rope_theta": 160000.0,
-    "original_seq_len": 65536,
-    "rope_theta": 10000.0,
-    "rope_factor": 16,
-    "beta_fast": 32,
-    "beta_slow": 1,
-    "index_n_heads": 32,
-    "index_head_dim": 128,
-    "index_topk": 512,
-    "candidate_source_layer": 20,
-    "candidate_topk_blocks": 2048,
-    "candidate_block_size": 8,
-    "hc_mult": 4,
-    "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-6,
-    "engram_layer_ids": [1, 14],
-    "engram_num_embeddings": [384006168, 384016682],
-    "engram_max_ngram_size": 4,
-    "engram_vocab_size": 16000000,
-    "engram_n_heads": 8,
-    "engram_head_dim": 256,
-    "engram_pad_id": 2,
-    "engram_compressed_vocab_size": 99092,
-    "dspark_block_size": 5,
-    "dspark_noise_token_id": 128799,
-    "dspark_target_layer_ids": [37, 38, 39],
-    "dspark_markov_rank": 256,
-    "dspark_n_routed_experts": 128,
-    "dspark_n_activated_experts": 3,
-    "dtype": "fp8",
-    "expert_dtype": "fp4",
-    "max_batch_size": 4,
-    "max_seq_len": 1048576,
-}
+FLAT = V41_FLASH_FLAT
 
 
 def test_released_config_parses_with_the_published_roles():
