@@ -48,6 +48,9 @@ class EngineConfig:
     # dtype; "float32" / "bfloat16" / "float16" force that dtype everywhere (compressor
     # state stays fp32)
     kv_cache_dtype: str = "auto"
+    # Tensor parallelism (vLLM's option name): ranks 1 .. T-1 run in worker processes the
+    # engine starts (distributed/workers.py); Llama models, eager steps, so far
+    tensor_parallel_size: int = 1
     # Sliding-window layers keep their K=V in a pool of their own, of which a sequence holds
     # only the blocks its window covers (older ones become evictable prefix-cache entries):
     # window memory stays ~window tokens per sequence. False: every token's window row stays
@@ -87,6 +90,7 @@ class EngineConfig:
 
         for name in (
             "block_size",
+            "tensor_parallel_size",
             "max_num_seqs",
             "max_num_batched_tokens",
             "max_graph_batch_size",
@@ -131,3 +135,11 @@ class EngineConfig:
             )
         for name in ("async_scheduling", "fake_quant", "compile", "capture_graphs"):
             need(getattr(self, name) in (None, True, False), name, "None (auto) or a bool")
+        if self.tensor_parallel_size > 1:
+            for name in ("compile", "capture_graphs", "speculative_config"):
+                if getattr(self, name):
+                    raise ValueError(f"tensor_parallel_size > 1 runs eager steps without {name} so far")
+            if self.quantization in ("int8", "int4"):
+                raise ValueError(
+                    f"tensor_parallel_size > 1 with quantization={self.quantization!r} is not supported"
+                )

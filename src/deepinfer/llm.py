@@ -91,6 +91,10 @@ class LLM:
         )
         self._counter = itertools.count()
 
+    def close(self) -> None:
+        """Release what outlives this object otherwise: tensor-parallel worker processes."""
+        self.engine.close()
+
     def memory_report(self) -> dict[str, Any]:
         """Where the memory goes: resident weight bytes by dtype, and the KV cache (bytes
         allocated and in use, bytes per token by layer kind; ``Engine.memory_report``)."""

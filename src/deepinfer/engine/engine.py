@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ import torch
 
 from deepinfer.cache.pools import CacheLayout
 from deepinfer.config import EngineConfig
+from deepinfer.distributed.tensor_parallel import check_divisible, shard_llama
+from deepinfer.distributed.workers import CacheSetup, TensorParallelGroup
 from deepinfer.engine.block_pool import BlockPool
 from deepinfer.engine.graph_runner import measure_step_memory
 from deepinfer.engine.model_runner import ModelRunner, PreparedStep
@@ -26,6 +29,7 @@ from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
 from deepinfer.memory import kv_bytes_per_token, pool_bytes
 from deepinfer.models.base import CausalLM
+from deepinfer.models.llama import LlamaForCausalLM
 from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer.platforms import Platform, platform_for
 from deepinfer.sampling.sampler import SamplingRow, make_generator, sample
@@ -75,6 +79,12 @@ class Engine:
         dtype = (
             model.compute_dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
         )
+        # tensor parallel: start the worker ranks and keep rank 0's share of the model, before
+        # anything reads the model's (now local) shapes
+        self.tp: TensorParallelGroup | None = None
+        if config.tensor_parallel_size > 1:
+            self.tp = self._start_tensor_parallel(checkpoint)
+            weakref.finalize(self, self.tp.close)
         self.kv_dtype = dtype
         self.layout = CacheLayout.from_specs(
             model.cache_spec(),
@@ -120,6 +130,18 @@ class Engine:
             compile_cache_dir=self._compile_cache_dir(checkpoint) if use_compile else None,
             num_window_blocks=num_window_blocks,
         )
+        if self.tp is not None:
+            self.tp.setup(
+                CacheSetup(
+                    config.block_size,
+                    self.layout.bounded_window,
+                    self.layout.packed_kv,
+                    dtype,
+                    num_blocks,
+                    config.max_num_seqs,
+                    num_window_blocks,
+                )
+            )
         if self.runner.graphs is not None:
             # every bucket now, on this thread, before any step (and before the asynchronous
             # worker exists): a capture must never overlap the host preparing another step
@@ -156,10 +178,49 @@ class Engine:
             block_mib,
         )
 
+    def _start_tensor_parallel(self, checkpoint: Path | None) -> TensorParallelGroup:
+        """Start ranks 1 .. T-1 (each loads the checkpoint and keeps its share) and shard this
+        process's model as rank 0."""
+        size, model = self.config.tensor_parallel_size, self.model
+        if not isinstance(model, LlamaForCausalLM):
+            raise ValueError(
+                f"tensor_parallel_size > 1 supports Llama models so far, not {type(model).__name__}"
+            )
+        if checkpoint is None:
+            raise ValueError(
+                "tensor_parallel_size > 1 needs the checkpoint directory (Engine(..., checkpoint=))"
+            )
+        check_divisible(model.config, size)
+        load_kwargs = {
+            "path": str(checkpoint),
+            "dtype": model.compute_dtype,
+            "device": str(self.device),
+            "fake_quant": self.config.fake_quant,
+            "keep_quantized": self.config.quantization in (None, "fp8"),
+        }
+        group = TensorParallelGroup(size, load_kwargs)
+        shard_llama(model, 0, size)
+        return group
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one device)."""
+        if self.tp is not None:
+            self.tp.close()
+
+    def _execute(self, prepared: PreparedStep, input_ids: torch.Tensor):
+        """Run a step: on every rank when tensor parallel (its chunks broadcast first)."""
+        if self.tp is None:
+            return self.runner.execute(prepared, input_ids)
+        tp = self.tp
+        tp.step(prepared.seq_chunks or [], input_ids, prepared.padding)
+        return tp.checked(lambda: self.runner.execute(prepared, input_ids))
+
     def _execution_modes(self, platform: Platform) -> tuple[bool, bool]:
         """(compile the step, replay decode steps from captured graphs), from the options or
         the platform's defaults; refuses what the platform or the model cannot do."""
         config = self.config
+        if config.tensor_parallel_size > 1:
+            return False, False  # tensor parallel runs eager steps so far
         use_compile = platform.compile_by_default if config.compile is None else config.compile
         use_graphs = platform.capture is not None if config.capture_graphs is None else config.capture_graphs
         if use_graphs and platform.capture is None:
@@ -350,7 +411,7 @@ class Engine:
             prepared = self._schedule()
             if prepared is None:
                 return []
-            logits, features = self.runner.execute(prepared, self.runner.input_ids(prepared))
+            logits, features = self._execute(prepared, self.runner.input_ids(prepared))
             return self._process(prepared, logits, features)
         if self._inflight is None:
             prepared = self._schedule()
@@ -384,7 +445,7 @@ class Engine:
     def _launch(self, prepared: PreparedStep) -> None:
         assert self._executor is not None
         input_ids = self.runner.input_ids(prepared)
-        self._inflight = (prepared, self._executor.submit(self.runner.execute, prepared, input_ids))
+        self._inflight = (prepared, self._executor.submit(self._execute, prepared, input_ids))
 
     def _process(
         self, prepared: PreparedStep, logits: torch.Tensor, features: torch.Tensor | None = None

@@ -38,6 +38,9 @@ class PreparedStep:
     # model drafters: per chunk, (first row of the returned features, chunk offset of it);
     # the chunk's features cover its offsets from there to its end
     feature_rows: list[tuple[int, int]] | None = None
+    # what the step was built from (tensor-parallel workers build the same step from them)
+    seq_chunks: list[SeqChunk] | None = None
+    padding: StepPadding | None = None
 
 
 class ModelRunner:
@@ -169,7 +172,9 @@ class ModelRunner:
         bucket = self.graphs.bucket_for(seq_chunks) if use_graphs and self.graphs is not None else None
         padding = self.graphs.padding(bucket) if self.graphs is not None and bucket else self.padding
         positions, batch = build_forward_batch(self.layout, self.pools, seq_chunks, self.device, padding)
-        return PreparedStep(chunks, positions, batch, sample_rows, prompt_rows, bucket, feature_rows)
+        return PreparedStep(
+            chunks, positions, batch, sample_rows, prompt_rows, bucket, feature_rows, seq_chunks, padding
+        )
 
     def _window_table(self, request: Request) -> list[int] | None:
         """The request's window blocks aligned with its block table (blocks given back, or

@@ -257,6 +257,12 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
+        # tensor parallel: sums the row-parallel outputs (o_proj, down_proj) over the ranks
+        # (set by distributed/tensor_parallel.py; None on one device)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def _sum(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial if self.reduce is None else self.reduce(partial)
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pools: LayerPools, batch: ForwardBatch
@@ -267,11 +273,11 @@ class LlamaDecoderLayer(nn.Module):
             # eager CPU decode: each norm (the second with its residual add) in one call
             norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
             _, normed = cpu_norm_act.add_rms_norm(x, None, norm1.weight, norm1.eps)
-            attn = self.self_attn(normed, cos, sin, pools, batch)
+            attn = self._sum(self.self_attn(normed, cos, sin, pools, batch))
             x, normed = cpu_norm_act.add_rms_norm(x, attn, norm2.weight, norm2.eps)
-            return x + self.mlp(normed)
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pools, batch)
-        x = x + self.mlp(self.post_attention_layernorm(x), fused=not batch.functional)
+            return x + self._sum(self.mlp(normed))
+        x = x + self._sum(self.self_attn(self.input_layernorm(x), cos, sin, pools, batch))
+        x = x + self._sum(self.mlp(self.post_attention_layernorm(x), fused=not batch.functional))
         return batch.to_grid(x)
 
 
@@ -344,6 +350,8 @@ class LlamaForCausalLM(CausalLM):
         cfg = self.config
         if self.model.embed_tokens.weight.dtype != torch.float32 or not cpu_decode_stack.available():
             return None
+        if any(layer.reduce is not None for layer in self.model.layers):
+            return None  # tensor parallel: the one-call stack has no cross-rank sum
 
         def projection(engine: Projection | None, weight: torch.Tensor | None, bias: torch.Tensor | None):
             """(weight, bias, scale, offset) of one projection as the driver reads it."""

@@ -82,6 +82,9 @@ class MoE(nn.Module):
         for name in ("w1", "w2", "w3"):
             self.register_buffer(f"{name}_fp4", None, persistent=False)
             self.register_buffer(f"{name}_fp4_scale", None, persistent=False)
+        # Tokens routed to each expert since the last read ([E] int64, on the device; None:
+        # not counted). EPLB's load window sets and drains it (distributed/eplb.py).
+        self.register_buffer("expert_load", None, persistent=False)
 
     @torch.no_grad()
     def stack_experts(self) -> None:
@@ -136,6 +139,8 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids = self.gate(flat, input_ids)
+        if self.expert_load is not None and not torch.compiler.is_compiling():
+            self.expert_load.index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
         if self.holds_fp4:  # experts resident as fp4 (no float parameters to differentiate)
             routed = routed_experts_fp4(
                 flat,

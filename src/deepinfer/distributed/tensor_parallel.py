@@ -1,0 +1,83 @@
+"""Tensor parallelism for the Llama family: each rank keeps 1/T of every layer's heads and
+of its MLP, and the two row-parallel outputs (``o_proj``, ``down_proj``) are summed across
+the ranks with one all-reduce each. The embedding, norms and head stay whole on every rank
+(vocab-parallel embedding and head are not done yet), so every rank computes the same
+logits and rank 0 samples from its own.
+
+The split follows the usual column/row scheme: q/k/v and gate/up are split by output rows
+(whole heads, whole K/V heads), o_proj and down_proj by input columns; a bias of a
+row-parallel projection is kept on rank 0 only, so the sum adds it once. The model's config
+becomes the rank's local shape (its heads, K/V heads and MLP width), which is what its
+cache spec and kernels then see.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def _rows(t: torch.Tensor | None, rank: int, size: int) -> torch.Tensor | None:
+    if t is None:
+        return None
+    n = t.shape[0] // size
+    return t[rank * n : (rank + 1) * n].clone()
+
+
+def _columns(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    n = t.shape[1] // size
+    return t[:, rank * n : (rank + 1) * n].clone()
+
+
+def _set(linear: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    linear.in_features, linear.out_features = weight.shape[1], weight.shape[0]
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(bias, requires_grad=False)
+
+
+def check_divisible(config, size: int) -> None:
+    """Tensor parallel ``size`` must split heads, K/V heads and the MLP width evenly."""
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, name)
+        if value % size:
+            raise ValueError(f"tensor_parallel_size={size} does not divide {name}={value}")
+
+
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The sum of ``x`` over the ranks (in place on a contiguous copy)."""
+    x = x.contiguous()
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return x
+
+
+def shard_llama(model: nn.Module, rank: int, size: int, group: dist.ProcessGroup | None = None) -> None:
+    """Keep rank ``rank``'s share of a loaded ``LlamaForCausalLM`` (in place)."""
+    cfg = model.config
+    check_divisible(cfg, size)
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+            _set(linear, _rows(linear.weight.detach(), rank, size), _rows(linear.bias, rank, size))
+        for linear in (attn.o_proj, mlp.down_proj):
+            bias = None
+            if linear.bias is not None:
+                bias = linear.bias.detach().clone() if rank == 0 else torch.zeros_like(linear.bias)
+            _set(linear, _columns(linear.weight.detach(), rank, size), bias)
+        attn.n_heads //= size
+        attn.n_kv //= size
+        attn.qkv = attn.out = mlp.gate_up = mlp.down = None
+        attn.fuse()
+        mlp.fuse()
+        layer.reduce = functools.partial(all_reduce_sum, group=group)
+    model.config = dataclasses.replace(
+        cfg,
+        num_attention_heads=cfg.num_attention_heads // size,
+        num_key_value_heads=cfg.num_key_value_heads // size,
+        intermediate_size=cfg.intermediate_size // size,
+    )
+    model.head, model.decode_stack = None, None

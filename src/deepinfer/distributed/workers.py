@@ -1,0 +1,158 @@
+"""Worker processes of a tensor-parallel engine: one per extra rank, started by rank 0's
+engine (``torch.multiprocessing``, spawn), joined in one ``torch.distributed`` group (gloo on
+the CPU; NCCL on CUDA, untested). Rank 0 schedules; before each step it broadcasts the step's
+chunks and input ids, every rank builds the same step metadata over its own cache pools and
+runs its share of the model, and the layers' all-reduces keep the ranks in lockstep. A
+worker that dies shows up as a failed collective on rank 0, which then names the dead rank
+(``TensorParallelGroup.checked``); one that hangs, after ``TIMEOUT_S``.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from deepinfer.cache.pools import CacheLayout, allocate_pools
+from deepinfer.cache.step_metadata import build_forward_batch
+from deepinfer.distributed.tensor_parallel import shard_llama
+from deepinfer.models.loading import load_model
+
+TIMEOUT_S = 300  # a collective waits this long for a rank before failing
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class CacheSetup:
+    """What a worker needs to mirror rank 0's cache pools (rank 0 sizes the cache)."""
+
+    block_size: int
+    bounded_window: bool
+    packed_kv: bool
+    kv_dtype: torch.dtype
+    num_blocks: int
+    num_slots: int
+    num_window_blocks: int | None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_group(rank: int, size: int, port: int, device: str) -> None:
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=TIMEOUT_S),
+    )
+
+
+def _broadcast(value: Any = None) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def worker_main(rank: int, size: int, port: int, load_kwargs: dict[str, Any]) -> None:
+    """A worker rank: load and shard the model, mirror the cache, run every step rank 0
+    broadcasts until it broadcasts None."""
+    device = str(load_kwargs.get("device", "cpu"))
+    if device.startswith("cuda"):
+        device = f"cuda:{rank}"
+        load_kwargs = {**load_kwargs, "device": device}
+    _init_group(rank, size, port, device)
+    torch.set_num_threads(max(1, torch.get_num_threads() // size))
+    model = load_model(**load_kwargs)
+    shard_llama(model, rank, size)
+    setup: CacheSetup = _broadcast()
+    if device == "cpu":
+        model.pack_weights()
+    layout = CacheLayout.from_specs(
+        model.cache_spec(), setup.block_size, bounded_window=setup.bounded_window, packed_kv=setup.packed_kv
+    )
+    pools = allocate_pools(
+        layout,
+        setup.num_blocks,
+        setup.num_slots,
+        setup.kv_dtype,
+        torch.device(device),
+        setup.num_window_blocks,
+    )
+    while (step := _broadcast()) is not None:
+        chunks, input_ids, padding = step
+        positions, batch = build_forward_batch(layout, pools, chunks, torch.device(device), padding)
+        with torch.inference_mode():
+            model.step(input_ids.to(device), positions, batch)
+    dist.destroy_process_group()
+
+
+class TensorParallelGroup:
+    """Rank 0's side: starts ranks 1 .. size - 1 and drives them."""
+
+    def __init__(self, size: int, load_kwargs: dict[str, Any]) -> None:
+        port = _free_port()
+        context = mp.get_context("spawn")
+        self.procs = [
+            context.Process(target=worker_main, args=(rank, size, port, load_kwargs), daemon=True)
+            for rank in range(1, size)
+        ]
+        for proc in self.procs:
+            proc.start()
+        self.size = size
+        self.closed = False
+        self.checked(lambda: _init_group(0, size, port, str(load_kwargs.get("device", "cpu"))))
+
+    def checked(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (which talks to the workers); if it fails, or a worker is gone, raise
+        an error naming the ranks that died."""
+        try:
+            return fn()
+        except Exception as exc:
+            dead = self.dead_ranks()
+            if dead:
+                raise RuntimeError(f"tensor parallel: worker rank(s) {dead} died ({exc})") from exc
+            raise
+
+    def dead_ranks(self) -> list[str]:
+        return [
+            f"{rank} (exit code {proc.exitcode})"
+            for rank, proc in enumerate(self.procs, start=1)
+            if not proc.is_alive()
+        ]
+
+    def setup(self, setup: CacheSetup) -> None:
+        self.checked(lambda: _broadcast(setup))
+
+    def step(self, chunks: list, input_ids: torch.Tensor, padding: Any) -> None:
+        """Send a step to every worker (rank 0 then runs its own share)."""
+        dead = self.dead_ranks()
+        if dead:
+            raise RuntimeError(f"tensor parallel: worker rank(s) {dead} died")
+        self.checked(lambda: _broadcast((chunks, input_ids.cpu(), padding)))
+
+    def close(self) -> None:
+        """Stop the workers and leave the group (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if not self.dead_ranks():
+                _broadcast(None)
+        finally:
+            for proc in self.procs:
+                proc.join(timeout=30)
+                if proc.is_alive():
+                    proc.kill()
+            if dist.is_initialized():
+                dist.destroy_process_group()

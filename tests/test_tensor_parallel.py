@@ -1,0 +1,93 @@
+"""Tensor parallelism on CPU ranks (gloo): a tiny Llama sharded over 2 worker processes gives
+the single-process engine's greedy tokens and its logprobs within 1e-4 on a mixed workload
+(chunked prefill, batching, prefix caching), each rank holds about half the sharded weights,
+and a killed worker makes the next step fail naming its rank."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import pytest
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.memory import weight_bytes
+from deepinfer.tiny import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def llama_tp(tmp_path_factory):
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tp"),
+        "llama",
+        seed=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        hidden_size=64,
+        intermediate_size=96,
+    )
+
+
+def _workload(seed: int):
+    rng = random.Random(seed)
+    shared = [rng.randrange(2, 258) for _ in range(40)]
+    prompts = [
+        (shared if i % 3 == 0 else []) + [rng.randrange(2, 258) for _ in range(rng.randrange(1, 70))]
+        for i in range(10)
+    ]
+    params = [
+        SamplingParams(max_tokens=rng.randrange(1, 12), temperature=0.0, ignore_eos=True, logprobs=1)
+        for _ in prompts
+    ]
+    return prompts, params
+
+
+def _tokens_and_logprobs(outs):
+    return [
+        (
+            o.outputs[0].token_ids,
+            [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)],
+        )
+        for o in outs
+    ]
+
+
+def test_two_ranks_equal_one_process(llama_tp):
+    prompts, params = _workload(0)
+    single = LLM(str(llama_tp), max_num_batched_tokens=48)
+    expected = _tokens_and_logprobs(single.generate(prompts, params, use_tqdm=False))
+    whole = sum(weight_bytes(single.model).values())
+    llm = LLM(str(llama_tp), tensor_parallel_size=2, max_num_batched_tokens=48)
+    try:
+        got = _tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
+        again = _tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))  # prefix hits
+        sharded = sum(weight_bytes(llm.model).values())
+    finally:
+        llm.close()
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):
+        assert tokens == want_tokens
+        assert all(abs(a - b) <= 1e-4 for a, b in zip(logprobs, want_logprobs, strict=True))
+    assert [t for t, _ in again] == [t for t, _ in expected]
+    # rank 0 keeps half of every layer's projections (the embedding and norms stay whole)
+    layer_bytes = sum(p.numel() * p.element_size() for p in single.model.model.layers.parameters())
+    assert whole - sharded >= 0.45 * layer_bytes
+
+
+def test_a_killed_worker_fails_the_next_step_naming_its_rank(llama_tp):
+    llm = LLM(str(llama_tp), tensor_parallel_size=2)
+    try:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+        worker = llm.engine.tp.procs[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=30)
+        with pytest.raises(RuntimeError, match=r"rank\(s\) \['1 \(exit code"):
+            llm.generate([[8, 9, 10]], SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        llm.close()
+
+
+def test_sizes_that_do_not_divide_the_heads_are_refused(llama_tp):
+    with pytest.raises(ValueError, match="does not divide num_key_value_heads"):
+        LLM(str(llama_tp), tensor_parallel_size=4)
