@@ -86,6 +86,7 @@ def _generate(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         speculative_config=args.speculative_config,
         compile=_COMPILE_CHOICES[args.compile],
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -150,6 +151,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             compile=_COMPILE_CHOICES[args.compile],
+            tensor_parallel_size=args.tensor_parallel_size,
         )
         work = random_workload(
             args.num_requests, tuple(args.prompt_len), tuple(args.output_len), llm.vocab_size, seed=args.seed
@@ -304,6 +306,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "quantization": args.quantization,
         "speculative_config": args.speculative_config,
         "compile": _COMPILE_CHOICES[args.compile],
+        "tensor_parallel_size": args.tensor_parallel_size,
         **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
         **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
     }
@@ -378,6 +381,9 @@ def _chat(args: argparse.Namespace) -> int:
     return 0
 
 
+_TP_HELP = "ranks in worker processes the engine starts (Llama models so far)"
+
+
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument(
@@ -388,6 +394,7 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "linears to fp8 blocks; int8/int4: weight-only, dense models on CPU",
     )
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help=_TP_HELP)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--speculative-config", type=_json_object, default=None, help="as for generate")
@@ -454,6 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
         "linears to fp8 blocks; int8/int4: weight-only, dense models on CPU",
     )
     gen.add_argument("--device", default="cpu")
+    gen.add_argument("--tensor-parallel-size", type=int, default=1, help=_TP_HELP)
     gen.add_argument(
         "--speculative-config",
         type=_json_object,
@@ -504,6 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--peer-batch-sizes", type=int, nargs="*", default=[64, 256])
     tp.add_argument("--threads", type=int, default=torch.get_num_threads())
     tp.add_argument("--seed", type=int, default=0)
+    tp.add_argument("--tensor-parallel-size", type=int, default=1, help=_TP_HELP)
     tp.add_argument(
         "--compile",
         choices=["auto", "on", "off"],
