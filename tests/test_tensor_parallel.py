@@ -1,7 +1,9 @@
-"""Tensor parallelism on CPU ranks (gloo): a tiny Llama sharded over 2 worker processes gives
-the single-process engine's greedy tokens and its logprobs within 1e-4 on a mixed workload
-(chunked prefill, batching, prefix caching), each rank holds about half the sharded weights,
-and a killed worker makes the next step fail naming its rank."""
+"""Tensor and expert parallelism on CPU ranks (gloo): a tiny Llama sharded over 2 worker
+processes, and tiny V4 / V4.1 (float, and the fp8/fp4 release format kept resident) with
+their routed experts split over 2 and 4 ranks, give the single-process engine's greedy
+tokens and logprobs within 1e-4 on a mixed workload (chunked prefill, batching, prefix
+caching); each rank holds about 1/N of what is split; a killed worker makes the next step
+fail naming its rank."""
 
 from __future__ import annotations
 
@@ -91,3 +93,44 @@ def test_a_killed_worker_fails_the_next_step_naming_its_rank(llama_tp):
 def test_sizes_that_do_not_divide_the_heads_are_refused(llama_tp):
     with pytest.raises(ValueError, match="does not divide num_key_value_heads"):
         LLM(str(llama_tp), tensor_parallel_size=4)
+
+
+@pytest.mark.parametrize(
+    ("arch", "quant", "ranks"),
+    [("deepseek_v4", None, 2), ("deepseek_v41", None, 2), ("deepseek_v4", "fp8", 4)],
+)
+def test_expert_parallel_equals_one_process(tmp_path, arch, quant, ranks):
+    path = make_tiny_checkpoint(tmp_path, arch=arch, seed=8, quant=quant)
+    prompts, params = _workload(1)
+    prompts, params = prompts[:6], params[:6]
+    single = LLM(str(path), max_num_batched_tokens=64)
+    expected = _tokens_and_logprobs(single.generate(prompts, params, use_tqdm=False))
+    experts = [m for m in single.model.modules() if hasattr(m, "expert_offset")]
+    llm = LLM(str(path), tensor_parallel_size=ranks, enable_expert_parallel=True, max_num_batched_tokens=64)
+    try:
+        got = _tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
+        held = [m for m in llm.model.modules() if hasattr(m, "expert_offset")]
+    finally:
+        llm.close()
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):
+        assert tokens == want_tokens
+        assert all(abs(a - b) <= 1e-4 for a, b in zip(logprobs, want_logprobs, strict=True))
+
+    def expert_bytes(moe):
+        names = (
+            ("w1_fp4", "w2_fp4", "w3_fp4") if moe.holds_fp4 else ("w1_stacked", "w2_stacked", "w3_stacked")
+        )
+        return sum(
+            getattr(moe, n).numel() * getattr(moe, n).element_size()
+            for n in names
+            if getattr(moe, n) is not None
+        )
+
+    for whole, part in zip(experts, held, strict=True):
+        assert expert_bytes(part) * ranks == expert_bytes(whole) > 0
+
+
+def test_moe_models_need_expert_parallel_for_now(tmp_path):
+    path = make_tiny_checkpoint(tmp_path, arch="deepseek_v4", seed=1)
+    with pytest.raises(ValueError, match="enable_expert_parallel=True"):
+        LLM(str(path), tensor_parallel_size=2)

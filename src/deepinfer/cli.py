@@ -87,6 +87,7 @@ def _generate(args: argparse.Namespace) -> int:
         speculative_config=args.speculative_config,
         compile=_COMPILE_CHOICES[args.compile],
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -152,6 +153,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             compile=_COMPILE_CHOICES[args.compile],
             tensor_parallel_size=args.tensor_parallel_size,
+            enable_expert_parallel=args.enable_expert_parallel,
         )
         work = random_workload(
             args.num_requests, tuple(args.prompt_len), tuple(args.output_len), llm.vocab_size, seed=args.seed
@@ -307,6 +309,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "speculative_config": args.speculative_config,
         "compile": _COMPILE_CHOICES[args.compile],
         "tensor_parallel_size": args.tensor_parallel_size,
+        "enable_expert_parallel": args.enable_expert_parallel,
         **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
         **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
     }
@@ -381,7 +384,10 @@ def _chat(args: argparse.Namespace) -> int:
     return 0
 
 
-_TP_HELP = "ranks in worker processes the engine starts (Llama models so far)"
+_TP_HELP = (
+    "ranks in worker processes the engine starts (Llama heads; MoE experts with --enable-expert-parallel)"
+)
+_EP_HELP = "split a MoE model's routed experts over the --tensor-parallel-size ranks"
 
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -395,6 +401,7 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help=_TP_HELP)
+    parser.add_argument("--enable-expert-parallel", action="store_true", help=_EP_HELP)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--speculative-config", type=_json_object, default=None, help="as for generate")
@@ -462,6 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--tensor-parallel-size", type=int, default=1, help=_TP_HELP)
+    gen.add_argument("--enable-expert-parallel", action="store_true", help=_EP_HELP)
     gen.add_argument(
         "--speculative-config",
         type=_json_object,
@@ -513,6 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--threads", type=int, default=torch.get_num_threads())
     tp.add_argument("--seed", type=int, default=0)
     tp.add_argument("--tensor-parallel-size", type=int, default=1, help=_TP_HELP)
+    tp.add_argument("--enable-expert-parallel", action="store_true", help=_EP_HELP)
     tp.add_argument(
         "--compile",
         choices=["auto", "on", "off"],

@@ -51,6 +51,9 @@ class EngineConfig:
     # Tensor parallelism (vLLM's option name): ranks 1 .. T-1 run in worker processes the
     # engine starts (distributed/workers.py); Llama models, eager steps, so far
     tensor_parallel_size: int = 1
+    # with tensor_parallel_size > 1 on a MoE model: split the routed experts over the ranks
+    # (vLLM's option name); attention and the shared expert run whole on every rank so far
+    enable_expert_parallel: bool = False
     # Sliding-window layers keep their K=V in a pool of their own, of which a sequence holds
     # only the blocks its window covers (older ones become evictable prefix-cache entries):
     # window memory stays ~window tokens per sequence. False: every token's window row stays
@@ -105,6 +108,7 @@ class EngineConfig:
         need(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "a bool")
         need(isinstance(self.ced_prefill, bool), "ced_prefill", "a bool")
         need(isinstance(self.bounded_window_cache, bool), "bounded_window_cache", "a bool")
+        need(isinstance(self.enable_expert_parallel, bool), "enable_expert_parallel", "a bool")
         need(
             isinstance(self.compile_backend, str) and bool(self.compile_backend), "compile_backend", "a name"
         )

@@ -1,4 +1,4 @@
-"""Worker processes of a tensor-parallel engine: one per extra rank, started by rank 0's
+"""Worker processes of a tensor- or expert-parallel engine: one per extra rank, started by rank 0's
 engine (``torch.multiprocessing``, spawn), joined in one ``torch.distributed`` group (gloo on
 the CPU; NCCL on CUDA, untested). Rank 0 schedules; before each step it broadcasts the step's
 chunks and input ids, every rank builds the same step metadata over its own cache pools and
@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 
 from deepinfer.cache.pools import CacheLayout, allocate_pools
 from deepinfer.cache.step_metadata import build_forward_batch
+from deepinfer.distributed.expert_parallel import shard_experts
 from deepinfer.distributed.tensor_parallel import shard_llama
 from deepinfer.models.loading import load_model
 
@@ -64,9 +65,20 @@ def _broadcast(value: Any = None) -> Any:
     return box[0]
 
 
-def worker_main(rank: int, size: int, port: int, load_kwargs: dict[str, Any]) -> None:
-    """A worker rank: load and shard the model, mirror the cache, run every step rank 0
-    broadcasts until it broadcasts None."""
+def shard(model: torch.nn.Module, mode: str, rank: int, size: int) -> None:
+    """Keep rank ``rank``'s share: ``"tensor"`` (Llama heads and MLP) or ``"expert"``
+    (DeepSeek routed experts)."""
+    if mode == "tensor":
+        shard_llama(model, rank, size)
+    elif mode == "expert":
+        shard_experts(model, rank, size)
+    else:
+        raise ValueError(f"unknown parallel mode {mode!r}")
+
+
+def worker_main(rank: int, size: int, port: int, mode: str, load_kwargs: dict[str, Any]) -> None:
+    """A worker rank: load the model and keep its ``mode`` share, mirror the cache, run
+    every step rank 0 broadcasts until it broadcasts None."""
     device = str(load_kwargs.get("device", "cpu"))
     if device.startswith("cuda"):
         device = f"cuda:{rank}"
@@ -74,7 +86,7 @@ def worker_main(rank: int, size: int, port: int, load_kwargs: dict[str, Any]) ->
     _init_group(rank, size, port, device)
     torch.set_num_threads(max(1, torch.get_num_threads() // size))
     model = load_model(**load_kwargs)
-    shard_llama(model, rank, size)
+    shard(model, mode, rank, size)
     setup: CacheSetup = _broadcast()
     if device == "cpu":
         model.pack_weights()
@@ -100,11 +112,11 @@ def worker_main(rank: int, size: int, port: int, load_kwargs: dict[str, Any]) ->
 class TensorParallelGroup:
     """Rank 0's side: starts ranks 1 .. size - 1 and drives them."""
 
-    def __init__(self, size: int, load_kwargs: dict[str, Any]) -> None:
+    def __init__(self, size: int, mode: str, load_kwargs: dict[str, Any]) -> None:
         port = _free_port()
         context = mp.get_context("spawn")
         self.procs = [
-            context.Process(target=worker_main, args=(rank, size, port, load_kwargs), daemon=True)
+            context.Process(target=worker_main, args=(rank, size, port, mode, load_kwargs), daemon=True)
             for rank in range(1, size)
         ]
         for proc in self.procs:

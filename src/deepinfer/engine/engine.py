@@ -19,8 +19,8 @@ import torch
 
 from deepinfer.cache.pools import CacheLayout
 from deepinfer.config import EngineConfig
-from deepinfer.distributed.tensor_parallel import check_divisible, shard_llama
-from deepinfer.distributed.workers import CacheSetup, TensorParallelGroup
+from deepinfer.distributed.tensor_parallel import check_divisible
+from deepinfer.distributed.workers import CacheSetup, TensorParallelGroup, shard
 from deepinfer.engine.block_pool import BlockPool
 from deepinfer.engine.graph_runner import measure_step_memory
 from deepinfer.engine.model_runner import ModelRunner, PreparedStep
@@ -79,7 +79,7 @@ class Engine:
         dtype = (
             model.compute_dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
         )
-        # tensor parallel: start the worker ranks and keep rank 0's share of the model, before
+        # tensor or expert parallel: start the worker ranks and keep rank 0's share, before
         # anything reads the model's (now local) shapes
         self.tp: TensorParallelGroup | None = None
         if config.tensor_parallel_size > 1:
@@ -180,17 +180,26 @@ class Engine:
 
     def _start_tensor_parallel(self, checkpoint: Path | None) -> TensorParallelGroup:
         """Start ranks 1 .. T-1 (each loads the checkpoint and keeps its share) and shard this
-        process's model as rank 0."""
+        process's model as rank 0: Llama heads and MLP (tensor parallel), or with
+        ``enable_expert_parallel`` a DeepSeek model's routed experts (expert parallel)."""
         size, model = self.config.tensor_parallel_size, self.model
-        if not isinstance(model, LlamaForCausalLM):
+        if isinstance(model, LlamaForCausalLM):
+            mode = "tensor"
+            check_divisible(model.config, size)
+        elif self.config.enable_expert_parallel:
+            mode = "expert"
+            experts = getattr(model.config, "n_routed_experts", 0)
+            if not experts or experts % size:
+                raise ValueError(f"expert parallel size {size} does not divide the {experts} routed experts")
+        else:
             raise ValueError(
-                f"tensor_parallel_size > 1 supports Llama models so far, not {type(model).__name__}"
+                f"tensor_parallel_size > 1 on {type(model).__name__}: tensor-parallel attention is not built "
+                "yet; pass enable_expert_parallel=True to split the routed experts"
             )
         if checkpoint is None:
             raise ValueError(
                 "tensor_parallel_size > 1 needs the checkpoint directory (Engine(..., checkpoint=))"
             )
-        check_divisible(model.config, size)
         load_kwargs = {
             "path": str(checkpoint),
             "dtype": model.compute_dtype,
@@ -198,8 +207,8 @@ class Engine:
             "fake_quant": self.config.fake_quant,
             "keep_quantized": self.config.quantization in (None, "fp8"),
         }
-        group = TensorParallelGroup(size, load_kwargs)
-        shard_llama(model, 0, size)
+        group = TensorParallelGroup(size, mode, load_kwargs)
+        shard(model, mode, 0, size)
         return group
 
     def close(self) -> None:

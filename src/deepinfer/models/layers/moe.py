@@ -8,6 +8,8 @@ run as one custom op (``deepinfer::routed_experts``, kernels/moe.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -85,6 +87,11 @@ class MoE(nn.Module):
         # Tokens routed to each expert since the last read ([E] int64, on the device; None:
         # not counted). EPLB's load window sets and drains it (distributed/eplb.py).
         self.register_buffer("expert_load", None, persistent=False)
+        # Expert parallel (distributed/expert_parallel.py): this rank holds the experts
+        # expert_offset .. expert_offset + its stacked count, and ``reduce`` sums the ranks'
+        # routed outputs (None on one device)
+        self.expert_offset = 0
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @torch.no_grad()
     def stack_experts(self) -> None:
@@ -127,6 +134,33 @@ class MoE(nn.Module):
         """Whether the routed experts are resident as fp4 (``keep_fp4``)."""
         return self.w1_fp4 is not None or self.w2_fp4 is not None or self.w3_fp4 is not None
 
+    def _expert_parallel(self, flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on their (token, choice) pairs (the others' pairs weighted 0),
+        summed over the ranks, plus the shared expert (computed on every rank, added once)."""
+        held = (self.w1_fp4 if self.holds_fp4 else self.w1_stacked).shape[0]
+        local = (ids >= self.expert_offset) & (ids < self.expert_offset + held)
+        ids = (ids - self.expert_offset).clamp(0, held - 1)
+        weights = weights * local
+        if self.holds_fp4:
+            routed = routed_experts_fp4(
+                flat,
+                weights,
+                ids,
+                self.w1_fp4,
+                self.w1_fp4_scale,
+                self.w2_fp4,
+                self.w2_fp4_scale,
+                self.w3_fp4,
+                self.w3_fp4_scale,
+                self.limit,
+            )
+        else:
+            routed = routed_experts(
+                flat, weights, ids, self.w1_stacked, self.w2_stacked, self.w3_stacked, self.limit
+            )
+        assert self.reduce is not None
+        return self.reduce(routed) + self.shared_experts(flat)
+
     def _adopt(self, name: str, stacked: torch.Tensor) -> None:
         setattr(self, f"{name}_stacked", stacked)
         for i, expert in enumerate(self.experts):
@@ -141,6 +175,8 @@ class MoE(nn.Module):
         weights, ids = self.gate(flat, input_ids)
         if self.expert_load is not None and not torch.compiler.is_compiling():
             self.expert_load.index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
+        if self.reduce is not None:
+            return self._expert_parallel(flat, weights, ids).view(shape)
         if self.holds_fp4:  # experts resident as fp4 (no float parameters to differentiate)
             routed = routed_experts_fp4(
                 flat,
