@@ -134,3 +134,44 @@ def test_moe_models_need_expert_parallel_for_now(tmp_path):
     path = make_tiny_checkpoint(tmp_path, arch="deepseek_v4", seed=1)
     with pytest.raises(ValueError, match="enable_expert_parallel=True"):
         LLM(str(path), tensor_parallel_size=2)
+
+
+def test_two_nodes_through_torchrun_give_the_same_outputs(llama_tp):
+    """Two torchrun "nodes" on localhost (c10d rendezvous, one rank each): whichever becomes
+    rank 0 runs the command, the other follows; the printed tokens equal one process's."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [
+        "generate",
+        "--model",
+        str(llama_tp),
+        "--prompt",
+        "hello",
+        "--prompt",
+        "a longer prompt",
+        "--max-tokens",
+        "6",
+    ]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+    torchrun += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "deepinfer"]
+    nodes = [
+        subprocess.Popen(torchrun + command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outs = [node.communicate(timeout=300) for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), [err[-2000:] for _, err in outs]
+    single = subprocess.run(
+        [sys.executable, "-m", "deepinfer", *command], capture_output=True, text=True, timeout=300
+    )
+
+    def tokens(text: str) -> list[str]:
+        return [line.strip() for line in text.splitlines() if line.strip().startswith("tokens:")]
+
+    printed = [tokens(out) for out, _ in outs]
+    assert sorted(len(p) for p in printed) == [0, 2]  # rank 0 prints, the follower does not
+    assert max(printed, key=len) == tokens(single.stdout)

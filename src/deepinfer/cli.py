@@ -573,9 +573,58 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _follow(args: argparse.Namespace, rank: int, size: int) -> int:
+    """A torchrun rank other than 0: load this rank's share and run the steps rank 0 sends."""
+    from deepinfer.distributed.workers import worker_main
+    from deepinfer.llm import parse_dtype
+    from deepinfer.models.llama import LlamaForCausalLM
+    from deepinfer.models.registry import load_config_json, resolve
+    from deepinfer.weights.catalog import resolve_model
+
+    path = resolve_model(args.model)
+    _, cls = resolve(load_config_json(path))
+    if cls is not LlamaForCausalLM and not args.enable_expert_parallel:
+        raise ValueError(
+            "across ranks a MoE model needs --enable-expert-parallel (tensor-parallel attention is not built yet)"
+        )
+    load_kwargs = {
+        "path": str(path),
+        "dtype": parse_dtype(args.dtype),
+        "device": args.device,
+        "fake_quant": None,
+        "keep_quantized": args.quantization in (None, "fp8"),
+    }
+    worker_main(rank, size, None, "tensor" if cls is LlamaForCausalLM else "expert", load_kwargs)
+    return 0
+
+
+def _ranks_from_torchrun(args: argparse.Namespace) -> tuple[int, int] | None:
+    """Under torchrun with several ranks: (rank, world size), the command's
+    ``--tensor-parallel-size`` set to the world size (or checked against it)."""
+    from deepinfer.distributed.workers import launched_by_torchrun
+
+    ranks = launched_by_torchrun()
+    if ranks is None:
+        return None
+    if getattr(args, "tensor_parallel_size", None) is None or getattr(args, "model", None) is None:
+        raise ValueError(
+            f"'{args.command}' does not run across torchrun ranks (generate, serve and chat do, with a model)"
+        )
+    if args.tensor_parallel_size == 1:
+        args.tensor_parallel_size = ranks[1]
+    elif args.tensor_parallel_size != ranks[1]:
+        raise ValueError(
+            f"--tensor-parallel-size {args.tensor_parallel_size} but torchrun started {ranks[1]} ranks"
+        )
+    return ranks
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        ranks = _ranks_from_torchrun(args)
+        if ranks is not None and ranks[0] != 0:
+            return _follow(args, *ranks)
         return args.func(args)
     except ValueError as exc:  # bad input: say what is wrong, no traceback
         print(f"deepinfer: error: {exc}", file=sys.stderr)

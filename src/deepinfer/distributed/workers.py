@@ -4,11 +4,14 @@ the CPU; NCCL on CUDA, untested). Rank 0 schedules; before each step it broadcas
 chunks and input ids, every rank builds the same step metadata over its own cache pools and
 runs its share of the model, and the layers' all-reduces keep the ranks in lockstep. A
 worker that dies shows up as a failed collective on rank 0, which then names the dead rank
-(``TensorParallelGroup.checked``); one that hangs, after ``TIMEOUT_S``.
+(``TensorParallelGroup.checked``); one that hangs, after ``TIMEOUT_S``. Across machines,
+torchrun starts every rank instead (``torchrun ... -m deepinfer generate ...``): rank 0 runs
+the command and the others follow it (``cli.main`` sends them to ``worker_main``).
 """
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,15 +51,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_group(rank: int, size: int, port: int, device: str) -> None:
+def _init_group(rank: int, size: int, port: int | None, device: str) -> None:
+    """Join the group: at 127.0.0.1:``port`` (ranks this engine started), or, with no port,
+    where torchrun's environment says (MASTER_ADDR / MASTER_PORT)."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(
         backend,
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method="env://" if port is None else f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=size,
         timeout=timedelta(seconds=TIMEOUT_S),
     )
+
+
+def launched_by_torchrun() -> tuple[int, int] | None:
+    """(rank, world size) when torchrun started this process as one of several, else None."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "MASTER_PORT" not in os.environ:
+        return None
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    return (int(os.environ.get("RANK", "0")), size) if size > 1 else None
 
 
 def _broadcast(value: Any = None) -> Any:
@@ -76,12 +89,13 @@ def shard(model: torch.nn.Module, mode: str, rank: int, size: int) -> None:
         raise ValueError(f"unknown parallel mode {mode!r}")
 
 
-def worker_main(rank: int, size: int, port: int, mode: str, load_kwargs: dict[str, Any]) -> None:
+def worker_main(rank: int, size: int, port: int | None, mode: str, load_kwargs: dict[str, Any]) -> None:
     """A worker rank: load the model and keep its ``mode`` share, mirror the cache, run
-    every step rank 0 broadcasts until it broadcasts None."""
+    every step rank 0 broadcasts until it broadcasts None. ``port`` None: a torchrun rank
+    (its group from the environment)."""
     device = str(load_kwargs.get("device", "cpu"))
     if device.startswith("cuda"):
-        device = f"cuda:{rank}"
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank)) if port is None else rank}"
         load_kwargs = {**load_kwargs, "device": device}
     _init_group(rank, size, port, device)
     torch.set_num_threads(max(1, torch.get_num_threads() // size))
@@ -113,11 +127,18 @@ class TensorParallelGroup:
     """Rank 0's side: starts ranks 1 .. size - 1 and drives them."""
 
     def __init__(self, size: int, mode: str, load_kwargs: dict[str, Any]) -> None:
-        port = _free_port()
+        """Start the workers, or under torchrun (this process rank 0 of ``size``) join the
+        ranks torchrun started on this and other machines, which run ``follow``."""
+        torchrun = launched_by_torchrun()
+        port = None if torchrun is not None else _free_port()
+        if torchrun is not None and torchrun != (0, size):
+            raise ValueError(
+                f"under torchrun this engine is rank/world {torchrun}; expected rank 0 of {size}"
+            )
         context = mp.get_context("spawn")
         self.procs = [
             context.Process(target=worker_main, args=(rank, size, port, mode, load_kwargs), daemon=True)
-            for rank in range(1, size)
+            for rank in (range(1, size) if port is not None else ())
         ]
         for proc in self.procs:
             proc.start()
