@@ -175,3 +175,35 @@ def test_two_nodes_through_torchrun_give_the_same_outputs(llama_tp):
     printed = [tokens(out) for out, _ in outs]
     assert sorted(len(p) for p in printed) == [0, 2]  # rank 0 prints, the follower does not
     assert max(printed, key=len) == tokens(single.stdout)
+
+
+def test_eplb_rebalancing_moves_experts_without_changing_outputs(tmp_path):
+    """Expert parallel with EPLB every 3 steps and 2 redundant experts: the experts move
+    between the ranks (each rank then holds (E + 2) / 2 slots, hot experts replicated) while
+    the greedy tokens stay the one-process engine's."""
+    path = make_tiny_checkpoint(tmp_path, arch="deepseek_v4", seed=9)
+    prompts, params = _workload(2)
+    prompts, params = prompts[:6], params[:6]
+    expected = _tokens_and_logprobs(LLM(str(path)).generate(prompts, params, use_tqdm=False))
+    llm = LLM(
+        str(path),
+        tensor_parallel_size=2,
+        enable_expert_parallel=True,
+        enable_eplb=True,
+        eplb_step_interval=3,
+        num_redundant_experts=2,
+    )
+    try:
+        got = _tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
+        engine = llm.engine
+        assert engine.placement is not None and engine._eplb_steps >= 3
+        experts = llm.model.config.n_routed_experts
+        moes = [m for m in llm.model.modules() if hasattr(m, "expert_offset")]
+        assert all(m.w1_stacked.shape[0] == (experts + 2) // 2 for m in moes)
+        assert any((m.replica_maps[1] > 1).any() for m in moes)  # some expert has two replicas
+        assert engine.moe_lb() >= 1.0
+    finally:
+        llm.close()
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):
+        assert tokens == want_tokens
+        assert all(abs(a - b) <= 1e-4 for a, b in zip(logprobs, want_logprobs, strict=True))

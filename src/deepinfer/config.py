@@ -54,6 +54,13 @@ class EngineConfig:
     # with tensor_parallel_size > 1 on a MoE model: split the routed experts over the ranks
     # (vLLM's option name); attention and the shared expert run whole on every rank so far
     enable_expert_parallel: bool = False
+    # EPLB with expert parallel (vLLM's names): count each expert's tokens over the last
+    # eplb_window_size steps and re-place the experts every eplb_step_interval steps, with
+    # num_redundant_experts extra replicas of hot experts (a multiple of the ranks)
+    enable_eplb: bool = False
+    eplb_window_size: int = 1000
+    eplb_step_interval: int = 3000
+    num_redundant_experts: int = 0
     # Sliding-window layers keep their K=V in a pool of their own, of which a sequence holds
     # only the blocks its window covers (older ones become evictable prefix-cache entries):
     # window memory stays ~window tokens per sequence. False: every token's window row stays
@@ -109,6 +116,23 @@ class EngineConfig:
         need(isinstance(self.ced_prefill, bool), "ced_prefill", "a bool")
         need(isinstance(self.bounded_window_cache, bool), "bounded_window_cache", "a bool")
         need(isinstance(self.enable_expert_parallel, bool), "enable_expert_parallel", "a bool")
+        need(isinstance(self.enable_eplb, bool), "enable_eplb", "a bool")
+        for name in ("eplb_window_size", "eplb_step_interval"):
+            positive_int(name)
+        need(
+            isinstance(self.num_redundant_experts, int) and self.num_redundant_experts >= 0,
+            "num_redundant_experts",
+            "an integer >= 0",
+        )
+        if self.enable_eplb and not (self.enable_expert_parallel and self.tensor_parallel_size > 1):
+            raise ValueError("enable_eplb needs enable_expert_parallel=True and tensor_parallel_size > 1")
+        if self.enable_eplb and self.async_scheduling:
+            raise ValueError("enable_eplb moves experts between steps: it needs async_scheduling off")
+        if self.num_redundant_experts % self.tensor_parallel_size:
+            raise ValueError(
+                f"num_redundant_experts={self.num_redundant_experts} must be a multiple of "
+                f"tensor_parallel_size={self.tensor_parallel_size}"
+            )
         need(
             isinstance(self.compile_backend, str) and bool(self.compile_backend), "compile_backend", "a name"
         )

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from deepinfer.models.layers.moe import replica_slots
+
 
 @dataclass(frozen=True)
 class ExpertPlacement:
@@ -155,19 +157,9 @@ def moe_lb(placement: ExpertPlacement, load: torch.Tensor) -> float:
 
 
 def physical_ids(placement: ExpertPlacement, layer: int, ids: torch.Tensor) -> torch.Tensor:
-    """The physical slot serving each (token, choice) of logical ``ids`` [N, k]: a logical
-    expert's pairs go round-robin over its replicas in token order, so each replica gets an
-    even share."""
-    flat = ids.flatten()
-    count = placement.replicas[layer][flat]
-    order = torch.argsort(flat, stable=True)
-    sorted_ids = flat[order]
-    first = torch.searchsorted(sorted_ids, sorted_ids)  # first pair of each expert, sorted
-    rank_sorted = torch.arange(flat.numel()) - first
-    replica = torch.empty_like(flat)
-    replica[order] = rank_sorted
-    replica = replica % count
-    return placement.log2phy[layer][flat, replica].view(ids.shape)
+    """The physical slot serving each (token, choice) of logical ``ids`` [N, k] in ``layer``
+    (round-robin over the expert's replicas: ``models/layers/moe.replica_slots``)."""
+    return replica_slots(ids, placement.log2phy[layer], placement.replicas[layer])
 
 
 class ExpertLoadWindow:

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from deepinfer.cache.pools import CacheLayout, allocate_pools
 from deepinfer.cache.step_metadata import build_forward_batch
-from deepinfer.distributed.expert_parallel import shard_experts
+from deepinfer.distributed.expert_parallel import apply_placement, shard_experts
 from deepinfer.distributed.tensor_parallel import shard_llama
 from deepinfer.models.loading import load_model
 
@@ -115,8 +115,11 @@ def worker_main(rank: int, size: int, port: int | None, mode: str, load_kwargs: 
         torch.device(device),
         setup.num_window_blocks,
     )
-    while (step := _broadcast()) is not None:
-        chunks, input_ids, padding = step
+    while (message := _broadcast()) is not None:
+        if "placement" in message:  # EPLB: every rank moves its experts together
+            apply_placement(model, message["placement"], rank, size)
+            continue
+        chunks, input_ids, padding = message["step"]
         positions, batch = build_forward_batch(layout, pools, chunks, torch.device(device), padding)
         with torch.inference_mode():
             model.step(input_ids.to(device), positions, batch)
@@ -172,7 +175,12 @@ class TensorParallelGroup:
         dead = self.dead_ranks()
         if dead:
             raise RuntimeError(f"tensor parallel: worker rank(s) {dead} died")
-        self.checked(lambda: _broadcast((chunks, input_ids.cpu(), padding)))
+        self.checked(lambda: _broadcast({"step": (chunks, input_ids.cpu(), padding)}))
+
+    def rebalance(self, model: torch.nn.Module, placement: Any) -> None:
+        """Move every rank's experts to an EPLB ``placement`` (rank 0's share in ``model``)."""
+        self.checked(lambda: _broadcast({"placement": placement}))
+        self.checked(lambda: apply_placement(model, placement, 0, self.size))
 
     def close(self) -> None:
         """Stop the workers and leave the group (idempotent)."""

@@ -19,6 +19,13 @@ import torch
 
 from deepinfer.cache.pools import CacheLayout
 from deepinfer.config import EngineConfig
+from deepinfer.distributed.eplb import (
+    ExpertLoadWindow,
+    ExpertPlacement,
+    identity_placement,
+    moe_lb,
+    rebalance_experts,
+)
 from deepinfer.distributed.tensor_parallel import check_divisible
 from deepinfer.distributed.workers import CacheSetup, TensorParallelGroup, shard
 from deepinfer.engine.block_pool import BlockPool
@@ -130,6 +137,12 @@ class Engine:
             compile_cache_dir=self._compile_cache_dir(checkpoint) if use_compile else None,
             num_window_blocks=num_window_blocks,
         )
+        # EPLB: count each expert's tokens (rank 0 routes every token) and re-place periodically
+        self.eplb: ExpertLoadWindow | None = None
+        self.placement: ExpertPlacement | None = None
+        self._eplb_steps = 0
+        if config.enable_eplb:
+            self.eplb = ExpertLoadWindow(model, config.eplb_window_size)
         if self.tp is not None:
             self.tp.setup(
                 CacheSetup(
@@ -165,7 +178,8 @@ class Engine:
         )
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
-        use_async = platform_async and self.spec is None  # drafting needs the previous step's tokens
+        # drafting needs the previous step's tokens; EPLB moves experts between steps
+        use_async = platform_async and self.spec is None and not config.enable_eplb
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-step") if use_async else None
         self._inflight: tuple[PreparedStep, Future] | None = None
         block_mib = self.layout.block_bytes(dtype) / 2**20
@@ -421,7 +435,9 @@ class Engine:
             if prepared is None:
                 return []
             logits, features = self._execute(prepared, self.runner.input_ids(prepared))
-            return self._process(prepared, logits, features)
+            updated = self._process(prepared, logits, features)
+            self._count_expert_load()
+            return updated
         if self._inflight is None:
             prepared = self._schedule()
             if prepared is None:
@@ -435,7 +451,43 @@ class Engine:
         updated = self._process(current, logits, features)
         if upcoming is not None:
             self._launch(upcoming)
+        self._count_expert_load()
         return updated
+
+    def _count_expert_load(self) -> None:
+        """EPLB: move the step's expert counts into the window; re-place every interval."""
+        if self.eplb is None:
+            return
+        self.eplb.snapshot()
+        self._eplb_steps += 1
+        if self._eplb_steps % self.config.eplb_step_interval == 0:
+            self.rebalance_experts()
+
+    def rebalance_experts(self) -> ExpertPlacement:
+        """Re-place the experts over the ranks for the load counted in the window (EPLB,
+        with ``num_redundant_experts`` replicas of hot experts), moving weights between
+        ranks in place; returns the new placement."""
+        if self.eplb is None or self.tp is None:
+            raise ValueError("rebalance_experts needs enable_eplb=True (expert parallel over several ranks)")
+        load = self.eplb.total().float()
+        experts = load.shape[1]
+        placement = rebalance_experts(load, experts + self.config.num_redundant_experts, self.tp.size)
+        before = self.moe_lb()
+        self.tp.rebalance(self.model, placement)
+        self.placement = placement
+        logger.info("EPLB: moe_lb %.3f -> %.3f over the last window", before, self.moe_lb())
+        return placement
+
+    def moe_lb(self) -> float:
+        """Slowest rank / mean rank of the counted expert load under the current placement
+        (``deepinfer:moe_lb``; 1.0 before anything was counted)."""
+        if self.eplb is None or self.tp is None:
+            return 1.0
+        load = self.eplb.total()
+        if not load.any():
+            return 1.0
+        placement = self.placement or identity_placement(load.shape[0], load.shape[1], self.tp.size)
+        return moe_lb(placement, load)
 
     def _schedule(self) -> PreparedStep | None:
         chunks = self.scheduler.schedule()

@@ -283,7 +283,7 @@ def build_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         running, waiting = server.engine.num_requests()
-        server.metrics.refresh(running, waiting, server.kv_usage())
+        server.metrics.refresh(running, waiting, server.kv_usage(), server.llm.engine.moe_lb())
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize")

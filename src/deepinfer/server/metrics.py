@@ -32,6 +32,9 @@ class ServerMetrics:
         self.prefix_hit = metric(
             Gauge, "prefix_cache_hit_rate", "Prompt tokens served from the prefix cache, share of all"
         )
+        self.moe_lb = metric(
+            Gauge, "moe_lb", "Expert-parallel balance: slowest rank's routed tokens / the mean (1: even)"
+        )
         self.ttft = metric(Histogram, "time_to_first_token_seconds", "Time to first token", **latency)
         self.tpot = metric(
             Histogram,
@@ -76,7 +79,8 @@ class ServerMetrics:
         if m.finished_time is not None:
             self.e2e.observe(m.finished_time - m.arrival_time)
 
-    def refresh(self, running: int, waiting: int, kv_usage: float) -> None:
+    def refresh(self, running: int, waiting: int, kv_usage: float, moe_lb: float = 1.0) -> None:
+        self.moe_lb.set(moe_lb)
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(kv_usage)

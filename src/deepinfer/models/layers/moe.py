@@ -19,6 +19,19 @@ from deepinfer.kernels.quantized import routed_experts_fp4
 from deepinfer.models.deepseek_v4_config import DeepseekV4Config
 
 
+def replica_slots(ids: torch.Tensor, log2phy: torch.Tensor, replicas: torch.Tensor) -> torch.Tensor:
+    """The physical slot serving each (token, choice) of logical ``ids`` [N, k]: a logical
+    expert's pairs go round-robin over its replicas in token order, so each replica gets an
+    even share (EPLB; ``log2phy`` [E, R] slots, -1 padded; ``replicas`` [E] counts)."""
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    sorted_ids = flat[order]
+    first = torch.searchsorted(sorted_ids, sorted_ids)  # each pair's expert's first sorted pair
+    rank = torch.empty_like(flat)
+    rank[order] = torch.arange(flat.numel(), device=flat.device) - first
+    return log2phy[flat, rank % replicas[flat]].view(ids.shape)
+
+
 class Expert(nn.Module):
     """SwiGLU with the V4 clamp: gate <= limit, |up| <= limit."""
 
@@ -92,6 +105,9 @@ class MoE(nn.Module):
         # routed outputs (None on one device)
         self.expert_offset = 0
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # with EPLB: (logical -> its physical slots [E, R] (-1 padded), replica counts [E]);
+        # expert_offset is then this rank's first physical slot (None: slot = expert id)
+        self.replica_maps: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @torch.no_grad()
     def stack_experts(self) -> None:
@@ -138,6 +154,8 @@ class MoE(nn.Module):
         """This rank's experts on their (token, choice) pairs (the others' pairs weighted 0),
         summed over the ranks, plus the shared expert (computed on every rank, added once)."""
         held = (self.w1_fp4 if self.holds_fp4 else self.w1_stacked).shape[0]
+        if self.replica_maps is not None:
+            ids = replica_slots(ids, *self.replica_maps)
         local = (ids >= self.expert_offset) & (ids < self.expert_offset + held)
         ids = (ids - self.expert_offset).clamp(0, held - 1)
         weights = weights * local
