@@ -96,25 +96,45 @@ def test_sizes_that_do_not_divide_the_heads_are_refused(llama_tp):
 
 
 @pytest.mark.parametrize(
-    ("arch", "quant", "ranks"),
-    [("deepseek_v4", None, 2), ("deepseek_v41", None, 2), ("deepseek_v4", "fp8", 4)],
+    ("arch", "quant", "ranks", "expert_parallel"),
+    [
+        ("deepseek_v4", None, 2, False),
+        ("deepseek_v41", None, 2, False),
+        ("deepseek_v4", None, 2, True),
+        ("deepseek_v41", None, 2, True),
+        ("deepseek_v4", "fp8", 4, True),
+    ],
 )
-def test_expert_parallel_equals_one_process(tmp_path, arch, quant, ranks):
-    path = make_tiny_checkpoint(tmp_path, arch=arch, seed=8, quant=quant)
+def test_deepseek_tensor_and_expert_parallel_equal_one_process(tmp_path, arch, quant, ranks, expert_parallel):
+    """Attention heads and output groups split over the ranks (fp8 projections too), with or
+    without the routed experts split: one process's tokens and logprobs; each rank holds
+    1/N of the query and output projections and, with expert parallel, of the experts."""
+    shape = {"num_attention_heads": 8, "o_groups": 4} if ranks == 4 else {}
+    path = make_tiny_checkpoint(tmp_path, arch=arch, seed=8, quant=quant, **shape)
     prompts, params = _workload(1)
     prompts, params = prompts[:6], params[:6]
     single = LLM(str(path), max_num_batched_tokens=64)
     expected = _tokens_and_logprobs(single.generate(prompts, params, use_tqdm=False))
-    experts = [m for m in single.model.modules() if hasattr(m, "expert_offset")]
-    llm = LLM(str(path), tensor_parallel_size=ranks, enable_expert_parallel=True, max_num_batched_tokens=64)
+    llm = LLM(
+        str(path),
+        tensor_parallel_size=ranks,
+        enable_expert_parallel=expert_parallel,
+        max_num_batched_tokens=64,
+    )
     try:
         got = _tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
-        held = [m for m in llm.model.modules() if hasattr(m, "expert_offset")]
+        whole_moe = [m for m in single.model.modules() if hasattr(m, "expert_offset")]
+        part_moe = [m for m in llm.model.modules() if hasattr(m, "expert_offset")]
+        whole_attn = [m for m in single.model.modules() if hasattr(m, "wo_a")]
+        part_attn = [m for m in llm.model.modules() if hasattr(m, "wo_a")]
     finally:
         llm.close()
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):
         assert tokens == want_tokens
         assert all(abs(a - b) <= 1e-4 for a, b in zip(logprobs, want_logprobs, strict=True))
+    for whole, part in zip(whole_attn, part_attn, strict=True):
+        for name in ("wq_b", "wo_a", "wo_b"):
+            assert getattr(part, name).weight.numel() * ranks == getattr(whole, name).weight.numel()
 
     def expert_bytes(moe):
         names = (
@@ -126,14 +146,14 @@ def test_expert_parallel_equals_one_process(tmp_path, arch, quant, ranks):
             if getattr(moe, n) is not None
         )
 
-    for whole, part in zip(experts, held, strict=True):
-        assert expert_bytes(part) * ranks == expert_bytes(whole) > 0
+    for whole, part in zip(whole_moe, part_moe, strict=True):
+        assert expert_bytes(part) * (ranks if expert_parallel else 1) == expert_bytes(whole) > 0
 
 
-def test_moe_models_need_expert_parallel_for_now(tmp_path):
+def test_head_counts_that_do_not_split_are_refused(tmp_path):
     path = make_tiny_checkpoint(tmp_path, arch="deepseek_v4", seed=1)
-    with pytest.raises(ValueError, match="enable_expert_parallel=True"):
-        LLM(str(path), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="does not divide 4 heads and 2 output groups"):
+        LLM(str(path), tensor_parallel_size=4)
 
 
 def test_two_nodes_through_torchrun_give_the_same_outputs(llama_tp):

@@ -583,10 +583,9 @@ def _follow(args: argparse.Namespace, rank: int, size: int) -> int:
 
     path = resolve_model(args.model)
     _, cls = resolve(load_config_json(path))
-    if cls is not LlamaForCausalLM and not args.enable_expert_parallel:
-        raise ValueError(
-            "across ranks a MoE model needs --enable-expert-parallel (tensor-parallel attention is not built yet)"
-        )
+    mode = (
+        "llama" if cls is LlamaForCausalLM else "deepseek+ep" if args.enable_expert_parallel else "deepseek"
+    )
     load_kwargs = {
         "path": str(path),
         "dtype": parse_dtype(args.dtype),
@@ -594,7 +593,7 @@ def _follow(args: argparse.Namespace, rank: int, size: int) -> int:
         "fake_quant": None,
         "keep_quantized": args.quantization in (None, "fp8"),
     }
-    worker_main(rank, size, None, "tensor" if cls is LlamaForCausalLM else "expert", load_kwargs)
+    worker_main(rank, size, None, mode, load_kwargs)
     return 0
 
 

@@ -81,3 +81,63 @@ def shard_llama(model: nn.Module, rank: int, size: int, group: dist.ProcessGroup
         intermediate_size=cfg.intermediate_size // size,
     )
     model.head, model.decode_stack = None, None
+
+
+def _slice_linear(linear: nn.Module, rows: slice | None = None, cols: slice | None = None) -> nn.Module:
+    """A bias-free linear (float or ``Fp8BlockLinear``) cut to ``rows`` x ``cols`` of its
+    weight; an fp8 one keeps whole scale blocks (the cut must fall on block edges)."""
+    rows, cols = rows or slice(None), cols or slice(None)
+    if isinstance(linear, nn.Linear):
+        weight = linear.weight.detach()[rows, cols].clone()
+        out = nn.Linear(
+            weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype
+        )
+        out.weight = nn.Parameter(weight, requires_grad=False)
+        return out
+    from deepinfer.models.layers.quantized_linear import Fp8BlockLinear
+
+    if not isinstance(linear, Fp8BlockLinear):
+        raise ValueError(f"tensor parallel cannot split a {type(linear).__name__}")
+    bn, bk = linear.block
+    r = range(linear.out_features)[rows]
+    c = range(linear.in_features)[cols]
+    if r.start % bn or len(r) % bn or c.start % bk or len(c) % bk:
+        raise ValueError(
+            f"tensor parallel cut of an fp8 linear does not fall on its {linear.block} scale blocks"
+        )
+    scale = linear.scale[r.start // bn : (r.start + len(r)) // bn, c.start // bk : (c.start + len(c)) // bk]
+    return Fp8BlockLinear(linear.weight.detach()[rows, cols].clone(), scale.clone(), linear.block)
+
+
+def shard_latent_attention(
+    attn: nn.Module, rank: int, size: int, group: dist.ProcessGroup | None = None
+) -> None:
+    """V4/V4.1 attention: rank ``rank`` keeps 1/size of the query heads (their ``wq_b`` rows
+    and sinks) and of the output groups (their ``wo_a`` rows, ``wo_b`` columns); the one
+    shared K=V head, the compressor and the indexer stay whole; ``wo_b``'s partial outputs
+    are summed over the ranks."""
+    heads, groups, d, r = attn.n_heads, attn.o_groups, attn.head_dim, attn.o_rank
+    if heads % size or groups % size:
+        raise ValueError(
+            f"tensor_parallel_size={size} does not divide {heads} heads and {groups} output groups"
+        )
+    h, g = heads // size, groups // size
+    attn.wq_b = _slice_linear(attn.wq_b, rows=slice(rank * h * d, (rank + 1) * h * d))
+    attn.wo_a = _slice_linear(attn.wo_a, rows=slice(rank * g * r, (rank + 1) * g * r))
+    attn.wo_b = _slice_linear(attn.wo_b, cols=slice(rank * g * r, (rank + 1) * g * r))
+    attn.attn_sink = nn.Parameter(
+        attn.attn_sink.detach()[rank * h : (rank + 1) * h].clone(), requires_grad=False
+    )
+    attn.n_heads, attn.o_groups = h, g
+    attn.reduce = functools.partial(all_reduce_sum, group=group)
+
+
+def shard_deepseek(model: nn.Module, rank: int, size: int, group: dist.ProcessGroup | None = None) -> None:
+    """Tensor-parallel attention in every V4/V4.1 attention layer (draft layers included)."""
+    from deepinfer.models.layers.attention import LatentAttention
+
+    layers = [m for m in model.modules() if isinstance(m, LatentAttention)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no latent attention to split")
+    for attn in layers:
+        shard_latent_attention(attn, rank, size, group)

@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from deepinfer.cache.pools import CacheLayout, allocate_pools
 from deepinfer.cache.step_metadata import build_forward_batch
 from deepinfer.distributed.expert_parallel import apply_placement, shard_experts
-from deepinfer.distributed.tensor_parallel import shard_llama
+from deepinfer.distributed.tensor_parallel import shard_deepseek, shard_llama
 from deepinfer.models.loading import load_model
 
 TIMEOUT_S = 300  # a collective waits this long for a rank before failing
@@ -79,12 +79,15 @@ def _broadcast(value: Any = None) -> Any:
 
 
 def shard(model: torch.nn.Module, mode: str, rank: int, size: int) -> None:
-    """Keep rank ``rank``'s share: ``"tensor"`` (Llama heads and MLP) or ``"expert"``
-    (DeepSeek routed experts)."""
-    if mode == "tensor":
+    """Keep rank ``rank``'s share: ``"llama"`` (heads and MLP), ``"deepseek"`` (attention
+    heads and output groups; experts whole) or ``"deepseek+ep"`` (also the routed experts
+    split)."""
+    if mode == "llama":
         shard_llama(model, rank, size)
-    elif mode == "expert":
-        shard_experts(model, rank, size)
+    elif mode in ("deepseek", "deepseek+ep"):
+        shard_deepseek(model, rank, size)
+        if mode == "deepseek+ep":
+            shard_experts(model, rank, size)
     else:
         raise ValueError(f"unknown parallel mode {mode!r}")
 

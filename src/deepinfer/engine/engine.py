@@ -194,22 +194,22 @@ class Engine:
 
     def _start_tensor_parallel(self, checkpoint: Path | None) -> TensorParallelGroup:
         """Start ranks 1 .. T-1 (each loads the checkpoint and keeps its share) and shard this
-        process's model as rank 0: Llama heads and MLP (tensor parallel), or with
-        ``enable_expert_parallel`` a DeepSeek model's routed experts (expert parallel)."""
+        process's model as rank 0: Llama heads and MLP, DeepSeek attention heads and output
+        groups, and with ``enable_expert_parallel`` a DeepSeek model's routed experts."""
         size, model = self.config.tensor_parallel_size, self.model
         if isinstance(model, LlamaForCausalLM):
-            mode = "tensor"
+            mode = "llama"
             check_divisible(model.config, size)
-        elif self.config.enable_expert_parallel:
-            mode = "expert"
-            experts = getattr(model.config, "n_routed_experts", 0)
-            if not experts or experts % size:
-                raise ValueError(f"expert parallel size {size} does not divide the {experts} routed experts")
         else:
-            raise ValueError(
-                f"tensor_parallel_size > 1 on {type(model).__name__}: tensor-parallel attention is not built "
-                "yet; pass enable_expert_parallel=True to split the routed experts"
-            )
+            mode = "deepseek+ep" if self.config.enable_expert_parallel else "deepseek"
+            experts = getattr(model.config, "n_routed_experts", 0)
+            if self.config.enable_expert_parallel and (not experts or experts % size):
+                raise ValueError(f"expert parallel size {size} does not divide the {experts} routed experts")
+            heads, groups = model.config.num_attention_heads, model.config.o_groups
+            if heads % size or groups % size:
+                raise ValueError(
+                    f"tensor_parallel_size={size} does not divide {heads} heads and {groups} output groups"
+                )
         if checkpoint is None:
             raise ValueError(
                 "tensor_parallel_size > 1 needs the checkpoint directory (Engine(..., checkpoint=))"

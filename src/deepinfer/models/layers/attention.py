@@ -7,6 +7,8 @@ kernel (compile passes, Triton) must agree with it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -82,6 +84,8 @@ class LatentAttention(nn.Module):
         self.wo_a = nn.Linear(n_heads * head_dim // o_groups, o_groups * o_rank, bias=False)
         self.wo_b = nn.Linear(o_groups * o_rank, hidden, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(n_heads, dtype=torch.float32))
+        # tensor parallel: sums the ranks' partial wo_b outputs (distributed/tensor_parallel.py)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @staticmethod
     def dims(cfg) -> tuple[int, int, int, int, int, int, float]:
@@ -137,7 +141,8 @@ class LatentAttention(nn.Module):
     ) -> torch.Tensor:
         out = attention_with_sink(q, parts, self.attn_sink, self.head_dim**-0.5)
         out = apply_rope(out, cos.unsqueeze(1), -sin.unsqueeze(1))
-        return self.wo_b(self._grouped_output(out))
+        y = self.wo_b(self._grouped_output(out))
+        return y if self.reduce is None else self.reduce(y)
 
     def _grouped_output(self, out: torch.Tensor) -> torch.Tensor:
         """Block-diagonal low-rank output: group g of heads -> o_lora_rank, then concat."""
