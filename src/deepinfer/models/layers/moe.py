@@ -158,26 +158,26 @@ class MoE(nn.Module):
             ids = replica_slots(ids, *self.replica_maps)
         local = (ids >= self.expert_offset) & (ids < self.expert_offset + held)
         ids = (ids - self.expert_offset).clamp(0, held - 1)
-        weights = weights * local
+        assert self.reduce is not None
+        return self.reduce(self._routed(flat, weights * local, ids)) + self.shared_experts(flat)
+
+    def _routed(self, flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' op over the stacked copies: fp4 as stored, or float."""
         if self.holds_fp4:
-            routed = routed_experts_fp4(
-                flat,
-                weights,
-                ids,
+            fp4 = (
                 self.w1_fp4,
                 self.w1_fp4_scale,
                 self.w2_fp4,
                 self.w2_fp4_scale,
                 self.w3_fp4,
                 self.w3_fp4_scale,
-                self.limit,
             )
-        else:
-            routed = routed_experts(
-                flat, weights, ids, self.w1_stacked, self.w2_stacked, self.w3_stacked, self.limit
-            )
-        assert self.reduce is not None
-        return self.reduce(routed) + self.shared_experts(flat)
+            return routed_experts_fp4(flat, weights, ids, *fp4, self.limit)
+        if self.w1_stacked is None:
+            self.stack_experts()
+        return routed_experts(
+            flat, weights, ids, self.w1_stacked, self.w2_stacked, self.w3_stacked, self.limit
+        )
 
     def _adopt(self, name: str, stacked: torch.Tensor) -> None:
         setattr(self, f"{name}_stacked", stacked)
@@ -195,27 +195,8 @@ class MoE(nn.Module):
             self.expert_load.index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
         if self.reduce is not None:
             return self._expert_parallel(flat, weights, ids).view(shape)
-        if self.holds_fp4:  # experts resident as fp4 (no float parameters to differentiate)
-            routed = routed_experts_fp4(
-                flat,
-                weights,
-                ids,
-                self.w1_fp4,
-                self.w1_fp4_scale,
-                self.w2_fp4,
-                self.w2_fp4_scale,
-                self.w3_fp4,
-                self.w3_fp4_scale,
-                self.limit,
-            )
-            return (routed + self.shared_experts(flat)).view(shape)
-        if functional:
+        if functional and not self.holds_fp4:  # fp4 experts have no float parameters
             w1, w2, w3 = ([getattr(e, name).weight for e in self.experts] for name in ("w1", "w2", "w3"))
             routed = routed_experts_reference(flat, weights, ids, w1, w2, w3, self.limit)
             return (routed + self.shared_experts(flat)).view(shape)
-        if self.w1_stacked is None:
-            self.stack_experts()
-        routed = routed_experts(
-            flat, weights, ids, self.w1_stacked, self.w2_stacked, self.w3_stacked, self.limit
-        )
-        return (routed + self.shared_experts(flat)).view(shape)
+        return (self._routed(flat, weights, ids) + self.shared_experts(flat)).view(shape)
