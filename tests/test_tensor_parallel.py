@@ -29,6 +29,7 @@ def llama_tp(tmp_path_factory):
         head_dim=16,
         hidden_size=64,
         intermediate_size=96,
+        tie_word_embeddings=False,  # the untied head is split by vocabulary rows too
     )
 
 
@@ -72,9 +73,9 @@ def test_two_ranks_equal_one_process(llama_tp):
         assert tokens == want_tokens
         assert all(abs(a - b) <= 1e-4 for a, b in zip(logprobs, want_logprobs, strict=True))
     assert [t for t, _ in again] == [t for t, _ in expected]
-    # rank 0 keeps half of every layer's projections (the embedding and norms stay whole)
-    layer_bytes = sum(p.numel() * p.element_size() for p in single.model.model.layers.parameters())
-    assert whole - sharded >= 0.45 * layer_bytes
+    # rank 0 keeps half of every layer's projections and of the embedding (norms stay whole)
+    split = [*single.model.model.layers.parameters(), single.model.model.embed_tokens.weight]
+    assert whole - sharded >= 0.45 * sum(p.numel() * p.element_size() for p in split)
 
 
 def test_a_killed_worker_fails_the_next_step_naming_its_rank(llama_tp):
@@ -222,6 +223,24 @@ def test_eplb_rebalancing_moves_experts_without_changing_outputs(tmp_path):
         assert all(m.w1_stacked.shape[0] == (experts + 2) // 2 for m in moes)
         assert any((m.replica_maps[1] > 1).any() for m in moes)  # some expert has two replicas
         assert engine.moe_lb() >= 1.0
+    finally:
+        llm.close()
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):
+        assert tokens == want_tokens
+        assert all(abs(a - b) <= 1e-4 for a, b in zip(logprobs, want_logprobs, strict=True))
+
+
+def test_a_tied_head_splits_with_the_embedding(tmp_path):
+    """Tied embeddings (the head is the embedding's rows): 2 ranks equal one process."""
+    path = make_tiny_checkpoint(
+        tmp_path, "llama", seed=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=64
+    )
+    prompts, params = _workload(3)
+    expected = _tokens_and_logprobs(LLM(str(path)).generate(prompts[:4], params[:4], use_tqdm=False))
+    llm = LLM(str(path), tensor_parallel_size=2)
+    try:
+        assert llm.model.config.tie_word_embeddings
+        got = _tokens_and_logprobs(llm.generate(prompts[:4], params[:4], use_tqdm=False))
     finally:
         llm.close()
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):

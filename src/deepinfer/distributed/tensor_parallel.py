@@ -1,8 +1,11 @@
 """Tensor parallelism for the Llama family: each rank keeps 1/T of every layer's heads and
 of its MLP, and the two row-parallel outputs (``o_proj``, ``down_proj``) are summed across
-the ranks with one all-reduce each. The embedding, norms and head stay whole on every rank
-(vocab-parallel embedding and head are not done yet), so every rank computes the same
-logits and rank 0 samples from its own.
+the ranks with one all-reduce each. The norms stay whole on every rank; every rank ends with
+the same logits and rank 0 samples from its own.
+
+The embedding and the head are split by vocabulary rows: each rank looks up the tokens it
+holds (the others' rows count zero) and one all-reduce sums them; each rank computes its
+columns of the logits and one all-gather puts them side by side.
 
 The split follows the usual column/row scheme: q/k/v and gate/up are split by output rows
 (whole heads, whole K/V heads), o_proj and down_proj by input columns; a bias of a
@@ -41,8 +44,9 @@ def _set(linear: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def check_divisible(config, size: int) -> None:
-    """Tensor parallel ``size`` must split heads, K/V heads and the MLP width evenly."""
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    """Tensor parallel ``size`` must split heads, K/V heads, the MLP width and the vocabulary
+    evenly."""
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
         value = getattr(config, name)
         if value % size:
             raise ValueError(f"tensor_parallel_size={size} does not divide {name}={value}")
@@ -53,6 +57,13 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> t
     x = x.contiguous()
     dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
     return x
+
+
+def all_gather_columns(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The ranks' ``x`` [..., n] side by side [..., size * n], in rank order."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
 
 
 def shard_llama(model: nn.Module, rank: int, size: int, group: dist.ProcessGroup | None = None) -> None:
@@ -74,6 +85,19 @@ def shard_llama(model: nn.Module, rank: int, size: int, group: dist.ProcessGroup
         attn.fuse()
         mlp.fuse()
         layer.reduce = functools.partial(all_reduce_sum, group=group)
+    # vocab parallel: this rank's rows of the embedding (and of an untied head)
+    vocab = cfg.vocab_size // size
+    embed = model.model.embed_tokens
+    embed.weight = nn.Parameter(_rows(embed.weight.detach(), rank, size), requires_grad=False)
+    if not cfg.tie_word_embeddings:
+        model.lm_head.weight = nn.Parameter(
+            _rows(model.lm_head.weight.detach(), rank, size), requires_grad=False
+        )
+    model.vocab_parallel = (
+        rank * vocab,
+        functools.partial(all_reduce_sum, group=group),
+        functools.partial(all_gather_columns, group=group),
+    )
     model.config = dataclasses.replace(
         cfg,
         num_attention_heads=cfg.num_attention_heads // size,

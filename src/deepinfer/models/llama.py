@@ -305,6 +305,9 @@ class LlamaForCausalLM(CausalLM):
         self.head: Projection | None = None  # the engine's output projection (quantized or packed)
         # the engine's eager CPU decode steps: every layer in one C++ call (``pack_weights``)
         self.decode_stack: LlamaDecodeStack | None = None
+        # tensor parallel with the vocabulary split (distributed/tensor_parallel.py): (this
+        # rank's first token id, sum over the ranks, gather of the logits' columns)
+        self.vocab_parallel: tuple[int, Callable, Callable] | None = None
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -435,7 +438,7 @@ class LlamaForCausalLM(CausalLM):
         """One engine step (see ``CausalLM``): flat tokens in, logits for ``batch.logits_idx``."""
         freqs = positions.unsqueeze(-1).float() * self.inv_freq(positions.device)
         cos, sin = freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
-        h = batch.to_grid(self.model.embed_tokens(input_ids))
+        h = batch.to_grid(self._embed(input_ids))
         batch.record(h)
         pools = self._stack_pools(h, batch)
         if pools is not None:
@@ -453,6 +456,24 @@ class LlamaForCausalLM(CausalLM):
             h = h[batch.logits_idx]
         h = self.model.norm(h)
         if self.head is not None and not batch.functional:
-            return self.head(h).float()
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(h, weight).float()
+            logits = self.head(h).float()
+        else:
+            weight = (
+                self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+            )
+            logits = F.linear(h, weight).float()
+        return logits if self.vocab_parallel is None else self.vocab_parallel[2](logits)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; with a vocab-parallel embedding, this rank's rows (others zero)
+        summed over the ranks."""
+        weight = self.model.embed_tokens.weight
+        if self.vocab_parallel is None:
+            return self.model.embed_tokens(input_ids)
+        offset, reduce, _ = self.vocab_parallel
+        rows = weight.shape[0]
+        local = (input_ids >= offset) & (input_ids < offset + rows)
+        h = F.embedding((input_ids - offset).clamp(0, rows - 1), weight) * local.unsqueeze(-1).to(
+            weight.dtype
+        )
+        return reduce(h)
