@@ -104,6 +104,7 @@ def test_sizes_that_do_not_divide_the_heads_are_refused(llama_tp):
         ("deepseek_v4", None, 2, True),
         ("deepseek_v41", None, 2, True),
         ("deepseek_v4", "fp8", 4, True),
+        ("deepseek_v41", None, 4, True),
     ],
 )
 def test_deepseek_tensor_and_expert_parallel_equal_one_process(tmp_path, arch, quant, ranks, expert_parallel):
@@ -241,6 +242,32 @@ def test_a_tied_head_splits_with_the_embedding(tmp_path):
     try:
         assert llm.model.config.tie_word_embeddings
         got = _tokens_and_logprobs(llm.generate(prompts[:4], params[:4], use_tqdm=False))
+    finally:
+        llm.close()
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):
+        assert tokens == want_tokens
+        assert all(abs(a - b) <= 1e-4 for a, b in zip(logprobs, want_logprobs, strict=True))
+
+
+def test_four_ranks_on_llama(tmp_path):
+    """4 ranks: 8 heads, 4 K/V heads, the MLP and a 260-token vocabulary split four ways."""
+    path = make_tiny_checkpoint(
+        tmp_path,
+        "llama",
+        seed=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+        hidden_size=64,
+        intermediate_size=96,
+        vocab_size=260,
+        tie_word_embeddings=False,
+    )
+    prompts, params = _workload(4)
+    expected = _tokens_and_logprobs(LLM(str(path)).generate(prompts[:5], params[:5], use_tqdm=False))
+    llm = LLM(str(path), tensor_parallel_size=4)
+    try:
+        got = _tokens_and_logprobs(llm.generate(prompts[:5], params[:5], use_tqdm=False))
     finally:
         llm.close()
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):
