@@ -110,8 +110,8 @@ class Scheduler:
 
     def trim_window(self, request: Request) -> None:
         """Give back the window blocks no later position reads (all before the next
-        position's window), keeping their prefix-cache hashes. Run after each step and before
-        each schedule; a block given back while a step that reads it is still to run is safe:
+        position's window), keeping their prefix-cache hashes. Run after each step on the
+        step's requests (only they moved); a block given back while a step that reads it is still to run is safe:
         only steps write blocks, one at a time, so a new owner writes it only later."""
         if self.window_pool is None:
             return
@@ -219,8 +219,6 @@ class Scheduler:
         scheduled: set[int] = set()
         if self.plan_drafts is not None:
             self.plan_drafts([r for r in self.running if self.may_draft(r)])
-        for request in self.running:
-            self.trim_window(request)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]

@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from deepinfer.kernels.quantized import dequantize_fp4 as kernel_dequantize_fp4
+
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 FP4_BLOCK = 32
@@ -73,12 +75,9 @@ def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`quantize_fp4`, in fp32: [N, K/2] bytes + [N, K/32] scales -> [N, K]."""
+    """Inverse of :func:`quantize_fp4`, in fp32: [N, K/2] bytes + [N, K/32] scales -> [N, K]
+    (the decode the fp4 expert kernels use, after a shape check)."""
     n, half = packed.shape
-    k = half * 2
-    if tuple(scale.shape) != (n, k // FP4_BLOCK):
-        raise ValueError(f"fp4 scale has shape {tuple(scale.shape)}, expected {(n, k // FP4_BLOCK)}")
-    byte = packed.view(torch.uint8).long()
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    values = torch.stack((table[byte & 0xF], table[byte >> 4]), dim=-1).view(n, k)
-    return (values.view(n, k // FP4_BLOCK, FP4_BLOCK) * scale.float().unsqueeze(-1)).view(n, k)
+    if tuple(scale.shape) != (n, 2 * half // FP4_BLOCK):
+        raise ValueError(f"fp4 scale has shape {tuple(scale.shape)}, expected {(n, 2 * half // FP4_BLOCK)}")
+    return kernel_dequantize_fp4(packed, scale, FP4_BLOCK)
