@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -573,7 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _follow(args: argparse.Namespace, rank: int, size: int) -> int:
+def _follow(args: argparse.Namespace, rank: int, size: int) -> NoReturn:
     """A torchrun rank other than 0: load this rank's share and run the steps rank 0 sends."""
     from deepinfer.distributed.workers import worker_main
     from deepinfer.llm import parse_dtype
@@ -594,7 +596,12 @@ def _follow(args: argparse.Namespace, rank: int, size: int) -> int:
         "keep_quantized": args.quantization in (None, "fp8"),
     }
     worker_main(rank, size, None, mode, load_kwargs)
-    return 0
+    # Leave without running C++ static destructors: after a gloo group, one of PyTorch's
+    # destroys a still-joinable thread and aborts the process (about 1 exit in 10 here), which
+    # torchrun reports as a failed rank. multiprocessing workers exit this way too.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _ranks_from_torchrun(args: argparse.Namespace) -> tuple[int, int] | None:

@@ -64,6 +64,13 @@ def _init_group(rank: int, size: int, port: int | None, device: str) -> None:
     )
 
 
+def _leave_group() -> None:
+    """Leave the group once every rank has had the stop: a rank that tears its connections
+    down while another still reads from them aborts that one (gloo terminates the process)."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def launched_by_torchrun() -> tuple[int, int] | None:
     """(rank, world size) when torchrun started this process as one of several, else None."""
     if "TORCHELASTIC_RUN_ID" not in os.environ and "MASTER_PORT" not in os.environ:
@@ -126,7 +133,7 @@ def worker_main(rank: int, size: int, port: int | None, mode: str, load_kwargs: 
         positions, batch = build_forward_batch(layout, pools, chunks, torch.device(device), padding)
         with torch.inference_mode():
             model.step(input_ids.to(device), positions, batch)
-    dist.destroy_process_group()
+    _leave_group()
 
 
 class TensorParallelGroup:
@@ -193,6 +200,7 @@ class TensorParallelGroup:
         try:
             if not self.dead_ranks():
                 _broadcast(None)
+                _leave_group()
         finally:
             for proc in self.procs:
                 proc.join(timeout=30)
