@@ -51,6 +51,11 @@ class EngineConfig:
     # Tensor parallelism (vLLM's option name): ranks 1 .. T-1 run in worker processes the
     # engine starts (distributed/workers.py); Llama models, eager steps, so far
     tensor_parallel_size: int = 1
+    # Data-parallel attention (vLLM's option name): D ranks, each running attention for its
+    # own requests over its own KV cache (one scheduler per rank); with
+    # enable_expert_parallel the routed experts are split over the D ranks and reached by
+    # all-to-all, else each rank holds the whole model. tensor_parallel_size must then be 1
+    data_parallel_size: int = 1
     # with tensor_parallel_size > 1 on a MoE model: split the routed experts over the ranks
     # (vLLM's option name); attention and the shared expert run whole on every rank so far
     enable_expert_parallel: bool = False
@@ -87,6 +92,11 @@ class EngineConfig:
     # whose verify capacity is known two steps ahead (lagged_topk_schedule)
     speculative_config: Any = None
 
+    @property
+    def world_size(self) -> int:
+        """Ranks the engine runs on (tensor x data parallel)."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
     def validate(self) -> None:
         def need(ok: bool, name: str, rule: str) -> None:
             if not ok:
@@ -101,6 +111,7 @@ class EngineConfig:
         for name in (
             "block_size",
             "tensor_parallel_size",
+            "data_parallel_size",
             "max_num_seqs",
             "max_num_batched_tokens",
             "max_graph_batch_size",
@@ -124,14 +135,22 @@ class EngineConfig:
             "num_redundant_experts",
             "an integer >= 0",
         )
-        if self.enable_eplb and not (self.enable_expert_parallel and self.tensor_parallel_size > 1):
-            raise ValueError("enable_eplb needs enable_expert_parallel=True and tensor_parallel_size > 1")
+        if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "data_parallel_size > 1 with tensor_parallel_size > 1 is not built yet: "
+                "use one of them (data-parallel attention runs whole attention per rank)"
+            )
+        if self.enable_eplb and not (self.enable_expert_parallel and self.world_size > 1):
+            raise ValueError(
+                "enable_eplb needs enable_expert_parallel=True and tensor_parallel_size or "
+                "data_parallel_size > 1"
+            )
         if self.enable_eplb and self.async_scheduling:
             raise ValueError("enable_eplb moves experts between steps: it needs async_scheduling off")
-        if self.num_redundant_experts % self.tensor_parallel_size:
+        if self.num_redundant_experts % self.world_size:
             raise ValueError(
                 f"num_redundant_experts={self.num_redundant_experts} must be a multiple of "
-                f"tensor_parallel_size={self.tensor_parallel_size}"
+                f"the {self.world_size} ranks"
             )
         need(
             isinstance(self.compile_backend, str) and bool(self.compile_backend), "compile_backend", "a name"
@@ -163,11 +182,11 @@ class EngineConfig:
             )
         for name in ("async_scheduling", "fake_quant", "compile", "capture_graphs"):
             need(getattr(self, name) in (None, True, False), name, "None (auto) or a bool")
-        if self.tensor_parallel_size > 1:
+        for option in ("tensor_parallel_size", "data_parallel_size"):
+            if getattr(self, option) == 1:
+                continue
             for name in ("compile", "capture_graphs", "speculative_config"):
                 if getattr(self, name):
-                    raise ValueError(f"tensor_parallel_size > 1 runs eager steps without {name} so far")
+                    raise ValueError(f"{option} > 1 runs eager steps without {name} so far")
             if self.quantization in ("int8", "int4"):
-                raise ValueError(
-                    f"tensor_parallel_size > 1 with quantization={self.quantization!r} is not supported"
-                )
+                raise ValueError(f"{option} > 1 with quantization={self.quantization!r} is not supported")

@@ -1,10 +1,15 @@
 """Expert parallelism for DeepSeek MoE layers: each rank keeps 1/N of every layer's routed
-experts (contiguous ids, the identity placement of ``eplb.identity_placement``); every rank
-routes every token, runs its own experts on the pairs routed to them (the other pairs
-weighted zero) and one all-reduce sums the ranks' routed outputs, which is all-gather
-dispatch and reduce-scatter combine collapsed into one collective for a batch every rank
-holds. Attention and the shared expert are computed whole on every rank (data-parallel
-attention, which would split the requests, is not built yet).
+experts (contiguous ids, the identity placement of ``eplb.identity_placement``). Two ways
+to reach them:
+
+- tensor-parallel attention (every rank holds every token): every rank routes every token,
+  runs its own experts on the pairs routed to them (the other pairs weighted zero) and one
+  all-reduce sums the ranks' routed outputs, which is all-gather dispatch and reduce-scatter
+  combine collapsed into one collective;
+- data-parallel attention (each rank holds its own requests' tokens): ``AllToAllDispatch``
+  sends each token once to every rank holding one of its experts, with the weights of the
+  choices that rank serves, and sends the weighted sums back (two ``all_to_all_single``
+  exchanges per layer, as DeepEP's normal kernels do), counting the bytes that cross.
 """
 
 from __future__ import annotations
@@ -16,10 +21,19 @@ import torch.distributed as dist
 from torch import nn
 
 from deepinfer.distributed.tensor_parallel import all_reduce_sum
+from deepinfer.models.layers.moe import replica_slots
 
 
-def shard_experts(model: nn.Module, rank: int, size: int, group: dist.ProcessGroup | None = None) -> None:
-    """Keep rank ``rank``'s routed experts in every MoE layer of ``model`` (in place)."""
+def shard_experts(
+    model: nn.Module,
+    rank: int,
+    size: int,
+    group: dist.ProcessGroup | None = None,
+    all_to_all: bool = False,
+) -> None:
+    """Keep rank ``rank``'s routed experts in every MoE layer of ``model`` (in place).
+    ``all_to_all``: the ranks hold different tokens (data-parallel attention), which each
+    layer's ``AllToAllDispatch`` exchanges; else an all-reduce sums the routed outputs."""
     layers = [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "expert_offset")]
     if not layers:
         raise ValueError(f"{type(model).__name__} has no routed experts to split")
@@ -47,7 +61,10 @@ def shard_experts(model: nn.Module, rank: int, size: int, group: dist.ProcessGro
                         nn.Parameter(local[i - first], requires_grad=False) if inside else None
                     )
         moe.expert_offset = first
-        moe.reduce = functools.partial(all_reduce_sum, group=group)
+        if all_to_all:
+            moe.dispatch = AllToAllDispatch(rank, size, group)
+        else:
+            moe.reduce = functools.partial(all_reduce_sum, group=group)
         moe.phy2log = torch.arange(count)  # every rank's slots, in rank order (no replicas yet)
 
 
@@ -113,3 +130,86 @@ def apply_placement(
             for name in ("w1", "w2", "w3"):
                 if getattr(expert, name).weight is not None:
                     getattr(expert, name).weight = None
+
+
+class AllToAllDispatch:
+    """A MoE layer's token exchange under data-parallel attention (``MoE.dispatch``).
+
+    Physical expert slots are laid out rank by rank (``held`` per rank), so a pair routed to
+    slot s goes to rank s // held. Each token is sent once to every rank serving at least one
+    of its choices (to itself without crossing the wire), with its k weights zeroed for the
+    choices that rank does not serve; that rank runs its experts and sends back one weighted
+    sum per token, which the origin adds up. The counters are what crossed to other ranks:
+    ``dispatch_rows`` tokens out and ``combine_rows`` sums back, ``payload_bytes`` their
+    hidden vectors and ``meta_bytes`` the weights and slot ids sent with them.
+    """
+
+    def __init__(self, rank: int, size: int, group: dist.ProcessGroup | None = None) -> None:
+        self.rank, self.size, self.group = rank, size, group
+        self.tokens = 0
+        self.dispatch_rows = 0
+        self.combine_rows = 0
+        self.payload_bytes = 0
+        self.meta_bytes = 0
+
+    def _exchange(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        out = x.new_empty(sum(recv), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=self.group)
+        return out
+
+    def __call__(
+        self, moe: nn.Module, flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        held = moe.held_experts
+        if moe.replica_maps is not None:
+            ids = replica_slots(ids, *moe.replica_maps)
+        dest = torch.div(ids, held, rounding_mode="floor")
+        picks = [(dest == r).any(1).nonzero().squeeze(1) for r in range(self.size)]
+        send = [int(p.numel()) for p in picks]
+        index = torch.cat(picks)
+        target = torch.repeat_interleave(torch.arange(self.size, device=ids.device), torch.tensor(send))
+        served = dest[index] == target[:, None]
+        counts = torch.tensor(send, dtype=torch.long)
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.group)
+        recv = recv_counts.tolist()
+        x = self._exchange(flat[index], send, recv)
+        w = self._exchange(weights[index] * served, send, recv)
+        slots = self._exchange((ids[index] - target[:, None] * held).masked_fill(~served, 0), send, recv)
+        out = moe.run_routed(x, w, slots)
+        back = self._exchange(out, recv, send)
+        self._count(flat, weights, send, recv)
+        return flat.new_zeros(flat.shape[0], back.shape[1]).index_add_(0, index, back.to(flat.dtype))
+
+    def _count(self, flat: torch.Tensor, weights: torch.Tensor, send: list[int], recv: list[int]) -> None:
+        remote_out = sum(n for r, n in enumerate(send) if r != self.rank)
+        remote_back = sum(n for r, n in enumerate(recv) if r != self.rank)
+        row = flat.shape[1] * flat.element_size()
+        meta = weights.shape[1] * (weights.element_size() + 8)  # weights and int64 slot ids
+        self.tokens += flat.shape[0]
+        self.dispatch_rows += remote_out
+        self.combine_rows += remote_back
+        self.payload_bytes += (remote_out + remote_back) * row
+        self.meta_bytes += remote_out * meta
+
+
+def expected_remote_ranks(ranks: int, top_k: int, experts: int | None = None) -> float:
+    """Other ranks a token reaches when its k distinct experts are a uniform draw of the
+    ``experts`` (E / N per rank): a given other rank is missed with probability
+    C(E - E/N, k) / C(E, k). ``experts`` None: the large-E limit, 1 - (1 - 1/N)^k per rank."""
+    if experts is None:
+        miss = (1.0 - 1.0 / ranks) ** top_k
+    else:
+        per_rank = experts // ranks
+        miss = 1.0
+        for i in range(top_k):
+            miss *= max(0, experts - per_rank - i) / (experts - i)
+    return (ranks - 1) * (1.0 - miss)
+
+
+def dispatch_bytes_per_token(
+    ranks: int, top_k: int, dispatch_row: int, combine_row: int, experts: int | None = None
+) -> float:
+    """All-to-all bytes one token causes per MoE layer (dispatch out plus combine back), with
+    ``dispatch_row`` / ``combine_row`` bytes per token and remote rank."""
+    return expected_remote_ranks(ranks, top_k, experts) * (dispatch_row + combine_row)

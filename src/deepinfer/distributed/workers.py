@@ -7,6 +7,11 @@ worker that dies shows up as a failed collective on rank 0, which then names the
 (``TensorParallelGroup.checked``); one that hangs, after ``TIMEOUT_S``. Across machines,
 torchrun starts every rank instead (``torchrun ... -m deepinfer generate ...``): rank 0 runs
 the command and the others follow it (``cli.main`` sends them to ``worker_main``).
+
+With data-parallel attention (modes ``"data"`` / ``"data+ep"``) the ranks hold different
+requests: rank 0 broadcasts every rank's part of the step, each rank runs its own (one null
+token when it has none, so its MoE layers still join the all-to-all exchange), and the
+logits rows come back to rank 0 with one gather.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from deepinfer.cache.pools import CacheLayout, allocate_pools
-from deepinfer.cache.step_metadata import build_forward_batch
+from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch
+from deepinfer.distributed.eplb import ExpertLoadWindow
 from deepinfer.distributed.expert_parallel import apply_placement, shard_experts
 from deepinfer.distributed.tensor_parallel import shard_deepseek, shard_llama
 from deepinfer.models.loading import load_model
@@ -43,6 +49,7 @@ class CacheSetup:
     num_blocks: int
     num_slots: int
     num_window_blocks: int | None
+    count_expert_load: bool = False  # EPLB under data parallel: every rank counts its tokens
 
 
 def _free_port() -> int:
@@ -85,11 +92,19 @@ def _broadcast(value: Any = None) -> Any:
     return box[0]
 
 
+MODES = ("llama", "deepseek", "deepseek+ep", "data", "data+ep")
+
+
 def shard(model: torch.nn.Module, mode: str, rank: int, size: int) -> None:
     """Keep rank ``rank``'s share: ``"llama"`` (heads and MLP), ``"deepseek"`` (attention
-    heads and output groups; experts whole) or ``"deepseek+ep"`` (also the routed experts
-    split)."""
-    if mode == "llama":
+    heads and output groups; experts whole), ``"deepseek+ep"`` (also the routed experts
+    split), ``"data"`` (all of it: data-parallel replicas) or ``"data+ep"`` (data-parallel
+    attention, routed experts split and reached by all-to-all)."""
+    if mode == "data":
+        return
+    if mode == "data+ep":
+        shard_experts(model, rank, size, all_to_all=True)
+    elif mode == "llama":
         shard_llama(model, rank, size)
     elif mode in ("deepseek", "deepseek+ep"):
         shard_deepseek(model, rank, size)
@@ -125,15 +140,71 @@ def worker_main(rank: int, size: int, port: int | None, mode: str, load_kwargs: 
         torch.device(device),
         setup.num_window_blocks,
     )
+    counters = ExpertLoadWindow(model, 1).layers if setup.count_expert_load else []
     while (message := _broadcast()) is not None:
         if "placement" in message:  # EPLB: every rank moves its experts together
             apply_placement(model, message["placement"], rank, size)
+            continue
+        if "dp_step" in message:
+            parts, rows = message["dp_step"]
+            chunks, input_ids = parts[rank]
+            idle = StepPadding(
+                setup.num_blocks, setup.num_slots, 1, null_window_block=setup.num_window_blocks
+            )
+            logits = run_part(model, layout, pools, chunks, input_ids, device, None if chunks else idle)
+            gather_rows(logits, rows)
+            if counters:
+                reduce_expert_load(counters)
             continue
         chunks, input_ids, padding = message["step"]
         positions, batch = build_forward_batch(layout, pools, chunks, torch.device(device), padding)
         with torch.inference_mode():
             model.step(input_ids.to(device), positions, batch)
     _leave_group()
+
+
+def run_part(
+    model: torch.nn.Module,
+    layout: CacheLayout,
+    pools: list,
+    chunks: list[SeqChunk],
+    input_ids: torch.Tensor,
+    device: str,
+    padding: StepPadding | None,
+) -> torch.Tensor:
+    """A data-parallel rank's part of a step over its own pools; its logits."""
+    positions, batch = build_forward_batch(layout, pools, chunks, torch.device(device), padding)
+    ids = torch.zeros(positions.shape[0], dtype=torch.long, device=device)
+    ids[: input_ids.shape[0]] = input_ids.to(device)
+    with torch.inference_mode():
+        out = model.step(ids, positions, batch)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def gather_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+    """Rank r's first ``rows[r]`` logits rows, joined in rank order on rank 0 (None
+    elsewhere): one gather of tensors padded to the longest part."""
+    rank = dist.get_rank()
+    most = max(max(rows), 1)
+    part = logits.new_zeros(most, logits.shape[-1])
+    part[: rows[rank]] = logits[: rows[rank]]
+    parts = [torch.empty_like(part) for _ in rows] if rank == 0 else None
+    dist.gather(part, parts, dst=0)
+    if parts is None:
+        return None
+    return torch.cat([p[:n] for p, n in zip(parts, rows, strict=True)])
+
+
+def reduce_expert_load(layers: list[torch.nn.Module]) -> None:
+    """EPLB under data parallel: sum every rank's per-expert token counts into rank 0's
+    counters (the others start again from zero)."""
+    counts = torch.stack([layer.expert_load for layer in layers])
+    dist.reduce(counts, dst=0)
+    for layer, total in zip(layers, counts, strict=True):
+        if dist.get_rank() == 0:
+            layer.expert_load.copy_(total)
+        else:
+            layer.expert_load.zero_()
 
 
 class TensorParallelGroup:
@@ -186,6 +257,14 @@ class TensorParallelGroup:
         if dead:
             raise RuntimeError(f"tensor parallel: worker rank(s) {dead} died")
         self.checked(lambda: _broadcast({"step": (chunks, input_ids.cpu(), padding)}))
+
+    def data_parallel_step(self, parts: list[tuple[list[SeqChunk], torch.Tensor]], rows: list[int]) -> None:
+        """Send every rank its part of a data-parallel step (chunks and input ids) and the
+        logits rows each returns (``gather_rows``); rank 0 then runs its own part."""
+        dead = self.dead_ranks()
+        if dead:
+            raise RuntimeError(f"tensor parallel: worker rank(s) {dead} died")
+        self.checked(lambda: _broadcast({"dp_step": (parts, rows)}))
 
     def rebalance(self, model: torch.nn.Module, placement: Any) -> None:
         """Move every rank's experts to an EPLB ``placement`` (rank 0's share in ``model``)."""

@@ -27,8 +27,15 @@ from deepinfer.distributed.eplb import (
     rebalance_experts,
 )
 from deepinfer.distributed.tensor_parallel import check_divisible
-from deepinfer.distributed.workers import CacheSetup, TensorParallelGroup, shard
+from deepinfer.distributed.workers import (
+    CacheSetup,
+    TensorParallelGroup,
+    gather_rows,
+    reduce_expert_load,
+    shard,
+)
 from deepinfer.engine.block_pool import BlockPool
+from deepinfer.engine.dp_scheduler import DataParallelScheduler
 from deepinfer.engine.graph_runner import measure_step_memory
 from deepinfer.engine.model_runner import ModelRunner, PreparedStep
 from deepinfer.engine.output_processor import OutputProcessor
@@ -89,7 +96,8 @@ class Engine:
         # tensor or expert parallel: start the worker ranks and keep rank 0's share, before
         # anything reads the model's (now local) shapes
         self.tp: TensorParallelGroup | None = None
-        if config.tensor_parallel_size > 1:
+        self.data_parallel = config.data_parallel_size > 1
+        if config.world_size > 1:
             self.tp = self._start_tensor_parallel(checkpoint)
             weakref.finalize(self, self.tp.close)
         self.kv_dtype = dtype
@@ -112,14 +120,17 @@ class Engine:
             if use_graphs
             else 0
         )
-        self.window_pool: BlockPool | None = None
+        ranks = config.data_parallel_size  # each data-parallel rank has pools of its own
+        self.window_pools: list[BlockPool] | None = None
         num_window_blocks = None
         if self.layout.bounded_window:
             num_window_blocks = self._window_blocks()
-            self.window_pool = BlockPool(num_window_blocks)
+            self.window_pools = [BlockPool(num_window_blocks) for _ in range(ranks)]
             side_bytes += (num_window_blocks + 1) * self.layout.window_block_bytes(dtype)
+        self.window_pool = self.window_pools[0] if self.window_pools is not None else None
         num_blocks = config.num_cache_blocks or self._blocks_for_budget(dtype, side_bytes)
-        self.pool = BlockPool(num_blocks)
+        self.pools = [BlockPool(num_blocks) for _ in range(ranks)]
+        self.pool = self.pools[0]
         self.runner = ModelRunner(
             model,
             self.layout,
@@ -153,6 +164,7 @@ class Engine:
                     num_blocks,
                     config.max_num_seqs,
                     num_window_blocks,
+                    count_expert_load=self.eplb is not None and self.data_parallel,
                 )
             )
         if self.runner.graphs is not None:
@@ -165,16 +177,22 @@ class Engine:
         self.spec: SpeculativeDecoder | None = None
         if config.speculative_config is not None and drafter is not None:
             self.spec = self._speculative_decoder(config.speculative_config, drafter, lagged=platform_async)
-        self.scheduler = Scheduler(
-            config,
-            self.pool,
-            self.layout.block_size,
-            config.max_num_seqs,
-            self.spec.draft if self.spec is not None else None,
-            self.spec.plan if self.spec is not None else None,
-            drafts_after_recompute=self.spec is not None and self.spec.rollback.drafts_after_recompute,
-            window_pool=self.window_pool,
-            window=self.layout.window,
+        schedulers = [
+            Scheduler(
+                config,
+                self.pools[rank],
+                self.layout.block_size,
+                config.max_num_seqs,
+                self.spec.draft if self.spec is not None else None,
+                self.spec.plan if self.spec is not None else None,
+                drafts_after_recompute=self.spec is not None and self.spec.rollback.drafts_after_recompute,
+                window_pool=self.window_pools[rank] if self.window_pools is not None else None,
+                window=self.layout.window,
+            )
+            for rank in range(ranks)
+        ]
+        self.scheduler: Scheduler | DataParallelScheduler = (
+            DataParallelScheduler(schedulers) if self.data_parallel else schedulers[0]
         )
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -193,16 +211,21 @@ class Engine:
         )
 
     def _start_tensor_parallel(self, checkpoint: Path | None) -> TensorParallelGroup:
-        """Start ranks 1 .. T-1 (each loads the checkpoint and keeps its share) and shard this
+        """Start ranks 1 .. N-1 (each loads the checkpoint and keeps its share) and shard this
         process's model as rank 0: Llama heads and MLP, DeepSeek attention heads and output
-        groups, and with ``enable_expert_parallel`` a DeepSeek model's routed experts."""
-        size, model = self.config.tensor_parallel_size, self.model
-        if isinstance(model, LlamaForCausalLM):
+        groups, and with ``enable_expert_parallel`` a DeepSeek model's routed experts; under
+        data parallel, whole replicas (their routed experts split with expert parallel)."""
+        size, model = self.config.world_size, self.model
+        experts = getattr(model.config, "n_routed_experts", 0)
+        if self.data_parallel:
+            mode = "data+ep" if self.config.enable_expert_parallel else "data"
+            if self.config.enable_expert_parallel and (not experts or experts % size):
+                raise ValueError(f"expert parallel size {size} does not divide the {experts} routed experts")
+        elif isinstance(model, LlamaForCausalLM):
             mode = "llama"
             check_divisible(model.config, size)
         else:
             mode = "deepseek+ep" if self.config.enable_expert_parallel else "deepseek"
-            experts = getattr(model.config, "n_routed_experts", 0)
             if self.config.enable_expert_parallel and (not experts or experts % size):
                 raise ValueError(f"expert parallel size {size} does not divide the {experts} routed experts")
             heads, groups = model.config.num_attention_heads, model.config.o_groups
@@ -212,7 +235,8 @@ class Engine:
                 )
         if checkpoint is None:
             raise ValueError(
-                "tensor_parallel_size > 1 needs the checkpoint directory (Engine(..., checkpoint=))"
+                "tensor_parallel_size or data_parallel_size > 1 needs the checkpoint directory "
+                "(Engine(..., checkpoint=))"
             )
         load_kwargs = {
             "path": str(checkpoint),
@@ -231,19 +255,48 @@ class Engine:
             self.tp.close()
 
     def _execute(self, prepared: PreparedStep, input_ids: torch.Tensor):
-        """Run a step: on every rank when tensor parallel (its chunks broadcast first)."""
+        """Run a step: on every rank when tensor parallel (its chunks broadcast first); under
+        data parallel each rank runs its own chunks and rank 0 gathers the logits."""
         if self.tp is None:
             return self.runner.execute(prepared, input_ids)
         tp = self.tp
+        if self.data_parallel:
+            return self._execute_data_parallel(tp, prepared, input_ids)
         tp.step(prepared.seq_chunks or [], input_ids, prepared.padding)
         return tp.checked(lambda: self.runner.execute(prepared, input_ids))
+
+    def _execute_data_parallel(
+        self, tp: TensorParallelGroup, prepared: PreparedStep, input_ids: torch.Tensor
+    ):
+        """Every rank its chunks (ids read now, at launch), rank 0's part here, then every
+        rank's logits rows joined in rank order (the step's chunks are grouped by rank)."""
+        seq_chunks = prepared.seq_chunks or []
+        parts, rows = [], []
+        for rank in range(tp.size):
+            mine = prepared.on_rank(rank)
+            rows.append(sum(len(seq_chunks[i].logits_offsets) for i in mine))
+            if rank == 0:  # runs here
+                parts.append(([], None))
+            else:
+                parts.append(([seq_chunks[i] for i in mine], self.runner.input_ids(prepared, rank).cpu()))
+        tp.data_parallel_step(parts, rows)
+
+        def run_here() -> torch.Tensor:
+            logits, _ = self.runner.execute(prepared, input_ids)
+            joined = gather_rows(logits, rows)
+            if self.eplb is not None:
+                reduce_expert_load(self.eplb.layers)
+            assert joined is not None
+            return joined
+
+        return tp.checked(run_here), None
 
     def _execution_modes(self, platform: Platform) -> tuple[bool, bool]:
         """(compile the step, replay decode steps from captured graphs), from the options or
         the platform's defaults; refuses what the platform or the model cannot do."""
         config = self.config
-        if config.tensor_parallel_size > 1:
-            return False, False  # tensor parallel runs eager steps so far
+        if config.world_size > 1:
+            return False, False  # tensor and data parallel run eager steps so far
         use_compile = platform.compile_by_default if config.compile is None else config.compile
         use_graphs = platform.capture is not None if config.capture_graphs is None else config.capture_graphs
         if use_graphs and platform.capture is None:
@@ -326,13 +379,14 @@ class Engine:
     def memory_report(self) -> dict[str, Any]:
         """The KV cache: bytes allocated (every pool tensor; on the CPU pages are touched as
         blocks fill) and in use (blocks some request holds), and what a token costs per
-        layer kind (``LLM.memory_report``)."""
+        layer kind (``LLM.memory_report``). Under data parallel: per rank (every rank has
+        pools of this size), with blocks in use summed over the ranks."""
         block = self.layout.block_bytes(self.kv_dtype)
-        in_use = sum(1 for refs in self.pool.ref_count if refs > 0)
+        in_use = sum(1 for pool in self.pools for refs in pool.ref_count if refs > 0)
         window = {}
-        if self.window_pool is not None:
+        if self.window_pool is not None and self.window_pools is not None:
             window_block = self.layout.window_block_bytes(self.kv_dtype)
-            window_in_use = sum(1 for refs in self.window_pool.ref_count if refs > 0)
+            window_in_use = sum(1 for pool in self.window_pools for refs in pool.ref_count if refs > 0)
             window = {
                 "window_blocks": self.window_pool.num_blocks,
                 "window_block_bytes": window_block,
@@ -351,6 +405,7 @@ class Engine:
             "bytes_per_token": block / self.layout.block_size,
             "by_layer_kind": kv_bytes_per_token(self.layout, self.kv_dtype),
             "bounded_window": self.layout.bounded_window,
+            "data_parallel_size": self.config.data_parallel_size,
             **window,
         }
 
@@ -501,7 +556,7 @@ class Engine:
                 c.request.pending_tokens += 1  # the token this step will sample
         if self.spec is not None:
             self.spec.before_step(chunks)
-        return self.runner.prepare(chunks)
+        return self.runner.prepare(chunks, data_parallel=self.data_parallel)
 
     def _launch(self, prepared: PreparedStep) -> None:
         assert self._executor is not None

@@ -41,6 +41,15 @@ class PreparedStep:
     # what the step was built from (tensor-parallel workers build the same step from them)
     seq_chunks: list[SeqChunk] | None = None
     padding: StepPadding | None = None
+    # data-parallel attention: each chunk's rank; positions and batch are rank 0's part only
+    # (the other ranks build theirs from their seq_chunks)
+    ranks: list[int] | None = None
+
+    def on_rank(self, rank: int) -> list[int]:
+        """Indices of the chunks rank ``rank`` runs."""
+        if self.ranks is None:
+            return list(range(len(self.chunks))) if rank == 0 else []
+        return [i for i, r in enumerate(self.ranks) if r == rank]
 
 
 class ModelRunner:
@@ -123,7 +132,14 @@ class ModelRunner:
 
         return compile_step(model, backend=backend)
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> PreparedStep:
+    def idle_padding(self) -> StepPadding:
+        """A step of one null token, for a data-parallel rank with nothing scheduled (its
+        MoE layers still take part in the exchange)."""
+        return StepPadding(self.null_block, self.null_slot, 1, null_window_block=self.null_window_block)
+
+    def prepare(self, chunks: list[ScheduledChunk], data_parallel: bool = False) -> PreparedStep:
+        """``data_parallel``: the chunks belong to several ranks (``request.dp_rank``,
+        grouped in rank order); the tensors are built for rank 0's chunks only."""
         seq_chunks, sample_rows, prompt_rows = [], [], []
         feature_rows: list[tuple[int, int]] | None = [] if self.feature_offsets is not None else None
         row = feature_row = 0
@@ -167,6 +183,14 @@ class ModelRunner:
                     self._window_table(req),
                 )
             )
+        if data_parallel:
+            ranks = [c.request.dp_rank for c in chunks]
+            local = [sc for sc, r in zip(seq_chunks, ranks, strict=True) if r == 0]
+            padding = self.padding if local else self.idle_padding()
+            positions, batch = build_forward_batch(self.layout, self.pools, local, self.device, padding)
+            return PreparedStep(
+                chunks, positions, batch, sample_rows, prompt_rows, None, None, seq_chunks, padding, ranks
+            )
         # steps that return draft features run outside the captured graphs
         use_graphs = self.graphs is not None and feature_rows is None
         bucket = self.graphs.bucket_for(seq_chunks) if use_graphs and self.graphs is not None else None
@@ -207,12 +231,16 @@ class ModelRunner:
         for (t, r), rows in zip(self._slot_rows(), saved, strict=True):
             t[slot * r : (slot + 1) * r] = rows
 
-    def input_ids(self, step: PreparedStep) -> torch.Tensor:
-        """Token ids of the step; read at launch time so async steps see fresh tokens."""
+    def input_ids(self, step: PreparedStep, rank: int = 0) -> torch.Tensor:
+        """Token ids of the step (of rank ``rank``'s chunks under data parallel); read at
+        launch time so async steps see fresh tokens. Rank 0's are padded to its step's rows
+        (another rank pads its own)."""
         ids: list[int] = []
-        for c in step.chunks:
+        for i in step.on_rank(rank):
+            c = step.chunks[i]
             ids += c.request.all_token_ids[c.start : c.end - len(c.draft)] + c.draft
-        ids += [0] * (step.positions.shape[0] - len(ids))  # padded null tokens
+        if rank == 0:
+            ids += [0] * (step.positions.shape[0] - len(ids))  # padded null tokens
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def steps_per_second(self, max_tokens: int, repeats: int = 3) -> SpsTable:

@@ -34,6 +34,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks published so far
     cache_salt: str | None = None  # prefix-cache isolation: only equal salts share blocks
     slot: int | None = None
+    dp_rank: int = 0  # data-parallel attention: the rank holding this request's cache
     restore_overlap: bool = False  # the next chunk follows a prefix-cache hit
     num_cached_tokens: int = 0  # prefix-cache hit at first schedule
     num_preemptions: int = 0

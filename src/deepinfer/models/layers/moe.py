@@ -105,6 +105,10 @@ class MoE(nn.Module):
         # routed outputs (None on one device)
         self.expert_offset = 0
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # Data-parallel attention: each rank holds different tokens, and ``dispatch(moe, x,
+        # weights, ids)`` sends them to the ranks holding their experts and back (all-to-all,
+        # distributed/expert_parallel.py), returning the routed output of this rank's tokens
+        self.dispatch: Callable[..., torch.Tensor] | None = None
         # with EPLB: (logical -> its physical slots [E, R] (-1 padded), replica counts [E]);
         # expert_offset is then this rank's first physical slot (None: slot = expert id)
         self.replica_maps: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -150,18 +154,25 @@ class MoE(nn.Module):
         """Whether the routed experts are resident as fp4 (``keep_fp4``)."""
         return self.w1_fp4 is not None or self.w2_fp4 is not None or self.w3_fp4 is not None
 
+    @property
+    def held_experts(self) -> int:
+        """Expert slots this rank holds (all experts on one device)."""
+        if self.holds_fp4:
+            return self.w1_fp4.shape[0]
+        return len(self.experts) if self.w1_stacked is None else self.w1_stacked.shape[0]
+
     def _expert_parallel(self, flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's experts on their (token, choice) pairs (the others' pairs weighted 0),
         summed over the ranks, plus the shared expert (computed on every rank, added once)."""
-        held = (self.w1_fp4 if self.holds_fp4 else self.w1_stacked).shape[0]
+        held = self.held_experts
         if self.replica_maps is not None:
             ids = replica_slots(ids, *self.replica_maps)
         local = (ids >= self.expert_offset) & (ids < self.expert_offset + held)
         ids = (ids - self.expert_offset).clamp(0, held - 1)
         assert self.reduce is not None
-        return self.reduce(self._routed(flat, weights * local, ids)) + self.shared_experts(flat)
+        return self.reduce(self.run_routed(flat, weights * local, ids)) + self.shared_experts(flat)
 
-    def _routed(self, flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def run_routed(self, flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' op over the stacked copies: fp4 as stored, or float."""
         if self.holds_fp4:
             fp4 = (
@@ -193,10 +204,12 @@ class MoE(nn.Module):
         weights, ids = self.gate(flat, input_ids)
         if self.expert_load is not None and not torch.compiler.is_compiling():
             self.expert_load.index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
+        if self.dispatch is not None:
+            return (self.dispatch(self, flat, weights, ids) + self.shared_experts(flat)).view(shape)
         if self.reduce is not None:
             return self._expert_parallel(flat, weights, ids).view(shape)
         if functional and not self.holds_fp4:  # fp4 experts have no float parameters
             w1, w2, w3 = ([getattr(e, name).weight for e in self.experts] for name in ("w1", "w2", "w3"))
             routed = routed_experts_reference(flat, weights, ids, w1, w2, w3, self.limit)
             return (routed + self.shared_experts(flat)).view(shape)
-        return (self._routed(flat, weights, ids) + self.shared_experts(flat)).view(shape)
+        return (self.run_routed(flat, weights, ids) + self.shared_experts(flat)).view(shape)
