@@ -156,15 +156,31 @@ def test_deepseek_tensor_and_expert_parallel_equal_one_process(tmp_path, arch, q
         assert expert_bytes(part) * (ranks if expert_parallel else 1) == expert_bytes(whole) > 0
 
 
+def test_a_worker_dying_before_it_joins_is_named_at_once(tmp_path):
+    """A worker that cannot start (here: no checkpoint where it looks) ends the start-up
+    within seconds, naming its rank, instead of rank 0 waiting out the rendezvous."""
+    import time
+
+    from deepinfer.distributed.workers import TensorParallelGroup
+
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \['1 \(exit code 1\)'\] died before joining"):
+        TensorParallelGroup(2, "data", {"path": str(tmp_path / "missing"), "device": "cpu"})
+    assert time.perf_counter() - start < 60
+
+
 def test_head_counts_that_do_not_split_are_refused(tmp_path):
     path = make_tiny_checkpoint(tmp_path, arch="deepseek_v4", seed=1)
     with pytest.raises(ValueError, match="does not divide 4 heads and 2 output groups"):
         LLM(str(path), tensor_parallel_size=4)
 
 
-def test_two_nodes_through_torchrun_give_the_same_outputs(llama_tp):
+@pytest.mark.parametrize("parallel", ["tensor", "data+expert"])
+def test_two_nodes_through_torchrun_give_the_same_outputs(llama_tp, tmp_path, parallel):
     """Two torchrun "nodes" on localhost (c10d rendezvous, one rank each): whichever becomes
-    rank 0 runs the command, the other follows; the printed tokens equal one process's."""
+    rank 0 runs the command, the other follows; the printed tokens equal one process's.
+    ``tensor``: Llama split over the two; ``data+expert``: V4 with each node running its own
+    requests and the routed experts split between them."""
     import socket
     import subprocess
     import sys
@@ -172,10 +188,11 @@ def test_two_nodes_through_torchrun_give_the_same_outputs(llama_tp):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    model = llama_tp if parallel == "tensor" else make_tiny_checkpoint(tmp_path, arch="deepseek_v4", seed=3)
     command = [
         "generate",
         "--model",
-        str(llama_tp),
+        str(model),
         "--prompt",
         "hello",
         "--prompt",
@@ -183,10 +200,13 @@ def test_two_nodes_through_torchrun_give_the_same_outputs(llama_tp):
         "--max-tokens",
         "6",
     ]
+    flags = [] if parallel == "tensor" else ["--data-parallel-size", "2", "--enable-expert-parallel"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
     torchrun += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "deepinfer"]
     nodes = [
-        subprocess.Popen(torchrun + command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            torchrun + command + flags, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for _ in range(2)
     ]
     outs = [node.communicate(timeout=300) for node in nodes]

@@ -90,6 +90,7 @@ def _generate(args: argparse.Namespace) -> int:
         compile=_COMPILE_CHOICES[args.compile],
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
+        data_parallel_size=args.data_parallel_size,
     )
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -156,6 +157,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
             compile=_COMPILE_CHOICES[args.compile],
             tensor_parallel_size=args.tensor_parallel_size,
             enable_expert_parallel=args.enable_expert_parallel,
+            data_parallel_size=args.data_parallel_size,
         )
         work = random_workload(
             args.num_requests, tuple(args.prompt_len), tuple(args.output_len), llm.vocab_size, seed=args.seed
@@ -312,6 +314,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "compile": _COMPILE_CHOICES[args.compile],
         "tensor_parallel_size": args.tensor_parallel_size,
         "enable_expert_parallel": args.enable_expert_parallel,
+        "data_parallel_size": args.data_parallel_size,
         **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
         **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
     }
@@ -389,7 +392,11 @@ def _chat(args: argparse.Namespace) -> int:
 _TP_HELP = (
     "ranks in worker processes the engine starts (Llama heads; MoE experts with --enable-expert-parallel)"
 )
-_EP_HELP = "split a MoE model's routed experts over the --tensor-parallel-size ranks"
+_EP_HELP = "split a MoE model's routed experts over the tensor- or data-parallel ranks"
+_DP_HELP = (
+    "data-parallel attention: ranks with their own requests and KV cache "
+    "(experts split and reached by all-to-all with --enable-expert-parallel)"
+)
 
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -404,6 +411,7 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help=_TP_HELP)
     parser.add_argument("--enable-expert-parallel", action="store_true", help=_EP_HELP)
+    parser.add_argument("--data-parallel-size", type=int, default=1, help=_DP_HELP)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--speculative-config", type=_json_object, default=None, help="as for generate")
@@ -472,6 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--tensor-parallel-size", type=int, default=1, help=_TP_HELP)
     gen.add_argument("--enable-expert-parallel", action="store_true", help=_EP_HELP)
+    gen.add_argument("--data-parallel-size", type=int, default=1, help=_DP_HELP)
     gen.add_argument(
         "--speculative-config",
         type=_json_object,
@@ -524,6 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--seed", type=int, default=0)
     tp.add_argument("--tensor-parallel-size", type=int, default=1, help=_TP_HELP)
     tp.add_argument("--enable-expert-parallel", action="store_true", help=_EP_HELP)
+    tp.add_argument("--data-parallel-size", type=int, default=1, help=_DP_HELP)
     tp.add_argument(
         "--compile",
         choices=["auto", "on", "off"],
@@ -585,9 +595,16 @@ def _follow(args: argparse.Namespace, rank: int, size: int) -> NoReturn:
 
     path = resolve_model(args.model)
     _, cls = resolve(load_config_json(path))
-    mode = (
-        "llama" if cls is LlamaForCausalLM else "deepseek+ep" if args.enable_expert_parallel else "deepseek"
-    )
+    if args.data_parallel_size > 1:
+        mode = "data+ep" if args.enable_expert_parallel else "data"
+    else:
+        mode = (
+            "llama"
+            if cls is LlamaForCausalLM
+            else "deepseek+ep"
+            if args.enable_expert_parallel
+            else "deepseek"
+        )
     load_kwargs = {
         "path": str(path),
         "dtype": parse_dtype(args.dtype),
@@ -606,7 +623,8 @@ def _follow(args: argparse.Namespace, rank: int, size: int) -> NoReturn:
 
 def _ranks_from_torchrun(args: argparse.Namespace) -> tuple[int, int] | None:
     """Under torchrun with several ranks: (rank, world size), the command's
-    ``--tensor-parallel-size`` set to the world size (or checked against it)."""
+    ``--tensor-parallel-size`` (or, when it asks for data parallel, ``--data-parallel-size``)
+    set to the world size or checked against it."""
     from deepinfer.distributed.workers import launched_by_torchrun
 
     ranks = launched_by_torchrun()
@@ -616,7 +634,13 @@ def _ranks_from_torchrun(args: argparse.Namespace) -> tuple[int, int] | None:
         raise ValueError(
             f"'{args.command}' does not run across torchrun ranks (generate, serve and chat do, with a model)"
         )
-    if args.tensor_parallel_size == 1:
+    if args.data_parallel_size > 1:
+        if args.data_parallel_size * args.tensor_parallel_size != ranks[1]:
+            raise ValueError(
+                f"--data-parallel-size {args.data_parallel_size} x --tensor-parallel-size "
+                f"{args.tensor_parallel_size} but torchrun started {ranks[1]} ranks"
+            )
+    elif args.tensor_parallel_size == 1:
         args.tensor_parallel_size = ranks[1]
     elif args.tensor_parallel_size != ranks[1]:
         raise ValueError(

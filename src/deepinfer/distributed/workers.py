@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -122,6 +123,8 @@ def worker_main(rank: int, size: int, port: int | None, mode: str, load_kwargs: 
     if device.startswith("cuda"):
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank)) if port is None else rank}"
         load_kwargs = {**load_kwargs, "device": device}
+    if not os.path.isdir(load_kwargs["path"]):  # fail before the group waits for this rank
+        raise FileNotFoundError(f"rank {rank}: no checkpoint directory at {load_kwargs['path']}")
     _init_group(rank, size, port, device)
     torch.set_num_threads(max(1, torch.get_num_threads() // size))
     model = load_model(**load_kwargs)
@@ -154,7 +157,7 @@ def worker_main(rank: int, size: int, port: int | None, mode: str, load_kwargs: 
             logits = run_part(model, layout, pools, chunks, input_ids, device, None if chunks else idle)
             gather_rows(logits, rows)
             if counters:
-                reduce_expert_load(counters)
+                reduce_expert_load(counters, idle=not chunks)
             continue
         chunks, input_ids, padding = message["step"]
         positions, batch = build_forward_batch(layout, pools, chunks, torch.device(device), padding)
@@ -195,9 +198,13 @@ def gather_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
     return torch.cat([p[:n] for p, n in zip(parts, rows, strict=True)])
 
 
-def reduce_expert_load(layers: list[torch.nn.Module]) -> None:
+def reduce_expert_load(layers: list[torch.nn.Module], idle: bool = False) -> None:
     """EPLB under data parallel: sum every rank's per-expert token counts into rank 0's
-    counters (the others start again from zero)."""
+    counters (the others start again from zero). ``idle``: this rank ran only a null token,
+    whose routing is not load."""
+    if idle:
+        for layer in layers:
+            layer.expert_load.zero_()
     counts = torch.stack([layer.expert_load for layer in layers])
     dist.reduce(counts, dst=0)
     for layer, total in zip(layers, counts, strict=True):
@@ -205,6 +212,10 @@ def reduce_expert_load(layers: list[torch.nn.Module]) -> None:
             layer.expert_load.copy_(total)
         else:
             layer.expert_load.zero_()
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
 
 
 class TensorParallelGroup:
@@ -228,7 +239,33 @@ class TensorParallelGroup:
             proc.start()
         self.size = size
         self.closed = False
-        self.checked(lambda: _init_group(0, size, port, str(load_kwargs.get("device", "cpu"))))
+        device = str(load_kwargs.get("device", "cpu"))
+        self._watching(lambda: _init_group(0, size, port, device))
+
+    def _watching(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` while watching the workers: one that dies before joining the group
+        (a bad checkpoint, out of memory) ends the wait at once, named, instead of after
+        the rendezvous timeout."""
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # re-raised on this thread below
+                failure.append(exc)
+
+        thread = threading.Thread(target=run, name="deepinfer-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+            dead = self.dead_ranks()
+            if dead and thread.is_alive():
+                for proc in self.procs:  # the others would wait for the group forever
+                    proc.kill()
+                self.closed = True
+                raise RuntimeError(f"tensor parallel: worker rank(s) {dead} died before joining the group")
+        if failure:
+            self.checked(lambda: _raise(failure[0]))
 
     def checked(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` (which talks to the workers); if it fails, or a worker is gone, raise

@@ -285,7 +285,7 @@ class Engine:
             logits, _ = self.runner.execute(prepared, input_ids)
             joined = gather_rows(logits, rows)
             if self.eplb is not None:
-                reduce_expert_load(self.eplb.layers)
+                reduce_expert_load(self.eplb.layers, idle=not prepared.on_rank(0))
             assert joined is not None
             return joined
 
