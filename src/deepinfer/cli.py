@@ -613,8 +613,8 @@ def _follow(args: argparse.Namespace, rank: int, size: int) -> NoReturn:
         "keep_quantized": args.quantization in (None, "fp8"),
     }
     worker_main(rank, size, None, mode, load_kwargs)
-    # Leave without running C++ static destructors: after a gloo group, one of PyTorch's
-    # destroys a still-joinable thread and aborts the process (about 1 exit in 10 here), which
+    # Leave without running C++ static destructors: after a gloo group, one of PyTorch's can
+    # destroy a still-joinable thread and abort the process (3 of 5 test runs here), which
     # torchrun reports as a failed rank. multiprocessing workers exit this way too.
     sys.stdout.flush()
     sys.stderr.flush()

@@ -49,7 +49,7 @@ class EngineConfig:
     # state stays fp32)
     kv_cache_dtype: str = "auto"
     # Tensor parallelism (vLLM's option name): ranks 1 .. T-1 run in worker processes the
-    # engine starts (distributed/workers.py); Llama models, eager steps, so far
+    # engine starts (distributed/workers.py); Llama and DeepSeek models, eager steps so far
     tensor_parallel_size: int = 1
     # Data-parallel attention (vLLM's option name): D ranks, each running attention for its
     # own requests over its own KV cache (one scheduler per rank); with
