@@ -4,6 +4,7 @@ from deepinfer.errors import CheckpointError
 from deepinfer.llm import LLM
 from deepinfer.models.loading import load_model
 from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
+from deepinfer.sampling.structured import StructuredOutputsParams
 from deepinfer.sampling_params import SamplingParams
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "Logprob",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "load_model",
 ]
 __version__ = "0.1.0"

@@ -6,6 +6,8 @@ import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from deepinfer.sampling.structured import StructuredOutputsParams
+
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -50,6 +52,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # decoding constrained to a JSON schema, regex, choice list or grammar (a
+    # StructuredOutputsParams or a dict of its fields; sampling/structured.py)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __init__(self, **kwargs: Any) -> None:
         names = {f.name: f for f in fields(self)}
@@ -139,6 +144,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and value >= 0), name, "None or an integer >= 0", value)
+        self.structured_outputs = StructuredOutputsParams.parse(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:

@@ -11,7 +11,7 @@ import logging
 import math
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from deepinfer.models.llama import LlamaForCausalLM
 from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer.platforms import Platform, platform_for
 from deepinfer.sampling.sampler import SamplingRow, make_generator, sample
+from deepinfer.sampling.structured import GrammarBackend
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.speculative.config import SpeculativeConfig
 from deepinfer.speculative.decoder import SpeculativeDecoder, VerifiedChunk, build_drafter
@@ -183,7 +184,7 @@ class Engine:
                 self.pools[rank],
                 self.layout.block_size,
                 config.max_num_seqs,
-                self.spec.draft if self.spec is not None else None,
+                self._draft if self.spec is not None else None,
                 self.spec.plan if self.spec is not None else None,
                 drafts_after_recompute=self.spec is not None and self.spec.rollback.drafts_after_recompute,
                 window_pool=self.window_pools[rank] if self.window_pools is not None else None,
@@ -195,6 +196,10 @@ class Engine:
             DataParallelScheduler(schedulers) if self.data_parallel else schedulers[0]
         )
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
+        self.tokenizer = tokenizer
+        self.grammar: GrammarBackend | None = None  # made for the first structured request
+        self._compiling: list[Request] = []  # structured requests whose grammar compiles
+        self._ended: list[Request] = []  # ended outside a step (reported by the next one)
         self.requests: dict[str, Request] = {}
         # drafting needs the previous step's tokens; EPLB moves experts between steps
         use_async = platform_async and self.spec is None and not config.enable_eplb
@@ -250,7 +255,9 @@ class Engine:
         return group
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do on one device)."""
+        """Stop the tensor-parallel workers and the grammar compiler's thread."""
+        if self.grammar is not None:
+            self.grammar.close()
         if self.tp is not None:
             self.tp.close()
 
@@ -454,6 +461,9 @@ class Engine:
                 f"max_tokens: this request may reach {longest} tokens but the cache holds "
                 f"{self.num_blocks * self.layout.block_size}; lower max_tokens or grow the cache"
             )
+        structured = params.structured_outputs
+        if structured is not None:
+            self._grammar_backend().check(structured)
         req = Request(
             request_id=request_id,
             prompt=prompt,
@@ -464,8 +474,46 @@ class Engine:
             cache_salt=cache_salt,
         )
         self.requests[request_id] = req
-        self.scheduler.add(req)
+        if structured is not None:
+            assert self.grammar is not None
+            req.grammar_future = self.grammar.submit(structured)
+            self._compiling.append(req)
+        else:
+            self.scheduler.add(req)
         return req
+
+    def _grammar_backend(self) -> GrammarBackend:
+        if self.grammar is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs the model's tokenizer (this checkpoint has none)")
+            self.grammar = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self.grammar
+
+    def _admit_compiled(self) -> None:
+        """Schedule the structured requests whose grammar is ready (waiting for one when
+        nothing else could run); a grammar that fails to compile aborts its request."""
+        if not self._compiling:
+            return
+        if self.scheduler.num_unfinished == 0 and self._inflight is None:
+            wait([r.grammar_future for r in self._compiling], return_when=FIRST_COMPLETED)
+        still = []
+        for req in self._compiling:
+            future = req.grammar_future
+            assert future is not None
+            if not future.done():
+                still.append(req)
+                continue
+            req.grammar_future = None
+            try:
+                req.grammar = future.result()
+            except Exception:
+                logger.exception("structured_outputs: request %s: grammar failed to compile", req.request_id)
+                req.finish_reason = "abort"
+                self._finish(req)
+                self._ended.append(req)
+                continue
+            self.scheduler.add(req)
+        self._compiling = still
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; its cache is freed and its output finishes with 'abort'."""
@@ -473,10 +521,12 @@ class Engine:
         if req is None or req.finished:
             return
         req.finish_reason = "abort"
+        if req in self._compiling:
+            self._compiling.remove(req)
         self._finish(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or self._inflight is not None
+        return self.scheduler.num_unfinished > 0 or self._inflight is not None or bool(self._compiling)
 
     def pop_finished(self, request_id: str) -> Request:
         return self.requests.pop(request_id)
@@ -485,6 +535,12 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Run one step; return the requests that got new tokens or finished."""
+        updated = self._step()
+        if self._ended:
+            updated, self._ended = self._ended + updated, []
+        return updated
+
+    def _step(self) -> list[Request]:
         if self._executor is None:
             prepared = self._schedule()
             if prepared is None:
@@ -544,7 +600,16 @@ class Engine:
         placement = self.placement or identity_placement(load.shape[0], load.shape[1], self.tp.size)
         return moe_lb(placement, load)
 
+    def _draft(self, request: Request, room: int) -> list[int]:
+        """The speculative decoder's draft, cut where the request's grammar rejects it."""
+        assert self.spec is not None
+        draft = self.spec.draft(request, room)
+        if request.grammar is not None and draft:
+            draft = GrammarBackend.trim_draft(request.grammar, draft)
+        return draft
+
     def _schedule(self) -> PreparedStep | None:
+        self._admit_compiled()
         chunks = self.scheduler.schedule()
         if not chunks:
             return None
@@ -577,7 +642,16 @@ class Engine:
         updated = self._sample([(c, row) for c, row in live if not c.draft], logits)
         if self.spec is not None:
             drafted = [(c, logits[row : row + len(c.draft) + 1]) for c, row in live if c.draft]
-            updated += [self._append_verified(v) for v in self.spec.verify(drafted)]
+            checked = [
+                (c, rows)
+                if c.request.grammar is None or self.grammar is None
+                else (c, self.grammar.mask_drafted(c.request.grammar, c.draft, rows))
+                for c, rows in drafted
+            ]
+            verified = self.spec.verify(checked)
+            for v, (_, raw) in zip(verified, drafted, strict=True):
+                v.logits = raw  # logprobs are reported from the raw distribution
+            updated += [self._append_verified(v) for v in verified]
         for c in chunks:
             if c.request.status is Status.RUNNING:
                 self.scheduler.publish_full_blocks(c.request)
@@ -619,14 +693,18 @@ class Engine:
             for c, _ in live
         ]
         sampled_logits = logits[torch.tensor([row for _, row in live])]
-        tokens = sample(sampled_logits, rows)
+        matchers = [c.request.grammar for c, _ in live]
+        if self.grammar is not None and any(m is not None for m in matchers):
+            tokens = sample(self.grammar.mask_rows(sampled_logits, matchers), rows)
+        else:
+            tokens = sample(sampled_logits, rows)
         now = time.perf_counter()
         updated = []
         for (c, _), token, row_logits in zip(live, tokens, sampled_logits, strict=True):
             req = c.request
             if req.first_token_time is None:
                 req.first_token_time = now
-            self.output_processor.append_token(req, token, row_logits)
+            self._append(req, token, row_logits)
             updated.append(req)
             if req.finish_reason is not None:  # the token just sampled has no row yet (an
                 # asynchronous engine may count the next step's row already)
@@ -641,13 +719,26 @@ class Engine:
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
         for j, token in enumerate(verified.tokens):
-            self.output_processor.append_token(req, token, verified.logits[j])
+            self._append(req, token, verified.logits[j])
             if req.finish_reason is not None:  # rows up to the anchor and accepted drafts are valid
                 self._finish(req, computed=verified.anchor + j + 1)
                 return req
         assert self.spec is not None
         self.spec.roll_back(verified)
         return req
+
+    def _append(self, req: Request, token: int, row_logits: torch.Tensor) -> None:
+        """Append a sampled token (stop checks) and advance the request's grammar; a grammar
+        that has ended (its stop token accepted) ends the request."""
+        self.output_processor.append_token(req, token, row_logits)
+        matcher = req.grammar
+        if matcher is None:
+            return
+        if not matcher.accept_token(token):
+            logger.warning("structured_outputs: request %s: token %d rejected", req.request_id, token)
+            req.finish_reason = req.finish_reason or "abort"
+        elif matcher.is_terminated() and req.finish_reason is None:
+            req.finish_reason = "stop"
 
     def _finish(self, req: Request, computed: int | None = None) -> None:
         """``computed``: positions whose cache rows this request has validly written; their

@@ -42,6 +42,10 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None
+    # OpenAI's {"type": "json_schema", "json_schema": {"schema": ...}} or {"type": "json_object"},
+    # and vLLM's extra field (StructuredOutputsParams' fields)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -97,7 +101,33 @@ class RequestError(ValueError):
 def param_of(message: str) -> str | None:
     """The field a ``SamplingParams`` or engine error names (their messages start with it)."""
     head = message.split(" ", 1)[0].rstrip(":")
-    return head if head.replace("_", "").isalnum() else None
+    return head if head.replace("_", "").replace(".", "").isalnum() else None
+
+
+def structured_outputs(req: SamplingFields) -> dict[str, Any] | None:
+    """The request's constraint from ``structured_outputs`` or ``response_format``."""
+    fmt = req.response_format
+    kind = None if fmt is None else fmt.get("type")
+    if fmt is not None and kind not in ("text", "json_object", "json_schema"):
+        raise RequestError(
+            f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+            "response_format",
+        )
+    if req.structured_outputs is not None and kind in ("json_object", "json_schema"):
+        raise RequestError("give structured_outputs or response_format, not both", "response_format")
+    if req.structured_outputs is not None:
+        return req.structured_outputs
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema") if fmt is not None else None
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise RequestError(
+                "response_format.json_schema.schema must be a JSON schema object", "response_format"
+            )
+        return {"json": schema}
+    return None
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -130,6 +160,9 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
             raise RequestError("logit_bias keys must be token ids", "logit_bias") from exc
     if not isinstance(req.n, int) or req.n < 1:
         raise RequestError(f"n must be an integer >= 1, got {req.n!r}", "n")
+    constraint = structured_outputs(req)
+    if constraint is not None:
+        kwargs["structured_outputs"] = constraint
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:

@@ -1,0 +1,301 @@
+"""Structured outputs on SmolLM2 (xgrammar against its tokenizer): hypothesis-generated JSON
+schemas and regexes plus hand-written nested schemas; every output parses and validates or
+fully matches, greedy and seeded temperature 1, with n-gram speculation on too, under
+chunked prefill and preemption; bad constraints are refused at submission without touching
+the engine; the server's ``response_format`` and ``structured_outputs``."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from live_server import LiveServer
+
+from deepinfer import LLM, SamplingParams, StructuredOutputsParams
+from deepinfer.server.app import build_app
+
+NAMES = st.from_regex(r"[a-z][a-z_]{0,6}", fullmatch=True)
+LEAVES = st.one_of(
+    st.builds(
+        lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+        st.integers(-50, 50),
+        st.integers(0, 100),
+    ),
+    st.builds(
+        lambda lo, extra: {"type": "string", "minLength": lo, "maxLength": lo + extra},
+        st.integers(0, 3),
+        st.integers(0, 6),
+    ),
+    st.just({"type": "boolean"}),
+    st.just({"type": "null"}),
+    st.lists(
+        st.one_of(st.text(alphabet="abcxyz", min_size=1, max_size=4), st.integers(-9, 9)),
+        min_size=1,
+        max_size=4,
+        unique=True,
+    ).map(lambda values: {"enum": values}),
+    st.sampled_from(["^[a-z]{1,3}$", "^[0-9]{2}-[0-9]{2}$", "^(yes|no)$"]).map(
+        lambda p: {"type": "string", "pattern": p}
+    ),
+)
+
+
+def _objects(children):
+    return st.dictionaries(NAMES, children, min_size=1, max_size=3).map(
+        lambda props: {"type": "object", "properties": props, "required": sorted(props)}
+    )
+
+
+def _arrays(children):
+    return st.builds(
+        lambda item, lo, extra: {"type": "array", "items": item, "minItems": lo, "maxItems": lo + extra},
+        children,
+        st.integers(0, 2),
+        st.integers(0, 2),
+    )
+
+
+SCHEMAS = _objects(st.recursive(LEAVES, lambda c: st.one_of(_objects(c), _arrays(c)), max_leaves=5))
+
+ATOMS = st.sampled_from(["[a-z]", "[0-9]", "[A-F]", "x", "ab", r"\.", "-", "(cat|dog)", "[aeiou]", " "])
+QUANTIFIERS = st.sampled_from(["", "?", "{2}", "{1,3}", "{0,2}"])
+SEQUENCES = st.lists(st.tuples(ATOMS, QUANTIFIERS).map("".join), min_size=1, max_size=6).map("".join)
+REGEXES = st.one_of(SEQUENCES, st.tuples(SEQUENCES, SEQUENCES).map(lambda ab: f"({ab[0]}|{ab[1]})"))
+
+NESTED = [
+    {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 12},
+                    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+                },
+                "required": ["name", "tags"],
+            },
+            "scores": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "k": {"type": "string", "pattern": "^[a-z]{2}$"},
+                        "v": {"type": "boolean"},
+                    },
+                    "required": ["k", "v"],
+                },
+                "minItems": 1,
+                "maxItems": 2,
+            },
+        },
+        "required": ["user", "scores"],
+    },
+    {
+        "$defs": {
+            "point": {
+                "type": "object",
+                "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+                "required": ["x"],
+            }
+        },
+        "type": "object",
+        "properties": {
+            "a": {"$ref": "#/$defs/point"},
+            "b": {"anyOf": [{"$ref": "#/$defs/point"}, {"type": "null"}]},
+        },
+        "required": ["a", "b"],
+    },
+]
+
+PROMPT = 'Answer in JSON, for example {"name": "cat", "size": 3, "ok": true}. '
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return LLM("smollm2-135m", max_model_len=1024, max_num_seqs=64)
+
+
+@pytest.fixture(scope="module")
+def smol_ngram():
+    return LLM(
+        "smollm2-135m",
+        max_model_len=1024,
+        max_num_seqs=64,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+
+
+def _json_params(schemas: list[dict]) -> list[SamplingParams]:
+    return [
+        SamplingParams(
+            max_tokens=300,
+            temperature=0.0 if i % 2 == 0 else 1.0,
+            seed=i,
+            structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+        )
+        for i, schema in enumerate(schemas)
+    ]
+
+
+def _check_json(outs, schemas) -> None:
+    for out, schema in zip(outs, schemas, strict=True):
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", (schema, completion.text)
+        jsonschema.validate(json.loads(completion.text), schema)
+
+
+def _check_regex(outs, regexes) -> None:
+    for out, regex in zip(outs, regexes, strict=True):
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", (regex, completion.text)
+        assert re.fullmatch(regex, completion.text), (regex, completion.text)
+
+
+_ONE_BATCH = settings(
+    max_examples=1,
+    deadline=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+    ],
+)
+
+
+@_ONE_BATCH
+@given(
+    schemas=st.lists(SCHEMAS, min_size=50, max_size=50), regexes=st.lists(REGEXES, min_size=30, max_size=30)
+)
+def test_every_output_validates_or_matches(smol, schemas, regexes):
+    """50 generated schemas plus the nested ones and 30 generated regexes in one batch,
+    greedy and seeded temperature 1 alternating: all stop by the grammar and validate."""
+    schemas = schemas + NESTED
+    params = _json_params(schemas) + [
+        SamplingParams(
+            max_tokens=64, temperature=1.0 if i % 2 else 0.0, seed=i, structured_outputs={"regex": r}
+        )
+        for i, r in enumerate(regexes)
+    ]
+    prompts = [PROMPT] * len(schemas) + ["Write something: "] * len(regexes)
+    outs = smol.generate(prompts, params, use_tqdm=False)
+    _check_json(outs[: len(schemas)], schemas)
+    _check_regex(outs[len(schemas) :], regexes)
+
+
+@_ONE_BATCH
+@given(
+    schemas=st.lists(SCHEMAS, min_size=20, max_size=20), regexes=st.lists(REGEXES, min_size=10, max_size=10)
+)
+def test_with_ngram_speculation(smol_ngram, schemas, regexes):
+    """The same under n-gram speculation: drafts are cut at the grammar's first rejection
+    and verified against masked rows; drafts were proposed, outputs still validate."""
+    schemas = schemas + NESTED
+    params = _json_params(schemas) + [
+        SamplingParams(max_tokens=64, temperature=0.0, structured_outputs={"regex": r}) for r in regexes
+    ]
+    prompts = [PROMPT * 3] * len(schemas) + ["abab cat dog 12-34 " * 3] * len(regexes)
+    outs = smol_ngram.generate(prompts, params, use_tqdm=False)
+    _check_json(outs[: len(schemas)], schemas)
+    _check_regex(outs[len(schemas) :], regexes)
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+
+
+def test_without_the_constraint_the_checks_fail(smol):
+    """Mutation check: the same kind of requests unconstrained do not all validate, so the
+    checks above can fail."""
+    schemas = NESTED * 3
+    outs = smol.generate(
+        [PROMPT] * len(schemas), SamplingParams(max_tokens=40, temperature=1.0, seed=5), use_tqdm=False
+    )
+    with pytest.raises((AssertionError, ValueError, jsonschema.ValidationError)):
+        _check_json(outs, schemas)
+
+
+def test_choice_grammar_and_json_object(smol):
+    params = [
+        SamplingParams(
+            max_tokens=16, temperature=1.0, seed=s, structured_outputs={"choice": ["Paris", "Lyon", 'a "q"']}
+        )
+        for s in range(6)
+    ]
+    params.append(
+        SamplingParams(max_tokens=16, structured_outputs={"grammar": 'root ::= "yes" | "no" | [0-9] [0-9]'})
+    )
+    params.append(SamplingParams(max_tokens=200, temperature=0.0, structured_outputs={"json_object": True}))
+    outs = smol.generate(["The capital of France is"] * len(params), params, use_tqdm=False)
+    assert all(o.outputs[0].text in ("Paris", "Lyon", 'a "q"') for o in outs[:6])
+    assert re.fullmatch(r"yes|no|[0-9]{2}", outs[6].outputs[0].text)
+    if outs[7].outputs[0].finish_reason == "stop":
+        assert isinstance(json.loads(outs[7].outputs[0].text), dict)
+
+
+def test_chunked_prefill_and_preemption_keep_outputs_valid(tmp_path):
+    """A small token budget (prefills chunked) and a cache small enough to preempt."""
+    llm = LLM(
+        "smollm2-135m", max_model_len=1024, max_num_batched_tokens=24, num_cache_blocks=24, block_size=16
+    )
+    schemas = NESTED * 4
+    outs = llm.generate([PROMPT * 2] * len(schemas), _json_params(schemas), use_tqdm=False)
+    _check_json(outs, schemas)
+
+
+@pytest.mark.parametrize(
+    ("structured", "field"),
+    [
+        ({"regex": "("}, "structured_outputs.regex"),
+        ({"json": "{not json"}, "structured_outputs.json"),
+        ({"json": {"type": "nonsense"}}, "structured_outputs.json"),
+        ({"grammar": "root ::= "}, "structured_outputs.grammar"),
+        ({"regex": "a", "choice": ["b"]}, "set exactly one"),
+        ({"choice": []}, "structured_outputs.choice"),
+        ({"jsn": {}}, "unknown structured_outputs field"),
+    ],
+)
+def test_bad_constraints_are_refused_at_submission(smol, structured, field):
+    good = SamplingParams(max_tokens=4, temperature=0.0)
+    with pytest.raises(ValueError, match=re.escape(field)):
+        smol.generate(
+            ["a", "b"],
+            [good, SamplingParams(max_tokens=4, structured_outputs=structured)],
+            use_tqdm=False,
+        )
+    assert not smol.engine.has_unfinished() and not smol.engine.requests
+    assert len(smol.generate(["a"], good, use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+def test_server_response_format_and_structured_outputs(smol):
+    live = LiveServer(build_app(smol, "smol"))
+    try:
+        schema = NESTED[0]
+        body = {
+            "model": "smol",
+            "messages": [{"role": "user", "content": "Describe a user as JSON."}],
+            "max_tokens": 300,
+            "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "u", "schema": schema}},
+        }
+        r = httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), schema)
+        body = {
+            "model": "smol",
+            "prompt": "Pick:",
+            "max_tokens": 8,
+            "structured_outputs": {"choice": ["red", "blue"]},
+        }
+        r = httpx.post(f"{live.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("red", "blue")
+        body["structured_outputs"] = {"regex": "(("}
+        r = httpx.post(f"{live.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs.regex", r.text
+        body = {"model": "smol", "prompt": "x", "response_format": {"type": "xml"}}
+        r = httpx.post(f"{live.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+        assert httpx.get(f"{live.url}/health").status_code == 200
+    finally:
+        live.stop()
