@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -59,17 +59,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_group(rank: int, size: int, port: int | None, device: str) -> None:
+def _init_group(
+    rank: int, size: int, port: int | None, device: str, check_workers: Callable[[], None] | None = None
+) -> None:
     """Join the group: at 127.0.0.1:``port`` (ranks this engine started), or, with no port,
-    where torchrun's environment says (MASTER_ADDR / MASTER_PORT)."""
+    where torchrun's environment says (MASTER_ADDR / MASTER_PORT). With a port, rank 0 hosts
+    the store and waits for every worker to check in, calling ``check_workers`` meanwhile
+    (it raises when one died), so a worker lost before it joins never hangs rank 0."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(
-        backend,
-        init_method="env://" if port is None else f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=size,
-        timeout=timedelta(seconds=TIMEOUT_S),
+    timeout = timedelta(seconds=TIMEOUT_S)
+    if port is None:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, timeout=timeout)
+        return
+    store = dist.TCPStore(
+        "127.0.0.1", port, size, is_master=rank == 0, wait_for_workers=False, timeout=timeout
     )
+    if rank == 0:
+        joined = [f"deepinfer/joined/{r}" for r in range(1, size)]
+        deadline = time.monotonic() + TIMEOUT_S
+        while not store.check(joined):
+            if check_workers is not None:
+                check_workers()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor parallel: workers did not join within {TIMEOUT_S} s")
+            time.sleep(0.05)
+    else:
+        store.set(f"deepinfer/joined/{rank}", "1")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
 
 
 def _leave_group() -> None:
@@ -214,10 +230,6 @@ def reduce_expert_load(layers: list[torch.nn.Module], idle: bool = False) -> Non
             layer.expert_load.zero_()
 
 
-def _raise(exc: BaseException) -> None:
-    raise exc
-
-
 class TensorParallelGroup:
     """Rank 0's side: starts ranks 1 .. size - 1 and drives them."""
 
@@ -240,32 +252,17 @@ class TensorParallelGroup:
         self.size = size
         self.closed = False
         device = str(load_kwargs.get("device", "cpu"))
-        self._watching(lambda: _init_group(0, size, port, device))
+        _init_group(0, size, port, device, self._check_started)
 
-    def _watching(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` while watching the workers: one that dies before joining the group
-        (a bad checkpoint, out of memory) ends the wait at once, named, instead of after
-        the rendezvous timeout."""
-        failure: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as exc:  # re-raised on this thread below
-                failure.append(exc)
-
-        thread = threading.Thread(target=run, name="deepinfer-join", daemon=True)
-        thread.start()
-        while thread.is_alive():
-            thread.join(0.2)
-            dead = self.dead_ranks()
-            if dead and thread.is_alive():
-                for proc in self.procs:  # the others would wait for the group forever
-                    proc.kill()
-                self.closed = True
-                raise RuntimeError(f"tensor parallel: worker rank(s) {dead} died before joining the group")
-        if failure:
-            self.checked(lambda: _raise(failure[0]))
+    def _check_started(self) -> None:
+        """While the workers join: one that died ends the start-up at once, named (the
+        others are stopped, they would wait for it forever)."""
+        dead = self.dead_ranks()
+        if dead:
+            for proc in self.procs:
+                proc.kill()
+            self.closed = True
+            raise RuntimeError(f"tensor parallel: worker rank(s) {dead} died before joining the group")
 
     def checked(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` (which talks to the workers); if it fails, or a worker is gone, raise
