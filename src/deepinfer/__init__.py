@@ -4,8 +4,8 @@ from deepinfer.errors import CheckpointError
 from deepinfer.llm import LLM
 from deepinfer.models.loading import load_model
 from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
-from deepinfer.sampling.structured import StructuredOutputsParams
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",

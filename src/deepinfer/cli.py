@@ -91,6 +91,7 @@ def _generate(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         data_parallel_size=args.data_parallel_size,
+        batch_invariant=args.batch_invariant,
     )
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -315,6 +316,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "tensor_parallel_size": args.tensor_parallel_size,
         "enable_expert_parallel": args.enable_expert_parallel,
         "data_parallel_size": args.data_parallel_size,
+        "batch_invariant": args.batch_invariant,
         **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
         **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
     }
@@ -393,6 +395,7 @@ _TP_HELP = (
     "ranks in worker processes the engine starts (Llama heads; MoE experts with --enable-expert-parallel)"
 )
 _EP_HELP = "split a MoE model's routed experts over the tensor- or data-parallel ranks"
+_BI_HELP = "a request's logits independent of the batch it runs in (each sequence its own forward)"
 _DP_HELP = (
     "data-parallel attention: ranks with their own requests and KV cache "
     "(experts split and reached by all-to-all with --enable-expert-parallel)"
@@ -412,6 +415,7 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help=_TP_HELP)
     parser.add_argument("--enable-expert-parallel", action="store_true", help=_EP_HELP)
     parser.add_argument("--data-parallel-size", type=int, default=1, help=_DP_HELP)
+    parser.add_argument("--batch-invariant", action="store_true", help=_BI_HELP)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--speculative-config", type=_json_object, default=None, help="as for generate")
@@ -481,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tensor-parallel-size", type=int, default=1, help=_TP_HELP)
     gen.add_argument("--enable-expert-parallel", action="store_true", help=_EP_HELP)
     gen.add_argument("--data-parallel-size", type=int, default=1, help=_DP_HELP)
+    gen.add_argument("--batch-invariant", action="store_true", help=_BI_HELP)
     gen.add_argument(
         "--speculative-config",
         type=_json_object,

@@ -74,6 +74,12 @@ class EngineConfig:
     # V4.1's causal encoder/decoder prefill (model_spec.md §2.9): decoder layers run only over
     # each prompt's last window; approximate (not the reference forward), so off by default
     ced_prefill: bool = False
+    # A request's logits independent of the rest of the batch, of its place in it and of the
+    # token budget that chunks its prefill (SGLang/vLLM's option name): each sequence's chunk
+    # runs as a forward of its own, and prefill chunks fall on a fixed grid of 32 positions
+    # (engine/scheduler.grid_size), so every row is computed by the same kernels on the same
+    # shapes whatever else is scheduled. Eager steps on one rank; costs batching (RESULTS.md)
+    batch_invariant: bool = False
     # torch.compile the model step (compilation.py). None = the platform's default: on for
     # CUDA, off on CPU, where the first compile costs more than short runs gain (compile vs
     # eager: benchmarks/RESULTS.md)
@@ -125,6 +131,26 @@ class EngineConfig:
         need(isinstance(frac, float | int) and 0 < frac <= 1, "cache_memory_fraction", "in (0, 1]")
         need(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "a bool")
         need(isinstance(self.ced_prefill, bool), "ced_prefill", "a bool")
+        need(isinstance(self.batch_invariant, bool), "batch_invariant", "a bool")
+        if self.batch_invariant:
+            for name in (
+                "compile",
+                "capture_graphs",
+                "async_scheduling",
+                "speculative_config",
+                "ced_prefill",
+            ):
+                if getattr(self, name):
+                    raise ValueError(f"batch_invariant=True runs eager synchronous steps: turn {name} off")
+            if self.world_size > 1:
+                raise ValueError(
+                    "batch_invariant=True runs on one rank (tensor/data parallel sum across ranks)"
+                )
+            if self.max_num_batched_tokens < 32:
+                raise ValueError(
+                    "batch_invariant=True cuts prefills on a grid of up to 32 positions: "
+                    f"max_num_batched_tokens must be >= 32, got {self.max_num_batched_tokens}"
+                )
         need(isinstance(self.bounded_window_cache, bool), "bounded_window_cache", "a bool")
         need(isinstance(self.enable_expert_parallel, bool), "enable_expert_parallel", "a bool")
         need(isinstance(self.enable_eplb, bool), "enable_eplb", "a bool")

@@ -6,7 +6,7 @@ import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from deepinfer.sampling.structured import StructuredOutputsParams
+from deepinfer.structured_outputs import StructuredOutputsParams
 
 
 def _is_int(v: object) -> bool:

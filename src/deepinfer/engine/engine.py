@@ -265,12 +265,25 @@ class Engine:
         """Run a step: on every rank when tensor parallel (its chunks broadcast first); under
         data parallel each rank runs its own chunks and rank 0 gathers the logits."""
         if self.tp is None:
+            if self.config.batch_invariant and len(prepared.chunks) > 1:
+                return self._execute_each(prepared)
             return self.runner.execute(prepared, input_ids)
         tp = self.tp
         if self.data_parallel:
             return self._execute_data_parallel(tp, prepared, input_ids)
         tp.step(prepared.seq_chunks or [], input_ids, prepared.padding)
         return tp.checked(lambda: self.runner.execute(prepared, input_ids))
+
+    def _execute_each(self, prepared: PreparedStep) -> tuple[torch.Tensor, None]:
+        """``batch_invariant``: every chunk as a forward of its own (the kernels then see
+        the shapes the chunk alone would give them), logits rows joined in chunk order."""
+        parts = []
+        for chunk in prepared.chunks:
+            alone = self.runner.prepare([chunk])
+            logits, _ = self.runner.execute(alone, self.runner.input_ids(alone))
+            rows = len(alone.seq_chunks[0].logits_offsets) if alone.seq_chunks else 0
+            parts.append(logits[:rows])
+        return torch.cat(parts), None
 
     def _execute_data_parallel(
         self, tp: TensorParallelGroup, prepared: PreparedStep, input_ids: torch.Tensor
@@ -694,10 +707,11 @@ class Engine:
         ]
         sampled_logits = logits[torch.tensor([row for _, row in live])]
         matchers = [c.request.grammar for c, _ in live]
+        rowwise = self.config.batch_invariant
         if self.grammar is not None and any(m is not None for m in matchers):
-            tokens = sample(self.grammar.mask_rows(sampled_logits, matchers), rows)
+            tokens = sample(self.grammar.mask_rows(sampled_logits, matchers), rows, rowwise)
         else:
-            tokens = sample(sampled_logits, rows)
+            tokens = sample(sampled_logits, rows, rowwise)
         now = time.perf_counter()
         updated = []
         for (c, _), token, row_logits in zip(live, tokens, sampled_logits, strict=True):

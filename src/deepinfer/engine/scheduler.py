@@ -17,6 +17,14 @@ from deepinfer.config import EngineConfig
 from deepinfer.engine.block_pool import BlockPool, block_hash
 from deepinfer.engine.request import Request, Status
 
+BATCH_INVARIANT_GRID = 32  # prefill chunk positions under batch_invariant (a block's divisor)
+
+
+def grid_size(block_size: int) -> int:
+    """The batch-invariant prefill grid: 32 positions, or fewer to divide the block size (a
+    prefix-cache hit ends on a block boundary, which must be a grid boundary too)."""
+    return math.gcd(block_size, BATCH_INVARIANT_GRID)
+
 
 @dataclass
 class ScheduledChunk:
@@ -227,6 +235,11 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(todo, budget)
+            if self.config.batch_invariant:
+                num_new = self._grid_chunk(request, todo, budget)
+                if num_new == 0:  # the next grid cell does not fit this step's budget
+                    i += 1
+                    continue
             draft = []
             if self.drafter is not None and num_new == todo and self.may_draft(request):
                 draft = self.drafter(request, budget - num_new)  # drafts follow the newest token
@@ -251,7 +264,9 @@ class Scheduler:
             request = self.waiting[0]
             self._prefix_hit(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._ensure_blocks(request, request.num_computed_tokens + num_new):
+            if self.config.batch_invariant:
+                num_new = self._grid_chunk(request, request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0 or not self._ensure_blocks(request, request.num_computed_tokens + num_new):
                 self._release(request)  # give back the prefix hit; retry next step
                 request.num_computed_tokens = 0
                 request.restore_overlap = False
@@ -263,6 +278,17 @@ class Scheduler:
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
         return chunks
+
+    def _grid_chunk(self, request: Request, todo: int, budget: int) -> int:
+        """``batch_invariant``: the next chunk is the rest of the current grid cell (of
+        ``grid_size(block_size)`` positions; or of the known tokens, if fewer), whatever the
+        budget, so a sequence is always cut at the same places; 0 when that does not fit
+        this step's remaining budget."""
+        start = request.num_computed_tokens
+        grid = grid_size(self.block_size)
+        cell_end = (start // grid + 1) * grid
+        num_new = min(todo, cell_end - start)
+        return num_new if num_new <= budget else 0
 
     def may_draft(self, request: Request) -> bool:
         """Decoding, with every known token's value known; one token left to compute, or a

@@ -105,8 +105,11 @@ def filter_log_probs(
     return filtered.log_softmax(-1)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-    """One token per row of ``logits`` [N, V]."""
+def sample(logits: torch.Tensor, rows: list[SamplingRow], rowwise: bool = False) -> list[int]:
+    """One token per row of ``logits`` [N, V]. ``rowwise`` (batch-invariant mode): each
+    row's filters and draw on that row alone, so no kernel sees how many rows there are."""
+    if rowwise and len(rows) > 1:
+        return [sample(logits[i : i + 1], [row])[0] for i, row in enumerate(rows)]
     processed = apply_processors(logits, rows)
     tokens = processed.argmax(dim=-1).tolist()
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]

@@ -1,0 +1,75 @@
+"""``batch_invariant=True``: a request's logprobs are bit-identical alone, in a batch of 32
+random others at a random position, and with its prefill chunked by a random small token
+budget, on tiny V4 and V4.1 and on SmolLM2; seeded temperature-1 sampling draws the same
+tokens in all three. Mutation check: the default engine is not bit-identical on the same
+cases, so the comparison can fail."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.tiny import make_tiny_checkpoint
+
+OTHERS = 32
+
+
+def _checkpoint(arch: str, tmp_path_factory) -> str:
+    if arch == "smollm2":
+        return "smollm2-135m"
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp(arch), arch=arch, seed=21))
+
+
+def _target_output(path: str, invariant: bool, budget: int, target, params, others, position):
+    """The target request's tokens and its top-5 logprobs per token."""
+    llm = LLM(path, batch_invariant=invariant, max_num_batched_tokens=budget, max_num_seqs=OTHERS + 1)
+    if position is None:
+        out = llm.generate([target], [params], use_tqdm=False)[0]
+    else:
+        prompts = others[:position] + [target] + others[position:]
+        rest = SamplingParams(max_tokens=4, temperature=1.0, seed=3, ignore_eos=True)
+        plist = [rest] * position + [params] + [rest] * (len(others) - position)
+        out = llm.generate(prompts, plist, use_tqdm=False)[position]
+    completion = out.outputs[0]
+    return completion.token_ids, [{t: lp.logprob for t, lp in entry.items()} for entry in completion.logprobs]
+
+
+_ONE = settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v4", "deepseek_v41", "smollm2"])
+@_ONE
+@given(seed=st.integers(0, 2**16), position=st.integers(0, OTHERS), small_budget=st.integers(32, 48))
+def test_logprobs_do_not_depend_on_the_batch(tmp_path_factory, arch, seed, position, small_budget):
+    path = _checkpoint(arch, tmp_path_factory)
+    rng = random.Random(seed)
+    vocab = 250
+    target = [rng.randrange(2, vocab) for _ in range(rng.randrange(40, 90))]
+    others = [[rng.randrange(2, vocab) for _ in range(rng.randrange(3, 90))] for _ in range(OTHERS)]
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=seed, logprobs=5, ignore_eos=True)
+    runs = {
+        "alone": (512, None),
+        "batched": (512, position),
+        "chunked": (small_budget, None),
+    }
+    got = {name: _target_output(path, True, b, target, params, others, p) for name, (b, p) in runs.items()}
+    assert got["alone"] == got["batched"] == got["chunked"]
+    # the same cases without batch invariance: the batch moves some logprob
+    default = {
+        name: _target_output(path, False, b, target, params, others, p) for name, (b, p) in runs.items()
+    }
+    assert not (default["alone"] == default["batched"] == default["chunked"])
+
+
+def test_options_that_batch_are_refused(tmp_path):
+    path = str(make_tiny_checkpoint(tmp_path, arch="deepseek_v4", seed=1))
+    with pytest.raises(ValueError, match="turn compile off"):
+        LLM(path, batch_invariant=True, compile=True)
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= 32"):
+        LLM(path, batch_invariant=True, max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="one rank"):
+        LLM(path, batch_invariant=True, data_parallel_size=2)
