@@ -6,7 +6,7 @@ step, and output throughput with and without grammars.
 Mask cost: every constrained output is replayed through a fresh xgrammar matcher, timing
 ``fill_next_token_bitmask`` at each step (one row), then applying a filled bitmask to a
 batch of logits (``apply_token_bitmask_inplace``), per row. Throughput: the same prompts
-generated twice in one batch, constrained by a JSON schema (``disable_any_whitespace``) and
+generated in one batch, each way three times (best kept), constrained by a JSON schema (``disable_any_whitespace``) and
 unconstrained with ``ignore_eos`` to the same output lengths the constrained run produced,
 so both compute the same number of tokens.
 """
@@ -52,16 +52,22 @@ def main() -> None:
         for i in range(args.requests)
     ]
     llm.generate(prompts[:2], constrained[:2], use_tqdm=False)  # warm-up, grammar compiled and cached
-    start = time.perf_counter()
     outs = llm.generate(prompts, constrained, use_tqdm=False)
-    with_grammar = time.perf_counter() - start
     lengths = [len(o.outputs[0].token_ids) for o in outs]
     free = [
         SamplingParams(max_tokens=n, temperature=1.0, seed=i, ignore_eos=True) for i, n in enumerate(lengths)
     ]
-    start = time.perf_counter()
-    llm.generate(prompts, free, use_tqdm=False)
-    without = time.perf_counter() - start
+
+    def best_of(params: list[SamplingParams], repeats: int = 3) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    without = best_of(free)
+    with_grammar = best_of(constrained)
 
     backend = llm.engine.grammar
     assert backend is not None

@@ -93,7 +93,8 @@ def filter_log_probs(
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = sorted_logits.softmax(-1)
     # top-p: drop a token when the tokens ranked above it already cover top_p
-    drop |= (probs.cumsum(-1) - probs) >= top_p.unsqueeze(1)
+    # (top_p = 1 drops nothing: a cumulative sum that rounds up to 1 must not cut the tail)
+    drop |= ((probs.cumsum(-1) - probs) >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     # min-p: drop tokens below min_p times the best token's probability (after top-k/top-p)
@@ -120,13 +121,18 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], rowwise: bool = False)
         def col(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=logits.device)
 
-        logp = filter_log_probs(
-            processed[idx],
-            col([p.temperature for p in params], torch.float32),
-            col([p.top_k for p in params], torch.long),
-            col([p.top_p for p in params], torch.float32),
-            col([p.min_p for p in params], torch.float32),
-        )
+        temperature = col([p.temperature for p in params], torch.float32)
+        if all(p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):
+            # no filter: the same log-distribution without sorting the vocabulary
+            logp = (processed[idx] / temperature.unsqueeze(1)).log_softmax(-1)
+        else:
+            logp = filter_log_probs(
+                processed[idx],
+                temperature,
+                col([p.top_k for p in params], torch.long),
+                col([p.top_p for p in params], torch.float32),
+                col([p.min_p for p in params], torch.float32),
+            )
         probs = logp.exp()
         for j, i in enumerate(random_rows):
             tokens[i] = int(torch.multinomial(probs[j], 1, generator=rows[i].generator))
