@@ -69,7 +69,7 @@ def main() -> None:
     without = best_of(free)
     with_grammar = best_of(constrained)
 
-    backend = llm.engine.grammar
+    backend = llm.engine.structured.backend
     assert backend is not None
     compiled = backend.compile(constrained[0].structured_outputs)
     fills = []

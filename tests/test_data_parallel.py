@@ -13,41 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from parallel_workloads import assert_same, tokens_and_logprobs, workload
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.distributed.eplb import ExpertLoadWindow
 from deepinfer.distributed.expert_parallel import AllToAllDispatch, expected_remote_ranks
 from deepinfer.tiny import make_tiny_checkpoint
-
-
-def _workload(seed: int, n: int = 10, shared_len: int = 40):
-    rng = random.Random(seed)
-    shared = [rng.randrange(2, 258) for _ in range(shared_len)]
-    prompts = [
-        (shared if i % 3 == 0 else []) + [rng.randrange(2, 258) for _ in range(rng.randrange(1, 70))]
-        for i in range(n)
-    ]
-    params = [
-        SamplingParams(max_tokens=rng.randrange(1, 12), temperature=0.0, ignore_eos=True, logprobs=1)
-        for _ in prompts
-    ]
-    return prompts, params
-
-
-def _tokens_and_logprobs(outs):
-    return [
-        (
-            o.outputs[0].token_ids,
-            [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)],
-        )
-        for o in outs
-    ]
-
-
-def _assert_same(got, expected) -> None:
-    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):
-        assert tokens == want_tokens
-        assert all(abs(a - b) <= 1e-4 for a, b in zip(logprobs, want_logprobs, strict=True))
 
 
 def _expert_bytes(model) -> int:
@@ -77,14 +48,14 @@ def test_data_parallel_equals_one_process(tmp_path, arch, quant, ranks, expert_p
     1/N of the routed experts."""
     path = make_tiny_checkpoint(tmp_path, arch=arch, seed=11, quant=quant)
     # a shared prefix of at least one full block (V4's blocks hold 128 tokens)
-    prompts, params = _workload(5, shared_len=40 if arch == "llama" else 140)
+    prompts, params = workload(5, shared_len=40 if arch == "llama" else 140)
     # QAT fake-quant rounds activations to fp8/fp4: a 1e-7 difference from another batch
     # composition can flip one rounding and move a logprob by ~1e-3 (1.35e-3 measured on
     # V4.1 at 2 ranks, 5.6e-4 under tensor parallel), so the DeepSeek runs compare with it
     # off; a request's logits independent of its batch is batch_invariant's job (issue 20)
     exact = {} if arch == "llama" else {"fake_quant": False}
     single = LLM(str(path), max_num_batched_tokens=48, **exact)
-    expected = _tokens_and_logprobs(single.generate(prompts, params, use_tqdm=False))
+    expected = tokens_and_logprobs(single.generate(prompts, params, use_tqdm=False))
     llm = LLM(
         str(path),
         **exact,
@@ -99,15 +70,15 @@ def test_data_parallel_equals_one_process(tmp_path, arch, quant, ranks, expert_p
     preempted = []
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
-        got = _tokens_and_logprobs(outs)
-        again = _tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
+        got = tokens_and_logprobs(outs)
+        again = tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
         hits = [pool.hit_blocks for pool in llm.engine.pools]
         preempted = [r for s in scheduler.ranks for r in s.running + list(s.waiting)]
         part = _expert_bytes(llm.model)
     finally:
         llm.close()
-    _assert_same(got, expected)
-    _assert_same(again, expected)
+    assert_same(got, expected)
+    assert_same(again, expected)
     assert sorted(set(placed)) == list(range(ranks))
     assert all(h > 0 for h in hits)  # the shared prefix was cached on every rank
     assert not preempted  # nothing left behind
@@ -123,7 +94,7 @@ def test_preemption_under_data_parallel_recomputes_the_same_tokens(tmp_path):
     prompts = [[rng.randrange(2, 258) for _ in range(rng.randrange(112, 124))] for _ in range(6)]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=1)
     single = LLM(str(path), fake_quant=False)
-    expected = _tokens_and_logprobs(single.generate(prompts, params, use_tqdm=False))
+    expected = tokens_and_logprobs(single.generate(prompts, params, use_tqdm=False))
     llm = LLM(
         str(path), fake_quant=False, data_parallel_size=2, enable_expert_parallel=True, num_cache_blocks=2
     )
@@ -134,7 +105,7 @@ def test_preemption_under_data_parallel_recomputes_the_same_tokens(tmp_path):
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         llm.close()
-    _assert_same(_tokens_and_logprobs(outs), expected)
+    assert_same(tokens_and_logprobs(outs), expected)
     assert sum(r.num_preemptions for r in requests) > 0
     assert {r.dp_rank for r in requests} == {0, 1}
     assert sum(o.metrics.num_generated_tokens for o in outs) == 6 * 20
@@ -145,10 +116,10 @@ def test_eplb_counts_every_ranks_tokens_and_keeps_the_outputs(tmp_path):
     the ranks (equal to one process counting every token), and rebalancing every 3 steps
     with 2 redundant experts keeps the tokens."""
     path = make_tiny_checkpoint(tmp_path, arch="deepseek_v4", seed=13)
-    prompts, params = _workload(6, n=6)
+    prompts, params = workload(6, n=6)
     single = LLM(str(path), fake_quant=False)
     window = ExpertLoadWindow(single.model, 10_000)
-    expected = _tokens_and_logprobs(single.generate(prompts, params, use_tqdm=False))
+    expected = tokens_and_logprobs(single.generate(prompts, params, use_tqdm=False))
     window.snapshot()
     counted_alone = window.total()
     llm = LLM(
@@ -162,13 +133,13 @@ def test_eplb_counts_every_ranks_tokens_and_keeps_the_outputs(tmp_path):
         num_redundant_experts=2,
     )
     try:
-        got = _tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
+        got = tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
         engine = llm.engine
         assert engine.placement is not None and engine._eplb_steps >= 3
         counted = engine.eplb.total()
     finally:
         llm.close()
-    _assert_same(got, expected)
+    assert_same(got, expected)
     assert torch.equal(counted, counted_alone)
 
 

@@ -71,8 +71,8 @@ def served(tmp_path_factory):
     script = llm.tokenizer(_scripted_reply(), add_special_tokens=False).input_ids + [llm.eos_token_ids[0]]
     real_sample = engine_module.sample
 
-    def scripted(logits, rows):  # the n-th output token of every request is the script's n-th
-        real_sample(logits, rows)
+    def scripted(logits, rows, **options):  # the n-th output token of every request is the script's n-th
+        real_sample(logits, rows, **options)
         return [script[min(len(r.output_ids), len(script) - 1)] for r in rows]
 
     engine_module.sample = scripted

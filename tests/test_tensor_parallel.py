@@ -8,10 +8,10 @@ fail naming its rank."""
 from __future__ import annotations
 
 import os
-import random
 import signal
 
 import pytest
+from parallel_workloads import assert_same, tokens_and_logprobs, workload
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.distributed.eplb import moe_lb
@@ -34,50 +34,19 @@ def llama_tp(tmp_path_factory):
     )
 
 
-def _workload(seed: int):
-    rng = random.Random(seed)
-    shared = [rng.randrange(2, 258) for _ in range(40)]
-    prompts = [
-        (shared if i % 3 == 0 else []) + [rng.randrange(2, 258) for _ in range(rng.randrange(1, 70))]
-        for i in range(10)
-    ]
-    params = [
-        SamplingParams(max_tokens=rng.randrange(1, 12), temperature=0.0, ignore_eos=True, logprobs=1)
-        for _ in prompts
-    ]
-    return prompts, params
-
-
-def _tokens_and_logprobs(outs):
-    return [
-        (
-            o.outputs[0].token_ids,
-            [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)],
-        )
-        for o in outs
-    ]
-
-
-def _assert_same(got, expected) -> None:
-    """Greedy tokens equal; their logprobs within 1e-4."""
-    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):
-        assert tokens == want_tokens
-        assert all(abs(a - b) <= 1e-4 for a, b in zip(logprobs, want_logprobs, strict=True))
-
-
 def test_two_ranks_equal_one_process(llama_tp):
-    prompts, params = _workload(0)
+    prompts, params = workload(0)
     single = LLM(str(llama_tp), max_num_batched_tokens=48)
-    expected = _tokens_and_logprobs(single.generate(prompts, params, use_tqdm=False))
+    expected = tokens_and_logprobs(single.generate(prompts, params, use_tqdm=False))
     whole = sum(weight_bytes(single.model).values())
     llm = LLM(str(llama_tp), tensor_parallel_size=2, max_num_batched_tokens=48)
     try:
-        got = _tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
-        again = _tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))  # prefix hits
+        got = tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
+        again = tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))  # prefix hits
         sharded = sum(weight_bytes(llm.model).values())
     finally:
         llm.close()
-    _assert_same(got, expected)
+    assert_same(got, expected)
     assert [t for t, _ in again] == [t for t, _ in expected]
     # rank 0 keeps half of every layer's projections and of the embedding (norms stay whole)
     split = [*single.model.model.layers.parameters(), single.model.model.embed_tokens.weight]
@@ -119,10 +88,10 @@ def test_deepseek_tensor_and_expert_parallel_equal_one_process(tmp_path, arch, q
     1/N of the query and output projections and, with expert parallel, of the experts."""
     shape = {"num_attention_heads": 8, "o_groups": 4} if ranks == 4 else {}
     path = make_tiny_checkpoint(tmp_path, arch=arch, seed=8, quant=quant, **shape)
-    prompts, params = _workload(1)
+    prompts, params = workload(1)
     prompts, params = prompts[:6], params[:6]
     single = LLM(str(path), max_num_batched_tokens=64)
-    expected = _tokens_and_logprobs(single.generate(prompts, params, use_tqdm=False))
+    expected = tokens_and_logprobs(single.generate(prompts, params, use_tqdm=False))
     llm = LLM(
         str(path),
         tensor_parallel_size=ranks,
@@ -130,14 +99,14 @@ def test_deepseek_tensor_and_expert_parallel_equal_one_process(tmp_path, arch, q
         max_num_batched_tokens=64,
     )
     try:
-        got = _tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
+        got = tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
         whole_moe = [m for m in single.model.modules() if hasattr(m, "expert_offset")]
         part_moe = [m for m in llm.model.modules() if hasattr(m, "expert_offset")]
         whole_attn = [m for m in single.model.modules() if hasattr(m, "wo_a")]
         part_attn = [m for m in llm.model.modules() if hasattr(m, "wo_a")]
     finally:
         llm.close()
-    _assert_same(got, expected)
+    assert_same(got, expected)
     for whole, part in zip(whole_attn, part_attn, strict=True):
         for name in ("wq_b", "wo_a", "wo_b"):
             assert getattr(part, name).weight.numel() * ranks == getattr(whole, name).weight.numel()
@@ -228,9 +197,9 @@ def test_eplb_rebalancing_moves_experts_without_changing_outputs(tmp_path):
     between the ranks (each rank then holds (E + 2) / 2 slots, hot experts replicated) while
     the greedy tokens stay the one-process engine's."""
     path = make_tiny_checkpoint(tmp_path, arch="deepseek_v4", seed=9)
-    prompts, params = _workload(2)
+    prompts, params = workload(2)
     prompts, params = prompts[:6], params[:6]
-    expected = _tokens_and_logprobs(LLM(str(path)).generate(prompts, params, use_tqdm=False))
+    expected = tokens_and_logprobs(LLM(str(path)).generate(prompts, params, use_tqdm=False))
     llm = LLM(
         str(path),
         tensor_parallel_size=2,
@@ -240,7 +209,7 @@ def test_eplb_rebalancing_moves_experts_without_changing_outputs(tmp_path):
         num_redundant_experts=2,
     )
     try:
-        got = _tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
+        got = tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
         engine = llm.engine
         assert engine.placement is not None and engine._eplb_steps >= 3
         experts = llm.model.config.n_routed_experts
@@ -251,7 +220,7 @@ def test_eplb_rebalancing_moves_experts_without_changing_outputs(tmp_path):
         assert engine.moe_lb() == pytest.approx(moe_lb(engine.placement, engine.eplb.total()))
     finally:
         llm.close()
-    _assert_same(got, expected)
+    assert_same(got, expected)
 
 
 def test_a_tied_head_splits_with_the_embedding(tmp_path):
@@ -259,15 +228,15 @@ def test_a_tied_head_splits_with_the_embedding(tmp_path):
     path = make_tiny_checkpoint(
         tmp_path, "llama", seed=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=64
     )
-    prompts, params = _workload(3)
-    expected = _tokens_and_logprobs(LLM(str(path)).generate(prompts[:4], params[:4], use_tqdm=False))
+    prompts, params = workload(3)
+    expected = tokens_and_logprobs(LLM(str(path)).generate(prompts[:4], params[:4], use_tqdm=False))
     llm = LLM(str(path), tensor_parallel_size=2)
     try:
         assert llm.model.config.tie_word_embeddings
-        got = _tokens_and_logprobs(llm.generate(prompts[:4], params[:4], use_tqdm=False))
+        got = tokens_and_logprobs(llm.generate(prompts[:4], params[:4], use_tqdm=False))
     finally:
         llm.close()
-    _assert_same(got, expected)
+    assert_same(got, expected)
 
 
 def test_four_ranks_on_llama(tmp_path):
@@ -284,11 +253,11 @@ def test_four_ranks_on_llama(tmp_path):
         vocab_size=260,
         tie_word_embeddings=False,
     )
-    prompts, params = _workload(4)
-    expected = _tokens_and_logprobs(LLM(str(path)).generate(prompts[:5], params[:5], use_tqdm=False))
+    prompts, params = workload(4)
+    expected = tokens_and_logprobs(LLM(str(path)).generate(prompts[:5], params[:5], use_tqdm=False))
     llm = LLM(str(path), tensor_parallel_size=4)
     try:
-        got = _tokens_and_logprobs(llm.generate(prompts[:5], params[:5], use_tqdm=False))
+        got = tokens_and_logprobs(llm.generate(prompts[:5], params[:5], use_tqdm=False))
     finally:
         llm.close()
-    _assert_same(got, expected)
+    assert_same(got, expected)

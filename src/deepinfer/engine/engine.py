@@ -11,7 +11,7 @@ import logging
 import math
 import time
 import weakref
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +41,13 @@ from deepinfer.engine.model_runner import ModelRunner, PreparedStep
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
+from deepinfer.engine.structured_requests import StructuredRequests
 from deepinfer.memory import kv_bytes_per_token, pool_bytes
 from deepinfer.models.base import CausalLM
 from deepinfer.models.llama import LlamaForCausalLM
 from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer.platforms import Platform, platform_for
 from deepinfer.sampling.sampler import SamplingRow, make_generator, sample
-from deepinfer.sampling.structured import GrammarBackend
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.speculative.config import SpeculativeConfig
 from deepinfer.speculative.decoder import SpeculativeDecoder, VerifiedChunk, build_drafter
@@ -196,9 +196,7 @@ class Engine:
             DataParallelScheduler(schedulers) if self.data_parallel else schedulers[0]
         )
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
-        self.tokenizer = tokenizer
-        self.grammar: GrammarBackend | None = None  # made for the first structured request
-        self._compiling: list[Request] = []  # structured requests whose grammar compiles
+        self.structured = StructuredRequests(tokenizer, self.vocab_size, self.eos_token_ids)
         self._ended: list[Request] = []  # ended outside a step (reported by the next one)
         self.requests: dict[str, Request] = {}
         # drafting needs the previous step's tokens; EPLB moves experts between steps
@@ -256,8 +254,7 @@ class Engine:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers and the grammar compiler's thread."""
-        if self.grammar is not None:
-            self.grammar.close()
+        self.structured.close()
         if self.tp is not None:
             self.tp.close()
 
@@ -476,7 +473,7 @@ class Engine:
             )
         structured = params.structured_outputs
         if structured is not None:
-            self._grammar_backend().check(structured)
+            self.structured.check(structured)
         req = Request(
             request_id=request_id,
             prompt=prompt,
@@ -488,45 +485,22 @@ class Engine:
         )
         self.requests[request_id] = req
         if structured is not None:
-            assert self.grammar is not None
-            req.grammar_future = self.grammar.submit(structured)
-            self._compiling.append(req)
+            self.structured.submit(req, structured)
         else:
             self.scheduler.add(req)
         return req
 
-    def _grammar_backend(self) -> GrammarBackend:
-        if self.grammar is None:
-            if self.tokenizer is None:
-                raise ValueError("structured_outputs needs the model's tokenizer (this checkpoint has none)")
-            self.grammar = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        return self.grammar
-
     def _admit_compiled(self) -> None:
         """Schedule the structured requests whose grammar is ready (waiting for one when
-        nothing else could run); a grammar that fails to compile aborts its request."""
-        if not self._compiling:
-            return
-        if self.scheduler.num_unfinished == 0 and self._inflight is None:
-            wait([r.grammar_future for r in self._compiling], return_when=FIRST_COMPLETED)
-        still = []
-        for req in self._compiling:
-            future = req.grammar_future
-            assert future is not None
-            if not future.done():
-                still.append(req)
-                continue
-            req.grammar_future = None
-            try:
-                req.grammar = future.result()
-            except Exception:
-                logger.exception("structured_outputs: request %s: grammar failed to compile", req.request_id)
-                req.finish_reason = "abort"
-                self._finish(req)
-                self._ended.append(req)
-                continue
+        nothing else could run); a grammar that failed to compile aborts its request."""
+        idle = self.scheduler.num_unfinished == 0 and self._inflight is None
+        done, failed = self.structured.ready(idle)
+        for req in done:
             self.scheduler.add(req)
-        self._compiling = still
+        for req in failed:
+            req.finish_reason = "abort"
+            self._finish(req)
+            self._ended.append(req)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; its cache is freed and its output finishes with 'abort'."""
@@ -534,12 +508,13 @@ class Engine:
         if req is None or req.finished:
             return
         req.finish_reason = "abort"
-        if req in self._compiling:
-            self._compiling.remove(req)
+        self.structured.forget(req)
         self._finish(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or self._inflight is not None or bool(self._compiling)
+        return (
+            self.scheduler.num_unfinished > 0 or self._inflight is not None or bool(self.structured.compiling)
+        )
 
     def pop_finished(self, request_id: str) -> Request:
         return self.requests.pop(request_id)
@@ -616,10 +591,7 @@ class Engine:
     def _draft(self, request: Request, room: int) -> list[int]:
         """The speculative decoder's draft, cut where the request's grammar rejects it."""
         assert self.spec is not None
-        draft = self.spec.draft(request, room)
-        if request.grammar is not None and draft:
-            draft = GrammarBackend.trim_draft(request.grammar, draft)
-        return draft
+        return self.structured.trim_draft(request, self.spec.draft(request, room))
 
     def _schedule(self) -> PreparedStep | None:
         self._admit_compiled()
@@ -655,12 +627,7 @@ class Engine:
         updated = self._sample([(c, row) for c, row in live if not c.draft], logits)
         if self.spec is not None:
             drafted = [(c, logits[row : row + len(c.draft) + 1]) for c, row in live if c.draft]
-            checked = [
-                (c, rows)
-                if c.request.grammar is None or self.grammar is None
-                else (c, self.grammar.mask_drafted(c.request.grammar, c.draft, rows))
-                for c, rows in drafted
-            ]
+            checked = [(c, self.structured.mask_drafted(c.request, c.draft, rows)) for c, rows in drafted]
             verified = self.spec.verify(checked)
             for v, (_, raw) in zip(verified, drafted, strict=True):
                 v.logits = raw  # logprobs are reported from the raw distribution
@@ -706,12 +673,8 @@ class Engine:
             for c, _ in live
         ]
         sampled_logits = logits[torch.tensor([row for _, row in live])]
-        matchers = [c.request.grammar for c, _ in live]
-        rowwise = self.config.batch_invariant
-        if self.grammar is not None and any(m is not None for m in matchers):
-            tokens = sample(self.grammar.mask_rows(sampled_logits, matchers), rows, rowwise)
-        else:
-            tokens = sample(sampled_logits, rows, rowwise)
+        allowed = self.structured.mask_rows(sampled_logits, [c.request for c, _ in live])
+        tokens = sample(allowed, rows, rowwise=self.config.batch_invariant)
         now = time.perf_counter()
         updated = []
         for (c, _), token, row_logits in zip(live, tokens, sampled_logits, strict=True):
@@ -742,17 +705,12 @@ class Engine:
         return req
 
     def _append(self, req: Request, token: int, row_logits: torch.Tensor) -> None:
-        """Append a sampled token (stop checks) and advance the request's grammar; a grammar
-        that has ended (its stop token accepted) ends the request."""
+        """Append a sampled token (stop checks) and advance the request's grammar, whose end
+        (its stop token accepted) ends the request."""
         self.output_processor.append_token(req, token, row_logits)
-        matcher = req.grammar
-        if matcher is None:
-            return
-        if not matcher.accept_token(token):
-            logger.warning("structured_outputs: request %s: token %d rejected", req.request_id, token)
-            req.finish_reason = req.finish_reason or "abort"
-        elif matcher.is_terminated() and req.finish_reason is None:
-            req.finish_reason = "stop"
+        reason = self.structured.accept(req, token)
+        if reason is not None and req.finish_reason is None:
+            req.finish_reason = reason
 
     def _finish(self, req: Request, computed: int | None = None) -> None:
         """``computed``: positions whose cache rows this request has validly written; their
