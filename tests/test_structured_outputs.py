@@ -1,5 +1,5 @@
 """Structured outputs on SmolLM2 (xgrammar against its tokenizer): hypothesis-generated JSON
-schemas and regexes plus hand-written nested schemas; every output parses and validates or
+schemas and regexes (51 and 30 in random batches) plus hand-written nested schemas; every output parses and validates or
 fully matches, greedy and seeded temperature 1, with n-gram speculation on too, under
 chunked prefill and preemption; bad constraints are refused at submission without touching
 the engine; the server's ``response_format`` and ``structured_outputs``."""
@@ -156,24 +156,29 @@ def _check_regex(outs, regexes) -> None:
         assert re.fullmatch(regex, completion.text), (regex, completion.text)
 
 
-_ONE_BATCH = settings(
-    max_examples=1,
-    deadline=None,
-    suppress_health_check=[
-        HealthCheck.too_slow,
-        HealthCheck.data_too_large,
-        HealthCheck.function_scoped_fixture,
-    ],
-)
+def _batches(examples: int):
+    """``examples`` hypothesis examples, each one batch through the engine. Hypothesis's
+    first example is its minimal one (every schema ``{"a": 0}``), so the random ones are
+    the rest: the counts below are per random example."""
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.data_too_large,
+            HealthCheck.function_scoped_fixture,
+        ],
+    )
 
 
-@_ONE_BATCH
+@_batches(4)
 @given(
-    schemas=st.lists(SCHEMAS, min_size=50, max_size=50), regexes=st.lists(REGEXES, min_size=30, max_size=30)
+    schemas=st.lists(SCHEMAS, min_size=17, max_size=17), regexes=st.lists(REGEXES, min_size=10, max_size=10)
 )
 def test_every_output_validates_or_matches(smol, schemas, regexes):
-    """50 generated schemas plus the nested ones and 30 generated regexes in one batch,
-    greedy and seeded temperature 1 alternating: all stop by the grammar and validate."""
+    """Three random batches (51 generated schemas and 30 generated regexes in all) plus the
+    nested schemas, greedy and seeded temperature 1 alternating: all stop by the grammar
+    and validate or fully match."""
     schemas = schemas + NESTED
     params = _json_params(schemas) + [
         SamplingParams(
@@ -187,13 +192,14 @@ def test_every_output_validates_or_matches(smol, schemas, regexes):
     _check_regex(outs[len(schemas) :], regexes)
 
 
-@_ONE_BATCH
+@_batches(2)
 @given(
     schemas=st.lists(SCHEMAS, min_size=20, max_size=20), regexes=st.lists(REGEXES, min_size=10, max_size=10)
 )
 def test_with_ngram_speculation(smol_ngram, schemas, regexes):
-    """The same under n-gram speculation: drafts are cut at the grammar's first rejection
-    and verified against masked rows; drafts were proposed, outputs still validate."""
+    """The same under n-gram speculation (one random batch of 20 schemas and 10 regexes):
+    drafts are cut at the grammar's first rejection and verified against masked rows;
+    drafts were proposed, outputs still validate."""
     schemas = schemas + NESTED
     params = _json_params(schemas) + [
         SamplingParams(max_tokens=64, temperature=0.0, structured_outputs={"regex": r}) for r in regexes
