@@ -128,7 +128,7 @@ def shard(model: torch.nn.Module, mode: str, rank: int, size: int) -> None:
         if mode == "deepseek+ep":
             shard_experts(model, rank, size)
     else:
-        raise ValueError(f"unknown parallel mode {mode!r}")
+        raise ValueError(f"unknown parallel mode {mode!r}: one of {', '.join(MODES)}")
 
 
 def worker_main(rank: int, size: int, port: int | None, mode: str, load_kwargs: dict[str, Any]) -> None:
