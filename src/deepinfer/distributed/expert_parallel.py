@@ -167,9 +167,9 @@ class AllToAllDispatch:
         picks = [(dest == r).any(1).nonzero().squeeze(1) for r in range(self.size)]
         send = [int(p.numel()) for p in picks]
         index = torch.cat(picks)
-        target = torch.repeat_interleave(torch.arange(self.size, device=ids.device), torch.tensor(send))
+        counts = torch.tensor(send, dtype=torch.long, device=ids.device)  # NCCL: on the device
+        target = torch.repeat_interleave(torch.arange(self.size, device=ids.device), counts)
         served = dest[index] == target[:, None]
-        counts = torch.tensor(send, dtype=torch.long)
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=self.group)
         recv = recv_counts.tolist()
