@@ -202,9 +202,14 @@ def test_vnni_int4_kernel_equals_its_definition(n, groups, m, seed):
     row = m // 2
     alone = cpu_int4_vnni.gemm(x[row : row + 1], packed)
     assert torch.equal(alone[0], got[row])
-    # mutation check: the bound above catches a 5% scale error
+    # mutation check: the bound above catches a 5% scale error wherever that error moves the
+    # exact result past the bound (one output of one group can sit near zero: seed 418,
+    # n = groups = m = 1 moved it by 1.7e-5 against a bound of 3.3e-5)
     wrong = cpu_int4_vnni.gemm(x, cpu_int4_vnni.pack(q, scale * 1.05, zero))
-    assert (wrong.double() - want).abs().max() > 1e-5 * (1 + want.abs().max())
+    bound = 1e-5 * (1 + want.abs().max())
+    shift = (_int8_per_group(x).double() @ (0.05 * (q.double() - 8) * per_element[0]).T).abs().max()
+    if shift > 2 * bound:
+        assert (wrong.double() - want).abs().max() > bound
 
 
 @needs_vnni
