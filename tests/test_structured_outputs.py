@@ -236,8 +236,8 @@ def test_choice_grammar_and_json_object(smol):
     outs = smol.generate(["The capital of France is"] * len(params), params, use_tqdm=False)
     assert all(o.outputs[0].text in ("Paris", "Lyon", 'a "q"') for o in outs[:6])
     assert re.fullmatch(r"yes|no|[0-9]{2}", outs[6].outputs[0].text)
-    if outs[7].outputs[0].finish_reason == "stop":
-        assert isinstance(json.loads(outs[7].outputs[0].text), dict)
+    assert outs[7].outputs[0].finish_reason == "stop"
+    assert isinstance(json.loads(outs[7].outputs[0].text), dict)
 
 
 def test_chunked_prefill_and_preemption_keep_outputs_valid(tmp_path):
