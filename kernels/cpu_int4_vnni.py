@@ -11,7 +11,10 @@ integer dot product needs its own scales, so the bytes are laid out with one gro
 lane: sixteen groups side by side, four elements of each per lane and step. Eight
 ``vpdpbusd`` then leave sixteen finished group sums in one register, which meet their sixteen
 weight and activation scales with one multiply and one FMA; the offsets add
-``c * s_x * sum(x_q)`` per group the same way. Activations round to int8 per group
+``c * s_x * sum(x_q)`` per group the same way. A tail of fewer than sixteen groups (K not a
+multiple of 512, e.g. SmolLM2's 576 = 16 + 2 groups) spreads each group over 2 or 4 lanes, so
+it takes 4 or 2 ``vpdpbusd`` per step pair instead of a whole tile's 8 with most lanes idle
+(K = 576 projections: 155 -> 190 GMAC/s at 32 rows, RESULTS.md). Activations round to int8 per group
 (``s_x = max|x| / 127``), so results differ from the fp32-activation loop by that rounding,
 as llama.cpp's do.
 
@@ -45,10 +48,16 @@ extern "C" int has_vnni() {
          __builtin_cpu_supports("avx512vnni");
 }
 
-// Element e of group g in a tile of L lanes (l = g % 16), step t = e / 4, byte j = e % 4:
-// activations at x[t * 4L + 4l + j] (bytes); weights as nibbles, steps 2p (low) and 2p + 1
-// (high) sharing byte p * 4L + 4l + j.
+// A tile holds L <= 16 groups. A whole tile puts one group in each 32-bit lane; a short
+// tail tile (K not a multiple of 512) spreads each group over P lanes (lanes_per_group), so
+// it takes 8 / P steps instead of 8 with most lanes idle: at K = 576 the tail's two groups
+// cost a quarter of a whole tile, not a whole one. Element e of local group gl: lane
+// l = gl * P + (e / 4) % P, step t = e / (4 P), byte j = e % 4, over U = L * P lanes.
+// Activations sit at x[t * 4U + 4l + j] (bytes); weights as nibbles, steps 2p (low) and
+// 2p + 1 (high) sharing byte p * 4U + 4l + j.
 static inline int64_t tile_lanes(int64_t groups, int64_t tile) { return std::min<int64_t>(16, groups - tile * 16); }
+static inline int64_t lanes_per_group(int64_t L) { return L <= 4 ? 4 : (L <= 8 ? 2 : 1); }
+static inline int lanes_shift(int64_t P) { return P == 4 ? 2 : (P == 2 ? 1 : 0); }
 
 // Bytes of one packed weight row: per tile of L groups, 16 L bytes of nibbles, then the L
 // groups' bf16 scales and bf16 zeros (one stream per row, as many bytes as PyTorch's layout).
@@ -61,12 +70,13 @@ extern "C" void pack_weights(const uint8_t* q, const uint16_t* scale, const uint
   for (int64_t n = 0; n < N; ++n) {
     uint8_t* out = packed + n * row_bytes(K);
     for (int64_t tile = 0; tile < tiles; ++tile) {
-      const int64_t L = tile_lanes(G, tile);
-      for (int64_t p = 0; p < 4; ++p)
-        for (int64_t l = 0; l < L; ++l)
+      const int64_t L = tile_lanes(G, tile), P = lanes_per_group(L), U = L * P;
+      for (int64_t p = 0; p < 4 / P; ++p)
+        for (int64_t l = 0; l < U; ++l)
           for (int64_t j = 0; j < 4; ++j) {
-            const uint8_t* g = q + n * K + (tile * 16 + l) * 32;
-            out[p * 4 * L + 4 * l + j] = static_cast<uint8_t>(g[8 * p + j] | (g[8 * p + 4 + j] << 4));
+            const uint8_t* g = q + n * K + (tile * 16 + l / P) * 32;
+            const int64_t lo = (2 * p) * 4 * P + (l % P) * 4 + j, hi = lo + 4 * P;
+            out[p * 4 * U + 4 * l + j] = static_cast<uint8_t>(g[lo] | (g[hi] << 4));
           }
       std::memcpy(out + 16 * L, scale + n * G + tile * 16, 2 * L);
       std::memcpy(out + 18 * L, zero + n * G + tile * 16, 2 * L);
@@ -84,7 +94,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void quantize_rows
   for (int64_t m = 0; m < M; ++m) {
     int8_t* out = xq + m * K;
     for (int64_t tile = 0; tile < tiles; ++tile) {
-      const int64_t L = tile_lanes(G, tile);
+      const int64_t L = tile_lanes(G, tile), P = lanes_per_group(L), U = L * P;
       for (int64_t l = 0; l < L; ++l) {
         const int64_t g = tile * 16 + l;
         const float* xg = x + m * K + g * 32;
@@ -98,7 +108,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void quantize_rows
         alignas(32) int8_t bytes[32];
         _mm_store_si128(reinterpret_cast<__m128i*>(bytes), _mm512_cvtepi32_epi8(qa));
         _mm_store_si128(reinterpret_cast<__m128i*>(bytes + 16), _mm512_cvtepi32_epi8(qb));
-        for (int t = 0; t < 8; ++t) std::memcpy(out + t * 4 * L + 4 * l, bytes + 4 * t, 4);
+        for (int c = 0; c < 8; ++c) std::memcpy(out + (c / P) * 4 * U + 4 * (l * P + c % P), bytes + 4 * c, 4);
         sx[m * G + g] = s;
         cx[m * G + g] = s * static_cast<float>(sum);
       }
@@ -126,42 +136,56 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static inline void tile_p
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   int64_t woff = 0, xoff = 0;
   for (int64_t tile = 0; tile < tiles; ++tile) {
-    const int64_t L = tile_lanes(G, tile);
-    const __mmask64 bytes = L == 16 ? ~0ULL : ((1ULL << (4 * L)) - 1);
+    const int64_t L = tile_lanes(G, tile), P = lanes_per_group(L), U = L * P;
+    const __mmask64 bytes = U == 16 ? ~0ULL : ((1ULL << (4 * U)) - 1);
     const __mmask16 lanes = static_cast<__mmask16>((1u << L) - 1);
     __m512i iacc[R][MC];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MC; ++m) iacc[r][m] = _mm512_setzero_si512();
-    for (int64_t p = 0; p < 4; ++p) {
+    for (int64_t p = 0; p < 4 / P; ++p) {
       __m512i lo[R], hi[R];
       for (int r = 0; r < R; ++r) {
-        const uint8_t* src = w + (n0 + r) * row_bytes(K) + woff + p * 4 * L;
+        const uint8_t* src = w + (n0 + r) * row_bytes(K) + woff + p * 4 * U;
         _mm_prefetch(reinterpret_cast<const char*>(src + PREFETCH), _MM_HINT_T0);
-        const __m512i packed = L == 16 ? _mm512_loadu_si512(src) : _mm512_maskz_loadu_epi8(bytes, src);
+        const __m512i packed = U == 16 ? _mm512_loadu_si512(src) : _mm512_maskz_loadu_epi8(bytes, src);
         lo[r] = _mm512_and_si512(packed, low4);
         hi[r] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
       }
       for (int m = 0; m < MC; ++m) {
         const int8_t* xr = xq + m * K + xoff;
-        const __m512i xa = L == 16 ? _mm512_loadu_si512(xr + (2 * p) * 4 * L)
-                                   : _mm512_maskz_loadu_epi8(bytes, xr + (2 * p) * 4 * L);
-        const __m512i xb = L == 16 ? _mm512_loadu_si512(xr + (2 * p + 1) * 4 * L)
-                                   : _mm512_maskz_loadu_epi8(bytes, xr + (2 * p + 1) * 4 * L);
+        const __m512i xa = U == 16 ? _mm512_loadu_si512(xr + (2 * p) * 4 * U)
+                                   : _mm512_maskz_loadu_epi8(bytes, xr + (2 * p) * 4 * U);
+        const __m512i xb = U == 16 ? _mm512_loadu_si512(xr + (2 * p + 1) * 4 * U)
+                                   : _mm512_maskz_loadu_epi8(bytes, xr + (2 * p + 1) * 4 * U);
         for (int r = 0; r < R; ++r) {
           iacc[r][m] = _mm512_dpbusd_epi32(iacc[r][m], lo[r], xa);
           iacc[r][m] = _mm512_dpbusd_epi32(iacc[r][m], hi[r], xb);
         }
       }
     }
+    // a group's P lanes take its scales; its offset term is added in its first lane only
+    const __m512i group = _mm512_srli_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), lanes_shift(P));
+    const __mmask16 first = static_cast<__mmask16>(
+        P == 1 ? lanes : (P == 2 ? 0x5555 : 0x1111) & ((1u << U) - 1));
     for (int r = 0; r < R; ++r) {
       const uint8_t* sc = w + (n0 + r) * row_bytes(K) + woff + 16 * L;  // bf16 scales, then offsets
-      const __m512 s = bf16_to_f32(_mm256_maskz_loadu_epi16(lanes, sc));
+      __m512 s = bf16_to_f32(_mm256_maskz_loadu_epi16(lanes, sc));
       // w = (q - 8) * s + z = q * s + c with c = z - 8 s, rounded once
-      const __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, bf16_to_f32(_mm256_maskz_loadu_epi16(lanes, sc + 2 * L)));
+      __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, bf16_to_f32(_mm256_maskz_loadu_epi16(lanes, sc + 2 * L)));
+      if (P > 1) {
+        s = _mm512_permutexvar_ps(group, s);
+        c = _mm512_permutexvar_ps(group, c);
+      }
       for (int m = 0; m < MC; ++m) {
-        const __m512 scale = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(lanes, sx + m * G + tile * 16));
-        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r][m]), scale, acc[r][m]);
-        acc[r][m] = _mm512_fmadd_ps(c, _mm512_maskz_loadu_ps(lanes, cx + m * G + tile * 16), acc[r][m]);
+        __m512 xs = _mm512_maskz_loadu_ps(lanes, sx + m * G + tile * 16);
+        __m512 xc = _mm512_maskz_loadu_ps(lanes, cx + m * G + tile * 16);
+        if (P > 1) {
+          xs = _mm512_permutexvar_ps(group, xs);
+          xc = _mm512_maskz_permutexvar_ps(first, group, xc);
+        }
+        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r][m]), _mm512_mul_ps(s, xs), acc[r][m]);
+        acc[r][m] = _mm512_fmadd_ps(c, xc, acc[r][m]);
       }
     }
     woff += 20 * L;
