@@ -1,22 +1,21 @@
-"""int4 weights times int8 activations on AVX-512 VNNI: weight-only int4 projections at 5-64
-rows, where PyTorch's int4 kernel (bf16 activations) and our fp32 widening loop are
-compute-bound.
+"""int4 weights times int8 activations on AVX-512 VNNI: weight-only int4 projections at 5 or
+more rows (decode batches and prefill), where PyTorch's int4 kernel (bf16 activations) and our
+fp32 widening loop are compute-bound.
 
 llama.cpp's Q4_0 path quantizes activations to int8 per group of 32 and multiplies bytes
 (``vpdpbusd``: 64 multiply-adds per instruction against 16 for an fp32 FMA); this kernel does
 the same with our int4 format (``w = (q - 8) * s + z`` per group of 32 with bf16 ``s`` and
-``z``, ``weight_only``), stored as one stream per weight row: each tile's nibbles, then its
-scales and zeros. Each group's
-integer dot product needs its own scales, so the bytes are laid out with one group per 32-bit
-lane: sixteen groups side by side, four elements of each per lane and step. Eight
-``vpdpbusd`` then leave sixteen finished group sums in one register, which meet their sixteen
-weight and activation scales with one multiply and one FMA; the offsets add
-``c * s_x * sum(x_q)`` per group the same way. A tail of fewer than sixteen groups (K not a
-multiple of 512, e.g. SmolLM2's 576 = 16 + 2 groups) spreads each group over 2 or 4 lanes, so
-it takes 4 or 2 ``vpdpbusd`` per step pair instead of a whole tile's 8 with most lanes idle
-(K = 576 projections: 155 -> 190 GMAC/s at 32 rows, RESULTS.md). Activations round to int8 per group
-(``s_x = max|x| / 127``), so results differ from the fp32-activation loop by that rounding,
-as llama.cpp's do.
+``z``, ``weight_only``). Sixteen weight rows share a vector, one per 32-bit lane, and a
+broadcast word of four activation bytes meets all sixteen: eight ``vpdpbusd`` finish one group
+for sixteen rows, which then meet their sixteen weight scales and the group's activation scale
+with one multiply and one FMA (the offsets add ``c * s_x * sum(x_q)`` the same way). The
+results leave as whole vectors of sixteen outputs, with no horizontal sums, and any K that is a
+multiple of 32 fills every lane. (The first version put sixteen groups of one row in a vector
+and summed its lanes at the end: at K = 576 that reduction, and a tail tile of 2 groups in 16
+lanes, held it to ~190 GMAC/s at 32 rows on two cores; this layout runs 560-670, RESULTS.md.)
+Each block of sixteen rows is one stream: per group, its nibbles, then its scales and zeros.
+Activations round to int8 per group (``s_x = max|x| / 127``), so results differ from the
+fp32-activation loop by that rounding, as llama.cpp's do.
 
 A row's result depends only on its own activations and the weights (fixed order), so it is
 the same whatever it is batched with. Built once per machine by ``cpu_build``; ``available()``
@@ -32,13 +31,12 @@ import torch
 from deepinfer.kernels import cpu_build
 
 GROUP = 32
-LANES = 16  # groups per tile (one per 32-bit lane of a 512-bit register)
+BLOCK = 16  # weight rows per vector (one per 32-bit lane of a 512-bit register)
 
 _SOURCE = r"""
 #include <immintrin.h>
 #include <omp.h>
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -48,158 +46,129 @@ extern "C" int has_vnni() {
          __builtin_cpu_supports("avx512vnni");
 }
 
-// A tile holds L <= 16 groups. A whole tile puts one group in each 32-bit lane; a short
-// tail tile (K not a multiple of 512) spreads each group over P lanes (lanes_per_group), so
-// it takes 8 / P steps instead of 8 with most lanes idle: at K = 576 the tail's two groups
-// cost a quarter of a whole tile, not a whole one. Element e of local group gl: lane
-// l = gl * P + (e / 4) % P, step t = e / (4 P), byte j = e % 4, over U = L * P lanes.
-// Activations sit at x[t * 4U + 4l + j] (bytes); weights as nibbles, steps 2p (low) and
-// 2p + 1 (high) sharing byte p * 4U + 4l + j.
-static inline int64_t tile_lanes(int64_t groups, int64_t tile) { return std::min<int64_t>(16, groups - tile * 16); }
-static inline int64_t lanes_per_group(int64_t L) { return L <= 4 ? 4 : (L <= 8 ? 2 : 1); }
-static inline int lanes_shift(int64_t P) { return P == 4 ? 2 : (P == 2 ? 1 : 0); }
+// A block of 16 weight rows, per group of 32 input channels: 4 x 64 bytes of nibbles (pair p:
+// lane i = row i, byte j holds element 8p + j (low) and 8p + 4 + j (high)), then the 16 rows'
+// bf16 scales and bf16 zeros: 320 bytes a group, 16 rows x (K / 2 + 4 K / 32) bytes a block.
+constexpr int64_t GROUP_BYTES = 320;
+static inline int64_t block_bytes(int64_t K) { return (K / 32) * GROUP_BYTES; }
 
-// Bytes of one packed weight row: per tile of L groups, 16 L bytes of nibbles, then the L
-// groups' bf16 scales and bf16 zeros (one stream per row, as many bytes as PyTorch's layout).
-static inline int64_t row_bytes(int64_t K) { return K / 2 + 4 * (K / 32); }
-
-// q [N, K] (0..15), scale / zero [N, G] as bf16 bits -> packed [N, row_bytes(K)].
+// q [N, K] (0..15), scale / zero [N, G] as bf16 bits -> packed [ceil(N / 16) blocks]; rows past
+// N are zero.
 extern "C" void pack_weights(const uint8_t* q, const uint16_t* scale, const uint16_t* zero, uint8_t* packed,
                              int64_t N, int64_t K) {
-  const int64_t G = K / 32, tiles = (G + 15) / 16;
-  for (int64_t n = 0; n < N; ++n) {
-    uint8_t* out = packed + n * row_bytes(K);
-    for (int64_t tile = 0; tile < tiles; ++tile) {
-      const int64_t L = tile_lanes(G, tile), P = lanes_per_group(L), U = L * P;
-      for (int64_t p = 0; p < 4 / P; ++p)
-        for (int64_t l = 0; l < U; ++l)
-          for (int64_t j = 0; j < 4; ++j) {
-            const uint8_t* g = q + n * K + (tile * 16 + l / P) * 32;
-            const int64_t lo = (2 * p) * 4 * P + (l % P) * 4 + j, hi = lo + 4 * P;
-            out[p * 4 * U + 4 * l + j] = static_cast<uint8_t>(g[lo] | (g[hi] << 4));
-          }
-      std::memcpy(out + 16 * L, scale + n * G + tile * 16, 2 * L);
-      std::memcpy(out + 18 * L, zero + n * G + tile * 16, 2 * L);
-      out += 20 * L;
-    }
-  }
-}
-
-// x [M, K] fp32 -> xq [M, K] int8 in the tile layout, sx [M, G] (scale) and cx [M, G]
-// (scale * sum of the group's int8 values). Rounds to nearest even, as nearbyint does.
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) static void quantize_rows(
-    const float* x, int8_t* xq, float* sx, float* cx, int64_t M, int64_t K) {
-  const int64_t G = K / 32, tiles = (G + 15) / 16;
-  const __m512 sign = _mm512_set1_ps(-0.f);
-  for (int64_t m = 0; m < M; ++m) {
-    int8_t* out = xq + m * K;
-    for (int64_t tile = 0; tile < tiles; ++tile) {
-      const int64_t L = tile_lanes(G, tile), P = lanes_per_group(L), U = L * P;
-      for (int64_t l = 0; l < L; ++l) {
-        const int64_t g = tile * 16 + l;
-        const float* xg = x + m * K + g * 32;
-        const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
-        const float s = amax / 127.f;
-        const __m512 inv = _mm512_set1_ps(s > 0.f ? 1.f / s : 0.f);
-        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
-        const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-        const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-        alignas(32) int8_t bytes[32];
-        _mm_store_si128(reinterpret_cast<__m128i*>(bytes), _mm512_cvtepi32_epi8(qa));
-        _mm_store_si128(reinterpret_cast<__m128i*>(bytes + 16), _mm512_cvtepi32_epi8(qb));
-        for (int c = 0; c < 8; ++c) std::memcpy(out + (c / P) * 4 * U + 4 * (l * P + c % P), bytes + 4 * c, 4);
-        sx[m * G + g] = s;
-        cx[m * G + g] = s * static_cast<float>(sum);
+  const int64_t G = K / 32, blocks = (N + 15) / 16;
+  std::memset(packed, 0, blocks * block_bytes(K));
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t g = 0; g < G; ++g) {
+      uint8_t* out = packed + b * block_bytes(K) + g * GROUP_BYTES;
+      uint16_t* s = reinterpret_cast<uint16_t*>(out + 256);
+      for (int64_t i = 0; i < 16 && b * 16 + i < N; ++i) {
+        const int64_t n = b * 16 + i;
+        const uint8_t* src = q + n * K + g * 32;
+        for (int64_t p = 0; p < 4; ++p)
+          for (int64_t j = 0; j < 4; ++j)
+            out[p * 64 + 4 * i + j] = static_cast<uint8_t>(src[8 * p + j] | (src[8 * p + 4 + j] << 4));
+        s[i] = scale[n * G + g];
+        s[16 + i] = zero[n * G + g];
       }
-      out += 32 * L;
     }
-  }
 }
 
-constexpr int64_t PREFETCH = 4 * 1024;  // bytes ahead of each weight row's reads
+// x [M, K] fp32 -> xq [M, K] int8, sx [M, G] (scale) and cx [M, G] (scale * sum of the group's
+// int8 values). Rounds to nearest even, as nearbyint does.
+__attribute__((target("avx512f,avx512bw"))) static void quantize_rows(
+    const float* x, int8_t* xq, float* sx, float* cx, int64_t M, int64_t K) {
+  const int64_t G = K / 32;
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xg = x + m * K + g * 32;
+      const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+      const float s = amax / 127.f;
+      const __m512 inv = _mm512_set1_ps(s > 0.f ? 1.f / s : 0.f);
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
+      const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+      const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * K + g * 32), _mm512_cvtepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * K + g * 32 + 16), _mm512_cvtepi32_epi8(qb));
+      sx[m * G + g] = s;
+      cx[m * G + g] = s * static_cast<float>(sum);
+    }
+}
+
+constexpr int64_t PREFETCH = 4 * 1024;  // bytes ahead of each block's reads
 
 __attribute__((target("avx512f,avx512bw"))) static inline __m512 bf16_to_f32(__m256i bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-// R weight rows x MC activation rows: each weight vector feeds MC rows, each activation
-// vector R rows, every integer accumulator in a register.
-template <int R, int MC>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) static inline void tile_pass(
+static inline int32_t four_bytes(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// RB blocks (16 RB weight rows) x MC activation rows: each weight vector feeds MC rows, each
+// broadcast activation word RB blocks, every accumulator in a register.
+template <int RB, int MC>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static inline void block_pass(
     const uint8_t* w, const int8_t* xq, const float* sx, const float* cx, const float* bias, float* y, int64_t N,
-    int64_t K, int64_t n0) {
-  const int64_t G = K / 32, tiles = (G + 15) / 16;
-  __m512 acc[R][MC];
-  for (int r = 0; r < R; ++r)
+    int64_t K, int64_t b0) {
+  const int64_t G = K / 32;
+  __m512 acc[RB][MC];
+  for (int r = 0; r < RB; ++r)
     for (int m = 0; m < MC; ++m) acc[r][m] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  int64_t woff = 0, xoff = 0;
-  for (int64_t tile = 0; tile < tiles; ++tile) {
-    const int64_t L = tile_lanes(G, tile), P = lanes_per_group(L), U = L * P;
-    const __mmask64 bytes = U == 16 ? ~0ULL : ((1ULL << (4 * U)) - 1);
-    const __mmask16 lanes = static_cast<__mmask16>((1u << L) - 1);
-    __m512i iacc[R][MC];
-    for (int r = 0; r < R; ++r)
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i iacc[RB][MC];
+    for (int r = 0; r < RB; ++r)
       for (int m = 0; m < MC; ++m) iacc[r][m] = _mm512_setzero_si512();
-    for (int64_t p = 0; p < 4 / P; ++p) {
-      __m512i lo[R], hi[R];
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* src = w + (n0 + r) * row_bytes(K) + woff + p * 4 * U;
+    for (int64_t p = 0; p < 4; ++p) {
+      __m512i lo[RB], hi[RB];
+      for (int r = 0; r < RB; ++r) {
+        const uint8_t* src = w + (b0 + r) * block_bytes(K) + g * GROUP_BYTES + p * 64;
         _mm_prefetch(reinterpret_cast<const char*>(src + PREFETCH), _MM_HINT_T0);
-        const __m512i packed = U == 16 ? _mm512_loadu_si512(src) : _mm512_maskz_loadu_epi8(bytes, src);
+        const __m512i packed = _mm512_loadu_si512(src);
         lo[r] = _mm512_and_si512(packed, low4);
         hi[r] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
       }
       for (int m = 0; m < MC; ++m) {
-        const int8_t* xr = xq + m * K + xoff;
-        const __m512i xa = U == 16 ? _mm512_loadu_si512(xr + (2 * p) * 4 * U)
-                                   : _mm512_maskz_loadu_epi8(bytes, xr + (2 * p) * 4 * U);
-        const __m512i xb = U == 16 ? _mm512_loadu_si512(xr + (2 * p + 1) * 4 * U)
-                                   : _mm512_maskz_loadu_epi8(bytes, xr + (2 * p + 1) * 4 * U);
-        for (int r = 0; r < R; ++r) {
+        const int8_t* xr = xq + m * K + g * 32 + 8 * p;
+        const __m512i xa = _mm512_set1_epi32(four_bytes(xr));
+        const __m512i xb = _mm512_set1_epi32(four_bytes(xr + 4));
+        for (int r = 0; r < RB; ++r) {
           iacc[r][m] = _mm512_dpbusd_epi32(iacc[r][m], lo[r], xa);
           iacc[r][m] = _mm512_dpbusd_epi32(iacc[r][m], hi[r], xb);
         }
       }
     }
-    // a group's P lanes take its scales; its offset term is added in its first lane only
-    const __m512i group = _mm512_srli_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), lanes_shift(P));
-    const __mmask16 first = static_cast<__mmask16>(
-        P == 1 ? lanes : (P == 2 ? 0x5555 : 0x1111) & ((1u << U) - 1));
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* sc = w + (n0 + r) * row_bytes(K) + woff + 16 * L;  // bf16 scales, then offsets
-      __m512 s = bf16_to_f32(_mm256_maskz_loadu_epi16(lanes, sc));
+    for (int r = 0; r < RB; ++r) {
+      const uint8_t* sc = w + (b0 + r) * block_bytes(K) + g * GROUP_BYTES + 256;  // scales, then zeros
+      const __m512 s = bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
       // w = (q - 8) * s + z = q * s + c with c = z - 8 s, rounded once
-      __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, bf16_to_f32(_mm256_maskz_loadu_epi16(lanes, sc + 2 * L)));
-      if (P > 1) {
-        s = _mm512_permutexvar_ps(group, s);
-        c = _mm512_permutexvar_ps(group, c);
-      }
+      const __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s,
+                                        bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 32))));
       for (int m = 0; m < MC; ++m) {
-        __m512 xs = _mm512_maskz_loadu_ps(lanes, sx + m * G + tile * 16);
-        __m512 xc = _mm512_maskz_loadu_ps(lanes, cx + m * G + tile * 16);
-        if (P > 1) {
-          xs = _mm512_permutexvar_ps(group, xs);
-          xc = _mm512_maskz_permutexvar_ps(first, group, xc);
-        }
-        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r][m]), _mm512_mul_ps(s, xs), acc[r][m]);
-        acc[r][m] = _mm512_fmadd_ps(c, xc, acc[r][m]);
+        const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(sx[m * G + g]));
+        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r][m]), scale, acc[r][m]);
+        acc[r][m] = _mm512_fmadd_ps(c, _mm512_set1_ps(cx[m * G + g]), acc[r][m]);
       }
     }
-    woff += 20 * L;
-    xoff += 32 * L;
   }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MC; ++m) y[m * N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]) + (bias ? bias[n0 + r] : 0.f);
+  for (int r = 0; r < RB; ++r) {
+    const int64_t n0 = (b0 + r) * 16;
+    const __mmask16 keep = N - n0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < MC; ++m) _mm512_mask_storeu_ps(y + m * N + n0, keep, _mm512_add_ps(acc[r][m], b));
+  }
 }
 
-constexpr int R = 4, MC = 4;
+constexpr int RB = 2, MC = 4;
 
-template <int RR>
+template <int R>
 static void rows_block(const uint8_t* w, const float* bias, const int8_t* xq, const float* sx, const float* cx,
-                       float* y, int64_t M, int64_t N, int64_t K, int64_t n0) {
+                       float* y, int64_t M, int64_t N, int64_t K, int64_t b0) {
   const int64_t G = K / 32;
   for (int64_t m = 0; m < M; m += MC) {
     const int8_t* xm = xq + m * K;
@@ -207,10 +176,10 @@ static void rows_block(const uint8_t* w, const float* bias, const int8_t* xq, co
     const float* cxm = cx + m * G;
     float* ym = y + m * N;
     switch (std::min<int64_t>(MC, M - m)) {
-      case 1: tile_pass<RR, 1>(w, xm, sxm, cxm, bias, ym, N, K, n0); break;
-      case 2: tile_pass<RR, 2>(w, xm, sxm, cxm, bias, ym, N, K, n0); break;
-      case 3: tile_pass<RR, 3>(w, xm, sxm, cxm, bias, ym, N, K, n0); break;
-      default: tile_pass<RR, MC>(w, xm, sxm, cxm, bias, ym, N, K, n0); break;
+      case 1: block_pass<R, 1>(w, xm, sxm, cxm, bias, ym, N, K, b0); break;
+      case 2: block_pass<R, 2>(w, xm, sxm, cxm, bias, ym, N, K, b0); break;
+      case 3: block_pass<R, 3>(w, xm, sxm, cxm, bias, ym, N, K, b0); break;
+      default: block_pass<R, MC>(w, xm, sxm, cxm, bias, ym, N, K, b0); break;
     }
   }
 }
@@ -219,19 +188,15 @@ static void rows_block(const uint8_t* w, const float* bias, const int8_t* xq, co
 // scratch: M * K bytes + 2 * M * G floats.
 extern "C" void gemm_i4_i8(const float* x, const uint8_t* w, const float* bias, float* y, void* scratch, int64_t M,
                            int64_t N, int64_t K, int threads) {
-  const int64_t G = K / 32;
+  const int64_t G = K / 32, blocks = (N + 15) / 16;
   int8_t* xq = static_cast<int8_t*>(scratch);
   float* sx = reinterpret_cast<float*>(xq + M * K);
   float* cx = sx + M * G;
   quantize_rows(x, xq, sx, cx, M, K);
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t n0 = 0; n0 < N; n0 += R) {
-    switch (std::min<int64_t>(R, N - n0)) {
-      case 1: rows_block<1>(w, bias, xq, sx, cx, y, M, N, K, n0); break;
-      case 2: rows_block<2>(w, bias, xq, sx, cx, y, M, N, K, n0); break;
-      case 3: rows_block<3>(w, bias, xq, sx, cx, y, M, N, K, n0); break;
-      default: rows_block<R>(w, bias, xq, sx, cx, y, M, N, K, n0); break;
-    }
+  for (int64_t b0 = 0; b0 < blocks; b0 += RB) {
+    if (RB > 1 && blocks - b0 < RB) rows_block<1>(w, bias, xq, sx, cx, y, M, N, K, b0);
+    else rows_block<RB>(w, bias, xq, sx, cx, y, M, N, K, b0);
   }
 }
 """
@@ -258,28 +223,32 @@ def available() -> bool:
 def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """int4 values [N, K] (0..15, K a multiple of 32) with bf16 ``scale`` / ``zero``
     [N, K / 32] (``w = (q - 8) * scale + zero``, PyTorch's int4 form) -> the kernel's packed
-    rows [N, K / 2 + 4 K / 32] (uint8)."""
+    blocks as [N rounded up to 16, K / 2 + 4 K / 32] uint8 (as many bytes per row as
+    PyTorch's layout; the padding rows are zero)."""
     lib = _library()
     assert lib is not None
     q = q.to(torch.uint8).contiguous()
     n, k = q.shape
     s = scale.to(torch.bfloat16).contiguous().view(torch.int16)
     c = zero.to(torch.bfloat16).contiguous().view(torch.int16)
-    packed = torch.empty(n, k // 2 + 4 * (k // GROUP), dtype=torch.uint8)
+    packed = torch.empty(-(-n // BLOCK) * BLOCK, k // 2 + 4 * (k // GROUP), dtype=torch.uint8)
     lib.pack_weights(q.data_ptr(), s.data_ptr(), c.data_ptr(), packed.data_ptr(), n, k)
     return packed
 
 
-def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 ``x [M, K] @ W.T (+ bias)`` for ``W`` packed by ``pack``, with the activations
-    rounded to int8 per group of 32."""
+def gemm(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """fp32 ``x [M, K] @ W.T (+ bias)`` [M, out_features] for ``W`` [out_features, K] packed by
+    ``pack``, with the activations rounded to int8 per group of 32."""
     lib = _library()
     assert lib is not None
     x = x.float().contiguous()
     m, k = x.shape
-    n = packed.shape[0]
-    if k % GROUP or packed.shape[1] != k // 2 + 4 * (k // GROUP):
-        raise ValueError(f"gemm: x has {k} columns, packed weight {tuple(packed.shape)}")
+    n = out_features
+    rows = -(-n // BLOCK) * BLOCK
+    if k % GROUP or packed.shape != (rows, k // 2 + 4 * (k // GROUP)):
+        raise ValueError(f"gemm: x has {k} columns, packed weight {tuple(packed.shape)} for {n} rows")
     y = torch.empty(m, n)
     scratch = torch.empty(m * k + 8 * m * (k // GROUP), dtype=torch.uint8)
     b = bias.float().contiguous() if bias is not None else None

@@ -106,7 +106,7 @@ class WeightOnlyLinear:
         flat = x.reshape(-1, self.in_features)
         y = self._widening(flat) if flat.device.type == "cpu" else None
         if y is None and self.packed_vnni is not None and flat.device.type == "cpu":  # int4 only
-            y = cpu_int4_vnni.gemm(flat, self.packed_vnni)
+            y = cpu_int4_vnni.gemm(flat, self.packed_vnni, self.out_features)
         if y is not None:
             y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(y.dtype)

@@ -197,15 +197,15 @@ def test_vnni_int4_kernel_equals_its_definition(n, groups, m, seed):
     w = (q.double() - 8) * per_element[0] + per_element[1]
     want = _int8_per_group(x).double() @ w.T
     packed = cpu_int4_vnni.pack(q, scale, zero)
-    got = cpu_int4_vnni.gemm(x, packed)
+    got = cpu_int4_vnni.gemm(x, packed, n)
     assert (got.double() - want).abs().max() <= 1e-5 * (1 + want.abs().max())
     row = m // 2
-    alone = cpu_int4_vnni.gemm(x[row : row + 1], packed)
+    alone = cpu_int4_vnni.gemm(x[row : row + 1], packed, n)
     assert torch.equal(alone[0], got[row])
     # mutation check: the bound above catches a 5% scale error wherever that error moves the
     # exact result past the bound (one output of one group can sit near zero: seed 418,
     # n = groups = m = 1 moved it by 1.7e-5 against a bound of 3.3e-5)
-    wrong = cpu_int4_vnni.gemm(x, cpu_int4_vnni.pack(q, scale * 1.05, zero))
+    wrong = cpu_int4_vnni.gemm(x, cpu_int4_vnni.pack(q, scale * 1.05, zero), n)
     bound = 1e-5 * (1 + want.abs().max())
     shift = (_int8_per_group(x).double() @ (0.05 * (q.double() - 8) * per_element[0]).T).abs().max()
     if shift > 2 * bound:
