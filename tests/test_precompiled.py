@@ -51,18 +51,31 @@ def checkpoint(tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("pre"), arch="deepseek_v4", num_hidden_layers=2)
 
 
-def test_a_fresh_process_loads_the_saved_variants_and_compiles_nothing(checkpoint):
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    eager = [o.outputs[0].token_ids for o in LLM(checkpoint).generate(_prompts(), params, use_tqdm=False)]
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(_prompts(), PARAMS, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def compiled(checkpoint) -> tuple[list[list[int]], list[Path]]:
+    """The eager engine's tokens, then one ``compile=True`` run that compiles and saves the
+    step's variants (checked here): (eager tokens, saved variant paths)."""
+    eager = _tokens(LLM(checkpoint))
     llm = LLM(checkpoint, compile=True, max_num_batched_tokens=64)
-    first = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
+    first = _tokens(llm)
     step = llm.engine.runner.forward
     assert isinstance(step, PrecompiledStep)
     assert first == eager
     saved = step.variant_paths()
     assert step.loaded == 0 and step.compiled == len(saved) >= 1
     assert all(p.parent == checkpoint / ".deepinfer-compiled" for p in saved)
+    return eager, saved
 
+
+def test_a_fresh_process_loads_the_saved_variants_and_compiles_nothing(checkpoint, compiled):
+    eager, saved = compiled
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     run = subprocess.run(
         [sys.executable, "-c", _FRESH_PROCESS, str(checkpoint), json.dumps(_prompts())],
@@ -75,6 +88,33 @@ def test_a_fresh_process_loads_the_saved_variants_and_compiles_nothing(checkpoin
     fresh = json.loads(run.stdout.strip().splitlines()[-1])
     assert fresh["tokens"] == eager
     assert fresh["loaded"] == len(saved) and fresh["compiled"] == 0
+
+
+def test_the_cpu_default_runs_a_saved_step_and_never_compiles(checkpoint, compiled, tmp_path):
+    """``compile=None`` on the CPU: V4 runs the variants an earlier run saved; a step none of
+    them covers runs eagerly instead of compiling; with nothing saved the step is eager."""
+    eager, saved = compiled
+    llm = LLM(checkpoint, max_num_batched_tokens=64)
+    step = llm.engine.runner.forward
+    assert isinstance(step, PrecompiledStep) and not step.compile_missing
+    assert _tokens(llm) == eager
+    assert step.loaded == len(saved) and step.compiled == 0 and step.eager_steps == 0
+    step._variants = []  # as if no saved guard accepted the steps
+    assert _tokens(llm) == eager
+    assert step.compiled == 0 and step.eager_steps > 0
+    nothing_saved = LLM(checkpoint, compile_cache_dir=str(tmp_path / "empty"))
+    assert not isinstance(nothing_saved.engine.runner.forward, PrecompiledStep)
+
+
+def test_the_cpu_default_keeps_llama_eager_even_with_a_saved_step(tmp_path):
+    """Llama's eager CPU step (one C++ call) beats its compiled one: ``compile=None`` never
+    picks a saved step for it; ``compile=True`` still does."""
+    llama = make_tiny_checkpoint(tmp_path / "llama", arch="llama")
+    step = PrecompiledStep(load_model(llama), llama / ".deepinfer-compiled")
+    step.cache_dir.mkdir()
+    (step.cache_dir / f"{step.key}-0.step").write_bytes(b"a saved variant")
+    assert step.has_saved_variants()
+    assert not isinstance(LLM(llama).engine.runner.forward, PrecompiledStep)
 
 
 def test_a_damaged_artefact_is_skipped(checkpoint, caplog):

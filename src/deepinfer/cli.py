@@ -423,7 +423,8 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--compile",
         choices=sorted(_COMPILE_CHOICES),
         default="auto",
-        help="compiled model step (auto: the platform's default; on the CPU it is saved for later runs)",
+        help="compiled model step (auto: the platform's default; on the CPU, a step an earlier "
+        "'--compile on' run saved, where compiling pays; 'on' compiles and saves it)",
     )
 
 
@@ -497,7 +498,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile",
         choices=sorted(_COMPILE_CHOICES),
         default="auto",
-        help="compiled model step (auto: the platform's default; on the CPU it is saved for later runs)",
+        help="compiled model step (auto: the platform's default; on the CPU, a step an earlier "
+        "'--compile on' run saved, where compiling pays; 'on' compiles and saves it)",
     )
     gen.set_defaults(func=_generate)
 

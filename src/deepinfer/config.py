@@ -81,8 +81,9 @@ class EngineConfig:
     # shapes whatever else is scheduled. Eager steps on one rank; costs batching (RESULTS.md)
     batch_invariant: bool = False
     # torch.compile the model step (compilation.py). None = the platform's default: on for
-    # CUDA, off on CPU, where the first compile costs more than short runs gain (compile vs
-    # eager: benchmarks/RESULTS.md)
+    # CUDA; on the CPU, the compiled step an earlier ``compile=True`` run saved, for models
+    # whose compiled step beats eager (V4), else eager: a first compile costs more than
+    # short runs gain (compile vs eager: benchmarks/RESULTS.md)
     compile: bool | None = None
     compile_backend: str = "inductor"  # any torch.compile backend ("eager" checks guards fast)
     # Where a CPU step compiled by Inductor is saved and loaded by later processes

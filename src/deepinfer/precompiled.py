@@ -119,12 +119,21 @@ class PrecompiledStep:
     """``model.step(input_ids, positions, batch)`` from compiled variants saved in
     ``cache_dir``. The first call loads every saved variant of this model's key; a step that
     none of their guards accept is compiled ahead of time as a new variant and saved beside
-    them, so the next process starts with it. ``loaded`` / ``compiled`` count variants (tests,
-    logs)."""
+    them, so the next process starts with it, or, with ``compile_missing=False`` (the CPU's
+    default mode, which never stalls a run to compile), runs eagerly. ``loaded`` / ``compiled``
+    count variants and ``eager_steps`` the steps no variant took (tests, logs)."""
 
-    def __init__(self, model: CausalLM, cache_dir: Path, passes: Sequence[GraphPass] | None = None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        cache_dir: Path,
+        passes: Sequence[GraphPass] | None = None,
+        compile_missing: bool = True,
+    ) -> None:
         device = next(model.parameters()).device
         self.model = model
+        self.compile_missing = compile_missing
+        self.eager_steps = 0
         self.cache_dir = Path(cache_dir)
         self.pass_manager = PassManager(compilation.default_passes(device) if passes is None else passes)
         self.key = artefact_key(model, self.pass_manager)
@@ -142,9 +151,16 @@ class PrecompiledStep:
             if self._variants[i].guard_check(*args):
                 self._last = i
                 return self._variants[i](*args)
+        if not self.compile_missing:
+            self.eager_steps += 1
+            return self.model.step(input_ids, positions, batch)
         self._variants.append(self._compile(args, n))
         self._last = n
         return self._variants[n](*args)
+
+    def has_saved_variants(self) -> bool:
+        """Whether an earlier process saved a compiled variant of this model's step here."""
+        return self.cache_dir.is_dir() and bool(self.variant_paths())
 
     def variant_paths(self) -> list[Path]:
         """The saved variants of this model's key, oldest first."""

@@ -110,6 +110,11 @@ class Engine:
         )
         platform = platform_for(self.device)
         use_compile, use_graphs = self._execution_modes(platform)
+        # compile=None on the CPU: a compiled step an earlier process saved runs by default
+        # where compiling pays, and a step none of its variants covers runs eagerly
+        compile_missing = not (config.compile is None and not use_compile)
+        if not compile_missing:
+            use_compile = self._saved_compiled_step(platform, checkpoint)
         if self.device.type == "cpu":
             model.pack_weights()  # CPU projections: small-batch kernel, oneDNN-packed above
         drafter = self._drafter()
@@ -147,6 +152,7 @@ class Engine:
             feature_offsets=feature_offsets_for(drafter) if drafter is not None else None,
             kv_cache_dtype=dtype,
             compile_cache_dir=self._compile_cache_dir(checkpoint) if use_compile else None,
+            compile_missing=compile_missing,
             num_window_blocks=num_window_blocks,
         )
         # EPLB: count each expert's tokens (rank 0 routes every token) and re-place periodically
@@ -321,6 +327,29 @@ class Engine:
         if config.ced_prefill and self.model.ced_split is None:
             raise ValueError(f"ced_prefill: {type(self.model).__name__} has no causal encoder/decoder split")
         return use_compile, use_graphs
+
+    def _saved_compiled_step(self, platform: Platform, checkpoint: Path | None) -> bool:
+        """Whether ``compile=None`` runs a saved compiled step: on the CPU, for a model whose
+        compiled step measured faster than eager (``cpu_compile_pays``), once an earlier
+        process compiled this model's configuration and saved it (``compile=True``). The first
+        compile takes ~30 s per variant on 2 cores, more than a short run gains, so only a
+        warm start (~2 s) is taken by default."""
+        config = self.config
+        if (
+            platform.name != "cpu"
+            or not self.model.cpu_compile_pays
+            or config.compile_backend != "inductor"
+            or config.world_size > 1
+        ):
+            return False
+        from deepinfer.precompiled import PrecompiledStep
+
+        saved = PrecompiledStep(self.model, self._compile_cache_dir(checkpoint)).has_saved_variants()
+        if saved:
+            logger.info(
+                "compile=None: running the compiled step saved in %s", self._compile_cache_dir(checkpoint)
+            )
+        return saved
 
     def _compile_cache_dir(self, checkpoint: Path | None) -> Path:
         if self.config.compile_cache_dir is not None:

@@ -65,6 +65,11 @@ class CausalLM(nn.Module):
     may run (``draft_model``), so neither probes the model with ``hasattr``.
     """
 
+    # Whether a compiled step measured faster than the eager one on the CPU (RESULTS.md): with
+    # ``compile=None`` the CPU engine then runs a compiled step saved by an earlier process.
+    # Llama's eager CPU decode is one C++ call per step, which compiling only slows.
+    cpu_compile_pays: ClassVar[bool] = False
+
     # -- loader hooks ----------------------------------------------------------------------
     # Parameter names containing one of these stay fp32 whatever the compute dtype.
     fp32_param_markers: ClassVar[tuple[str, ...]] = ()
