@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 class DeepseekV41ForCausalLM(CausalLM):
     """The V4.1-Flash backbone + head (+ the DSpark stages ``mtp.*``, loaded for the drafter)."""
 
+    cpu_compile_pays = True  # 2.32x eager at bs 1 on the tiny V4.1 (RESULTS.md, 2026-12-01)
+
     # Kept in fp32 whatever the compute dtype (model_spec.md §2.10; REF keeps the pooling
     # compressor, the head and the DSpark confidence head in fp32 too).
     fp32_param_markers = (
