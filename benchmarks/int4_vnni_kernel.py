@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 
 import torch
-
 from deepinfer.kernels import cpu_int4_vnni
 from deepinfer.kernels.weight_only import PackedLinear, WeightOnlyLinear
 
