@@ -6,7 +6,6 @@ step's contents for compiled steps and captured graphs.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 import torch
@@ -81,54 +80,57 @@ class _TokenLayout:
     base: list[int]  # first token row of each chunk
 
 
-class Source(enum.Enum):
-    """Where a position's compressor projections (kv and gate rows) are found in a step."""
-
-    CHUNK = "chunk"  # projected this step: a row of the step's tokens
-    BUFFER = "buffer"  # projected earlier, in the slot's open (partial) group buffer
-    OVERLAP = "overlap"  # projected earlier, in the slot's copy of its last closed group
-
-
-@dataclass(frozen=True)
-class SourceRow:
-    source: Source
-    index: int  # token row of the step (CHUNK) or row of the buffer / overlap pool
+# A compressor row a step reads (its kv and gate projections), as one int: lists of them are
+# built for every group a prefill closes, and plain ints cost a fraction of objects there.
+# >= 0: a token row of this step (projected now); -(2p + 1): row p of the slot's open-group
+# buffer pool; -(2p + 2): row p of its overlap pool (a copy of its last closed group).
+PADDING_ROW = 0  # what padded entries point at (outputs discarded)
 
 
-PADDING_ROW = SourceRow(Source.CHUNK, 0)  # what padded entries point at (outputs discarded)
+def _buffer_row(p: int) -> int:
+    return -2 * p - 1
 
 
-def _source_of(position: int, chunk: SeqChunk, first_row: int, ratio: int) -> SourceRow:
+def _overlap_row(p: int) -> int:
+    return -2 * p - 2
+
+
+def _source_of(position: int, chunk: SeqChunk, first_row: int, ratio: int) -> int:
     """Where ``position``'s projections are this step: computed now if the chunk covers it;
     else in the open group's buffer (same group as the chunk's start) or in the overlap
     copy (the group before that)."""
     if position >= chunk.start:
-        return SourceRow(Source.CHUNK, first_row + position - chunk.start)
+        return first_row + position - chunk.start
     open_group_start = (chunk.start // ratio) * ratio
-    kind = Source.BUFFER if position >= open_group_start else Source.OVERLAP
-    return SourceRow(kind, chunk.slot * ratio + position % ratio)
+    row = chunk.slot * ratio + position % ratio
+    return _buffer_row(row) if position >= open_group_start else _overlap_row(row)
 
 
 @dataclass
 class _ClosedGroups:
     """The groups of one ratio that close in a step, and the copies that follow from them,
-    as Python lists (one entry per group, or per row for the copies)."""
+    as Python lists (one entry per group, or per row for the copies) of rows coded as
+    ``_source_of`` returns them."""
 
-    members: list[list[SourceRow]] = field(default_factory=list)  # each group's ratio rows
-    previous: list[list[SourceRow] | None] = field(default_factory=list)  # the group before
+    members: list[list[int]] = field(default_factory=list)  # each group's ratio rows
+    previous: list[list[int] | None] = field(default_factory=list)  # the group before
     first_position: list[int] = field(default_factory=list)
     entry_row: list[int] = field(default_factory=list)  # entry-pool row receiving its entry
-    overlap_from: list[SourceRow] = field(default_factory=list)  # a sequence's newest group ...
+    overlap_from: list[int] = field(default_factory=list)  # a sequence's newest group ...
     overlap_to: list[int] = field(default_factory=list)  # ... becomes its overlap rows
-    snapshot_from: list[SourceRow] = field(default_factory=list)  # a group ending a block ...
+    snapshot_from: list[int] = field(default_factory=list)  # a group ending a block ...
     snapshot_to: list[int] = field(default_factory=list)  # ... is kept as that block's snapshot
     restore_from: list[int] = field(default_factory=list)  # a prefix hit's snapshot rows ...
     restore_to: list[int] = field(default_factory=list)  # ... restored into the slot's overlap
 
-    def rows_read(self) -> list[SourceRow]:
-        rows = [row for group in self.members for row in group]
-        rows += [row for group in self.previous if group for row in group]
-        return rows + self.overlap_from + self.snapshot_from
+    def pool_rows_read(self) -> tuple[list[int], list[int]]:
+        """The buffer-pool and overlap-pool rows this step reads, each sorted once."""
+        rows = {row for group in self.members for row in group if row < 0}
+        rows.update(row for group in self.previous if group for row in group if row < 0)
+        rows.update(row for row in self.overlap_from + self.snapshot_from if row < 0)
+        buffer = sorted((-row - 1) // 2 for row in rows if row % 2)
+        overlap = sorted((-row - 2) // 2 for row in rows if not row % 2)
+        return buffer, overlap
 
 
 def _closed_groups(
@@ -147,8 +149,11 @@ def _closed_groups(
         if end // r == start // r:
             continue  # no group closes: the common decode case
 
-        def rows_of(group: int, chunk: SeqChunk = chunk, first_row: int = first_row) -> list[SourceRow]:
-            return [_source_of(q, chunk, first_row, r) for q in range(group * r, (group + 1) * r)]
+        def rows_of(group: int, chunk: SeqChunk = chunk, first_row: int = first_row) -> list[int]:
+            low = group * r
+            if low >= chunk.start:  # projected in this step: consecutive token rows
+                return list(range(first_row + low - chunk.start, first_row + low - chunk.start + r))
+            return [_source_of(q, chunk, first_row, r) for q in range(low, low + r)]
 
         for group in range(start // r, end // r):
             members = rows_of(group)
@@ -212,8 +217,7 @@ def _group_meta(
     groups = _closed_groups(layout, chunks, tokens.base, r)
 
     # Rows of earlier steps that this step reads, by pool.
-    buffer_rows = sorted({row.index for row in groups.rows_read() if row.source is Source.BUFFER})
-    overlap_rows = sorted({row.index for row in groups.rows_read() if row.source is Source.OVERLAP})
+    buffer_rows, overlap_rows = groups.pool_rows_read()
 
     # Tokens past their chunk's last group boundary start or extend its open group.
     pos = tokens.positions
@@ -235,11 +239,11 @@ def _group_meta(
         num_entries = padding.max_model_len // r if fixed else max(num_entries, MIN_ROWS)
 
     # The layers gather one "source" = cat(step rows [T], buffer_rows, overlap_rows).
-    numbering = {Source.BUFFER: {p: t_total + k for k, p in enumerate(buffer_rows)}}
-    numbering[Source.OVERLAP] = {p: t_total + len(buffer_rows) + k for k, p in enumerate(overlap_rows)}
+    numbering = {_buffer_row(p): t_total + k for k, p in enumerate(buffer_rows)}
+    numbering.update({_overlap_row(p): t_total + len(buffer_rows) + k for k, p in enumerate(overlap_rows)})
 
-    def numbered(rows: list[SourceRow]) -> list[int]:
-        return [row.index if row.source is Source.CHUNK else numbering[row.source][row.index] for row in rows]
+    def numbered(rows: list[int]) -> list[int]:
+        return [row if row >= 0 else numbering[row] for row in rows]
 
     def long(values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long)
