@@ -12,7 +12,7 @@ with one multiply and one FMA (the offsets add ``c * s_x * sum(x_q)`` the same w
 results leave as whole vectors of sixteen outputs, with no horizontal sums, and any K that is a
 multiple of 32 fills every lane. (The first version put sixteen groups of one row in a vector
 and summed its lanes at the end: at K = 576 that reduction, and a tail tile of 2 groups in 16
-lanes, held it to ~190 GMAC/s at 32 rows on two cores; this layout runs 560-670, RESULTS.md.)
+lanes, held it to ~155-235 GMAC/s at 32 rows on two cores; this layout runs 486-651, RESULTS.md.)
 Each block of sixteen rows is one stream: per group, its nibbles, then its scales and zeros.
 Activations round to int8 per group (``s_x = max|x| / 127``), so results differ from the
 fp32-activation loop by that rounding, as llama.cpp's do.
