@@ -76,6 +76,8 @@ def _json_object(text: str) -> dict:
 
 
 _COMPILE_CHOICES = {"auto": None, "on": True, "off": False}
+# bench_llama_cpp.VARIANTS' names (kept here so the parser builds without importing the engine)
+_BATCHED_VARIANTS = ("fp32", "fp32-kv16", "bf16", "int8", "int4")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -228,6 +230,23 @@ def _bench_startup(args: argparse.Namespace) -> int:
             print(
                 f"{kind:12s} {attempt} process: {float(out[0]):.2f}s to first token, peak RSS {float(out[1]):.0f} MiB"
             )
+    return 0
+
+
+def _bench_batched(args: argparse.Namespace) -> int:
+    from deepinfer.bench_llama_cpp import default_llama_cpp, run_table
+
+    llama_cpp = Path(args.llama_cpp) if args.llama_cpp else default_llama_cpp()
+    run_table(
+        args.model,
+        args.variants,
+        args.batches,
+        llama_cpp=llama_cpp,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        threads=args.threads,
+        print_fn=lambda line: print(line, flush=True),
+    )
     return 0
 
 
@@ -557,6 +576,29 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--threads", type=int, default=torch.get_num_threads())
     lat.add_argument("--plot", default=None, help="write a PNG of tok/s against concurrency here")
     lat.set_defaults(func=_bench_latency)
+
+    bb = bench_sub.add_parser(
+        "batched",
+        help="llama-batched-bench's shape (B prompts, fixed output), against llama.cpp on the same weights",
+    )
+    bb.add_argument("--model", default="smollm2-135m", help="a dense (Llama-family) checkpoint")
+    bb.add_argument(
+        "--llama-cpp",
+        default=None,
+        help="a built llama.cpp checkout (build/bin/llama-batched-bench); default $LLAMA_CPP_DIR, "
+        "else no peer",
+    )
+    bb.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32])
+    bb.add_argument(
+        "--variants",
+        nargs="+",
+        default=["fp32", "fp32-kv16", "int8", "int4"],
+        choices=list(_BATCHED_VARIANTS),
+    )
+    bb.add_argument("--prompt-len", type=int, default=144)
+    bb.add_argument("--output-len", type=int, default=64)
+    bb.add_argument("--threads", type=int, default=torch.get_num_threads())
+    bb.set_defaults(func=_bench_batched)
 
     bs = bench_sub.add_parser(
         "serve", help="load an OpenAI-compatible server, print vllm bench serve's figures"
