@@ -104,6 +104,9 @@ def test_the_cpu_default_runs_a_saved_step_and_never_compiles(checkpoint, compil
     assert step.compiled == 0 and step.eager_steps > 0
     nothing_saved = LLM(checkpoint, compile_cache_dir=str(tmp_path / "empty"))
     assert not isinstance(nothing_saved.engine.runner.forward, PrecompiledStep)
+    invariant = LLM(checkpoint, batch_invariant=True)  # eager steps by definition
+    assert not isinstance(invariant.engine.runner.forward, PrecompiledStep)
+    assert not isinstance(LLM(checkpoint, compile=False).engine.runner.forward, PrecompiledStep)
 
 
 def test_the_cpu_default_keeps_llama_eager_even_with_a_saved_step(tmp_path):

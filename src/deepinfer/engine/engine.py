@@ -340,6 +340,7 @@ class Engine:
             or not self.model.cpu_compile_pays
             or config.compile_backend != "inductor"
             or config.world_size > 1
+            or config.batch_invariant  # eager steps by definition
         ):
             return False
         from deepinfer.precompiled import PrecompiledStep
