@@ -28,10 +28,7 @@ def reference(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
-PARALLEL_MATRICES = 128  # matrices per call from which the 4x4 kernel splits its blocks over threads
-
 _SOURCE = r"""
-#include <omp.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -85,15 +82,12 @@ static void sinkhorn_any(const float* logits, float* out, int64_t count, int64_t
 // n = N known at compile time: B matrices side by side (element (i, j) of matrix b at
 // c[i][j][b]), so every sum and division runs across the B matrices as one vector operation.
 // Each matrix sees the same operations in the same order as in sinkhorn_any: same bits.
-// Blocks run on ``threads`` OpenMP threads (each block's arithmetic is unchanged).
 template <int N>
-static void sinkhorn_blocked(const float* logits, float* out, int64_t count, int64_t iters, float eps,
-                             int threads) {
+static void sinkhorn_blocked(const float* logits, float* out, int64_t count, int64_t iters, float eps) {
   constexpr int B = 16;
-#pragma omp parallel for schedule(static) num_threads(threads)
+  alignas(64) float c[N][N][B];
+  alignas(64) float one[N * N];
   for (int64_t m0 = 0; m0 < count; m0 += B) {
-    alignas(64) float c[N][N][B];
-    alignas(64) float one[N * N];
     const int nb = static_cast<int>(std::min<int64_t>(B, count - m0));
     for (int b = 0; b < B; ++b) {
       if (b < nb) {
@@ -132,9 +126,9 @@ static void sinkhorn_blocked(const float* logits, float* out, int64_t count, int
 }
 
 extern "C" void sinkhorn_f32(const float* logits, float* out, int64_t count, int64_t n, int64_t iters,
-                             float eps, int threads) {
+                             float eps) {
   if (n == 4) {
-    sinkhorn_blocked<4>(logits, out, count, iters, eps, threads);
+    sinkhorn_blocked<4>(logits, out, count, iters, eps);
   } else {
     sinkhorn_any(logits, out, count, n, iters, eps);
   }
@@ -146,19 +140,14 @@ extern "C" void sinkhorn_f32(const float* logits, float* out, int64_t count, int
 def _library() -> ctypes.CDLL | None:
     lib = cpu_build.load(_SOURCE)
     if lib is not None:
-        cpu_build.bind(
-            lib, "sinkhorn_f32", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int]
-        )
+        cpu_build.bind(lib, "sinkhorn_f32", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_float])
     return lib
 
 
 def _cpp(comb: torch.Tensor, iters: int, eps: float, lib: ctypes.CDLL) -> torch.Tensor:
     n = comb.shape[-1]
     out = torch.empty_like(comb)
-    count = comb.numel() // (n * n)
-    # threads only where a block per thread outweighs waking them (a decode step's few rows: one)
-    threads = torch.get_num_threads() if count >= PARALLEL_MATRICES else 1
-    lib.sinkhorn_f32(comb.data_ptr(), out.data_ptr(), count, n, iters, eps, threads)
+    lib.sinkhorn_f32(comb.data_ptr(), out.data_ptr(), comb.numel() // (n * n), n, iters, eps)
     return out
 
 
