@@ -247,8 +247,8 @@ class LlamaDecodeStack:
         ``gate_up``, ``down`` as (weight, bias, scale, offset): fp32 weights alone, int8 ones
         with their fp32 per-row scale, or packed int4 ones (uint8) with their fp32 per-group
         scale and offset (``cpu_gemv.small_gemm_int4``'s layout); optionally ``vnni``: each
-        int4 projection's copy packed for ``cpu_int4_vnni``, which then runs steps of more than
-        ``QUANTIZED_MAX_ROWS`` rows (up to ``VNNI_MAX_ROWS``); or ``packed``: each fp32
+        int4 projection's copy packed for ``cpu_int4_vnni``, which then runs every step (up
+        to ``VNNI_MAX_ROWS`` rows); or ``packed``: each fp32
         projection's oneDNN copy (``PackedLinear.packed``), run above the GEMV's rows."""
         kinds = {torch.float32: (False, False), torch.int8: (True, False), torch.uint8: (True, True)}
         self.tensors: list[list[torch.Tensor | None]] = []
@@ -370,7 +370,7 @@ class LlamaDecodeStack:
         s = sin.reshape(m, -1).float().contiguous()
         rows, kv, valid = write_rows.contiguous(), decode_kv.contiguous(), decode_valid.contiguous()
         dec = decode_rows.contiguous()
-        vnni = self.weights_vnni is not None and m > QUANTIZED_MAX_ROWS
+        vnni = self.weights_vnni is not None  # every row count, as WeightOnlyLinear runs it
         table = self._table_for(pools, vnni)
         assert table is not None, "pools the kernels cannot read (check supports() first)"
         widest = max(d, a, i)  # cpu_int4_vnni's int8 activations and their per-group scales

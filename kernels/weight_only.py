@@ -12,7 +12,10 @@ decode sizes and oneDNN with a packed weight above.
 int8: symmetric per output channel. int4: asymmetric per group of ``group`` input channels
 (the kernel's ``(q - 8) * scale + zero`` form). Above the widening loop's sizes, int4 runs
 ``cpu_int4_vnni`` (activations rounded to int8 per group, as llama.cpp's Q4_0 path does) on
-CPUs with AVX-512 VNNI, PyTorch's kernel elsewhere.
+CPUs with AVX-512 VNNI, PyTorch's kernel elsewhere. Where the CPU has VNNI that kernel runs
+int4 at every row count, decode sizes included: its layout reads 0.625 bytes per weight
+against the widening loop's 0.75, so a memory-bound B=1 step is faster (SmolLM2: 227-252 ->
+301-304 tok/s, RESULTS.md), and int4 results are then the same whatever the batch size.
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ class WeightOnlyLinear:
             if not cpu_gemv.available():
                 return flat.float() @ self.dequantize().T
             return cpu_gemv.small_gemm_int8(flat, self.qweight, self.scales_f32)
-        if self.method == "int4" and small and cpu_gemv.available():
+        if self.method == "int4" and small and cpu_gemv.available() and self.packed_vnni is None:
             return cpu_gemv.small_gemm_int4(flat, self.packed4, self.scale4, self.offset4)
         return None
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepinfer.kernels import cpu_int4_vnni
+from deepinfer.kernels import cpu_gemv, cpu_int4_vnni
 from deepinfer.kernels.weight_only import INT4_GROUP, QUANTIZED_SMALL_ROWS, WeightOnlyLinear
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -28,7 +28,8 @@ from deepinfer.tiny import make_tiny_checkpoint
 def test_kernels_compute_with_the_weights_they_report(method, out_features, groups, rows, bias, seed):
     """The kernel's output equals the activations times the dequantized weight (so the error
     report below is the whole story): in fp32 at decode sizes (``cpu_gemv``'s widening
-    loops), bf16 activations otherwise; and the weight error is within the format's."""
+    loops), bf16 activations otherwise, and for int4 on AVX-512 VNNI the activations rounded
+    to int8 per group at every size; and the weight error is within the format's."""
     gen = torch.Generator().manual_seed(seed)
     in_features = groups * INT4_GROUP * 2
     w = torch.randn(out_features, in_features, generator=gen)
@@ -40,7 +41,10 @@ def test_kernels_compute_with_the_weights_they_report(method, out_features, grou
     got = lin(x)
     assert got.dtype == x.dtype and got.shape == (rows, out_features)
     assert (got - expected).norm() <= 2e-2 * expected.norm()  # bf16 accumulation only
-    if rows <= QUANTIZED_SMALL_ROWS:  # both methods: the widening loops, fp32 throughout
+    if method == "int4" and lin.packed_vnni is not None:  # every size: int8 activations
+        exact = _int8_per_group(x) @ deq.T + (b if b is not None else 0)
+        assert (got - exact).norm() <= 1e-5 * exact.norm()
+    elif rows <= QUANTIZED_SMALL_ROWS:  # the widening loops, fp32 throughout
         exact = x @ deq.T + (b if b is not None else 0)
         assert (got - exact).norm() <= 1e-5 * exact.norm()
     weight_error = ((deq - w).norm() / w.norm()).item()
@@ -62,8 +66,10 @@ def test_a_broken_scale_fails_the_kernel_check():
     lin = WeightOnlyLinear(torch.randn(16, 64, generator=gen), None, "int4")  # int4's loop too
     x = torch.randn(QUANTIZED_SMALL_ROWS, 64, generator=gen)
     expected = x @ lin.dequantize().T
-    lin.scale4, lin.offset4 = lin.scale4 * 1.05, lin.offset4 * 1.05
-    assert (lin(x) - expected).norm() > 2e-2 * expected.norm()
+    good = cpu_gemv.small_gemm_int4(x, lin.packed4, lin.scale4, lin.offset4)
+    assert (good - expected).norm() <= 1e-5 * expected.norm()
+    wrong = cpu_gemv.small_gemm_int4(x, lin.packed4, lin.scale4 * 1.05, lin.offset4 * 1.05)
+    assert (wrong - expected).norm() > 2e-2 * expected.norm()
 
 
 @pytest.fixture(scope="module")
@@ -213,10 +219,14 @@ def test_vnni_int4_kernel_equals_its_definition(n, groups, m, seed):
 
 
 @needs_vnni
-def test_int4_above_the_widening_sizes_runs_the_vnni_kernel():
+def test_int4_runs_the_vnni_kernel_at_every_row_count():
+    """Decode sizes included (so a row's int4 result does not depend on the batch size)."""
     gen = torch.Generator().manual_seed(5)
     lin = WeightOnlyLinear(torch.randn(48, 96, generator=gen), torch.randn(48, generator=gen), "int4")
+    assert lin.packed_vnni is not None
     x = torch.randn(QUANTIZED_SMALL_ROWS + 5, 96, generator=gen)
     want = _int8_per_group(x) @ lin.dequantize().T + lin.bias
-    assert lin.packed_vnni is not None
-    assert (lin(x) - want).abs().max() <= 1e-4 * want.abs().max()
+    got = lin(x)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    for rows in (1, QUANTIZED_SMALL_ROWS):
+        assert torch.equal(lin(x[:rows]), got[:rows])
