@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from deepinfer import bench_llama_cpp
 from deepinfer.bench_llama_cpp import VARIANTS, llama_cpp_rows, parse_batched_bench, run_table
@@ -79,12 +80,14 @@ def test_a_missing_llama_cpp_build_is_named(tmp_path):
 def test_the_table_runs_on_a_tiny_checkpoint_without_a_peer(tmp_path, capsys):
     path = make_tiny_checkpoint(tmp_path / "llama", arch="llama")
     lines: list[str] = []
+    threads = torch.get_num_threads()
     table = run_table(
         path, ["fp32", "int4"], [1, 3], prompt_len=8, output_len=4, threads=1, print_fn=lines.append
     )
     assert [(r["variant"], r["batch"]) for r in table] == [("fp32", 1), ("fp32", 3), ("int4", 1), ("int4", 3)]
     assert all(r["peer"] is None and min(r["ours"]) > 0 for r in table)
     assert any(line.startswith("  int4 vs fp32: greedy tokens") for line in lines)
+    assert torch.get_num_threads() == threads  # ran on 1 thread, left the caller's count
     assert lines[0].startswith("CPU: ")
     assert (
         main(

@@ -68,9 +68,10 @@ MAX_JSON_TOKENS = 900
 
 
 def max_json_bytes(schema: dict, root: dict | None = None) -> int:
-    """The longest whitespace-free serialization of any instance of ``schema`` (the
-    generated subset of JSON Schema), so a request given this many tokens plus one must
-    stop by its grammar: finishing by length would be a real failure, never a long draw."""
+    """The longest serialization of any instance of ``schema`` (the generated subset of JSON
+    Schema) as xgrammar writes it without "any whitespace" (separators ", " and ": "), so a
+    request given this many tokens plus one must stop by its grammar: finishing by length
+    would be a real failure, never a long draw."""
     root = schema if root is None else root
     if "$ref" in schema:
         return max_json_bytes(root["$defs"][schema["$ref"].rsplit("/", 1)[-1]], root)
@@ -79,12 +80,13 @@ def max_json_bytes(schema: dict, root: dict | None = None) -> int:
     if "enum" in schema:
         return max(len(json.dumps(v)) for v in schema["enum"])
     kind = schema["type"]
+    # without "any whitespace" xgrammar still writes json.dumps' separators, ", " and ": "
     if kind == "object":
-        fields = [len(json.dumps(k)) + 1 + max_json_bytes(v, root) for k, v in schema["properties"].items()]
-        return 2 + sum(fields) + len(fields) - 1
+        fields = [len(json.dumps(k)) + 2 + max_json_bytes(v, root) for k, v in schema["properties"].items()]
+        return 2 + sum(fields) + 2 * (len(fields) - 1)
     if kind == "array":
         most = schema["maxItems"]
-        return 2 + most * max_json_bytes(schema["items"], root) + max(most - 1, 0)
+        return 2 + most * max_json_bytes(schema["items"], root) + 2 * max(most - 1, 0)
     if kind == "integer":
         return 1 + max(len(str(schema["minimum"])), len(str(schema["maximum"])))  # "-0"
     if kind == "string":

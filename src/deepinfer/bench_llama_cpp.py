@@ -167,15 +167,33 @@ def run_table(
     threads: int = 2,
     print_fn: Callable[[str], None] = print,
 ) -> list[dict]:
-    """Print the table (markdown) and return its rows as dicts, ratios where a peer ran."""
-    from deepinfer.weights.catalog import resolve_model
-
+    """Print the table (markdown) and return its rows as dicts, ratios where a peer ran; runs
+    on ``threads`` threads and leaves the caller's count as it was."""
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"variants: unknown {unknown}; choose from {list(VARIANTS)}")
     if not batches or min(batches) < 1 or prompt_len < 1 or output_len < 2:
         raise ValueError("batches must be >= 1, prompt_len >= 1 and output_len >= 2")
+    previous = torch.get_num_threads()
     torch.set_num_threads(threads)
+    try:
+        return _run_table(model, variants, batches, llama_cpp, prompt_len, output_len, threads, print_fn)
+    finally:  # a caller's thread count is its own (a compiled step guards on it, for one)
+        torch.set_num_threads(previous)
+
+
+def _run_table(
+    model: str | Path,
+    variants: list[str],
+    batches: list[int],
+    llama_cpp: Path | None,
+    prompt_len: int,
+    output_len: int,
+    threads: int,
+    print_fn: Callable[[str], None],
+) -> list[dict]:
+    from deepinfer.weights.catalog import resolve_model
+
     checkpoint = resolve_model(str(model))
     print_fn(f"CPU: {cpu_description()}; threads {threads}; prompts {prompt_len}, outputs {output_len}")
     print_fn(
