@@ -152,6 +152,11 @@ class PrecompiledStep:
                 self._last = i
                 return self._variants[i](*args)
         if not self.compile_missing:
+            if not self.eager_steps:  # once: say why the default mode is not running compiled
+                logger.info(
+                    "no saved compiled variant accepts this step (guards on shapes, the thread "
+                    "count, ...); running it eagerly (compile=True compiles and saves one)"
+                )
             self.eager_steps += 1
             return self.model.step(input_ids, positions, batch)
         self._variants.append(self._compile(args, n))
