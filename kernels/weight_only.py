@@ -3,10 +3,10 @@
 Decode at small batch reads every weight once per step, so fewer weight bytes is speed.
 PyTorch's weight-only kernels are fast only with bf16 activations (measured per kernel at
 M=1 and M=32: benchmarks/RESULTS.md, 2026-11-30 CPU section), so activations enter them in
-bf16 and leave in the caller's dtype; int8 and int4 at up to ``QUANTIZED_SMALL_ROWS`` rows
-run ``cpu_gemv``'s widening loops instead, in fp32 (int4 keeps a second copy in that loop's
-layout). So quantized results are not batch-invariant across that row count (fp32 ones are,
-up to ``cpu_gemv.MAX_ROWS``). fp32 projections run ``cpu_gemv``'s small-batch kernel at
+bf16 and leave in the caller's dtype; int8 at up to ``QUANTIZED_SMALL_ROWS`` rows runs
+``cpu_gemv``'s widening loop instead, in fp32, and so does int4 on CPUs without AVX-512 VNNI
+(int4 keeps a second copy in that loop's layout). So those results are not batch-invariant
+across that row count (fp32 ones are, up to ``cpu_gemv.MAX_ROWS``). fp32 projections run ``cpu_gemv``'s small-batch kernel at
 decode sizes and oneDNN with a packed weight above.
 
 int8: symmetric per output channel. int4: asymmetric per group of ``group`` input channels

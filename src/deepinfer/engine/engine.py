@@ -345,11 +345,10 @@ class Engine:
             return False
         from deepinfer.precompiled import PrecompiledStep
 
-        saved = PrecompiledStep(self.model, self._compile_cache_dir(checkpoint)).has_saved_variants()
+        cache_dir = self._compile_cache_dir(checkpoint)
+        saved = PrecompiledStep(self.model, cache_dir).has_saved_variants()
         if saved:
-            logger.info(
-                "compile=None: running the compiled step saved in %s", self._compile_cache_dir(checkpoint)
-            )
+            logger.info("compile=None: running the compiled step saved in %s", cache_dir)
         return saved
 
     def _compile_cache_dir(self, checkpoint: Path | None) -> Path:
