@@ -11,11 +11,13 @@ device type; Triton when installed). Importing the package registers every op.
 | ``paged_attention`` | Llama: decode rows + causal prefill spans over paged K/V | |
 | ``rejection_sample`` | speculative verification: acceptance + residual sampling | |
 | ``sinkhorn`` | mHC doubly-stochastic projection | CPU: NumPy loop |
-| ``cpu_linear`` | the engine's CPU projections inside a compiled step (kernel chosen by rows) | CPU: ``cpu_gemv`` |
+| ``cpu_linear`` | the engine's CPU projections inside a compiled step (the weight's packed copy) | CPU: ``cpu_packed_gemm`` |
 
 C++ CPU kernels for small decode steps, built once per machine with Inductor's compiler
-driver (``cpu_build``) and called directly by eager steps: ``cpu_gemv`` (fp32 projections at
-up to 16 rows, weights streamed near memory bandwidth), ``cpu_attention`` (decode attention
+driver (``cpu_build``) and called directly by eager steps: ``cpu_packed_gemm`` (fp32
+projections on a packed copy at any row count), ``cpu_gemv`` (fp32, int8 and int4 loops that
+read unpacked weights at a few rows), ``cpu_int4_vnni`` (int4 x int8 on AVX-512 VNNI),
+``cpu_attention`` (decode attention
 reading the paged K/V pools in place; behind ``paged_attention`` on the CPU),
 ``cpu_rope_store`` (Llama RoPE plus the K/V cache writes in one call), ``cpu_norm_act``
 (RMSNorm with its residual add, SwiGLU) and ``cpu_decode_stack`` (a whole Llama layer stack's

@@ -11,10 +11,10 @@ calls it once per step.
 Per layer: RMSNorm, fused q/k/v projection, RoPE + cache writes, decode attention over the
 paged pools, output projection, residual add + RMSNorm, fused gate/up projection, SwiGLU, down
 projection, residual add. fp32 activations and weights (the small-batch GEMV reads the model's
-own parameters up to ``cpu_gemv.MAX_ROWS`` (16) rows; above, the driver calls oneDNN on
-``PackedLinear``'s packed copies through PyTorch's dispatcher, as the layer path does, up to
-``cpu_norm_act.MAX_ROWS`` (64): at 32 rows the layer path's Python was ~4 ms of a ~55 ms
-SmolLM2 step), fp32, bf16 or fp16 pools.
+packed copies ``PackedLinear`` runs, through ``cpu_packed_gemm``, at up to
+``cpu_norm_act.MAX_ROWS`` (64) rows: at 32 rows the layer path's Python was ~4 ms of a ~55 ms
+SmolLM2 step; a table without packed copies streams the parameters through ``cpu_gemv`` up to
+16 rows), fp32, bf16 or fp16 pools.
 """
 
 from __future__ import annotations
@@ -30,17 +30,14 @@ from deepinfer.kernels import (
     cpu_gemv,
     cpu_int4_vnni,
     cpu_norm_act,
+    cpu_packed_gemm,
     cpu_rope_store,
     weight_only,
 )
 
 _SOURCE = r"""
-#include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
-#include <vector>
 
 using gemv_t = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int);
 using gemv_i8_t = void (*)(const float*, const int8_t*, const float*, const float*, float*, int64_t, int64_t,
@@ -55,46 +52,29 @@ using attn_t = void (*)(const float*, const void*, const void*, const int64_t*, 
                         float*, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
 using gemm_vnni_t = void (*)(const float*, const uint8_t*, const float*, float*, void*, int64_t, int64_t, int64_t,
                              int);
+using packed_t = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int);
 
 // the offset slot of an int4 weight packed for cpu_int4_vnni (no scale or offset arrays)
 constexpr int64_t VNNI_PACKED = 1;
-// the offset slot of an fp32 weight with a oneDNN-packed copy (its TensorImpl in the scale slot)
-constexpr int64_t ONEDNN_PACKED = 2;
-
-// y [M, N] = x [M, K] @ W.T (+ bias) through the very op PackedLinear calls above the GEMV's
-// rows (mkldnn::_linear_pointwise on the packed copy), so results are bitwise the layer path's
-void onednn_linear(const int64_t* t, int i, const float* x, float* y, int64_t M, int64_t N, int64_t K) {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  auto* impl = reinterpret_cast<c10::TensorImpl*>(t[i + 2]);
-  at::Tensor packed(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim_copy(impl));
-  std::optional<at::Tensor> bias;
-  if (t[i + 1]) bias = at::from_blob(reinterpret_cast<float*>(t[i + 1]), {N});
-  std::vector<c10::IValue> stack{at::from_blob(const_cast<float*>(x), {M, K}), packed, bias, std::string("none"),
-                                 c10::List<std::optional<at::Scalar>>(), std::string("")};
-  op.callBoxed(&stack);
-  const at::Tensor out = stack[0].toTensor();
-  std::memcpy(y, out.data_ptr<float>(), sizeof(float) * M * N);
-}
+// the offset slot of an fp32 weight with a copy packed for cpu_packed_gemm (in the scale slot)
+constexpr int64_t F32_PACKED = 2;
 
 struct Fns {
   gemv_t gemv;
   gemv_i8_t gemv_i8;
   gemv_i4_t gemv_i4;
   gemm_vnni_t gemm_vnni;
+  packed_t packed;
   void* scratch;  // cpu_int4_vnni's quantized activations
   int threads;
-  int64_t gemv_rows;  // rows up to which fp32 weights with a oneDNN copy run the GEMV
-  // y [M, N] = x [M, K] @ W.T (+ bias): fp32 W; fp32 W with a oneDNN-packed copy (c =
-  // ONEDNN_PACKED: the GEMV up to gemv_rows, oneDNN above); int8 W with a per-row scale (s
-  // set); packed int4 W with a scale and offset per group of 32 (s and c set); or int4 W packed
-  // for VNNI (c = VNNI_PACKED)
+  // y [M, N] = x [M, K] @ W.T (+ bias): fp32 W; fp32 W with a packed copy (c = F32_PACKED, the
+  // copy in the scale slot); int8 W with a per-row scale (s set); packed int4 W with a scale
+  // and offset per group of 32 (s and c set); or int4 W packed for VNNI (c = VNNI_PACKED)
   void proj(const int64_t* t, int i, const float* x, float* y, int64_t M, int64_t N, int64_t K) const {
     const auto* b = reinterpret_cast<const float*>(t[i + 1]);
     const auto* s = reinterpret_cast<const float*>(t[i + 2]);
     const auto* c = reinterpret_cast<const float*>(t[i + 3]);
-    if (t[i + 3] == ONEDNN_PACKED && M > gemv_rows) onednn_linear(t, i, x, y, M, N, K);
-    else if (t[i + 3] == ONEDNN_PACKED) gemv(x, reinterpret_cast<const float*>(t[i]), b, y, M, N, K, threads);
+    if (t[i + 3] == F32_PACKED) packed(x, s, b, y, M, N, K, threads);
     else if (t[i + 3] == VNNI_PACKED) gemm_vnni(x, reinterpret_cast<const uint8_t*>(t[i]), b, y, scratch, M, N, K, threads);
     else if (c) gemv_i4(x, reinterpret_cast<const uint8_t*>(t[i]), s, c, b, y, M, N, K, threads);
     else if (s) gemv_i8(x, reinterpret_cast<const int8_t*>(t[i]), s, b, y, M, N, K, threads);
@@ -103,21 +83,18 @@ struct Fns {
 };
 
 // fns: gemv_f32, gemv_i8, gemv_i4, add_rms_norm, silu_mul, rope_store, decode_attention (for the
-// pools' dtype), gemm_i4_i8 (0 without VNNI), the GEMV's row limit. table [layers, 20]: norm1
-// w, (qkv, o, gate_up, down) x (w, bias, scale or oneDNN copy, int4 offset, VNNI_PACKED or
-// ONEDNN_PACKED), norm2 w, k pool, v pool (0 for an absent bias, scale or offset). Returns 0, or
-// 1 with the message in error (a oneDNN call that threw).
-static char error[512];
-extern "C" const char* llama_decode_stack_error() { return error; }
-extern "C" int llama_decode_stack(const int64_t* fns, const int64_t* table, int64_t layers, float* h,
+// pools' dtype), gemm_i4_i8 (0 without VNNI), packed_gemm_f32. table [layers, 20]: norm1 w,
+// (qkv, o, gate_up, down) x (w, bias, scale or packed copy, int4 offset, VNNI_PACKED or
+// F32_PACKED), norm2 w, k pool, v pool (0 for an absent bias, scale or offset).
+extern "C" void llama_decode_stack(const int64_t* fns, const int64_t* table, int64_t layers, float* h,
                                    float* work, const float* cos, const float* sin,
                                    const int64_t* write_rows, const int64_t* dec_rows,
                                    const int64_t* dec_kv, const bool* dec_valid, int64_t M, int64_t D,
                                    int64_t H, int64_t KV, int64_t HD, int64_t I, int64_t n_dec,
                                    int64_t len_dec, float eps, float scale, void* scratch, int threads) {
   const Fns f{reinterpret_cast<gemv_t>(fns[0]), reinterpret_cast<gemv_i8_t>(fns[1]),
-              reinterpret_cast<gemv_i4_t>(fns[2]), reinterpret_cast<gemm_vnni_t>(fns[7]), scratch, threads,
-              fns[8]};
+              reinterpret_cast<gemv_i4_t>(fns[2]), reinterpret_cast<gemm_vnni_t>(fns[7]),
+              reinterpret_cast<packed_t>(fns[8]), scratch, threads};
   const auto norm = reinterpret_cast<norm_t>(fns[3]);
   const auto silu = reinterpret_cast<silu_t>(fns[4]);
   const auto rope = reinterpret_cast<rope_t>(fns[5]);
@@ -132,7 +109,6 @@ extern "C" int llama_decode_stack(const int64_t* fns, const int64_t* table, int6
   float* gu = res + M * D;
   float* act = gu + M * 2 * I;
   float* down = act + M * I;
-  try {
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t* t = table + l * 20;
     const auto* norm1 = reinterpret_cast<const float*>(t[0]);
@@ -151,11 +127,6 @@ extern "C" int llama_decode_stack(const int64_t* fns, const int64_t* table, int6
     f.proj(t, 13, act, down, M, D, I);
     for (int64_t i = 0; i < M * D; ++i) h[i] = res[i] + down[i];
   }
-  } catch (const std::exception& e) {
-    std::snprintf(error, sizeof(error), "%s", e.what());
-    return 1;
-  }
-  return 0;
 }
 """
 
@@ -172,7 +143,7 @@ _POOL_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16
 # kernels (bf16 activations) beat them (RESULTS.md)
 QUANTIZED_MAX_ROWS = weight_only.QUANTIZED_SMALL_ROWS
 VNNI_PACKED = 1  # the driver's marker (its offset slot) for an int4 weight packed for VNNI
-ONEDNN_PACKED = 2  # the marker for an fp32 weight whose oneDNN-packed copy sits in the scale slot
+F32_PACKED = 2  # the marker for an fp32 weight whose ``cpu_packed_gemm`` copy sits in the scale slot
 # rows up to which int4 packed for VNNI runs in the stack: the VNNI kernel takes any row count,
 # the per-layer path runs the stack's norm kernels up to here
 VNNI_MAX_ROWS = cpu_norm_act.MAX_ROWS
@@ -185,13 +156,13 @@ def _library() -> ctypes.CDLL | None:
         cpu_norm_act._library(),
         cpu_rope_store._library(),
         cpu_attention._library(),
+        cpu_packed_gemm._library(),
     )
     if any(p is None for p in parts):
         return None
     lib = cpu_build.load(_SOURCE)
     if lib is not None:
-        cpu_build.bind(lib, "llama_decode_stack", _ARGS).restype = ctypes.c_int
-        cpu_build.bind(lib, "llama_decode_stack_error", []).restype = ctypes.c_char_p
+        cpu_build.bind(lib, "llama_decode_stack", _ARGS)
     return lib
 
 
@@ -216,7 +187,7 @@ def _functions(pool_dtype: torch.dtype) -> torch.Tensor:
         _address(cpu_rope_store._library(), f"rope_store_f32_{p}"),
         _address(cpu_attention._library(), cpu_attention._ENTRY[pool_dtype]),
         _address(cpu_int4_vnni._library(), "gemm_i4_i8") if cpu_int4_vnni.available() else 0,
-        cpu_gemv.MAX_ROWS,
+        _address(cpu_packed_gemm._library(), "packed_gemm_f32"),
     ]
     return torch.tensor(addresses, dtype=torch.int64)
 
@@ -248,8 +219,8 @@ class LlamaDecodeStack:
         with their fp32 per-row scale, or packed int4 ones (uint8) with their fp32 per-group
         scale and offset (``cpu_gemv.small_gemm_int4``'s layout); optionally ``vnni``: each
         int4 projection's copy packed for ``cpu_int4_vnni``, which then runs every step (up
-        to ``VNNI_MAX_ROWS`` rows); or ``packed``: each fp32
-        projection's oneDNN copy (``PackedLinear.packed``), run above the GEMV's rows."""
+        to ``VNNI_MAX_ROWS`` rows); or ``packed``: each fp32 projection's
+        ``cpu_packed_gemm`` copy (``PackedLinear.packed``), which then runs every step."""
         kinds = {torch.float32: (False, False), torch.int8: (True, False), torch.uint8: (True, True)}
         self.tensors: list[list[torch.Tensor | None]] = []
         quantized = False
@@ -274,8 +245,8 @@ class LlamaDecodeStack:
         self.weights = torch.tensor([[_ptr(t) for t in row] for row in self.tensors], dtype=torch.int64)
         self.weights_vnni = self._vnni_table(layers) if quantized else None
         if not quantized:
-            onednn = self._add_onednn_copies(layers)
-            self.max_rows = cpu_norm_act.MAX_ROWS if onednn else cpu_gemv.MAX_ROWS
+            packed = self._add_packed_copies(layers)
+            self.max_rows = cpu_norm_act.MAX_ROWS if packed else cpu_gemv.MAX_ROWS
         else:
             self.max_rows = QUANTIZED_MAX_ROWS if self.weights_vnni is None else VNNI_MAX_ROWS
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
@@ -284,19 +255,26 @@ class LlamaDecodeStack:
         self._pools: tuple[int, ...] = ()
         self._tables: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
 
-    def _add_onednn_copies(self, layers: list[dict]) -> bool:
-        """Point the fp32 table's projections at their oneDNN-packed copies (``packed``: each
-        ``PackedLinear.packed``), which the driver runs above the GEMV's rows as
-        ``PackedLinear`` does, so one call covers up to ``cpu_norm_act.MAX_ROWS`` rows. False
-        (table unchanged) unless every projection has such a copy."""
+    def _add_packed_copies(self, layers: list[dict]) -> bool:
+        """Point the fp32 table's projections at their packed copies (``packed``: each
+        ``PackedLinear.packed`` in ``cpu_packed_gemm``'s layout), which the driver runs at every
+        row count as ``PackedLinear`` does, so one call covers up to ``cpu_norm_act.MAX_ROWS``
+        rows. False (table unchanged) unless every projection has such a copy."""
         copies = [[layer.get("packed", {}).get(name) for name in _PROJECTIONS] for layer in layers]
-        if not all(c is not None and c.is_mkldnn for row in copies for c in row):
+        if not cpu_packed_gemm.available():
             return False
+        for row, tensors in zip(copies, self.tensors, strict=True):
+            for j, copy in enumerate(row):
+                weight = tensors[1 + 4 * j]
+                if copy is None or copy.is_mkldnn or copy.dtype != torch.float32 or not copy.is_contiguous():
+                    return False
+                if copy.dim() != 3 or copy.shape[1:] != (weight.shape[1], cpu_packed_gemm.width()):
+                    return False
         for r, row in enumerate(copies):
             for j, copy in enumerate(row):
-                self.weights[r, 1 + 4 * j + 2] = copy._cdata  # the driver borrows its TensorImpl
-                self.weights[r, 1 + 4 * j + 3] = ONEDNN_PACKED
-        self.onednn_tensors = copies  # the table holds their addresses
+                self.weights[r, 1 + 4 * j + 2] = copy.data_ptr()
+                self.weights[r, 1 + 4 * j + 3] = F32_PACKED
+        self.packed_tensors = copies  # the table holds their addresses
         return True
 
     def _vnni_table(self, layers: list[dict]) -> torch.Tensor | None:
@@ -375,7 +353,7 @@ class LlamaDecodeStack:
         assert table is not None, "pools the kernels cannot read (check supports() first)"
         widest = max(d, a, i)  # cpu_int4_vnni's int8 activations and their per-group scales
         scratch = torch.empty(m * widest + 8 * m * (widest // 32), dtype=torch.uint8) if vnni else None
-        failed = lib.llama_decode_stack(
+        lib.llama_decode_stack(
             _functions(pools[0][0].dtype).data_ptr(),
             table.data_ptr(),
             len(self.tensors),
@@ -400,6 +378,4 @@ class LlamaDecodeStack:
             None if scratch is None else scratch.data_ptr(),
             torch.get_num_threads(),
         )
-        if failed:
-            raise RuntimeError(f"decode stack: {lib.llama_decode_stack_error().decode()}")
         return h

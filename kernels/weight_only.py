@@ -6,8 +6,8 @@ M=1 and M=32: benchmarks/RESULTS.md, 2026-11-30 CPU section), so activations ent
 bf16 and leave in the caller's dtype; int8 at up to ``QUANTIZED_SMALL_ROWS`` rows runs
 ``cpu_gemv``'s widening loop instead, in fp32, and so does int4 on CPUs without AVX-512 VNNI
 (int4 keeps a second copy in that loop's layout). So those results are not batch-invariant
-across that row count (fp32 ones are, up to ``cpu_gemv.MAX_ROWS``). fp32 projections run ``cpu_gemv``'s small-batch kernel at
-decode sizes and oneDNN with a packed weight above.
+across that row count. fp32 projections run ``cpu_packed_gemm`` on a packed copy at every row
+count (batch-invariant).
 
 int8: symmetric per output channel. int4: asymmetric per group of ``group`` input channels
 (the kernel's ``(q - 8) * scale + zero`` form). Above the widening loop's sizes, int4 runs
@@ -24,7 +24,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from deepinfer.kernels import cpu_gemv, cpu_int4_vnni
+from deepinfer.kernels import cpu_gemv, cpu_int4_vnni, cpu_packed_gemm
 
 INT4_GROUP = 32
 QUANTIZED_SMALL_ROWS = 4  # int8/int4 rows up to which ``cpu_gemv``'s loops run (PyTorch's kernels above)
@@ -124,20 +124,22 @@ class WeightOnlyLinear:
 
 
 class PackedLinear:
-    """``x @ W.T + b`` for the engine's CPU steps: oneDNN with ``W`` reordered once into its
-    blocked layout (the kernel Inductor's CPU freezing uses; about twice ``F.linear``'s speed
-    on the CPUs measured, benchmarks/RESULTS.md), and for fp32 weights at up to
-    ``cpu_gemv.MAX_ROWS`` rows the small-batch kernel, which reads ``W`` itself (the model's
-    parameter, no copy). Same precision as ``F.linear``, another summation order. Engine-only:
-    the packed copy has no autograd and costs a second copy of the weights beside the
-    parameters research code computes with."""
+    """``x @ W.T + b`` for the engine's CPU steps on a copy of ``W`` packed once: for fp32
+    weights ``cpu_packed_gemm``'s layout (that kernel at every row count: 1.1-2.3x oneDNN's
+    packed GEMM on the CPU measured, and a row's result the same at any batch size,
+    benchmarks/RESULTS.md), for bf16 weights, or where the C++ kernels did not build, oneDNN's
+    blocked layout (the kernel Inductor's CPU freezing uses). Same precision as ``F.linear``,
+    another summation order. Engine-only: the packed copy has no autograd and costs a second
+    copy of the weights beside the parameters research code computes with."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features, self.in_features = weight.shape
         self.weight = weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
         self.bias = None if bias is None else bias.detach()
-        self.small = cpu_gemv.supports(self.weight)
+        if cpu_packed_gemm.supports(self.weight):
+            self.packed = cpu_packed_gemm.pack(self.weight)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
         _register_packed(self, self.weight, self.packed)
 
     @staticmethod
@@ -151,18 +153,26 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, self.in_features)
-        if torch.compiler.is_compiling():  # one op, the row count decided at run time
+        if torch.compiler.is_compiling():  # one op, the packed copy found at run time
             y = cpu_linear(flat, self.weight, self.bias)
-        elif self.small and flat.shape[0] <= cpu_gemv.MAX_ROWS:
-            y = cpu_gemv.small_gemm(flat, self.weight, self.bias).to(x.dtype)
         else:
-            y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+            y = _packed_linear(flat, self.packed, self.out_features, self.bias).to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
 
-# Packed oneDNN copies of live PackedLinear weights, for the compiled op (a traced graph cannot
-# carry oneDNN's opaque tensors): keyed by the weight's address, shape and dtype, dropped when
-# the owning PackedLinear, which keeps the weight alive, is collected.
+def _packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ W.T + b`` on ``W``'s packed copy, by the kernel its layout belongs to."""
+    if packed.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return cpu_packed_gemm.gemm(x, packed, out_features, bias)
+
+
+# Packed copies of live PackedLinear weights, for the compiled op (a traced graph cannot carry
+# oneDNN's opaque tensors, and a packed copy is not a parameter of the traced module): keyed by
+# the weight's address, shape and dtype, dropped when the owning PackedLinear, which keeps the
+# weight alive, is collected.
 _PACKED: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}
 
 
@@ -178,14 +188,12 @@ def _register_packed(owner: object, weight: torch.Tensor, packed: torch.Tensor) 
 
 @torch.library.custom_op("deepinfer::cpu_linear", mutates_args=())
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A ``PackedLinear`` inside a compiled step: ``x`` [M, K] by ``weight`` [N, K], the kernel
-    chosen by M at run time as the eager class does, so one graph serves decode and prefill."""
-    if x.shape[0] <= cpu_gemv.MAX_ROWS and cpu_gemv.supports(weight):
-        return cpu_gemv.small_gemm(x, weight, bias).to(x.dtype)
+    """A ``PackedLinear`` inside a compiled step: ``x`` [M, K] by ``weight`` [N, K] on the
+    weight's packed copy, as the eager class runs it, so one graph serves decode and prefill."""
     packed = _PACKED.get(_packed_key(weight))
     if packed is None:
         return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return _packed_linear(x, packed, weight.shape[0], bias).to(x.dtype)
 
 
 @cpu_linear.register_fake

@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (``kernels/cpu_gemv.py``, ``kernels/cpu_attention.py``) against fp64
+"""The C++ CPU kernels (``cpu_gemv``, ``cpu_packed_gemm``, ``cpu_attention``, ...) against fp64
 and PyTorch references on generated shapes, their batch invariance, the compiled op's run-time
 kernel choice, and mutation checks that a broken kernel fails these tests. Their speed is
 measured in benchmarks/cpu_decode.py."""
@@ -17,6 +17,7 @@ from deepinfer.kernels import (
     cpu_decode_stack,
     cpu_gemv,
     cpu_norm_act,
+    cpu_packed_gemm,
     cpu_rope_store,
 )
 from deepinfer.kernels.paged_attention import paged_attention_reference
@@ -93,17 +94,72 @@ def test_a_broken_gemm_kernel_fails_the_reference_check():
     assert (y.double() - expected).abs().max().item() > bound
 
 
-@pytest.mark.parametrize("rows", [1, cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 5])
-def test_packed_linear_and_the_compiled_op_agree(rows):
-    """PackedLinear and the ``cpu_linear`` op pick their kernel by row count (small-batch
-    kernel up to ``MAX_ROWS``, oneDNN above) and both compute ``x @ W.T + b``."""
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    n=st.integers(1, 70),
+    k=st.integers(1, 200),
+    bias=st.booleans(),
+    threads=st.sampled_from([1, 2, 3]),
+    seed=st.integers(0, 10_000),
+)
+def test_packed_gemm_matches_fp64(rows, n, k, bias, threads, seed):
+    """Any shape (partial vector blocks, odd block counts, the rows left after the register
+    passes, row ranges split over threads): the fp32 result is within fp32 summation error of
+    the fp64 product."""
+    x, w, b, expected, bound = _gemm_case(seed, rows, n, k, bias)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_packed_gemm.gemm(x, cpu_packed_gemm.pack(w), n, b)
+    finally:
+        torch.set_num_threads(before)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert (got.double() - expected).abs().max().item() <= bound
+
+
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(1, 70), k=st.integers(1, 100), rows=st.integers(2, 80), seed=st.integers(0, 10_000))
+def test_packed_gemm_rows_do_not_depend_on_their_batch(n, k, rows, seed):
+    """A row's result is bitwise the same alone, in any slice of the batch, or in the whole
+    batch (one FMA chain per output whatever the row count): batch-invariant at every M."""
+    x, w, b, _, _ = _gemm_case(seed, rows, n, k, True)
+    packed = cpu_packed_gemm.pack(w)
+    together = cpu_packed_gemm.gemm(x, packed, n, b)
+    start = int(torch.randint(0, rows, (1,)))
+    assert torch.equal(cpu_packed_gemm.gemm(x[start:], packed, n, b), together[start:])
+    for i in range(rows):
+        assert torch.equal(cpu_packed_gemm.gemm(x[i : i + 1], packed, n, b)[0], together[i])
+
+
+def test_a_broken_packed_gemm_fails_the_reference_check():
+    """Mutation check: the same source with the rows after the full register passes dropped
+    gives results the fp64 check rejects."""
+    source = cpu_packed_gemm._SOURCE.replace("if (r == R) tile<NB, R>", "if (r == R + 1) tile<NB, R>")
+    assert source != cpu_packed_gemm._SOURCE
+    broken = cpu_build.load(source)
+    assert broken is not None
+    fn = cpu_build.bind(broken, "packed_gemm_f32", cpu_packed_gemm.ARGTYPES)
+    x, w, _, expected, bound = _gemm_case(3, 5, 9, 37, False)
+    y = torch.zeros(5, 9)
+    fn(x.data_ptr(), cpu_packed_gemm.pack(w).data_ptr(), None, y.data_ptr(), 5, 9, 37, 1)
+    assert (y.double() - expected).abs().max().item() > bound
+
+
+@pytest.mark.parametrize("rows", [1, 16, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_and_the_compiled_op_agree(rows, dtype):
+    """PackedLinear and the ``cpu_linear`` op run the weight's packed copy (``cpu_packed_gemm``
+    for fp32, oneDNN for bf16) and both compute ``x @ W.T + b``, bitwise alike."""
     gen = torch.Generator().manual_seed(rows)
-    w, b = torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen)
-    x = torch.randn(rows, 64, generator=gen)
+    w, b = torch.randn(48, 64, generator=gen).to(dtype), torch.randn(48, generator=gen).to(dtype)
+    x = torch.randn(rows, 64, generator=gen).to(dtype)
     packed = PackedLinear(w, b)
-    expected = x @ w.T + b
-    torch.testing.assert_close(packed(x), expected, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(cpu_linear(x, w, b), expected, rtol=1e-4, atol=1e-4)
+    assert packed.packed.is_mkldnn == (dtype == torch.bfloat16)
+    expected = (x.float() @ w.float().T + b.float()).to(dtype)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(packed(x), expected, rtol=tol, atol=tol)
+    assert torch.equal(cpu_linear(x, w, b), packed(x))
 
 
 def test_cpu_linear_traces_as_one_op():
@@ -306,15 +362,15 @@ def _greedy(llm, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]
 @example(
     kv_heads=2, group=1, head_dim=32, layers=1, rows=40, kv_dtype="bfloat16", quantization="int4", seed=4
 )
-# fp32 above the GEMV's 16 rows: oneDNN on the packed copies, called from the driver
+# fp32 above 16 rows (the driver's packed copies; every row count runs them)
 @example(kv_heads=3, group=3, head_dim=64, layers=2, rows=33, kv_dtype="float32", quantization=None, seed=5)
 def test_one_call_decode_stack_equals_the_layer_loop(
     tmp_path_factory, kv_heads, group, head_dim, layers, rows, kv_dtype, quantization, seed
 ):
     """The C++ layer loop calls the same kernels in the same order: greedy tokens and their
     logprobs equal the per-layer path's bitwise, for any Llama shape, 1-64 decode rows, fp32,
-    bf16 and fp16 pools, fp32, int8 or int4 weights (fp32 above 16 rows: oneDNN; int4 above 4
-    rows: the VNNI kernel; and the stack did run)."""
+    bf16 and fp16 pools, fp32, int8 or int4 weights (fp32: the packed kernel; int4: the VNNI
+    kernel where the CPU has it; and the stack did run)."""
     if quantization == "int4":  # int4 groups of 32 input channels
         head_dim = max(head_dim, 32)
     path = make_tiny_checkpoint(
