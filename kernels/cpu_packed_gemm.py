@@ -146,12 +146,7 @@ def width() -> int:
 
 def supports(weight: torch.Tensor) -> bool:
     """Whether ``weight`` is what the kernel packs: a 2-D fp32 CPU matrix."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dim() == 2
-        and weight.dtype == torch.float32
-        and available()
-    )
+    return weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype == torch.float32 and available()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
