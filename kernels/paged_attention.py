@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from deepinfer.kernels import cpu_attention
+from deepinfer.kernels import cpu_attention, cpu_prefill_attention
 
 
 def paged_attention_reference(
@@ -33,18 +33,23 @@ def paged_attention_reference(
     graph captures, has only padding spans and the decode path never syncs with the host).
     Returns [T, H, d] in q's dtype (rows no span or decode covers are zero). Plain,
     differentiable PyTorch (the research path calls it directly: custom ops have no backward);
-    on the CPU without autograd the decode rows run ``cpu_attention``, which reads the pool
-    rows in place instead of gathering them."""
+    on the CPU without autograd the decode rows run ``cpu_attention`` and the spans
+    ``cpu_prefill_attention``, which read the pool rows in place instead of gathering them."""
     t, h, d = q.shape
     n_kv = k_pool.shape[1] // d
     out = q.new_zeros(t + 1, h, d)  # row t takes padded decode rows (no host sync to drop them)
     n = decode_rows.shape[0]
-    if n and cpu_attention.supports(q, k_pool, v_pool):  # CPU: pages read in place
+    decode_in_place = n and cpu_attention.supports(q, k_pool, v_pool)
+    spans_in_place = bool(span_meta.shape[0]) and cpu_prefill_attention.supports(q, k_pool, v_pool)
+    if decode_in_place or spans_in_place:  # CPU: pages read in place
         dense = out if out.dtype == torch.float32 else torch.zeros(t + 1, h, d)
-        cpu_attention.decode_attention(q, k_pool, v_pool, decode_rows, decode_kv, decode_valid, dense)
+        if decode_in_place:
+            cpu_attention.decode_attention(q, k_pool, v_pool, decode_rows, decode_kv, decode_valid, dense)
+        if spans_in_place:
+            cpu_prefill_attention.prefill_attention(q, k_pool, v_pool, span_meta, span_kv_rows, dense)
         if dense is not out:
             out.copy_(dense)
-    elif n:  # the gather path: every decode row's cached rows copied out, then one SDPA
+    if n and not decode_in_place:  # the gather path: every decode row's cached rows copied out, then one SDPA
         decode_rows = torch.where(decode_rows >= 0, decode_rows, t)
         keys = k_pool[decode_kv].view(n, -1, n_kv, d).to(q.dtype)
         vals = v_pool[decode_kv].view(n, -1, n_kv, d).to(q.dtype)
@@ -56,7 +61,7 @@ def paged_attention_reference(
             enable_gqa=True,
         )
         out[decode_rows] = o.squeeze(2)  # padded rows (all-masked: NaN) land in the scratch row
-    for first, count, start, offset in span_meta.tolist():  # span_meta lives on the CPU
+    for first, count, start, offset in [] if spans_in_place else span_meta.tolist():  # a CPU tensor
         if count == 0:
             continue
         end = start + count

@@ -18,6 +18,7 @@ from deepinfer.kernels import (
     cpu_gemv,
     cpu_norm_act,
     cpu_packed_gemm,
+    cpu_prefill_attention,
     cpu_rope_store,
 )
 from deepinfer.kernels.paged_attention import paged_attention_reference
@@ -211,6 +212,80 @@ def test_decode_attention_in_place_matches_the_gather_path(kv_heads, group, d, n
     )
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(fast.float(), ref.detach(), rtol=tol, atol=tol)
+
+
+def _span_case(seed, heads, kv_heads, d, spans, dtype):
+    """A step of prefill spans ``[(tokens, first position)]`` over shuffled pool rows."""
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(count for count, _ in spans) + 3
+    pool_rows = sum(count + start for count, start in spans) + 5
+    q = torch.randn(t, heads, d, generator=gen)
+    k = torch.randn(pool_rows, kv_heads * d, generator=gen).to(dtype)
+    v = torch.randn(pool_rows, kv_heads * d, generator=gen).to(dtype)
+    order = torch.randperm(pool_rows, generator=gen)
+    meta, rows, first, used = [], [], 1, 0
+    for count, start in spans:
+        end = count + start
+        meta.append([first, count, start, used])
+        rows.append(order[used : used + end])
+        first, used = first + count, used + end
+    none = torch.zeros(0, dtype=torch.long)
+    decode = (none, torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1, dtype=torch.bool))
+    return (q, k, v, *decode, torch.tensor(meta, dtype=torch.long).view(-1, 4), torch.cat([none, *rows]))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 14),
+    d=st.sampled_from([16, 32, 48, 64, 128]),
+    spans=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 70)), min_size=1, max_size=4),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    seed=st.integers(0, 10_000),
+)
+def test_prefill_attention_in_place_matches_the_reference(kv_heads, group, d, spans, dtype, seed):
+    """Prefill spans through ``cpu_prefill_attention`` (chunks starting past position 0,
+    empty spans, GQA groups wider than a register tile, bf16/fp16 pools) equal the reference's
+    per-span causal SDPA, run with autograd on, which keeps the reference path; head sizes the
+    kernel does not take (48 on AVX-512) go to the reference."""
+    case = _span_case(seed, kv_heads * group, kv_heads, d, spans, dtype)
+    q = case[0]
+    width = cpu_prefill_attention._library().prefill_attention_width()
+    assert cpu_prefill_attention.supports(q, case[1], case[2]) == (
+        d % width == 0 and d // width in (1, 2, 4, 8)
+    )
+    fast = paged_attention_reference(*case)
+    ref = paged_attention_reference(q.requires_grad_(), *case[1:])
+    torch.testing.assert_close(fast, ref.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_broken_prefill_attention_fails_the_reference_check():
+    """Mutation check: without the causal mask inside a row's last block of keys (later
+    positions join the softmax) the comparison above fails."""
+    source = cpu_prefill_attention._SOURCE.replace("for (int64_t j = n; j < padded; ++j) p[j] = NINF;", "")
+    assert source != cpu_prefill_attention._SOURCE
+    broken = cpu_build.load(source)
+    fn = cpu_build.bind(broken, "prefill_attention_f32", cpu_prefill_attention.ARGTYPES)
+    q, k, v, _, _, _, spans, rows = _span_case(2, 6, 2, 64, [(20, 0), (7, 9)], torch.float32)
+    out = torch.zeros(q.shape[0] + 1, 6, 64)
+    fn(
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        spans.data_ptr(),
+        rows.data_ptr(),
+        out.data_ptr(),
+        2,
+        6,
+        2,
+        64,
+        0.125,
+        1,
+    )
+    ref = paged_attention_reference(
+        q.requires_grad_(), k, v, *_span_case(2, 6, 2, 64, [(20, 0), (7, 9)], torch.float32)[3:]
+    )
+    assert (out[: q.shape[0]] - ref.detach()).abs().max().item() > 1e-3
 
 
 def test_a_broken_attention_kernel_fails_the_reference_check():

@@ -47,6 +47,7 @@ from deepinfer.models.base import CausalLM
 from deepinfer.models.llama import LlamaForCausalLM
 from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer.platforms import Platform, platform_for
+from deepinfer.platforms.cpu import tune_malloc
 from deepinfer.sampling.sampler import SamplingRow, make_generator, sample
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.speculative.config import SpeculativeConfig
@@ -116,6 +117,8 @@ class Engine:
         if not compile_missing:
             use_compile = self._saved_compiled_step(platform, checkpoint)
         if self.device.type == "cpu":
+            if config.tune_cpu_malloc:
+                tune_malloc()
             model.pack_weights()  # CPU projections: small-batch kernel, oneDNN-packed above
         drafter = self._drafter()
         graph_batch = min(config.max_graph_batch_size, config.max_num_seqs)

@@ -1,0 +1,301 @@
+"""Causal prefill attention over the paged K/V pools on the CPU, every span of a step in one call.
+
+PyTorch's CPU SDPA took ~400 us per (layer, 144-token prompt) for SmolLM2's 9 query heads over
+3 K/V heads, ~60 GFLOP/s on two cores, and 0.41 s of a 3.5 s prefill of 32 such prompts
+(RESULTS.md): at these sizes its blocks are too small for the GEMMs it calls. This kernel treats
+each (span, K/V head, block of query positions) as one work item: the query heads sharing the
+K/V head and a few positions make ~12 rows, whose scores against every visible key come from
+register tiles (a vector of keys times a broadcast query element, as ``cpu_packed_gemm`` does,
+over K transposed into blocks of one vector of keys once per span and head), then a
+max-subtracted fp32 softmax (ATen's vectorised exp, as the decode kernel uses) and the weighted
+sum of values from register tiles of rows x head size. Keys past a block's last position are
+never computed (causal), and the pool rows are read in place while packing (fp32, bf16, fp16).
+
+Head sizes that are a multiple of the vector width up to eight vectors (16-128 on AVX-512) take
+this path; others keep SDPA. Built once per machine by ``cpu_build``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+
+import torch
+from deepinfer.kernels import cpu_build
+
+_SOURCE = r"""
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/functional_bfloat16.h>
+#include <ATen/cpu/vec/vec.h>
+#include <omp.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t V = Vec::size();
+constexpr int MR = V >= 16 ? 12 : 6;    // rows per score tile
+constexpr int ACC = V >= 16 ? 24 : 12;  // accumulator registers of a weighted-sum tile
+constexpr float NINF = -std::numeric_limits<float>::infinity();
+
+extern "C" int64_t prefill_attention_width() { return V; }
+
+template <typename T>
+inline float to_f(T x) { return static_cast<float>(x); }
+
+// s[m][j] = scale * q_m . k_j for R rows and keys j < nk; kt: keys in blocks of V, [nkb][d][V]
+template <int R>
+inline void scores(const float* const* qr, const float* kt, float* s, int64_t stride, int64_t nk, int64_t d,
+                   float scale) {
+  const Vec sc(scale);
+  for (int64_t jb = 0; jb * V < nk; ++jb) {
+    Vec acc[R];
+    for (int m = 0; m < R; ++m) acc[m] = Vec(0.f);
+    const float* kb = kt + jb * d * V;
+    for (int64_t c = 0; c < d; ++c) {
+      const Vec kv = Vec::loadu(kb + c * V);
+      for (int m = 0; m < R; ++m) acc[m] = at::vec::fmadd(kv, Vec(qr[m][c]), acc[m]);
+    }
+    for (int m = 0; m < R; ++m) (acc[m] * sc).store(s + m * stride + jb * V);
+  }
+}
+
+template <int R>
+inline void scores_tail(int r, const float* const* qr, const float* kt, float* s, int64_t stride, int64_t nk,
+                        int64_t d, float scale) {
+  if constexpr (R > 0) {
+    if (r == R) scores<R>(qr, kt, s, stride, nk, d, scale);
+    else scores_tail<R - 1>(r, qr, kt, s, stride, nk, d, scale);
+  }
+}
+
+// o_m = inv_m * sum_j p[m][j] v_j for R rows, keys j < nk; vv [keys][DV * V]
+template <int DV, int R>
+inline void weighted(const float* p, int64_t stride, const float* vv, int64_t nk, float* const* orow,
+                     const float* inv) {
+  constexpr int64_t d = DV * V;
+  Vec acc[R][DV];
+  for (int m = 0; m < R; ++m)
+    for (int b = 0; b < DV; ++b) acc[m][b] = Vec(0.f);
+  for (int64_t j = 0; j < nk; ++j) {
+    Vec vj[DV];
+    for (int b = 0; b < DV; ++b) vj[b] = Vec::loadu(vv + j * d + b * V);
+    for (int m = 0; m < R; ++m) {
+      const Vec w(p[m * stride + j]);
+      for (int b = 0; b < DV; ++b) acc[m][b] = at::vec::fmadd(w, vj[b], acc[m][b]);
+    }
+  }
+  for (int m = 0; m < R; ++m)
+    for (int b = 0; b < DV; ++b) (acc[m][b] * Vec(inv[m])).store(orow[m] + b * V);
+}
+
+template <int DV, int R>
+inline void weighted_tail(int r, const float* p, int64_t stride, const float* vv, int64_t nk, float* const* orow,
+                          const float* inv) {
+  if constexpr (R > 0) {
+    if (r == R) weighted<DV, R>(p, stride, vv, nk, orow, inv);
+    else weighted_tail<DV, R - 1>(r, p, stride, vv, nk, orow, inv);
+  }
+}
+
+// rows of one item in tiles of ACC / DV (the accumulators a tile holds)
+template <int DV>
+inline void weighted_rows(int rows, const float* p, int64_t stride, const float* vv, const int64_t* nk,
+                          float* const* orow, const float* inv) {
+  constexpr int R = ACC / DV;
+  for (int m = 0; m < rows; m += R) {
+    const int r = std::min(R, rows - m);
+    int64_t n = 0;
+    for (int i = 0; i < r; ++i) n = std::max(n, nk[m + i]);
+    weighted_tail<DV, R>(r, p + m * stride, stride, vv, n, orow + m, inv + m);
+  }
+}
+
+// p[0, n) = exp(p - mx) with p[n, padded) = 0; returns the sum over [0, n)
+inline float softmax_row(float* p, int64_t n, int64_t padded) {
+  float mx = NINF;
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, p[j]);
+  for (int64_t j = n; j < padded; ++j) p[j] = NINF;
+  const Vec m(mx);
+  Vec sv(0.f);
+  for (int64_t j = 0; j < padded; j += V) {
+    const Vec e = (Vec::loadu(p + j) - m).exp_u20();
+    e.store(p + j);
+    sv = sv + e;
+  }
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sv);
+}
+
+// q [T, H, d] fp32; pools [rows, n_kv * d]; spans [S, 4] = (first token row, tokens, first
+// position, offset into kv_rows); kv_rows: each span's pool rows of positions 0 .. end - 1;
+// out [T, H, d] fp32 (span rows written). Token i of a span sees positions 0 .. start + i.
+template <typename T>
+void prefill_attention(const float* q, const T* kp, const T* vp, const int64_t* spans, const int64_t* kv_rows,
+                       float* out, int64_t S, int64_t H, int64_t n_kv, int64_t d, float scale, int threads) {
+  const int64_t G = H / n_kv, DV = d / V;
+  const int64_t QB = std::max<int64_t>(1, MR / G);  // query positions per item
+  std::vector<int64_t> kt_off(S + 1, 0), vv_off(S + 1, 0);
+  struct Item { int64_t s, h, i0; };
+  std::vector<Item> items;
+  int64_t widest = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t count = spans[s * 4 + 1], end = spans[s * 4 + 2] + count;
+    const int64_t nkb = count > 0 ? (end + V - 1) / V : 0;
+    kt_off[s + 1] = kt_off[s] + n_kv * nkb * d * V;
+    vv_off[s + 1] = vv_off[s] + (count > 0 ? n_kv * end * d : 0);
+    widest = std::max(widest, nkb * V);
+    for (int64_t h = 0; h < n_kv; ++h)
+      for (int64_t i0 = 0; i0 < count; i0 += QB) items.push_back({s, h, i0});
+  }
+  std::vector<float> kt(kt_off[S]), vv(vv_off[S]);
+  // pack: per span and K/V head, keys transposed into blocks of V (zero past the end) and values
+  // as rows of d, from the pool rows in place
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t count = spans[s * 4 + 1], end = spans[s * 4 + 2] + count;
+    if (count == 0) continue;
+    const int64_t nkb = (end + V - 1) / V;
+    const int64_t* rows = kv_rows + spans[s * 4 + 3];
+    for (int64_t h = 0; h < n_kv; ++h) {
+      float* kb = kt.data() + kt_off[s] + h * nkb * d * V;
+      float* vb = vv.data() + vv_off[s] + h * end * d;
+      for (int64_t j = 0; j < nkb * V; ++j) {
+        const T* kr = j < end ? kp + rows[j] * n_kv * d + h * d : nullptr;
+        for (int64_t c = 0; c < d; ++c) kb[((j / V) * d + c) * V + j % V] = kr ? to_f(kr[c]) : 0.f;
+        if (j < end) {
+          const T* vr = vp + rows[j] * n_kv * d + h * d;
+          for (int64_t c = 0; c < d; ++c) vb[j * d + c] = to_f(vr[c]);
+        }
+      }
+    }
+  }
+  const int64_t rows_max = std::max<int64_t>(QB * G, 1);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> p(rows_max * (widest + V));
+    std::vector<const float*> qr(rows_max);
+    std::vector<float*> orow(rows_max);
+    std::vector<int64_t> nk(rows_max);
+    std::vector<float> inv(rows_max);
+#pragma omp for schedule(dynamic, 1)
+    for (size_t it = 0; it < items.size(); ++it) {
+      const Item item = items[it];
+      const int64_t first = spans[item.s * 4], count = spans[item.s * 4 + 1], start = spans[item.s * 4 + 2];
+      const int64_t end = start + count, nkb = (end + V - 1) / V, stride = nkb * V;
+      const int64_t i1 = std::min(count, item.i0 + QB);
+      int rows = 0;
+      for (int64_t i = item.i0; i < i1; ++i)
+        for (int64_t g = 0; g < G; ++g, ++rows) {
+          const int64_t off = ((first + i) * H + item.h * G + g) * d;
+          qr[rows] = q + off;
+          orow[rows] = out + off;
+          nk[rows] = start + i + 1;
+        }
+      const float* kb = kt.data() + kt_off[item.s] + item.h * nkb * d * V;
+      const float* vb = vv.data() + vv_off[item.s] + item.h * end * d;
+      for (int m = 0; m < rows; m += MR) {
+        const int r = std::min<int>(MR, rows - m);
+        scores_tail<MR>(r, qr.data() + m, kb, p.data() + m * stride, stride, nk[m + r - 1], d, scale);
+      }
+      for (int m = 0; m < rows; ++m) {
+        const int64_t padded = (nk[m] + V - 1) / V * V;
+        inv[m] = 1.f / softmax_row(p.data() + m * stride, nk[m], padded);
+        for (int64_t j = padded; j < stride; ++j) p[m * stride + j] = 0.f;
+      }
+      switch (DV) {
+        case 1: weighted_rows<1>(rows, p.data(), stride, vb, nk.data(), orow.data(), inv.data()); break;
+        case 2: weighted_rows<2>(rows, p.data(), stride, vb, nk.data(), orow.data(), inv.data()); break;
+        case 4: weighted_rows<4>(rows, p.data(), stride, vb, nk.data(), orow.data(), inv.data()); break;
+        case 8: weighted_rows<8>(rows, p.data(), stride, vb, nk.data(), orow.data(), inv.data()); break;
+      }
+    }
+  }
+}
+
+extern "C" {
+void prefill_attention_f32(const float* q, const float* k, const float* v, const int64_t* spans,
+                           const int64_t* kv_rows, float* out, int64_t S, int64_t H, int64_t n_kv, int64_t d,
+                           float scale, int threads) {
+  prefill_attention<float>(q, k, v, spans, kv_rows, out, S, H, n_kv, d, scale, threads);
+}
+void prefill_attention_bf16(const float* q, const at::BFloat16* k, const at::BFloat16* v, const int64_t* spans,
+                            const int64_t* kv_rows, float* out, int64_t S, int64_t H, int64_t n_kv, int64_t d,
+                            float scale, int threads) {
+  prefill_attention<at::BFloat16>(q, k, v, spans, kv_rows, out, S, H, n_kv, d, scale, threads);
+}
+void prefill_attention_f16(const float* q, const at::Half* k, const at::Half* v, const int64_t* spans,
+                           const int64_t* kv_rows, float* out, int64_t S, int64_t H, int64_t n_kv, int64_t d,
+                           float scale, int threads) {
+  prefill_attention<at::Half>(q, k, v, spans, kv_rows, out, S, H, n_kv, d, scale, threads);
+}
+}
+"""
+
+_ENTRY = {
+    torch.float32: "prefill_attention_f32",
+    torch.bfloat16: "prefill_attention_bf16",
+    torch.float16: "prefill_attention_f16",
+}
+ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = cpu_build.load(_SOURCE)
+    if lib is not None:
+        for name in _ENTRY.values():
+            cpu_build.bind(lib, name, ARGTYPES)
+        cpu_build.bind(lib, "prefill_attention_width", []).restype = ctypes.c_int64
+    return lib
+
+
+def supports(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+    """CPU, no autograd (the research path keeps the differentiable reference), pools of one
+    dtype the kernel reads, contiguous, a head size of 1, 2, 4 or 8 vectors."""
+    if q.device.type != "cpu" or q.requires_grad or k_pool.requires_grad or v_pool.requires_grad:
+        return False
+    if k_pool.dtype != v_pool.dtype or k_pool.dtype not in _ENTRY:
+        return False
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+        return False
+    lib = _library()
+    if lib is None:
+        return False
+    d, width = q.shape[-1], lib.prefill_attention_width()
+    return d % width == 0 and d // width in (1, 2, 4, 8)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    span_meta: torch.Tensor,
+    span_kv_rows: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Write causal attention of every prefill span of ``q`` [T, H, d] into ``out`` [>= T, H,
+    d] (fp32, contiguous) in place, with SDPA's default scale 1/sqrt(d); ``span_meta`` and
+    ``span_kv_rows`` as ``paged_attention_reference`` takes them (spans of 0 tokens skipped)."""
+    lib = _library()
+    assert lib is not None
+    _, h, d = q.shape
+    qf = q.float().contiguous()
+    spans = span_meta.to(torch.int64).contiguous()
+    rows = span_kv_rows.to(torch.int64).contiguous()
+    getattr(lib, _ENTRY[k_pool.dtype])(
+        qf.data_ptr(),
+        k_pool.data_ptr(),
+        v_pool.data_ptr(),
+        spans.data_ptr(),
+        rows.data_ptr(),
+        out.data_ptr(),
+        spans.shape[0],
+        h,
+        k_pool.shape[1] // d,
+        d,
+        1.0 / math.sqrt(d),
+        torch.get_num_threads(),
+    )
