@@ -53,11 +53,15 @@ using attn_t = void (*)(const float*, const void*, const void*, const int64_t*, 
 using gemm_vnni_t = void (*)(const float*, const uint8_t*, const float*, float*, void*, int64_t, int64_t, int64_t,
                              int);
 using packed_t = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int);
+using packed_i8_t = void (*)(const float*, const int8_t*, const float*, const float*, float*, int64_t, int64_t,
+                             int64_t, int);
 
 // the offset slot of an int4 weight packed for cpu_int4_vnni (no scale or offset arrays)
 constexpr int64_t VNNI_PACKED = 1;
 // the offset slot of an fp32 weight with a copy packed for cpu_packed_gemm (in the scale slot)
 constexpr int64_t F32_PACKED = 2;
+// the offset slot of int8 weights packed for cpu_packed_gemm (their per-row scale in the scale slot)
+constexpr int64_t I8_PACKED = 3;
 
 struct Fns {
   gemv_t gemv;
@@ -65,6 +69,7 @@ struct Fns {
   gemv_i4_t gemv_i4;
   gemm_vnni_t gemm_vnni;
   packed_t packed;
+  packed_i8_t packed_i8;
   void* scratch;  // cpu_int4_vnni's quantized activations
   int threads;
   // y [M, N] = x [M, K] @ W.T (+ bias): fp32 W; fp32 W with a packed copy (c = F32_PACKED, the
@@ -75,6 +80,7 @@ struct Fns {
     const auto* s = reinterpret_cast<const float*>(t[i + 2]);
     const auto* c = reinterpret_cast<const float*>(t[i + 3]);
     if (t[i + 3] == F32_PACKED) packed(x, s, b, y, M, N, K, threads);
+    else if (t[i + 3] == I8_PACKED) packed_i8(x, reinterpret_cast<const int8_t*>(t[i]), s, b, y, M, N, K, threads);
     else if (t[i + 3] == VNNI_PACKED) gemm_vnni(x, reinterpret_cast<const uint8_t*>(t[i]), b, y, scratch, M, N, K, threads);
     else if (c) gemv_i4(x, reinterpret_cast<const uint8_t*>(t[i]), s, c, b, y, M, N, K, threads);
     else if (s) gemv_i8(x, reinterpret_cast<const int8_t*>(t[i]), s, b, y, M, N, K, threads);
@@ -83,9 +89,10 @@ struct Fns {
 };
 
 // fns: gemv_f32, gemv_i8, gemv_i4, add_rms_norm, silu_mul, rope_store, decode_attention (for the
-// pools' dtype), gemm_i4_i8 (0 without VNNI), packed_gemm_f32. table [layers, 20]: norm1 w,
-// (qkv, o, gate_up, down) x (w, bias, scale or packed copy, int4 offset, VNNI_PACKED or
-// F32_PACKED), norm2 w, k pool, v pool (0 for an absent bias, scale or offset).
+// pools' dtype), gemm_i4_i8 (0 without VNNI), packed_gemm_f32, packed_gemm_i8. table [layers,
+// 20]: norm1 w, (qkv, o, gate_up, down) x (w, bias, scale or packed copy, int4 offset or a
+// marker: VNNI_PACKED, F32_PACKED, I8_PACKED), norm2 w, k pool, v pool (0 for an absent bias,
+// scale or offset).
 extern "C" void llama_decode_stack(const int64_t* fns, const int64_t* table, int64_t layers, float* h,
                                    float* work, const float* cos, const float* sin,
                                    const int64_t* write_rows, const int64_t* dec_rows,
@@ -94,7 +101,7 @@ extern "C" void llama_decode_stack(const int64_t* fns, const int64_t* table, int
                                    int64_t len_dec, float eps, float scale, void* scratch, int threads) {
   const Fns f{reinterpret_cast<gemv_t>(fns[0]), reinterpret_cast<gemv_i8_t>(fns[1]),
               reinterpret_cast<gemv_i4_t>(fns[2]), reinterpret_cast<gemm_vnni_t>(fns[7]),
-              reinterpret_cast<packed_t>(fns[8]), scratch, threads};
+              reinterpret_cast<packed_t>(fns[8]), reinterpret_cast<packed_i8_t>(fns[9]), scratch, threads};
   const auto norm = reinterpret_cast<norm_t>(fns[3]);
   const auto silu = reinterpret_cast<silu_t>(fns[4]);
   const auto rope = reinterpret_cast<rope_t>(fns[5]);
@@ -144,6 +151,7 @@ _POOL_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16
 QUANTIZED_MAX_ROWS = weight_only.QUANTIZED_SMALL_ROWS
 VNNI_PACKED = 1  # the driver's marker (its offset slot) for an int4 weight packed for VNNI
 F32_PACKED = 2  # the marker for an fp32 weight whose ``cpu_packed_gemm`` copy sits in the scale slot
+I8_PACKED = 3  # the marker for int8 weights in ``cpu_packed_gemm``'s layout (3-D), scale as usual
 # rows up to which int4 packed for VNNI runs in the stack: the VNNI kernel takes any row count,
 # the per-layer path runs the stack's norm kernels up to here
 VNNI_MAX_ROWS = cpu_norm_act.MAX_ROWS
@@ -188,6 +196,7 @@ def _functions(pool_dtype: torch.dtype) -> torch.Tensor:
         _address(cpu_attention._library(), cpu_attention._ENTRY[pool_dtype]),
         _address(cpu_int4_vnni._library(), "gemm_i4_i8") if cpu_int4_vnni.available() else 0,
         _address(cpu_packed_gemm._library(), "packed_gemm_f32"),
+        _address(cpu_packed_gemm._library(), "packed_gemm_i8"),
     ]
     return torch.tensor(addresses, dtype=torch.int64)
 
@@ -216,7 +225,8 @@ class LlamaDecodeStack:
     ) -> None:
         """``layers``: per layer ``norm1``, ``norm2`` (fp32 weights) and ``qkv``, ``o``,
         ``gate_up``, ``down`` as (weight, bias, scale, offset): fp32 weights alone, int8 ones
-        with their fp32 per-row scale, or packed int4 ones (uint8) with their fp32 per-group
+        with their fp32 per-row scale ([out, in], or [blocks, in, V] packed for
+        ``cpu_packed_gemm``: that kernel then runs them), or packed int4 ones (uint8) with their fp32 per-group
         scale and offset (``cpu_gemv.small_gemm_int4``'s layout); optionally ``vnni``: each
         int4 projection's copy packed for ``cpu_int4_vnni``, which then runs every step (up
         to ``VNNI_MAX_ROWS`` rows); or ``packed``: each fp32 projection's
@@ -244,16 +254,42 @@ class LlamaDecodeStack:
                     raise ValueError("LlamaDecodeStack needs contiguous fp32 / int8 / uint8 CPU tensors")
         self.weights = torch.tensor([[_ptr(t) for t in row] for row in self.tensors], dtype=torch.int64)
         self.weights_vnni = self._vnni_table(layers) if quantized else None
+        packed_int8 = self._mark_packed_int8()
         if not quantized:
             packed = self._add_packed_copies(layers)
             self.max_rows = cpu_norm_act.MAX_ROWS if packed else cpu_gemv.MAX_ROWS
+        elif packed_int8 or self.weights_vnni is not None:
+            self.max_rows = VNNI_MAX_ROWS
         else:
-            self.max_rows = QUANTIZED_MAX_ROWS if self.weights_vnni is None else VNNI_MAX_ROWS
+            self.max_rows = QUANTIZED_MAX_ROWS
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.intermediate, self.eps = intermediate, eps
         self.hidden = self.tensors[0][0].shape[0]
         self._pools: tuple[int, ...] = ()
         self._tables: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+
+    def _mark_packed_int8(self) -> bool:
+        """Mark int8 weights given in ``cpu_packed_gemm``'s layout (3-D: [blocks, K, V]), which
+        the driver runs at every row count as ``WeightOnlyLinear`` does. All int8 projections
+        are packed or none are."""
+        flags = [
+            row[1 + 4 * j].dim() == 3  # type: ignore[union-attr]
+            for row in self.tensors
+            for j in range(len(_PROJECTIONS))
+            if row[1 + 4 * j].dtype == torch.int8  # type: ignore[union-attr]
+        ]
+        if not any(flags):
+            return False
+        if not all(flags) or not cpu_packed_gemm.available():
+            raise ValueError("LlamaDecodeStack: int8 projections must all be packed or all be [out, in]")
+        for r, row in enumerate(self.tensors):
+            for j in range(len(_PROJECTIONS)):
+                weight = row[1 + 4 * j]
+                if weight.dtype == torch.int8:  # type: ignore[union-attr]
+                    if weight.shape[2] != cpu_packed_gemm.width():  # type: ignore[union-attr]
+                        raise ValueError("LlamaDecodeStack: int8 weights packed for another vector width")
+                    self.weights[r, 1 + 4 * j + 3] = I8_PACKED
+        return True
 
     def _add_packed_copies(self, layers: list[dict]) -> bool:
         """Point the fp32 table's projections at their packed copies (``packed``: each

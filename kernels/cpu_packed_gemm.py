@@ -38,6 +38,9 @@ _SOURCE = r"""
 #include <omp.h>
 #include <algorithm>
 #include <cstdint>
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int V = Vec::size();
@@ -47,18 +50,33 @@ constexpr int MR = V >= 16 ? 12 : 6;
 
 extern "C" int64_t packed_gemm_width() { return V; }
 
+// V weights as fp32 (int8 widened exactly)
+inline Vec load_w(const float* p) { return Vec::loadu(p); }
+inline Vec load_w(const int8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  alignas(64) float b[V];
+  for (int i = 0; i < V; ++i) b[i] = static_cast<float>(p[i]);
+  return Vec::loadu(b);
+#endif
+}
+
 // y[m, n0 + b V + i] for NB blocks of V outputs and R rows; w: the tile's first block (blocks K
-// x V apart), next: the next tile's, prefetched line by line as this one is read
-template <int NB, int R>
-inline void tile(const float* x, const float* w, const float* next, const float* bias, float* y, int64_t N,
-                 int64_t K, int64_t n0) {
+// x V apart), next: the next tile's, prefetched line by line as this one is read; int8 weights
+// meet their per-output scale after the sum
+template <typename W, int NB, int R>
+inline void tile(const float* x, const W* w, const W* next, const float* scale, const float* bias, float* y,
+                 int64_t N, int64_t K, int64_t n0) {
   Vec acc[NB][R];
   for (int b = 0; b < NB; ++b)
     for (int m = 0; m < R; ++m) acc[b][m] = Vec(0.f);
   for (int64_t k = 0; k < K; ++k) {
     Vec wv[NB];
     for (int b = 0; b < NB; ++b) {
-      wv[b] = Vec::loadu(w + (b * K + k) * V);
+      wv[b] = load_w(w + (b * K + k) * V);
       __builtin_prefetch(next + (b * K + k) * V);
     }
     for (int m = 0; m < R; ++m) {
@@ -69,9 +87,11 @@ inline void tile(const float* x, const float* w, const float* next, const float*
   for (int b = 0; b < NB; ++b) {
     const int64_t n = n0 + b * V;
     const int valid = static_cast<int>(std::min<int64_t>(V, N - n));
+    const Vec sv = scale ? Vec::loadu(scale + n, valid) : Vec(1.f);
     const Vec bv = bias ? Vec::loadu(bias + n, valid) : Vec(0.f);
     for (int m = 0; m < R; ++m) {
-      const Vec r = bias ? acc[b][m] + bv : acc[b][m];
+      Vec r = scale ? acc[b][m] * sv : acc[b][m];
+      if (bias) r = r + bv;
       if (valid == V) r.store(y + m * N + n);
       else r.store(y + m * N + n, valid);
     }
@@ -79,27 +99,29 @@ inline void tile(const float* x, const float* w, const float* next, const float*
 }
 
 // the last r < MR rows of a pass sequence
-template <int NB, int R>
-inline void tail(int64_t r, const float* x, const float* w, const float* next, const float* bias, float* y,
-                 int64_t N, int64_t K, int64_t n0) {
+template <typename W, int NB, int R>
+inline void tail(int64_t r, const float* x, const W* w, const W* next, const float* scale, const float* bias,
+                 float* y, int64_t N, int64_t K, int64_t n0) {
   if constexpr (R > 0) {
-    if (r == R) tile<NB, R>(x, w, next, bias, y, N, K, n0);
-    else tail<NB, R - 1>(r, x, w, next, bias, y, N, K, n0);
+    if (r == R) tile<W, NB, R>(x, w, next, scale, bias, y, N, K, n0);
+    else tail<W, NB, R - 1>(r, x, w, next, scale, bias, y, N, K, n0);
   }
 }
 
-template <int NB>
-inline void passes(const float* x, const float* w, const float* next, const float* bias, float* y, int64_t M,
-                   int64_t N, int64_t K, int64_t n0) {
+template <typename W, int NB>
+inline void passes(const float* x, const W* w, const W* next, const float* scale, const float* bias, float* y,
+                   int64_t M, int64_t N, int64_t K, int64_t n0) {
   int64_t m = 0;
-  for (; m + MR <= M; m += MR) tile<NB, MR>(x + m * K, w, next, bias, y + m * N, N, K, n0);
-  tail<NB, MR - 1>(M - m, x + m * K, w, next, bias, y + m * N, N, K, n0);
+  for (; m + MR <= M; m += MR) tile<W, NB, MR>(x + m * K, w, next, scale, bias, y + m * N, N, K, n0);
+  tail<W, NB, MR - 1>(M - m, x + m * K, w, next, scale, bias, y + m * N, N, K, n0);
 }
 
-// y [M, N] = x [M, K] @ W.T (+ bias [N]), W packed as [ceil(N / V)][K][V]. Work items are tiles
-// of two blocks, and also row ranges (multiples of MR) when there are few tiles per thread.
-extern "C" void packed_gemm_f32(const float* x, const float* p, const float* bias, float* y, int64_t M,
-                                int64_t N, int64_t K, int threads) {
+// y [M, N] = x [M, K] @ W.T (* scale [N]) (+ bias [N]), W packed as [ceil(N / V)][K][V]. Work
+// items are tiles of two blocks, and also row ranges (multiples of MR) when there are few tiles
+// per thread.
+template <typename W>
+void packed_gemm(const float* x, const W* p, const float* scale, const float* bias, float* y, int64_t M,
+                 int64_t N, int64_t K, int threads) {
   if (M <= 0 || N <= 0) return;
   const int64_t blocks = (N + V - 1) / V, tiles = (blocks + 1) / 2;
   int64_t chunks = 1;
@@ -110,14 +132,26 @@ extern "C" void packed_gemm_f32(const float* x, const float* p, const float* bia
   for (int64_t item = 0; item < tiles * chunks; ++item) {
     const int64_t b = 2 * (item / chunks), m0 = (item % chunks) * rows;
     const int64_t m1 = std::min(M, m0 + rows);
-    const float* w = p + b * K * V;
-    if (b + 1 < blocks) passes<2>(x + m0 * K, w, w + 2 * K * V, bias, y + m0 * N, m1 - m0, N, K, b * V);
-    else passes<1>(x + m0 * K, w, w + K * V, bias, y + m0 * N, m1 - m0, N, K, b * V);
+    const W* w = p + b * K * V;
+    if (b + 1 < blocks) passes<W, 2>(x + m0 * K, w, w + 2 * K * V, scale, bias, y + m0 * N, m1 - m0, N, K, b * V);
+    else passes<W, 1>(x + m0 * K, w, w + K * V, scale, bias, y + m0 * N, m1 - m0, N, K, b * V);
   }
+}
+
+extern "C" void packed_gemm_f32(const float* x, const float* p, const float* bias, float* y, int64_t M,
+                                int64_t N, int64_t K, int threads) {
+  packed_gemm<float>(x, p, nullptr, bias, y, M, N, K, threads);
+}
+
+// int8 weights with one fp32 scale per output: y = scale * (x . q) + bias
+extern "C" void packed_gemm_i8(const float* x, const int8_t* p, const float* scale, const float* bias, float* y,
+                               int64_t M, int64_t N, int64_t K, int threads) {
+  packed_gemm<int8_t>(x, p, scale, bias, y, M, N, K, threads);
 }
 """
 
 ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+ARGTYPES_I8 = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 
 
 @functools.cache
@@ -126,6 +160,7 @@ def _library() -> ctypes.CDLL | None:
     lib = cpu_build.load(_SOURCE)
     if lib is not None:
         cpu_build.bind(lib, "packed_gemm_f32", ARGTYPES)
+        cpu_build.bind(lib, "packed_gemm_i8", ARGTYPES_I8)
         cpu_build.bind(lib, "packed_gemm_width", []).restype = ctypes.c_int64
     return lib
 
@@ -145,50 +180,69 @@ def width() -> int:
 
 
 def supports(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` is what the kernel packs: a 2-D fp32 CPU matrix."""
-    return weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype == torch.float32 and available()
+    """Whether ``weight`` is what the kernel packs: a 2-D fp32 or int8 CPU matrix."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.dtype in (torch.float32, torch.int8)
+        and available()
+    )
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [N, K] fp32 as the kernel reads it: [ceil(N / V), K, V], output channels past N
-    zero. A copy, without autograd."""
+    """``weight`` [N, K] (fp32, or int8 values that meet a per-row scale in ``gemm``) as the
+    kernel reads it: [ceil(N / V), K, V] of the same dtype, output channels past N zero. A
+    copy, without autograd."""
     if not supports(weight):
-        raise ValueError(f"pack: needs a 2-D fp32 CPU weight, got {weight.dtype} {tuple(weight.shape)}")
+        raise ValueError(
+            f"pack: needs a 2-D fp32 or int8 CPU weight, got {weight.dtype} {tuple(weight.shape)}"
+        )
     n, k = weight.shape
     v = width()
     blocks = -(-n // v)
-    padded = torch.zeros(blocks * v, k, dtype=torch.float32)
+    padded = torch.zeros(blocks * v, k, dtype=weight.dtype)
     padded[:n] = weight.detach()
     return padded.view(blocks, v, k).transpose(1, 2).contiguous()
 
 
+def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The [out_features, K] weight ``pack`` was given."""
+    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:out_features]
+
+
 def gemm(
-    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ W.T + bias`` for ``x`` [M, K] (any float dtype, computed in fp32), ``W`` packed by
-    ``pack`` (``out_features`` rows), ``bias`` [out_features] or None. Returns fp32 [M, N]."""
+    """``x @ W.T * scale + bias`` for ``x`` [M, K] (any float dtype, computed in fp32), ``W``
+    packed by ``pack`` (``out_features`` rows; int8 ones need ``scale``, fp32 [out_features],
+    fp32 ones take none), ``bias`` [out_features] or None. Returns fp32 [M, N]."""
     lib = _library()
     if lib is None:
-        raise RuntimeError("the packed fp32 CPU kernel did not build on this machine")
+        raise RuntimeError("the packed CPU kernel did not build on this machine")
     m, k = x.shape
     v = width()
     if packed.dim() != 3 or packed.shape[1:] != (k, v) or packed.shape[0] * v < out_features:
         raise ValueError(
             f"packed gemm: x has {k} columns, packed weight {tuple(packed.shape)} for {out_features} outputs"
         )
-    if packed.dtype != torch.float32 or not packed.is_contiguous():
-        raise ValueError("packed gemm: the packed weight must be contiguous fp32 (from pack())")
+    if packed.dtype not in (torch.float32, torch.int8) or not packed.is_contiguous():
+        raise ValueError("packed gemm: the packed weight must be contiguous fp32 or int8 (from pack())")
+    if (scale is None) != (packed.dtype == torch.float32):
+        raise ValueError("packed gemm: int8 weights need their per-output fp32 scale, fp32 weights none")
     xf = x.float().contiguous()
     bf = None if bias is None else bias.float().contiguous()  # kept alive across the call
+    b = None if bf is None else bf.data_ptr()
     y = torch.empty(m, out_features, dtype=torch.float32)
-    lib.packed_gemm_f32(
-        xf.data_ptr(),
-        packed.data_ptr(),
-        None if bf is None else bf.data_ptr(),
-        y.data_ptr(),
-        m,
-        out_features,
-        k,
-        torch.get_num_threads(),
-    )
+    threads = torch.get_num_threads()
+    if scale is None:
+        lib.packed_gemm_f32(xf.data_ptr(), packed.data_ptr(), b, y.data_ptr(), m, out_features, k, threads)
+    else:
+        sf = scale.float().contiguous()
+        lib.packed_gemm_i8(
+            xf.data_ptr(), packed.data_ptr(), sf.data_ptr(), b, y.data_ptr(), m, out_features, k, threads
+        )
     return y

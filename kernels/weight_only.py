@@ -42,13 +42,19 @@ class WeightOnlyLinear:
         w = weight.detach().float()
         self.method = method
         self.packed_vnni: torch.Tensor | None = None  # int4 on AVX-512 VNNI (below)
+        self.packed8: torch.Tensor | None = None  # int8 in ``cpu_packed_gemm``'s layout (below)
         self.out_features, self.in_features = w.shape
         self.bias = None if bias is None else bias.detach().clone()
         if method == "int8":
             scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-            self.qweight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+            q8 = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
             self.scales = scale.to(torch.bfloat16)
-            self.scales_f32 = self.scales.float()  # the same values, for ``cpu_gemv``'s int8 loop
+            self.scales_f32 = self.scales.float()  # the same values, for the fp32 kernels
+            # where the C++ kernels build, only the packed copy: fp32 activations at every row
+            # count (1.1-2x the widening loop and PyTorch's bf16 kernel, RESULTS.md)
+            self.qweight = q8
+            if cpu_packed_gemm.available():
+                self.packed8, self.qweight = cpu_packed_gemm.pack(q8), None
         else:
             if self.in_features % INT4_GROUP:
                 raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}, got {self.in_features}")
@@ -80,13 +86,21 @@ class WeightOnlyLinear:
     @property
     def nbytes(self) -> int:
         """Bytes a step reads (weights and scales, in PyTorch's layout)."""
-        q = self.qweight
+        q = self.qweight if self.packed8 is None else self.packed8
+        assert q is not None
         return q.numel() * q.element_size() + self.scales.numel() * self.scales.element_size()
+
+    def int8_values(self) -> torch.Tensor:
+        """int8 weights as [out, in] (from whichever copy is kept)."""
+        if self.packed8 is not None:
+            return cpu_packed_gemm.unpack(self.packed8, self.out_features)
+        assert self.qweight is not None
+        return self.qweight
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight the kernels compute with (for error reports and tests)."""
         if self.method == "int8":
-            return self.qweight.float() * self.scales.float()[:, None]
+            return self.int8_values().float() * self.scales.float()[:, None]
         eye = torch.eye(self.in_features)  # the kernel applied to each e_i, in fp32 (exact)
         cols = torch._weight_int4pack_mm_for_cpu(eye, self.qweight, INT4_GROUP, self.scales.float())
         return cols.float().T[: self.out_features]
@@ -96,10 +110,12 @@ class WeightOnlyLinear:
         stack runs too) at decode sizes, or None where PyTorch's kernels take over. int8 also
         runs here whenever in_features is not a multiple of 16: PyTorch's kernel crashes there."""
         small = flat.shape[0] <= QUANTIZED_SMALL_ROWS
+        if self.packed8 is not None:
+            return cpu_packed_gemm.gemm(flat, self.packed8, self.out_features, None, self.scales_f32)
         if self.method == "int8" and (small or self.in_features % 16):
             if not cpu_gemv.available():
                 return flat.float() @ self.dequantize().T
-            return cpu_gemv.small_gemm_int8(flat, self.qweight, self.scales_f32)
+            return cpu_gemv.small_gemm_int8(flat, self.int8_values(), self.scales_f32)
         if self.method == "int4" and small and cpu_gemv.available() and self.packed_vnni is None:
             return cpu_gemv.small_gemm_int4(flat, self.packed4, self.scale4, self.offset4)
         return None

@@ -101,18 +101,30 @@ def test_a_broken_gemm_kernel_fails_the_reference_check():
     n=st.integers(1, 70),
     k=st.integers(1, 200),
     bias=st.booleans(),
+    int8=st.booleans(),
     threads=st.sampled_from([1, 2, 3]),
     seed=st.integers(0, 10_000),
 )
-def test_packed_gemm_matches_fp64(rows, n, k, bias, threads, seed):
+def test_packed_gemm_matches_fp64(rows, n, k, bias, int8, threads, seed):
     """Any shape (partial vector blocks, odd block counts, the rows left after the register
-    passes, row ranges split over threads): the fp32 result is within fp32 summation error of
-    the fp64 product."""
+    passes, row ranges split over threads), fp32 weights or int8 ones with a per-row scale:
+    the fp32 result is within fp32 summation error of the fp64 product."""
     x, w, b, expected, bound = _gemm_case(seed, rows, n, k, bias)
+    scale = None
+    if int8:
+        gen = torch.Generator().manual_seed(seed + 1)
+        q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        scale = torch.rand(n, generator=gen) / 64
+        w = q.float() * scale[:, None]
+        expected = x.double() @ q.double().T * scale.double() + (0 if b is None else b.double())
+        bound = 1e-5 * (x.double().abs() @ w.double().abs().T).max().item() + 1e-5
+        w = q
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = cpu_packed_gemm.gemm(x, cpu_packed_gemm.pack(w), n, b)
+        packed = cpu_packed_gemm.pack(w)
+        assert torch.equal(cpu_packed_gemm.unpack(packed, n), w)
+        got = cpu_packed_gemm.gemm(x, packed, n, b, scale)
     finally:
         torch.set_num_threads(before)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
@@ -136,7 +148,7 @@ def test_packed_gemm_rows_do_not_depend_on_their_batch(n, k, rows, seed):
 def test_a_broken_packed_gemm_fails_the_reference_check():
     """Mutation check: the same source with the rows after the full register passes dropped
     gives results the fp64 check rejects."""
-    source = cpu_packed_gemm._SOURCE.replace("if (r == R) tile<NB, R>", "if (r == R + 1) tile<NB, R>")
+    source = cpu_packed_gemm._SOURCE.replace("if (r == R) tile<W, NB, R>", "if (r == R + 1) tile<W, NB, R>")
     assert source != cpu_packed_gemm._SOURCE
     broken = cpu_build.load(source)
     assert broken is not None

@@ -361,8 +361,9 @@ class LlamaForCausalLM(CausalLM):
             if isinstance(engine, WeightOnlyLinear):
                 if engine.bias is not None:
                     raise ValueError("the stack runs quantized weights without bias")
-                if engine.method == "int8":
-                    return engine.qweight, None, engine.scales_f32, None
+                if engine.method == "int8":  # packed for cpu_packed_gemm where it built
+                    values = engine.packed8 if engine.packed8 is not None else engine.qweight
+                    return values, None, engine.scales_f32, None
                 return engine.packed4, None, engine.scale4, engine.offset4
             assert weight is not None
             return weight.detach(), None if bias is None else bias.detach(), None, None
