@@ -31,6 +31,7 @@ from deepinfer.kernels import (
     cpu_int4_vnni,
     cpu_norm_act,
     cpu_packed_gemm,
+    cpu_prefill_attention,
     cpu_rope_store,
     weight_only,
 )
@@ -53,6 +54,8 @@ using attn_t = void (*)(const float*, const void*, const void*, const int64_t*, 
 using gemm_vnni_t = void (*)(const float*, const uint8_t*, const float*, float*, void*, int64_t, int64_t, int64_t,
                              int);
 using packed_t = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int);
+using span_attn_t = void (*)(const float*, const void*, const void*, const int64_t*, const int64_t*, float*,
+                             int64_t, int64_t, int64_t, int64_t, float, int);
 using packed_i8_t = void (*)(const float*, const int8_t*, const float*, const float*, float*, int64_t, int64_t,
                              int64_t, int);
 
@@ -89,7 +92,8 @@ struct Fns {
 };
 
 // fns: gemv_f32, gemv_i8, gemv_i4, add_rms_norm, silu_mul, rope_store, decode_attention (for the
-// pools' dtype), gemm_i4_i8 (0 without VNNI), packed_gemm_f32, packed_gemm_i8. table [layers,
+// pools' dtype), gemm_i4_i8 (0 without VNNI), packed_gemm_f32, packed_gemm_i8,
+// prefill_attention (for the pools' dtype: the step's prefill spans). table [layers,
 // 20]: norm1 w, (qkv, o, gate_up, down) x (w, bias, scale or packed copy, int4 offset or a
 // marker: VNNI_PACKED, F32_PACKED, I8_PACKED), norm2 w, k pool, v pool (0 for an absent bias,
 // scale or offset).
@@ -98,7 +102,8 @@ extern "C" void llama_decode_stack(const int64_t* fns, const int64_t* table, int
                                    const int64_t* write_rows, const int64_t* dec_rows,
                                    const int64_t* dec_kv, const bool* dec_valid, int64_t M, int64_t D,
                                    int64_t H, int64_t KV, int64_t HD, int64_t I, int64_t n_dec,
-                                   int64_t len_dec, float eps, float scale, void* scratch, int threads) {
+                                   int64_t len_dec, float eps, float scale, void* scratch,
+                                   const int64_t* spans, const int64_t* span_rows, int64_t n_spans, int threads) {
   const Fns f{reinterpret_cast<gemv_t>(fns[0]), reinterpret_cast<gemv_i8_t>(fns[1]),
               reinterpret_cast<gemv_i4_t>(fns[2]), reinterpret_cast<gemm_vnni_t>(fns[7]),
               reinterpret_cast<packed_t>(fns[8]), reinterpret_cast<packed_i8_t>(fns[9]), scratch, threads};
@@ -106,6 +111,7 @@ extern "C" void llama_decode_stack(const int64_t* fns, const int64_t* table, int
   const auto silu = reinterpret_cast<silu_t>(fns[4]);
   const auto rope = reinterpret_cast<rope_t>(fns[5]);
   const auto attn = reinterpret_cast<attn_t>(fns[6]);
+  const auto span_attn = reinterpret_cast<span_attn_t>(fns[10]);
   const int64_t QKV = (H + 2 * KV) * HD, A = H * HD;
   float* normed = work;
   float* qkv = normed + M * D;
@@ -127,6 +133,7 @@ extern "C" void llama_decode_stack(const int64_t* fns, const int64_t* table, int
     rope(qkv, cos, sin, write_rows, k_pool, v_pool, q, M, H, KV, HD);
     std::memset(att, 0, sizeof(float) * (M + 1) * A);
     attn(q, k_pool, v_pool, dec_rows, dec_kv, dec_valid, att, n_dec, len_dec, H, KV, HD, scale, threads);
+    if (n_spans) span_attn(q, k_pool, v_pool, spans, span_rows, att, n_spans, H, KV, HD, scale, threads);
     f.proj(t, 5, att, o, M, D, A);
     norm(h, o, norm2, res, normed, M, D, eps);
     f.proj(t, 9, normed, gu, M, 2 * I, D);
@@ -143,7 +150,8 @@ _ARGS = (
     + [ctypes.c_void_p] * 8
     + [ctypes.c_int64] * 8
     + [ctypes.c_float] * 2
-    + [ctypes.c_void_p, ctypes.c_int]
+    + [ctypes.c_void_p] * 3
+    + [ctypes.c_int64, ctypes.c_int]
 )
 _POOL_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 # rows up to which int8/int4 projections run in the stack's widening loops: above, PyTorch's
@@ -165,6 +173,7 @@ def _library() -> ctypes.CDLL | None:
         cpu_rope_store._library(),
         cpu_attention._library(),
         cpu_packed_gemm._library(),
+        cpu_prefill_attention._library(),
     )
     if any(p is None for p in parts):
         return None
@@ -197,6 +206,7 @@ def _functions(pool_dtype: torch.dtype) -> torch.Tensor:
         _address(cpu_int4_vnni._library(), "gemm_i4_i8") if cpu_int4_vnni.available() else 0,
         _address(cpu_packed_gemm._library(), "packed_gemm_f32"),
         _address(cpu_packed_gemm._library(), "packed_gemm_i8"),
+        _address(cpu_prefill_attention._library(), cpu_prefill_attention._ENTRY[pool_dtype]),
     ]
     return torch.tensor(addresses, dtype=torch.int64)
 
@@ -333,10 +343,18 @@ class LlamaDecodeStack:
         self.vnni_tensors = keep  # the table holds their addresses
         return torch.tensor(rows, dtype=torch.int64)
 
-    def supports(self, h: torch.Tensor, pools: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """A decode-sized fp32 activation and pools the kernels read."""
+    def supports(
+        self, h: torch.Tensor, pools: list[tuple[torch.Tensor, torch.Tensor]], spans: bool = False
+    ) -> bool:
+        """A decode-sized fp32 activation and pools the kernels read (with prefill ``spans``:
+        pools and a head size ``cpu_prefill_attention`` takes, as the layer path would run)."""
         decode = h.dtype == torch.float32 and h.dim() == 2 and 0 < h.shape[0] <= self.max_rows
-        return decode and not h.requires_grad and self._table_for(pools) is not None
+        if not decode or h.requires_grad or self._table_for(pools) is None:
+            return False
+        if spans:
+            q = h.new_empty(0, self.heads, self.head_dim)
+            return cpu_prefill_attention.supports(q, pools[0][0], pools[0][1])
+        return True
 
     def _table_for(
         self, pools: list[tuple[torch.Tensor, torch.Tensor]], vnni: bool = False
@@ -371,9 +389,13 @@ class LlamaDecodeStack:
         decode_kv: torch.Tensor,
         decode_valid: torch.Tensor,
         pools: list[tuple[torch.Tensor, torch.Tensor]],
+        span_meta: torch.Tensor | None = None,
+        span_kv_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run every layer on ``h`` [M, D] (updated in place and returned); ``cos``/``sin``
-        [M, head_dim / 2], ``write_rows`` [M] pool rows, the decode metadata of the step."""
+        [M, head_dim / 2], ``write_rows`` [M] pool rows, the decode metadata of the step, and
+        its prefill spans as ``paged_attention_reference`` takes them (None or 0-token spans:
+        none)."""
         lib = _library()
         assert lib is not None
         m, d = h.shape
@@ -384,6 +406,12 @@ class LlamaDecodeStack:
         s = sin.reshape(m, -1).float().contiguous()
         rows, kv, valid = write_rows.contiguous(), decode_kv.contiguous(), decode_valid.contiguous()
         dec = decode_rows.contiguous()
+        if span_meta is None or not bool(span_meta[:, 1].any()):
+            spans, span_rows = torch.zeros(0, 4, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+        else:
+            spans = span_meta.to(torch.int64).contiguous()
+            span_rows = span_kv_rows.to(torch.int64).contiguous() if span_kv_rows is not None else None
+            assert span_rows is not None, "prefill spans need their pool rows"
         vnni = self.weights_vnni is not None  # every row count, as WeightOnlyLinear runs it
         table = self._table_for(pools, vnni)
         assert table is not None, "pools the kernels cannot read (check supports() first)"
@@ -412,6 +440,9 @@ class LlamaDecodeStack:
             self.eps,
             1.0 / math.sqrt(self.head_dim),
             None if scratch is None else scratch.data_ptr(),
+            spans.data_ptr(),
+            span_rows.data_ptr(),
+            spans.shape[0],
             torch.get_num_threads(),
         )
         return h

@@ -27,6 +27,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.cache.step_metadata import SHORT_SPAN_TOKENS
 from deepinfer.models.layers.norms import RMSNorm
 from deepinfer.models.llama import rotate_half_rope
 from deepinfer.tiny import make_tiny_checkpoint
@@ -482,11 +483,12 @@ def test_one_call_decode_stack_equals_the_layer_loop(
     stack = llm.model.decode_stack
     assert stack is not None
     rows = min(rows, stack.max_rows)  # fp32: 64; int8: 4; int4: 64 with VNNI, else 4
-    calls = {"n": 0}
+    calls = {"n": 0, "spans": 0}
     real = type(stack).__call__
 
     def counted(self, *args):
         calls["n"] += 1
+        calls["spans"] += bool(args[8][:, 1].any())  # a step with prefill spans ran here too
         return real(self, *args)
 
     gen = torch.Generator().manual_seed(seed)
@@ -500,18 +502,28 @@ def test_one_call_decode_stack_equals_the_layer_loop(
     finally:
         type(stack).__call__ = real
     assert calls["n"] > 0
+    # the whole prefill fits one stack call, and a prompt is long enough to attend as a span
+    if sum(len(p) for p in prompts) <= stack.max_rows and max(map(len, prompts)) > SHORT_SPAN_TOKENS:
+        assert calls["spans"] > 0
     llm.model.decode_stack = None
     assert _greedy(llm, prompts) == fused
 
 
-def test_a_broken_decode_stack_is_caught(tmp_path):
-    """Mutation check for the test above: a stack that skips the last residual add gives
-    other logprobs."""
+@pytest.mark.parametrize(
+    "mutation",
+    [
+        ("h[i] = res[i] + down[i];", "h[i] = res[i];"),  # the last residual add skipped
+        ("if (n_spans) span_attn(", "if (false) span_attn("),  # prefill spans left unattended
+    ],
+)
+def test_a_broken_decode_stack_is_caught(tmp_path, mutation):
+    """Mutation check for the test above: a stack that skips the last residual add, or the
+    prefill spans' attention, gives other logprobs."""
     path = make_tiny_checkpoint(tmp_path, "llama", seed=3)
     llm = LLM(str(path), max_num_seqs=8, enable_prefix_caching=False)
-    prompts = [[5, 6, 7], [9, 10]]
+    prompts = [list(range(5, 5 + 2 * SHORT_SPAN_TOKENS)), [9, 10]]  # a prefill span, a short chunk
     fused = _greedy(llm, prompts)
-    source = cpu_decode_stack._SOURCE.replace("h[i] = res[i] + down[i];", "h[i] = res[i];")
+    source = cpu_decode_stack._SOURCE.replace(*mutation)
     assert source != cpu_decode_stack._SOURCE
     broken = cpu_build.load(source)
     cpu_build.bind(broken, "llama_decode_stack", cpu_decode_stack._ARGS)

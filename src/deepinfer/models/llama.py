@@ -423,17 +423,17 @@ class LlamaForCausalLM(CausalLM):
     def _stack_pools(
         self, h: torch.Tensor, batch: ForwardBatch
     ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """The pools when this step is an eager engine decode step the one-call driver covers
-        (no prefill spans, nothing recorded, a few rows, pools it reads); else None."""
+        """The pools when this step is an eager engine step the one-call driver covers (a few
+        rows: decode rows, and prefill spans such as speculative verification's drafts where
+        the span kernel takes them; nothing recorded; pools it reads); else None."""
         stack, meta = self.decode_stack, batch.full
         if stack is None or meta is None or batch.functional or batch.grid is not None:
             return None
-        if batch.hidden_states is not None or torch.compiler.is_compiling() or not meta.decode_rows.shape[0]:
-            return None
-        if bool(meta.span_meta[:, 1].any()):
+        if batch.hidden_states is not None or torch.compiler.is_compiling():
             return None
         pools = [(p.window, p.values) for p in batch.pools]
-        return pools if stack.supports(h, pools) else None
+        spans = bool(meta.span_meta[:, 1].any())
+        return pools if stack.supports(h, pools, spans) else None
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """One engine step (see ``CausalLM``): flat tokens in, logits for ``batch.logits_idx``."""
@@ -446,7 +446,16 @@ class LlamaForCausalLM(CausalLM):
             meta = batch.full
             assert meta is not None and self.decode_stack is not None
             h = self.decode_stack(
-                h, cos, sin, batch.window_write, meta.decode_rows, meta.decode_kv, meta.decode_valid, pools
+                h,
+                cos,
+                sin,
+                batch.window_write,
+                meta.decode_rows,
+                meta.decode_kv,
+                meta.decode_valid,
+                pools,
+                meta.span_meta,
+                meta.span_kv_rows,
             )
         else:
             for layer, layer_pools in zip(self.model.layers, batch.pools, strict=True):
