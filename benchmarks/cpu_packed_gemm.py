@@ -32,7 +32,9 @@ def best_of(fn: Callable[[], None], reps: int = 5) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 256, 1024])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
@@ -41,38 +43,43 @@ def main() -> None:
     weights = [[torch.randn(n, k) * 0.05 for n, k in SHAPES] for _ in range(LAYERS)]
     packed = [[cpu_packed_gemm.pack(w) for w in layer] for layer in weights]
     onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in layer] for layer in weights]
-    print(f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads")
+    print(
+        f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads"
+    )
     print("| rows | cpu_packed_gemm | oneDNN packed | cpu_gemv | packed / oneDNN | packed / gemv |")
     print("|---:|---:|---:|---:|---:|---:|")
     for m in args.rows:
         xs = {k: torch.randn(m, k) for k in {k for _, k in SHAPES}}
         flop = 2 * m * LAYERS * sum(n * k for n, k in SHAPES)
-
-        def ours() -> None:
-            for layer in packed:
-                for (n, k), p in zip(SHAPES, layer, strict=True):
-                    cpu_packed_gemm.gemm(xs[k], p, n)
-
-        def theirs() -> None:
-            for layer in onednn:
-                for (_, k), p in zip(SHAPES, layer, strict=True):
-                    torch.ops.mkldnn._linear_pointwise(xs[k], p, None, "none", [], "")
-
-        def gemv() -> None:
-            for layer in weights:
-                for (_, k), w in zip(SHAPES, layer, strict=True):
-                    cpu_gemv.small_gemm(xs[k], w)
-
-        t_ours, t_theirs = best_of(ours), best_of(theirs)
-        t_gemv = best_of(gemv) if m <= cpu_gemv.MAX_ROWS else None
-
-        def cell(t: float) -> str:
-            return f"{t * 1e3:.2f} ms ({flop / t / 1e9:.0f} GFLOP/s)"
-
+        t_ours = best_of(lambda xs=xs: run_packed(packed, xs))
+        t_theirs = best_of(lambda xs=xs: run_onednn(onednn, xs))
+        t_gemv = best_of(lambda xs=xs: run_gemv(weights, xs)) if m <= cpu_gemv.MAX_ROWS else None
         print(
-            f"| {m} | {cell(t_ours)} | {cell(t_theirs)} | {cell(t_gemv) if t_gemv else '-'} "
+            f"| {m} | {cell(t_ours, flop)} | {cell(t_theirs, flop)} | {cell(t_gemv, flop) if t_gemv else '-'} "
             f"| {t_theirs / t_ours:.2f}x | {f'{t_gemv / t_ours:.2f}x' if t_gemv else '-'} |"
         )
+
+
+def run_packed(packed: list[list[torch.Tensor]], xs: dict[int, torch.Tensor]) -> None:
+    for layer in packed:
+        for (n, k), p in zip(SHAPES, layer, strict=True):
+            cpu_packed_gemm.gemm(xs[k], p, n)
+
+
+def run_onednn(onednn: list[list[torch.Tensor]], xs: dict[int, torch.Tensor]) -> None:
+    for layer in onednn:
+        for (_, k), p in zip(SHAPES, layer, strict=True):
+            torch.ops.mkldnn._linear_pointwise(xs[k], p, None, "none", [], "")
+
+
+def run_gemv(weights: list[list[torch.Tensor]], xs: dict[int, torch.Tensor]) -> None:
+    for layer in weights:
+        for (_, k), w in zip(SHAPES, layer, strict=True):
+            cpu_gemv.small_gemm(xs[k], w)
+
+
+def cell(t: float, flop: int) -> str:
+    return f"{t * 1e3:.2f} ms ({flop / t / 1e9:.0f} GFLOP/s)"
 
 
 if __name__ == "__main__":

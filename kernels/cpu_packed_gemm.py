@@ -1,28 +1,32 @@
-"""fp32 CPU projections (``y = x @ W.T + b``) on a packed copy of ``W``, at any row count.
+"""fp32 and int8-weight CPU projections (``y = x @ W.T * scale + b``) on a packed copy of ``W``,
+at any row count.
 
-oneDNN's packed fp32 GEMM, which the engine's Llama steps ran above 16 rows, reached ~150-230
-GFLOP/s at 16-64 rows on SmolLM2's projection stack (weights streamed from memory, two cores),
-against ~500 at prefill sizes: between "read every weight once" and "compute-bound" it neither
-kept the memory busy nor the FMA units. This kernel keeps both busy with one plain loop:
-- ``W`` is packed once into blocks of ``V`` output channels (one vector; 16 on AVX-512),
-  K-major: block ``b`` holds ``W[bV:(b+1)V, k]`` for k = 0..K-1 one vector after the other, so
-  a tile of two blocks is two linear streams;
-- a pass holds two blocks times ``MR`` activation rows of accumulators in registers (12 rows on
-  AVX-512: 24 of its 32 vector registers), and per k loads two weight vectors and broadcasts
-  ``MR`` activations: 24 FMAs for two loads;
-- passes over more rows re-read the tile (K x 2V floats, 72 KiB at K = 576) from L2, while every
-  pass prefetches the next tile's lines at the same offsets, so the memory stream runs under the
-  compute.
-On the machine in RESULTS.md it runs the projection stack 1.5-2.3x faster than oneDNN at 1-64
-rows, 1.1x at 128-1024, and at 2-16 rows 1.3-1.8x faster than ``cpu_gemv`` (which reads the
-unpacked weights).
+oneDNN's packed fp32 GEMM, which the engine's Llama steps ran above 16 rows before, reached
+~150-250 GFLOP/s at 16-64 rows on SmolLM2's projection stack (weights streamed from memory,
+two cores), against ~470 at prefill sizes: between "read every weight once" and "compute-bound"
+it kept neither the memory nor the FMA units busy. This kernel keeps both busy with one plain
+loop:
+- ``W`` is packed once into tiles of two vectors of output channels (32 on AVX-512), K-major:
+  tile ``t`` holds ``W[32t:32(t+1), k]`` for k = 0..K-1 one after the other, so a tile is one
+  linear stream;
+- a pass holds the tile's two vectors times ``MR`` activation rows of accumulators in
+  registers (12 rows on AVX-512: 24 of its 32 vector registers), and per k loads two weight
+  vectors and broadcasts ``MR`` activations: 24 FMAs for two loads;
+- one pass (up to ``MR`` rows) prefetches 8 KiB ahead along its own stream; more passes re-read
+  the tile (K x 32 floats, 72 KiB at K = 576) from L2 while prefetching the next tile, so the
+  memory stream runs under the compute.
+On the machine in RESULTS.md it runs SmolLM2's projection stack 1.4-2.2x faster than oneDNN at
+1-64 rows, at par or better at 256-1024, and 1.1-1.8x faster than ``cpu_gemv`` (which reads the
+unpacked weights) at 1-16 rows (``benchmarks/cpu_packed_gemm.py``).
+int8 weights (weight-only ``quantization="int8"``) widen to fp32 in registers and meet their
+per-output scale after the sum: fp32 activations and accumulation, a quarter of the bytes.
 
-Each output is one FMA chain over k in order, started at zero, then the bias: the same
-operations whatever the row count, tile or thread split, so a row's result is bitwise the same
-alone, batched, or inside a prefill (batch-invariant at every M).
+Each output is one FMA chain over k in order, started at zero, then the scale and the bias:
+the same operations whatever the row count, tile or thread split, so a row's result is bitwise
+the same alone, batched, or inside a prefill (batch-invariant at every M).
 
 Built once per machine by ``cpu_build``; ``available()`` is false where no compiler works, and
-callers keep oneDNN.
+callers keep oneDNN (fp32) or PyTorch's kernels (int8).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ constexpr int V = Vec::size();
 // vector registers (32 on AVX-512, 16 on AVX2)
 constexpr int MR = V >= 16 ? 12 : 6;
 
-extern "C" int64_t packed_gemm_width() { return V; }
+extern "C" int64_t packed_gemm_width() { return 2 * V; }  // outputs per packed tile
 
 // V weights as fp32 (int8 widened exactly)
 inline Vec load_w(const float* p) { return Vec::loadu(p); }
@@ -64,28 +68,37 @@ inline Vec load_w(const int8_t* p) {
 #endif
 }
 
-// y[m, n0 + b V + i] for NB blocks of V outputs and R rows; w: the tile's first block (blocks K
-// x V apart), next: the next tile's, prefetched line by line as this one is read; int8 weights
-// meet their per-output scale after the sum
-template <typename W, int NB, int R>
+// Ahead of the stream by this much a single pass prefetches its own tile (one linear stream);
+// passes over more rows prefetch the next tile instead, while they re-read this one from L2
+constexpr int64_t AHEAD_BYTES = 8192;
+
+// y[m, n0 + i] for i < 2V outputs and R rows; w: the tile ([K][2V], one linear stream), next:
+// the next tile's first element (PF_NEXT) or nothing (own stream ahead); int8 weights meet
+// their per-output scale after the sum
+template <typename W, int R, bool PF_NEXT>
 inline void tile(const float* x, const W* w, const W* next, const float* scale, const float* bias, float* y,
                  int64_t N, int64_t K, int64_t n0) {
-  Vec acc[NB][R];
-  for (int b = 0; b < NB; ++b)
+  Vec acc[2][R];
+  for (int b = 0; b < 2; ++b)
     for (int m = 0; m < R; ++m) acc[b][m] = Vec(0.f);
   for (int64_t k = 0; k < K; ++k) {
-    Vec wv[NB];
-    for (int b = 0; b < NB; ++b) {
-      wv[b] = load_w(w + (b * K + k) * V);
-      __builtin_prefetch(next + (b * K + k) * V);
+    const W* wk = w + k * 2 * V;
+    const Vec w0 = load_w(wk), w1 = load_w(wk + V);
+    if constexpr (PF_NEXT) {
+      __builtin_prefetch(next + k * 2 * V);
+      __builtin_prefetch(next + k * 2 * V + V);
+    } else {
+      __builtin_prefetch(reinterpret_cast<const char*>(wk) + AHEAD_BYTES);
     }
     for (int m = 0; m < R; ++m) {
       const Vec xv(x[m * K + k]);
-      for (int b = 0; b < NB; ++b) acc[b][m] = at::vec::fmadd(wv[b], xv, acc[b][m]);
+      acc[0][m] = at::vec::fmadd(w0, xv, acc[0][m]);
+      acc[1][m] = at::vec::fmadd(w1, xv, acc[1][m]);
     }
   }
-  for (int b = 0; b < NB; ++b) {
+  for (int b = 0; b < 2; ++b) {
     const int64_t n = n0 + b * V;
+    if (n >= N) break;
     const int valid = static_cast<int>(std::min<int64_t>(V, N - n));
     const Vec sv = scale ? Vec::loadu(scale + n, valid) : Vec(1.f);
     const Vec bv = bias ? Vec::loadu(bias + n, valid) : Vec(0.f);
@@ -99,42 +112,44 @@ inline void tile(const float* x, const W* w, const W* next, const float* scale, 
 }
 
 // the last r < MR rows of a pass sequence
-template <typename W, int NB, int R>
+template <typename W, int R, bool PF_NEXT>
 inline void tail(int64_t r, const float* x, const W* w, const W* next, const float* scale, const float* bias,
                  float* y, int64_t N, int64_t K, int64_t n0) {
   if constexpr (R > 0) {
-    if (r == R) tile<W, NB, R>(x, w, next, scale, bias, y, N, K, n0);
-    else tail<W, NB, R - 1>(r, x, w, next, scale, bias, y, N, K, n0);
+    if (r == R) tile<W, R, PF_NEXT>(x, w, next, scale, bias, y, N, K, n0);
+    else tail<W, R - 1, PF_NEXT>(r, x, w, next, scale, bias, y, N, K, n0);
   }
 }
 
-template <typename W, int NB>
+template <typename W>
 inline void passes(const float* x, const W* w, const W* next, const float* scale, const float* bias, float* y,
                    int64_t M, int64_t N, int64_t K, int64_t n0) {
+  if (M <= MR) {  // one pass: read the tile once, prefetching along it
+    tail<W, MR, false>(M, x, w, next, scale, bias, y, N, K, n0);
+    return;
+  }
   int64_t m = 0;
-  for (; m + MR <= M; m += MR) tile<W, NB, MR>(x + m * K, w, next, scale, bias, y + m * N, N, K, n0);
-  tail<W, NB, MR - 1>(M - m, x + m * K, w, next, scale, bias, y + m * N, N, K, n0);
+  for (; m + MR <= M; m += MR) tile<W, MR, true>(x + m * K, w, next, scale, bias, y + m * N, N, K, n0);
+  tail<W, MR - 1, true>(M - m, x + m * K, w, next, scale, bias, y + m * N, N, K, n0);
 }
 
-// y [M, N] = x [M, K] @ W.T (* scale [N]) (+ bias [N]), W packed as [ceil(N / V)][K][V]. Work
-// items are tiles of two blocks, and also row ranges (multiples of MR) when there are few tiles
-// per thread.
+// y [M, N] = x [M, K] @ W.T (* scale [N]) (+ bias [N]), W packed as [ceil(N / 2V)][K][2V]. Work
+// items are tiles, and also row ranges (multiples of MR) when there are few tiles per thread.
 template <typename W>
 void packed_gemm(const float* x, const W* p, const float* scale, const float* bias, float* y, int64_t M,
                  int64_t N, int64_t K, int threads) {
   if (M <= 0 || N <= 0) return;
-  const int64_t blocks = (N + V - 1) / V, tiles = (blocks + 1) / 2;
+  const int64_t tiles = (N + 2 * V - 1) / (2 * V);
   int64_t chunks = 1;
   if (tiles < 4 * threads) chunks = std::min<int64_t>((M + MR - 1) / MR, (4 * threads + tiles - 1) / tiles);
   const int64_t rows = ((M + chunks - 1) / chunks + MR - 1) / MR * MR;
   chunks = (M + rows - 1) / rows;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t item = 0; item < tiles * chunks; ++item) {
-    const int64_t b = 2 * (item / chunks), m0 = (item % chunks) * rows;
+    const int64_t t = item / chunks, m0 = (item % chunks) * rows;
     const int64_t m1 = std::min(M, m0 + rows);
-    const W* w = p + b * K * V;
-    if (b + 1 < blocks) passes<W, 2>(x + m0 * K, w, w + 2 * K * V, scale, bias, y + m0 * N, m1 - m0, N, K, b * V);
-    else passes<W, 1>(x + m0 * K, w, w + K * V, scale, bias, y + m0 * N, m1 - m0, N, K, b * V);
+    const W* w = p + t * K * 2 * V;
+    passes<W>(x + m0 * K, w, w + K * 2 * V, scale, bias, y + m0 * N, m1 - m0, N, K, t * 2 * V);
   }
 }
 
@@ -172,7 +187,8 @@ def available() -> bool:
 
 @functools.cache
 def width() -> int:
-    """Output channels per packed block: the vector width in fp32 lanes the kernel was built for."""
+    """Output channels per packed tile: two vectors of fp32 lanes of the ISA the kernel was
+    built for (32 on AVX-512)."""
     lib = _library()
     if lib is None:
         raise RuntimeError("the packed fp32 CPU kernel did not build on this machine")
@@ -191,8 +207,8 @@ def supports(weight: torch.Tensor) -> bool:
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [N, K] (fp32, or int8 values that meet a per-row scale in ``gemm``) as the
-    kernel reads it: [ceil(N / V), K, V] of the same dtype, output channels past N zero. A
-    copy, without autograd."""
+    kernel reads it: [ceil(N / T), K, T] of the same dtype with T = ``width()`` outputs per
+    tile, output channels past N zero. A copy, without autograd."""
     if not supports(weight):
         raise ValueError(
             f"pack: needs a 2-D fp32 or int8 CPU weight, got {weight.dtype} {tuple(weight.shape)}"

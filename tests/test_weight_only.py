@@ -38,19 +38,21 @@ def test_kernels_compute_with_the_weights_they_report(method, out_features, grou
     x = torch.randn(rows, in_features, generator=gen)
     lin = WeightOnlyLinear(w, b, method)
     deq = lin.dequantize()
-    expected = x.bfloat16().float() @ deq.T + (b if b is not None else 0)
     got = lin(x)
     assert got.dtype == x.dtype and got.shape == (rows, out_features)
-    assert (got - expected).norm() <= 2e-2 * expected.norm()  # bf16 accumulation only
     if method == "int4" and lin.packed_vnni is not None:  # every size: int8 activations
         exact = _int8_per_group(x) @ deq.T + (b if b is not None else 0)
         assert (got - exact).norm() <= 1e-5 * exact.norm()
     elif rows <= QUANTIZED_SMALL_ROWS or lin.packed8 is not None:  # fp32 throughout
         exact = x @ deq.T + (b if b is not None else 0)
         assert (got - exact).norm() <= 1e-5 * exact.norm()
+    else:  # PyTorch's kernels: bf16 activations and accumulation
+        expected = x.bfloat16().float() @ deq.T + (b if b is not None else 0)
+        assert (got - expected).norm() <= 2e-2 * expected.norm()
     weight_error = ((deq - w).norm() / w.norm()).item()
     assert weight_error <= (0.01 if method == "int8" else 0.12), weight_error
-    assert lin.nbytes < w.numel() * (1.1 if method == "int8" else 0.7) + 16 * in_features
+    # plus at most one packed tile of zero rows (32 on AVX-512) past out_features
+    assert lin.nbytes < w.numel() * (1.1 if method == "int8" else 0.7) + 32 * in_features
 
 
 def test_a_broken_scale_fails_the_kernel_check():
