@@ -151,25 +151,33 @@ void prefill_attention(const float* q, const T* kp, const T* vp, const int64_t* 
       for (int64_t i0 = 0; i0 < count; i0 += QB) items.push_back({s, h, i0});
   }
   std::vector<float> kt(kt_off[S]), vv(vv_off[S]);
-  // pack: per span and K/V head, keys transposed into blocks of V (zero past the end) and values
-  // as rows of d, from the pool rows in place
-#pragma omp parallel for schedule(static) num_threads(threads)
+  // pack: per span, K/V head and block of V keys, the keys transposed (zero past the end) and
+  // the values as rows of d, from the pool rows in place; blocks spread over the threads
+  struct Block { int64_t s, h, jb; };
+  std::vector<Block> blocks;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t count = spans[s * 4 + 1], end = spans[s * 4 + 2] + count;
     if (count == 0) continue;
-    const int64_t nkb = (end + V - 1) / V;
-    const int64_t* rows = kv_rows + spans[s * 4 + 3];
-    for (int64_t h = 0; h < n_kv; ++h) {
-      float* kb = kt.data() + kt_off[s] + h * nkb * d * V;
-      float* vb = vv.data() + vv_off[s] + h * end * d;
-      for (int64_t j = 0; j < nkb * V; ++j) {
-        const T* kr = j < end ? kp + rows[j] * n_kv * d + h * d : nullptr;
-        for (int64_t c = 0; c < d; ++c) kb[((j / V) * d + c) * V + j % V] = kr ? to_f(kr[c]) : 0.f;
-        if (j < end) {
-          const T* vr = vp + rows[j] * n_kv * d + h * d;
-          for (int64_t c = 0; c < d; ++c) vb[j * d + c] = to_f(vr[c]);
-        }
+    for (int64_t h = 0; h < n_kv; ++h)
+      for (int64_t jb = 0; jb * V < end; ++jb) blocks.push_back({s, h, jb});
+  }
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (size_t bi = 0; bi < blocks.size(); ++bi) {
+    const Block blk = blocks[bi];
+    const int64_t end = spans[blk.s * 4 + 2] + spans[blk.s * 4 + 1], nkb = (end + V - 1) / V;
+    const int64_t* rows = kv_rows + spans[blk.s * 4 + 3];
+    float* kb = kt.data() + kt_off[blk.s] + (blk.h * nkb + blk.jb) * d * V;
+    float* vb = vv.data() + vv_off[blk.s] + blk.h * end * d;
+    for (int64_t i = 0; i < V; ++i) {
+      const int64_t j = blk.jb * V + i;
+      if (j >= end) {
+        for (int64_t c = 0; c < d; ++c) kb[c * V + i] = 0.f;
+        continue;
       }
+      const T* kr = kp + rows[j] * n_kv * d + blk.h * d;
+      const T* vr = vp + rows[j] * n_kv * d + blk.h * d;
+      for (int64_t c = 0; c < d; ++c) kb[c * V + i] = to_f(kr[c]);
+      for (int64_t c = 0; c < d; ++c) vb[j * d + c] = to_f(vr[c]);
     }
   }
   const int64_t rows_max = std::max<int64_t>(QB * G, 1);
