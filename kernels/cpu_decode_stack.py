@@ -10,11 +10,13 @@ calls it once per step.
 
 Per layer: RMSNorm, fused q/k/v projection, RoPE + cache writes, decode attention over the
 paged pools, output projection, residual add + RMSNorm, fused gate/up projection, SwiGLU, down
-projection, residual add. fp32 activations and weights (the small-batch GEMV reads the model's
-packed copies ``PackedLinear`` runs, through ``cpu_packed_gemm``, at up to
-``cpu_norm_act.MAX_ROWS`` (64) rows: at 32 rows the layer path's Python was ~4 ms of a ~55 ms
-SmolLM2 step; a table without packed copies streams the parameters through ``cpu_gemv`` up to
-16 rows), fp32, bf16 or fp16 pools.
+projection, residual add; a step's prefill spans (speculative drafts, short prompts) attend
+through ``cpu_prefill_attention`` beside the decode rows. fp32 activations; fp32 and int8
+weights run the packed copies ``PackedLinear`` / ``WeightOnlyLinear`` run, through
+``cpu_packed_gemm``, at up to ``cpu_norm_act.MAX_ROWS`` (64) rows (at 32 rows the layer path's
+Python was ~4 ms of a ~55 ms SmolLM2 step); a table without packed copies streams the
+parameters through ``cpu_gemv`` up to 16 rows; int4 through ``cpu_int4_vnni`` or the widening
+loop; fp32, bf16 or fp16 pools.
 """
 
 from __future__ import annotations
@@ -235,7 +237,7 @@ class LlamaDecodeStack:
     ) -> None:
         """``layers``: per layer ``norm1``, ``norm2`` (fp32 weights) and ``qkv``, ``o``,
         ``gate_up``, ``down`` as (weight, bias, scale, offset): fp32 weights alone, int8 ones
-        with their fp32 per-row scale ([out, in], or [blocks, in, V] packed for
+        with their fp32 per-row scale ([out, in], or [tiles, in, T] packed for
         ``cpu_packed_gemm``: that kernel then runs them), or packed int4 ones (uint8) with their fp32 per-group
         scale and offset (``cpu_gemv.small_gemm_int4``'s layout); optionally ``vnni``: each
         int4 projection's copy packed for ``cpu_int4_vnni``, which then runs every step (up
@@ -279,7 +281,7 @@ class LlamaDecodeStack:
         self._tables: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
 
     def _mark_packed_int8(self) -> bool:
-        """Mark int8 weights given in ``cpu_packed_gemm``'s layout (3-D: [blocks, K, V]), which
+        """Mark int8 weights given in ``cpu_packed_gemm``'s layout (3-D: [tiles, K, T]), which
         the driver runs at every row count as ``WeightOnlyLinear`` does. All int8 projections
         are packed or none are."""
         flags = [
@@ -297,7 +299,7 @@ class LlamaDecodeStack:
                 weight = row[1 + 4 * j]
                 if weight.dtype == torch.int8:  # type: ignore[union-attr]
                     if weight.shape[2] != cpu_packed_gemm.width():  # type: ignore[union-attr]
-                        raise ValueError("LlamaDecodeStack: int8 weights packed for another vector width")
+                        raise ValueError("LlamaDecodeStack: int8 weights packed for another tile width")
                     self.weights[r, 1 + 4 * j + 3] = I8_PACKED
         return True
 

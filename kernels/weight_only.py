@@ -1,21 +1,20 @@
 """The engine's CPU projections: weight-only int8/int4 and packed float linears.
 
 Decode at small batch reads every weight once per step, so fewer weight bytes is speed.
-PyTorch's weight-only kernels are fast only with bf16 activations (measured per kernel at
-M=1 and M=32: benchmarks/RESULTS.md, 2026-11-30 CPU section), so activations enter them in
-bf16 and leave in the caller's dtype; int8 at up to ``QUANTIZED_SMALL_ROWS`` rows runs
-``cpu_gemv``'s widening loop instead, in fp32, and so does int4 on CPUs without AVX-512 VNNI
-(int4 keeps a second copy in that loop's layout). So those results are not batch-invariant
-across that row count. fp32 projections run ``cpu_packed_gemm`` on a packed copy at every row
-count (batch-invariant).
+fp32 and int8 weights run ``cpu_packed_gemm`` on a copy packed once, at every row count (int8
+widened to fp32 in registers: fp32 activations and sums, batch-invariant); where that kernel
+did not build, int8 runs ``cpu_gemv``'s widening loop up to ``QUANTIZED_SMALL_ROWS`` rows and
+PyTorch's ``_weight_int8pack_mm`` above, with bf16 activations (PyTorch's weight-only kernels
+are fast only with bf16 activations: benchmarks/RESULTS.md, 2026-11-30 CPU section).
 
 int8: symmetric per output channel. int4: asymmetric per group of ``group`` input channels
-(the kernel's ``(q - 8) * scale + zero`` form). Above the widening loop's sizes, int4 runs
-``cpu_int4_vnni`` (activations rounded to int8 per group, as llama.cpp's Q4_0 path does) on
-CPUs with AVX-512 VNNI, PyTorch's kernel elsewhere. Where the CPU has VNNI that kernel runs
-int4 at every row count, decode sizes included: its layout reads 0.625 bytes per weight
-against the widening loop's 0.75, so a memory-bound B=1 step is faster (SmolLM2: 227-252 ->
-301-304 tok/s, RESULTS.md), and int4 results are then the same whatever the batch size.
+(the kernel's ``(q - 8) * scale + zero`` form). On CPUs with AVX-512 VNNI, int4 runs
+``cpu_int4_vnni`` at every row count (activations rounded to int8 per group, as llama.cpp's
+Q4_0 path does; its layout reads 0.625 bytes per weight, so a memory-bound B=1 step is faster
+than the widening loop's 0.75: SmolLM2 227-252 -> 301-304 tok/s, RESULTS.md), and int4
+results are then the same whatever the batch size. Elsewhere int4 runs ``cpu_gemv``'s widening
+loop up to ``QUANTIZED_SMALL_ROWS`` rows (a second copy in that loop's layout) and PyTorch's
+kernel above, so those results are not batch-invariant across that row count.
 """
 
 from __future__ import annotations
@@ -106,9 +105,10 @@ class WeightOnlyLinear:
         return cols.float().T[: self.out_features]
 
     def _widening(self, flat: torch.Tensor) -> torch.Tensor | None:
-        """fp32 ``flat @ W.T`` through ``cpu_gemv``'s widening loops (what the one-call decode
-        stack runs too) at decode sizes, or None where PyTorch's kernels take over. int8 also
-        runs here whenever in_features is not a multiple of 16: PyTorch's kernel crashes there."""
+        """fp32 ``flat @ W.T``: int8 on the packed kernel at any size; without it, int8 and int4
+        through ``cpu_gemv``'s widening loops (what the one-call decode stack runs too) at
+        decode sizes; None where PyTorch's kernels take over. int8 also runs the loop whenever
+        in_features is not a multiple of 16: PyTorch's kernel crashes there."""
         small = flat.shape[0] <= QUANTIZED_SMALL_ROWS
         if self.packed8 is not None:
             return cpu_packed_gemm.gemm(flat, self.packed8, self.out_features, None, self.scales_f32)
@@ -141,7 +141,7 @@ class WeightOnlyLinear:
 
 class PackedLinear:
     """``x @ W.T + b`` for the engine's CPU steps on a copy of ``W`` packed once: for fp32
-    weights ``cpu_packed_gemm``'s layout (that kernel at every row count: 1.1-2.3x oneDNN's
+    weights ``cpu_packed_gemm``'s layout (that kernel at every row count: 1.04-2.2x oneDNN's
     packed GEMM on the CPU measured, and a row's result the same at any batch size,
     benchmarks/RESULTS.md), for bf16 weights, or where the C++ kernels did not build, oneDNN's
     blocked layout (the kernel Inductor's CPU freezing uses). Same precision as ``F.linear``,
