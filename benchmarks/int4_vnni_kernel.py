@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 from deepinfer.kernels import cpu_int4_vnni
-from deepinfer.kernels.weight_only import PackedLinear, WeightOnlyLinear
+from deepinfer.kernels.weight_only import WeightOnlyLinear
 
 # SmolLM2-135M: qkv (576 -> 960), o (576 -> 576), gate/up (576 -> 3072), down (1536 -> 576), head
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
@@ -52,7 +52,7 @@ def main() -> None:
     for n, k in SHAPES:
         weight = torch.randn(n, k) * 0.05
         int4 = WeightOnlyLinear(weight, None, "int4")
-        packed = PackedLinear(weight, None)
+        onednn = torch.ops.mkldnn._reorder_linear_weight(weight, 1)  # oneDNN's packed fp32 copy
         assert int4.packed_vnni is not None
         for m in args.rows:
             x = torch.randn(m, k)
@@ -63,7 +63,7 @@ def main() -> None:
                 lambda: torch._weight_int4pack_mm_for_cpu(xb, int4.qweight, 32, int4.scales)  # noqa: B023
             )
             fp32 = macs / best_seconds(
-                lambda: torch.ops.mkldnn._linear_pointwise(x, packed.packed, None, "none", [], "")  # noqa: B023
+                lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")  # noqa: B023
             )
             print(f"| {n} | {k} | {m} | {ours:.1f} | {torch_int4:.1f} | {fp32:.1f} |", flush=True)
 
