@@ -1,5 +1,6 @@
 """fp32 projection kernels on SmolLM2-135M's layer stack: ``cpu_packed_gemm`` against oneDNN's
-packed GEMM (what the engine ran above 16 rows before) and ``cpu_gemv`` (up to 16 rows).
+packed GEMM (what the engine ran above 16 rows before the eighth session; the fp32 GEMV it ran
+below, since removed, is in RESULTS.md's tables).
 
 Thirty layers of random weights with SmolLM2's shapes (qkv 960 x 576, o 576 x 576, gate/up
 3072 x 576, down 576 x 1536; 425 MB of fp32, far past the caches), one pass of M activation
@@ -15,7 +16,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from deepinfer.kernels import cpu_gemv, cpu_packed_gemm
+from deepinfer.kernels import cpu_packed_gemm
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer
 LAYERS = 30
@@ -46,18 +47,14 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads"
     )
-    print("| rows | cpu_packed_gemm | oneDNN packed | cpu_gemv | packed / oneDNN | packed / gemv |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| rows | cpu_packed_gemm | oneDNN packed | packed / oneDNN |")
+    print("|---:|---:|---:|---:|")
     for m in args.rows:
         xs = {k: torch.randn(m, k) for k in {k for _, k in SHAPES}}
         flop = 2 * m * LAYERS * sum(n * k for n, k in SHAPES)
         t_ours = best_of(lambda xs=xs: run_packed(packed, xs))
         t_theirs = best_of(lambda xs=xs: run_onednn(onednn, xs))
-        t_gemv = best_of(lambda xs=xs: run_gemv(weights, xs)) if m <= cpu_gemv.MAX_ROWS else None
-        print(
-            f"| {m} | {cell(t_ours, flop)} | {cell(t_theirs, flop)} | {cell(t_gemv, flop) if t_gemv else '-'} "
-            f"| {t_theirs / t_ours:.2f}x | {f'{t_gemv / t_ours:.2f}x' if t_gemv else '-'} |"
-        )
+        print(f"| {m} | {cell(t_ours, flop)} | {cell(t_theirs, flop)} | {t_theirs / t_ours:.2f}x |")
 
 
 def run_packed(packed: list[list[torch.Tensor]], xs: dict[int, torch.Tensor]) -> None:
@@ -70,12 +67,6 @@ def run_onednn(onednn: list[list[torch.Tensor]], xs: dict[int, torch.Tensor]) ->
     for layer in onednn:
         for (_, k), p in zip(SHAPES, layer, strict=True):
             torch.ops.mkldnn._linear_pointwise(xs[k], p, None, "none", [], "")
-
-
-def run_gemv(weights: list[list[torch.Tensor]], xs: dict[int, torch.Tensor]) -> None:
-    for layer in weights:
-        for (_, k), w in zip(SHAPES, layer, strict=True):
-            cpu_gemv.small_gemm(xs[k], w)
 
 
 def cell(t: float, flop: int) -> str:

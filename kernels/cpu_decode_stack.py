@@ -10,13 +10,12 @@ calls it once per step.
 
 Per layer: RMSNorm, fused q/k/v projection, RoPE + cache writes, decode attention over the
 paged pools, output projection, residual add + RMSNorm, fused gate/up projection, SwiGLU, down
-projection, residual add; a step's prefill spans (speculative drafts, short prompts) attend
-through ``cpu_prefill_attention`` beside the decode rows. fp32 activations; fp32 and int8
-weights run the packed copies ``PackedLinear`` / ``WeightOnlyLinear`` run, through
-``cpu_packed_gemm``, at up to ``cpu_norm_act.MAX_ROWS`` (64) rows (at 32 rows the layer path's
-Python was ~4 ms of a ~55 ms SmolLM2 step); a table without packed copies streams the
-parameters through ``cpu_gemv`` up to 16 rows; int4 through ``cpu_int4_vnni`` or the widening
-loop; fp32, bf16 or fp16 pools.
+projection, residual add; a step's prefill spans (short prompts) attend through
+``cpu_prefill_attention`` beside the decode rows. fp32 activations; fp32 and int8 weights run
+the packed copies ``PackedLinear`` / ``WeightOnlyLinear`` run, through ``cpu_packed_gemm``, at
+up to ``MAX_ROWS`` (64) rows (at 32 rows the layer path's Python was ~4 ms of a ~55 ms SmolLM2
+step); int4 through ``cpu_int4_vnni`` up to 64 rows, or ``cpu_gemv``'s widening loop up to 4;
+fp32, bf16 or fp16 pools.
 """
 
 from __future__ import annotations
@@ -42,9 +41,6 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 
-using gemv_t = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int);
-using gemv_i8_t = void (*)(const float*, const int8_t*, const float*, const float*, float*, int64_t, int64_t,
-                           int64_t, int);
 using gemv_i4_t = void (*)(const float*, const uint8_t*, const float*, const float*, const float*, float*,
                            int64_t, int64_t, int64_t, int);
 using norm_t = void (*)(const float*, const float*, const float*, float*, float*, int64_t, int64_t, float);
@@ -69,17 +65,15 @@ constexpr int64_t F32_PACKED = 2;
 constexpr int64_t I8_PACKED = 3;
 
 struct Fns {
-  gemv_t gemv;
-  gemv_i8_t gemv_i8;
   gemv_i4_t gemv_i4;
   gemm_vnni_t gemm_vnni;
   packed_t packed;
   packed_i8_t packed_i8;
   void* scratch;  // cpu_int4_vnni's quantized activations
   int threads;
-  // y [M, N] = x [M, K] @ W.T (+ bias): fp32 W; fp32 W with a packed copy (c = F32_PACKED, the
-  // copy in the scale slot); int8 W with a per-row scale (s set); packed int4 W with a scale
-  // and offset per group of 32 (s and c set); or int4 W packed for VNNI (c = VNNI_PACKED)
+  // y [M, N] = x [M, K] @ W.T (+ bias): fp32 W through its packed copy (c = F32_PACKED, the copy
+  // in the scale slot); packed int8 W with a per-row scale (c = I8_PACKED, s set); int4 W packed
+  // for VNNI (c = VNNI_PACKED); or int4 W with a scale and offset per group of 32 (s and c set)
   void proj(const int64_t* t, int i, const float* x, float* y, int64_t M, int64_t N, int64_t K) const {
     const auto* b = reinterpret_cast<const float*>(t[i + 1]);
     const auto* s = reinterpret_cast<const float*>(t[i + 2]);
@@ -87,13 +81,11 @@ struct Fns {
     if (t[i + 3] == F32_PACKED) packed(x, s, b, y, M, N, K, threads);
     else if (t[i + 3] == I8_PACKED) packed_i8(x, reinterpret_cast<const int8_t*>(t[i]), s, b, y, M, N, K, threads);
     else if (t[i + 3] == VNNI_PACKED) gemm_vnni(x, reinterpret_cast<const uint8_t*>(t[i]), b, y, scratch, M, N, K, threads);
-    else if (c) gemv_i4(x, reinterpret_cast<const uint8_t*>(t[i]), s, c, b, y, M, N, K, threads);
-    else if (s) gemv_i8(x, reinterpret_cast<const int8_t*>(t[i]), s, b, y, M, N, K, threads);
-    else gemv(x, reinterpret_cast<const float*>(t[i]), b, y, M, N, K, threads);
+    else gemv_i4(x, reinterpret_cast<const uint8_t*>(t[i]), s, c, b, y, M, N, K, threads);
   }
 };
 
-// fns: gemv_f32, gemv_i8, gemv_i4, add_rms_norm, silu_mul, rope_store, decode_attention (for the
+// fns: gemv_i4, add_rms_norm, silu_mul, rope_store, decode_attention (for the
 // pools' dtype), gemm_i4_i8 (0 without VNNI), packed_gemm_f32, packed_gemm_i8,
 // prefill_attention (for the pools' dtype: the step's prefill spans). table [layers,
 // 20]: norm1 w, (qkv, o, gate_up, down) x (w, bias, scale or packed copy, int4 offset or a
@@ -106,14 +98,13 @@ extern "C" void llama_decode_stack(const int64_t* fns, const int64_t* table, int
                                    int64_t H, int64_t KV, int64_t HD, int64_t I, int64_t n_dec,
                                    int64_t len_dec, float eps, float scale, void* scratch,
                                    const int64_t* spans, const int64_t* span_rows, int64_t n_spans, int threads) {
-  const Fns f{reinterpret_cast<gemv_t>(fns[0]), reinterpret_cast<gemv_i8_t>(fns[1]),
-              reinterpret_cast<gemv_i4_t>(fns[2]), reinterpret_cast<gemm_vnni_t>(fns[7]),
-              reinterpret_cast<packed_t>(fns[8]), reinterpret_cast<packed_i8_t>(fns[9]), scratch, threads};
-  const auto norm = reinterpret_cast<norm_t>(fns[3]);
-  const auto silu = reinterpret_cast<silu_t>(fns[4]);
-  const auto rope = reinterpret_cast<rope_t>(fns[5]);
-  const auto attn = reinterpret_cast<attn_t>(fns[6]);
-  const auto span_attn = reinterpret_cast<span_attn_t>(fns[10]);
+  const Fns f{reinterpret_cast<gemv_i4_t>(fns[0]), reinterpret_cast<gemm_vnni_t>(fns[5]),
+              reinterpret_cast<packed_t>(fns[6]), reinterpret_cast<packed_i8_t>(fns[7]), scratch, threads};
+  const auto norm = reinterpret_cast<norm_t>(fns[1]);
+  const auto silu = reinterpret_cast<silu_t>(fns[2]);
+  const auto rope = reinterpret_cast<rope_t>(fns[3]);
+  const auto attn = reinterpret_cast<attn_t>(fns[4]);
+  const auto span_attn = reinterpret_cast<span_attn_t>(fns[8]);
   const int64_t QKV = (H + 2 * KV) * HD, A = H * HD;
   float* normed = work;
   float* qkv = normed + M * D;
@@ -156,15 +147,15 @@ _ARGS = (
     + [ctypes.c_int64, ctypes.c_int]
 )
 _POOL_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-# rows up to which int8/int4 projections run in the stack's widening loops: above, PyTorch's
-# kernels (bf16 activations) beat them (RESULTS.md)
+# rows up to which int4 projections run in the stack's widening loop (CPUs without VNNI): above,
+# PyTorch's kernel (bf16 activations) beats it (RESULTS.md)
 QUANTIZED_MAX_ROWS = weight_only.QUANTIZED_SMALL_ROWS
 VNNI_PACKED = 1  # the driver's marker (its offset slot) for an int4 weight packed for VNNI
 F32_PACKED = 2  # the marker for an fp32 weight whose ``cpu_packed_gemm`` copy sits in the scale slot
 I8_PACKED = 3  # the marker for int8 weights in ``cpu_packed_gemm``'s layout (3-D), scale as usual
-# rows up to which int4 packed for VNNI runs in the stack: the VNNI kernel takes any row count,
-# the per-layer path runs the stack's norm kernels up to here
-VNNI_MAX_ROWS = cpu_norm_act.MAX_ROWS
+# rows up to which packed fp32 / int8 and VNNI int4 steps run in the stack: those kernels take
+# any row count, the per-layer path runs the stack's norm kernels up to here
+MAX_ROWS = cpu_norm_act.MAX_ROWS
 
 
 @functools.cache
@@ -198,8 +189,6 @@ def _functions(pool_dtype: torch.dtype) -> torch.Tensor:
     """The kernels' entry points for pools of ``pool_dtype``, in the driver's order."""
     p = _POOL_NAMES[pool_dtype]
     addresses = [
-        _address(cpu_gemv._library(), "gemv_f32"),
-        _address(cpu_gemv._library(), "gemv_i8"),
         _address(cpu_gemv._library(), "gemv_i4"),
         _address(cpu_norm_act._library(), "add_rms_norm_f32"),
         _address(cpu_norm_act._library(), "silu_mul_f32"),
@@ -236,13 +225,12 @@ class LlamaDecodeStack:
         eps: float,
     ) -> None:
         """``layers``: per layer ``norm1``, ``norm2`` (fp32 weights) and ``qkv``, ``o``,
-        ``gate_up``, ``down`` as (weight, bias, scale, offset): fp32 weights alone, int8 ones
-        with their fp32 per-row scale ([out, in], or [tiles, in, T] packed for
-        ``cpu_packed_gemm``: that kernel then runs them), or packed int4 ones (uint8) with their fp32 per-group
-        scale and offset (``cpu_gemv.small_gemm_int4``'s layout); optionally ``vnni``: each
-        int4 projection's copy packed for ``cpu_int4_vnni``, which then runs every step (up
-        to ``VNNI_MAX_ROWS`` rows); or ``packed``: each fp32 projection's
-        ``cpu_packed_gemm`` copy (``PackedLinear.packed``), which then runs every step."""
+        ``gate_up``, ``down`` as (weight, bias, scale, offset): fp32 weights with ``packed``,
+        each projection's ``cpu_packed_gemm`` copy (``PackedLinear.packed``); int8 ones packed
+        for ``cpu_packed_gemm`` ([tiles, in, T]) with their fp32 per-row scale; or packed int4
+        ones (uint8) with their fp32 per-group scale and offset (``cpu_gemv.small_gemm_int4``'s
+        layout), optionally with ``vnni``: each int4 projection's copy packed for
+        ``cpu_int4_vnni``, which then runs every step. Raises ValueError for anything else."""
         kinds = {torch.float32: (False, False), torch.int8: (True, False), torch.uint8: (True, True)}
         self.tensors: list[list[torch.Tensor | None]] = []
         quantized = False
@@ -267,13 +255,10 @@ class LlamaDecodeStack:
         self.weights = torch.tensor([[_ptr(t) for t in row] for row in self.tensors], dtype=torch.int64)
         self.weights_vnni = self._vnni_table(layers) if quantized else None
         packed_int8 = self._mark_packed_int8()
-        if not quantized:
-            packed = self._add_packed_copies(layers)
-            self.max_rows = cpu_norm_act.MAX_ROWS if packed else cpu_gemv.MAX_ROWS
-        elif packed_int8 or self.weights_vnni is not None:
-            self.max_rows = VNNI_MAX_ROWS
-        else:
-            self.max_rows = QUANTIZED_MAX_ROWS
+        if not quantized and not self._add_packed_copies(layers):
+            raise ValueError("LlamaDecodeStack: fp32 projections need their cpu_packed_gemm copies")
+        widening = quantized and not packed_int8 and self.weights_vnni is None
+        self.max_rows = QUANTIZED_MAX_ROWS if widening else MAX_ROWS
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.intermediate, self.eps = intermediate, eps
         self.hidden = self.tensors[0][0].shape[0]
@@ -281,36 +266,28 @@ class LlamaDecodeStack:
         self._tables: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
 
     def _mark_packed_int8(self) -> bool:
-        """Mark int8 weights given in ``cpu_packed_gemm``'s layout (3-D: [tiles, K, T]), which
-        the driver runs at every row count as ``WeightOnlyLinear`` does. All int8 projections
-        are packed or none are."""
-        flags = [
-            row[1 + 4 * j].dim() == 3  # type: ignore[union-attr]
-            for row in self.tensors
-            for j in range(len(_PROJECTIONS))
-            if row[1 + 4 * j].dtype == torch.int8  # type: ignore[union-attr]
-        ]
-        if not any(flags):
-            return False
-        if not all(flags) or not cpu_packed_gemm.available():
-            raise ValueError("LlamaDecodeStack: int8 projections must all be packed or all be [out, in]")
+        """Mark the int8 weights, which must come in ``cpu_packed_gemm``'s layout (3-D: [tiles,
+        K, T]); the driver runs them at every row count as ``WeightOnlyLinear`` does. False
+        where there are none."""
+        found = False
         for r, row in enumerate(self.tensors):
             for j in range(len(_PROJECTIONS)):
                 weight = row[1 + 4 * j]
-                if weight.dtype == torch.int8:  # type: ignore[union-attr]
-                    if weight.shape[2] != cpu_packed_gemm.width():  # type: ignore[union-attr]
-                        raise ValueError("LlamaDecodeStack: int8 weights packed for another tile width")
-                    self.weights[r, 1 + 4 * j + 3] = I8_PACKED
-        return True
+                assert weight is not None
+                if weight.dtype != torch.int8:
+                    continue
+                if weight.dim() != 3 or weight.shape[2] != cpu_packed_gemm.width():
+                    raise ValueError("LlamaDecodeStack: int8 weights must be packed for cpu_packed_gemm")
+                self.weights[r, 1 + 4 * j + 3] = I8_PACKED
+                found = True
+        return found
 
     def _add_packed_copies(self, layers: list[dict]) -> bool:
         """Point the fp32 table's projections at their packed copies (``packed``: each
         ``PackedLinear.packed`` in ``cpu_packed_gemm``'s layout), which the driver runs at every
-        row count as ``PackedLinear`` does, so one call covers up to ``cpu_norm_act.MAX_ROWS``
-        rows. False (table unchanged) unless every projection has such a copy."""
+        row count as ``PackedLinear`` does. False (table unchanged) unless every projection has
+        such a copy."""
         copies = [[layer.get("packed", {}).get(name) for name in _PROJECTIONS] for layer in layers]
-        if not cpu_packed_gemm.available():
-            return False
         for row, tensors in zip(copies, self.tensors, strict=True):
             for j, copy in enumerate(row):
                 weight = tensors[1 + 4 * j]
@@ -396,8 +373,8 @@ class LlamaDecodeStack:
     ) -> torch.Tensor:
         """Run every layer on ``h`` [M, D] (updated in place and returned); ``cos``/``sin``
         [M, head_dim / 2], ``write_rows`` [M] pool rows, the decode metadata of the step, and
-        its prefill spans as ``paged_attention_reference`` takes them (None or 0-token spans:
-        none)."""
+        its prefill spans as ``paged_attention_reference`` takes them (None: none; spans of 0
+        tokens are skipped)."""
         lib = _library()
         assert lib is not None
         m, d = h.shape
@@ -408,12 +385,8 @@ class LlamaDecodeStack:
         s = sin.reshape(m, -1).float().contiguous()
         rows, kv, valid = write_rows.contiguous(), decode_kv.contiguous(), decode_valid.contiguous()
         dec = decode_rows.contiguous()
-        if span_meta is None or not bool(span_meta[:, 1].any()):
-            spans, span_rows = torch.zeros(0, 4, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-        else:
-            spans = span_meta.to(torch.int64).contiguous()
-            span_rows = span_kv_rows.to(torch.int64).contiguous() if span_kv_rows is not None else None
-            assert span_rows is not None, "prefill spans need their pool rows"
+        spans = (torch.zeros(0, 4) if span_meta is None else span_meta).to(torch.int64).contiguous()
+        span_rows = (torch.zeros(1) if span_kv_rows is None else span_kv_rows).to(torch.int64).contiguous()
         vnni = self.weights_vnni is not None  # every row count, as WeightOnlyLinear runs it
         table = self._table_for(pools, vnni)
         assert table is not None, "pools the kernels cannot read (check supports() first)"

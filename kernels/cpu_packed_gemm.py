@@ -16,9 +16,9 @@ loop:
   the tile (K x 32 floats, 72 KiB at K = 576) from L2 while prefetching the next tile, so the
   memory stream runs under the compute.
 On the machine in RESULTS.md it runs SmolLM2's projection stack 1.2-2.2x faster than oneDNN at
-1-64 rows and 1.04-1.16x at 256-1,024; against ``cpu_gemv`` (which reads the unpacked weights)
-0.87-1.08x at one row, where both stream at the memory bound, and 1.1-1.8x at 4-16 rows
-(``benchmarks/cpu_packed_gemm.py``).
+1-64 rows and 1.03-1.16x at 256-1,024; against the fp32 loop it replaced (``cpu_gemv``'s, which
+read the unpacked weights) 0.87-1.08x at one row, where both stream at the memory bound, and
+1.1-1.8x at 4-16 rows (``benchmarks/cpu_packed_gemm.py`` and RESULTS.md).
 int8 weights (weight-only ``quantization="int8"``) widen to fp32 in registers and meet their
 per-output scale after the sum: fp32 activations and accumulation, a quarter of the bytes.
 

@@ -269,11 +269,15 @@ def supports(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> boo
         return False
     if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
         return False
+    width = _width()
+    return width > 0 and q.shape[-1] % width == 0 and q.shape[-1] // width in (1, 2, 4, 8)
+
+
+@functools.cache
+def _width() -> int:
+    """The vector width in fp32 lanes the kernel was built for (0: not built)."""
     lib = _library()
-    if lib is None:
-        return False
-    d, width = q.shape[-1], lib.prefill_attention_width()
-    return d % width == 0 and d // width in (1, 2, 4, 8)
+    return 0 if lib is None else int(lib.prefill_attention_width())
 
 
 def prefill_attention(

@@ -3,9 +3,9 @@
 Decode at small batch reads every weight once per step, so fewer weight bytes is speed.
 fp32 and int8 weights run ``cpu_packed_gemm`` on a copy packed once, at every row count (int8
 widened to fp32 in registers: fp32 activations and sums, batch-invariant); where that kernel
-did not build, int8 runs ``cpu_gemv``'s widening loop up to ``QUANTIZED_SMALL_ROWS`` rows and
-PyTorch's ``_weight_int8pack_mm`` above, with bf16 activations (PyTorch's weight-only kernels
-are fast only with bf16 activations: benchmarks/RESULTS.md, 2026-11-30 CPU section).
+did not build (no compiler), int8 runs PyTorch's ``_weight_int8pack_mm`` with bf16
+activations (PyTorch's weight-only kernels are fast only with bf16 activations:
+benchmarks/RESULTS.md, 2026-11-30 CPU section).
 
 int8: symmetric per output channel. int4: asymmetric per group of ``group`` input channels
 (the kernel's ``(q - 8) * scale + zero`` form). On CPUs with AVX-512 VNNI, int4 runs
@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from deepinfer.kernels import cpu_gemv, cpu_int4_vnni, cpu_packed_gemm
 
 INT4_GROUP = 32
-QUANTIZED_SMALL_ROWS = 4  # int8/int4 rows up to which ``cpu_gemv``'s loops run (PyTorch's kernels above)
+QUANTIZED_SMALL_ROWS = (
+    4  # int4 rows up to which ``cpu_gemv``'s loop runs without VNNI (PyTorch's kernel above)
+)
 _INNER_K_TILES = 2
 _INT4_ROWS = 16  # the int4 packing takes output rows in multiples of 16 (zero rows pad)
 
@@ -105,17 +107,15 @@ class WeightOnlyLinear:
         return cols.float().T[: self.out_features]
 
     def _widening(self, flat: torch.Tensor) -> torch.Tensor | None:
-        """fp32 ``flat @ W.T``: int8 on the packed kernel at any size; without it, int8 and int4
-        through ``cpu_gemv``'s widening loops (what the one-call decode stack runs too) at
-        decode sizes; None where PyTorch's kernels take over. int8 also runs the loop whenever
-        in_features is not a multiple of 16: PyTorch's kernel crashes there."""
+        """fp32 ``flat @ W.T``: int8 on the packed kernel at any size (without it, only widths
+        PyTorch's int8 kernel cannot take, through the dequantized weight); int4 on CPUs
+        without VNNI through ``cpu_gemv``'s widening loop (what the one-call decode stack runs
+        too) at decode sizes; None where PyTorch's kernels take over."""
         small = flat.shape[0] <= QUANTIZED_SMALL_ROWS
         if self.packed8 is not None:
             return cpu_packed_gemm.gemm(flat, self.packed8, self.out_features, None, self.scales_f32)
-        if self.method == "int8" and (small or self.in_features % 16):
-            if not cpu_gemv.available():
-                return flat.float() @ self.dequantize().T
-            return cpu_gemv.small_gemm_int8(flat, self.int8_values(), self.scales_f32)
+        if self.method == "int8" and self.in_features % 16:  # PyTorch's kernel crashes there
+            return flat.float() @ self.dequantize().T
         if self.method == "int4" and small and cpu_gemv.available() and self.packed_vnni is None:
             return cpu_gemv.small_gemm_int4(flat, self.packed4, self.scale4, self.offset4)
         return None
@@ -141,7 +141,7 @@ class WeightOnlyLinear:
 
 class PackedLinear:
     """``x @ W.T + b`` for the engine's CPU steps on a copy of ``W`` packed once: for fp32
-    weights ``cpu_packed_gemm``'s layout (that kernel at every row count: 1.04-2.2x oneDNN's
+    weights ``cpu_packed_gemm``'s layout (that kernel at every row count: 1.03-2.2x oneDNN's
     packed GEMM on the CPU measured, and a row's result the same at any batch size,
     benchmarks/RESULTS.md), for bf16 weights, or where the C++ kernels did not build, oneDNN's
     blocked layout (the kernel Inductor's CPU freezing uses). Same precision as ``F.linear``,

@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (``cpu_gemv``, ``cpu_packed_gemm``, ``cpu_attention``, ...) against fp64
+"""The C++ CPU kernels (``cpu_packed_gemm``, ``cpu_attention``, ``cpu_prefill_attention``, ...) against fp64
 and PyTorch references on generated shapes, their batch invariance, the compiled op's run-time
 kernel choice, and mutation checks that a broken kernel fails these tests. Their speed is
 measured in benchmarks/cpu_decode.py."""
@@ -27,7 +27,6 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.cache.step_metadata import SHORT_SPAN_TOKENS
 from deepinfer.models.layers.norms import RMSNorm
 from deepinfer.models.llama import rotate_half_rope
 from deepinfer.tiny import make_tiny_checkpoint
@@ -36,7 +35,7 @@ from deepinfer.tiny import make_tiny_checkpoint
 def test_the_kernels_build_here():
     """CI machines have the C++ compiler Inductor needs; a build failure must not pass quietly
     as a fallback."""
-    assert cpu_gemv.available()
+    assert cpu_gemv.available() and cpu_packed_gemm.available()
     assert cpu_attention._library() is not None
 
 
@@ -50,50 +49,6 @@ def _gemm_case(seed: int, rows: int, n: int, k: int, bias: bool):
         expected = expected + b.double()
     bound = 1e-5 * (x.double().abs() @ w.double().abs().T).max().item() + 1e-5
     return x, w, b, expected, bound
-
-
-@settings(max_examples=25, deadline=None)
-@given(
-    rows=st.integers(1, cpu_gemv.MAX_ROWS + 3),
-    n=st.integers(1, 70),
-    k=st.integers(1, 200),
-    bias=st.booleans(),
-    seed=st.integers(0, 10_000),
-)
-def test_small_gemm_matches_fp64(rows, n, k, bias, seed):
-    """Any shape (tails of K and of the 8-row tiles included): the fp32 result is within fp32
-    summation error of the fp64 product."""
-    x, w, b, expected, bound = _gemm_case(seed, rows, n, k, bias)
-    got = cpu_gemv.small_gemm(x, w, b)
-    assert got.dtype == torch.float32 and got.shape == (rows, n)
-    assert (got.double() - expected).abs().max().item() <= bound
-
-
-@settings(max_examples=10, deadline=None)
-@given(n=st.integers(1, 40), k=st.integers(1, 100), seed=st.integers(0, 10_000))
-def test_small_gemm_rows_do_not_depend_on_their_batch(n, k, seed):
-    """A row's result is bitwise the same alone or among up to ``MAX_ROWS`` rows: the kernel
-    is batch-invariant where it runs."""
-    x, w, _, _, _ = _gemm_case(seed, cpu_gemv.MAX_ROWS, n, k, False)
-    together = cpu_gemv.small_gemm(x, w)
-    for i in range(x.shape[0]):
-        assert torch.equal(cpu_gemv.small_gemm(x[i : i + 1], w)[0], together[i])
-
-
-def test_a_broken_gemm_kernel_fails_the_reference_check():
-    """Mutation check: the same kernel source with its K tail dropped (a classic blocking bug)
-    gives results the fp64 check rejects."""
-    source = cpu_gemv._SOURCE.replace(
-        "for (int64_t kk = k; kk < K; ++kk)", "for (int64_t kk = K; kk < K; ++kk)"
-    )
-    assert source != cpu_gemv._SOURCE
-    broken = cpu_build.load(source)
-    assert broken is not None
-    fn = cpu_build.bind(broken, "gemv_f32", cpu_gemv.ARGTYPES)
-    x, w, _, expected, bound = _gemm_case(3, 2, 9, 37, False)
-    y = torch.empty(2, 9)
-    fn(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), 2, 9, 37, 1)
-    assert (y.double() - expected).abs().max().item() > bound
 
 
 @settings(max_examples=30, deadline=None)
@@ -265,7 +220,7 @@ def test_prefill_attention_in_place_matches_the_reference(kv_heads, group, d, sp
     kernel does not take (48 on AVX-512) go to the reference."""
     case = _span_case(seed, kv_heads * group, kv_heads, d, spans, dtype)
     q = case[0]
-    width = cpu_prefill_attention._library().prefill_attention_width()
+    width = cpu_prefill_attention._width()
     assert cpu_prefill_attention.supports(q, case[1], case[2]) == (
         d % width == 0 and d // width in (1, 2, 4, 8)
     )
@@ -442,7 +397,7 @@ def _greedy(llm, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]
     group=st.integers(1, 4),
     head_dim=st.sampled_from([16, 32, 64]),
     layers=st.integers(1, 3),
-    rows=st.integers(1, cpu_decode_stack.VNNI_MAX_ROWS),
+    rows=st.integers(1, cpu_decode_stack.MAX_ROWS),
     kv_dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
     quantization=st.sampled_from([None, "int8", "int4"]),
     seed=st.integers(0, 1000),
@@ -477,7 +432,7 @@ def test_one_call_decode_stack_equals_the_layer_loop(
     # no prefix cache: the second run must compute exactly what the first did
     llm = LLM(
         str(path),
-        max_num_seqs=cpu_decode_stack.VNNI_MAX_ROWS,
+        max_num_seqs=cpu_decode_stack.MAX_ROWS,
         kv_cache_dtype=kv_dtype,
         enable_prefix_caching=False,
         quantization=quantization,
@@ -505,7 +460,7 @@ def test_one_call_decode_stack_equals_the_layer_loop(
         type(stack).__call__ = real
     assert calls["n"] > 0
     # the whole prefill fits one stack call, and a prompt is long enough to attend as a span
-    if sum(len(p) for p in prompts) <= stack.max_rows and max(map(len, prompts)) > SHORT_SPAN_TOKENS:
+    if sum(len(p) for p in prompts) <= stack.max_rows and max(map(len, prompts)) > 1:
         assert calls["spans"] > 0
     llm.model.decode_stack = None
     assert _greedy(llm, prompts) == fused
@@ -523,7 +478,7 @@ def test_a_broken_decode_stack_is_caught(tmp_path, mutation):
     prefill spans' attention, gives other logprobs."""
     path = make_tiny_checkpoint(tmp_path, "llama", seed=3)
     llm = LLM(str(path), max_num_seqs=8, enable_prefix_caching=False)
-    prompts = [list(range(5, 5 + 2 * SHORT_SPAN_TOKENS)), [9, 10]]  # a prefill span, a short chunk
+    prompts = [list(range(5, 21)), [9, 10]]  # two prefill spans
     fused = _greedy(llm, prompts)
     source = cpu_decode_stack._SOURCE.replace(*mutation)
     assert source != cpu_decode_stack._SOURCE

@@ -85,8 +85,6 @@ class _TokenLayout:
 # >= 0: a token row of this step (projected now); -(2p + 1): row p of the slot's open-group
 # buffer pool; -(2p + 2): row p of its overlap pool (a copy of its last closed group).
 PADDING_ROW = 0  # what padded entries point at (outputs discarded)
-# chunks of up to this many tokens attend as decode rows in unpadded steps (full attention)
-SHORT_SPAN_TOKENS = 8
 
 
 def _buffer_row(p: int) -> int:
@@ -402,19 +400,10 @@ def _full_attention_meta(
     bs = layout.block_size
     fixed_len = padding.max_model_len if padding is not None else None
     bases = tokens.base
-    # a few tokens (speculative verification's drafts, a prompt's short last chunk) attend as
-    # decode rows, each over its own positions: a span kernel pays per span for the whole
-    # context it reads, a decode row per token (RESULTS.md); padded steps keep their layout
-    short = 1 if padding is not None else SHORT_SPAN_TOKENS
-    decode = [
-        base + i
-        for c, base in zip(chunks, bases, strict=True)
-        if c.num_tokens <= short
-        for i in range(c.num_tokens)
-    ]
+    decode = [base for c, base in zip(chunks, bases, strict=True) if c.num_tokens == 1]
     spans, span_rows, offset = [], [], 0
     for c, base in zip(chunks, bases, strict=True):
-        if c.num_tokens > short:
+        if c.num_tokens > 1:
             end = c.start + c.num_tokens
             spans.append([base, c.num_tokens, c.start, offset])
             span_rows += _kv_rows(c.block_table, end, bs).tolist()

@@ -361,9 +361,10 @@ class LlamaForCausalLM(CausalLM):
             if isinstance(engine, WeightOnlyLinear):
                 if engine.bias is not None:
                     raise ValueError("the stack runs quantized weights without bias")
-                if engine.method == "int8":  # packed for cpu_packed_gemm where it built
-                    values = engine.packed8 if engine.packed8 is not None else engine.qweight
-                    return values, None, engine.scales_f32, None
+                if engine.method == "int8":  # the stack runs the packed copy only
+                    if engine.packed8 is None:
+                        raise ValueError("int8 without cpu_packed_gemm's copy")
+                    return engine.packed8, None, engine.scales_f32, None
                 return engine.packed4, None, engine.scale4, engine.offset4
             assert weight is not None
             return weight.detach(), None if bias is None else bias.detach(), None, None
@@ -432,8 +433,7 @@ class LlamaForCausalLM(CausalLM):
         if batch.hidden_states is not None or torch.compiler.is_compiling():
             return None
         pools = [(p.window, p.values) for p in batch.pools]
-        spans = bool(meta.span_meta[:, 1].any())
-        return pools if stack.supports(h, pools, spans) else None
+        return pools if stack.supports(h, pools, spans=meta.span_meta.shape[0] > 0) else None
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """One engine step (see ``CausalLM``): flat tokens in, logits for ``batch.logits_idx``."""
