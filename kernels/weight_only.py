@@ -26,9 +26,8 @@ import torch.nn.functional as F
 from deepinfer.kernels import cpu_gemv, cpu_int4_vnni, cpu_packed_gemm
 
 INT4_GROUP = 32
-QUANTIZED_SMALL_ROWS = (
-    4  # int4 rows up to which ``cpu_gemv``'s loop runs without VNNI (PyTorch's kernel above)
-)
+# int4 rows up to which ``cpu_gemv``'s loop runs on CPUs without VNNI (PyTorch's kernel above)
+QUANTIZED_SMALL_ROWS = 4
 _INNER_K_TILES = 2
 _INT4_ROWS = 16  # the int4 packing takes output rows in multiples of 16 (zero rows pad)
 
