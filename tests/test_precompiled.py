@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer import LLM, SamplingParams
+from deepinfer import LLM, SamplingParams, precompiled
 from deepinfer.compilation import PassManager
 from deepinfer.models.loading import load_model
 from deepinfer.precompiled import PrecompiledStep, artefact_key, default_cache_dir
@@ -91,10 +91,11 @@ def test_a_fresh_process_loads_the_saved_variants_and_compiles_nothing(checkpoin
 
 
 def test_the_cpu_default_runs_a_saved_step_and_never_compiles(checkpoint, compiled, tmp_path):
-    """``compile=None`` on the CPU: V4 runs the variants an earlier run saved; a step none of
-    them covers runs eagerly instead of compiling; with nothing saved the step is eager."""
+    """``compile=None`` on the CPU, with ``cpu_compile_after_s=None``: V4 runs the variants an
+    earlier run saved; a step none of them covers runs eagerly instead of compiling; with
+    nothing saved the step is eager."""
     eager, saved = compiled
-    llm = LLM(checkpoint, max_num_batched_tokens=64)
+    llm = LLM(checkpoint, max_num_batched_tokens=64, cpu_compile_after_s=None)
     step = llm.engine.runner.forward
     assert isinstance(step, PrecompiledStep) and not step.compile_missing
     assert _tokens(llm) == eager
@@ -102,7 +103,7 @@ def test_the_cpu_default_runs_a_saved_step_and_never_compiles(checkpoint, compil
     step._variants = []  # as if no saved guard accepted the steps
     assert _tokens(llm) == eager
     assert step.compiled == 0 and step.eager_steps > 0
-    nothing_saved = LLM(checkpoint, compile_cache_dir=str(tmp_path / "empty"))
+    nothing_saved = LLM(checkpoint, compile_cache_dir=str(tmp_path / "empty"), cpu_compile_after_s=None)
     assert not isinstance(nothing_saved.engine.runner.forward, PrecompiledStep)
     invariant = LLM(checkpoint, batch_invariant=True)  # eager steps by definition
     assert not isinstance(invariant.engine.runner.forward, PrecompiledStep)
@@ -150,3 +151,84 @@ def test_default_cache_dir_is_beside_a_writable_checkpoint(tmp_path, monkeypatch
     monkeypatch.setattr(os, "access", lambda path, mode: False)
     assert default_cache_dir(tmp_path) == tmp_path / "xdg" / "deepinfer" / "compiled"
     assert default_cache_dir(None) == tmp_path / "xdg" / "deepinfer" / "compiled"
+
+
+class _FakeVariant:
+    """Stands in for a compiled variant (the real compile is tested above): accepts every
+    step and runs it eagerly, so the rule's timing is tested without a 30 s compile."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def guard_check(self, *args) -> bool:
+        return True
+
+    def __call__(self, model, input_ids, positions, batch):
+        return model.step(input_ids, positions, batch)
+
+
+class _StepClock:
+    """``precompiled``'s clock: every eager step takes exactly one second."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0  # a step's two reads are one second apart
+        return self.now
+
+
+def test_the_cpu_default_compiles_once_eager_steps_cost_a_compile(
+    checkpoint, compiled, tmp_path, monkeypatch
+):
+    """Ski rental: with nothing saved, steps run eagerly while their time stays under
+    ``cpu_compile_after_s``; the first step after it is spent compiles, and later steps run
+    the variant; the eager count restarts after the compile."""
+    eager, _ = compiled
+    at_compile: list[tuple[float, int]] = []
+
+    def fake_compile(self, args, index):
+        at_compile.append((self.eager_seconds, self.eager_steps))
+        self.compiled += 1
+        return _FakeVariant(self.model)
+
+    monkeypatch.setattr(PrecompiledStep, "_compile", fake_compile)
+    monkeypatch.setattr(precompiled, "time", _StepClock())
+    llm = LLM(
+        checkpoint, max_num_batched_tokens=64, compile_cache_dir=str(tmp_path / "c"), cpu_compile_after_s=3
+    )
+    step = llm.engine.runner.forward
+    assert isinstance(step, PrecompiledStep) and not step.compile_missing and step.compile_after_s == 3
+    assert _tokens(llm) == eager
+    assert at_compile == [(3.0, 3)]  # three eager seconds, then the fourth step compiled
+    assert step.compiled == 1 and step.eager_steps == 3 and step.eager_seconds == 0.0
+    # a budget the run never spends: every step eager, nothing compiled
+    never = LLM(
+        checkpoint, max_num_batched_tokens=64, compile_cache_dir=str(tmp_path / "d"), cpu_compile_after_s=1e9
+    )
+    assert _tokens(never) == eager
+    forward = never.engine.runner.forward
+    assert forward.compiled == 0 and forward.eager_steps > 3 and forward.eager_seconds == forward.eager_steps
+    # budget 0: the first uncovered step compiles at once
+    at_once = LLM(
+        checkpoint, max_num_batched_tokens=64, compile_cache_dir=str(tmp_path / "e"), cpu_compile_after_s=0
+    )
+    assert _tokens(at_once) == eager
+    assert at_once.engine.runner.forward.eager_steps == 0 and at_once.engine.runner.forward.compiled == 1
+
+
+def test_cpu_compile_after_s_is_validated(checkpoint, monkeypatch):
+    from deepinfer.config import COMPILE_AFTER_ENV, EngineConfig
+
+    for bad in (-1.0, "30", True):
+        with pytest.raises(ValueError, match="cpu_compile_after_s"):
+            EngineConfig(cpu_compile_after_s=bad).validate()
+    monkeypatch.setenv(COMPILE_AFTER_ENV, "12.5")
+    assert EngineConfig().cpu_compile_after_s == 12.5
+    monkeypatch.setenv(COMPILE_AFTER_ENV, "none")
+    assert EngineConfig().cpu_compile_after_s is None
+    monkeypatch.setenv(COMPILE_AFTER_ENV, "soon")
+    with pytest.raises(ValueError, match=COMPILE_AFTER_ENV):
+        EngineConfig()
+    monkeypatch.delenv(COMPILE_AFTER_ENV)
+    assert EngineConfig().cpu_compile_after_s == 30.0

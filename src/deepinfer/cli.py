@@ -442,8 +442,9 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--compile",
         choices=sorted(_COMPILE_CHOICES),
         default="auto",
-        help="compiled model step (auto: the platform's default; on the CPU, a step an earlier "
-        "'--compile on' run saved, where compiling pays; 'on' compiles and saves it)",
+        help="compiled model step (auto: the platform's default; on the CPU, where compiling "
+        "pays, saved steps, and missing ones compiled once eager steps took "
+        "$DEEPINFER_CPU_COMPILE_AFTER_S, 30 s by default; 'on' compiles and saves at once)",
     )
 
 
@@ -517,8 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile",
         choices=sorted(_COMPILE_CHOICES),
         default="auto",
-        help="compiled model step (auto: the platform's default; on the CPU, a step an earlier "
-        "'--compile on' run saved, where compiling pays; 'on' compiles and saves it)",
+        help="compiled model step (auto: the platform's default; on the CPU, where compiling "
+        "pays, saved steps, and missing ones compiled once eager steps took "
+        "$DEEPINFER_CPU_COMPILE_AFTER_S, 30 s by default; 'on' compiles and saves at once)",
     )
     gen.set_defaults(func=_generate)
 

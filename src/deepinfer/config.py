@@ -3,7 +3,8 @@ configuration lives with the model (``deepinfer.models``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,24 @@ from deepinfer.speculative.config import SpeculativeConfig
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "none", "fp8", "int8", "int4")
+COMPILE_AFTER_ENV = "DEEPINFER_CPU_COMPILE_AFTER_S"
+
+
+def _env_compile_after() -> float | None:
+    """``cpu_compile_after_s``'s default: ``$DEEPINFER_CPU_COMPILE_AFTER_S`` (seconds, or
+    "none"), else 30 s (about one tiny-V4 compile on 2 cores)."""
+    raw = os.environ.get(COMPILE_AFTER_ENV, "").strip()
+    if not raw:
+        return 30.0
+    if raw.lower() in ("none", "off"):
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"${COMPILE_AFTER_ENV} must be a number of seconds or 'none', got {raw!r}") from None
+    if not value >= 0:
+        raise ValueError(f"${COMPILE_AFTER_ENV} must be >= 0, got {raw!r}")
+    return value
 
 
 @dataclass
@@ -81,10 +100,16 @@ class EngineConfig:
     # shapes whatever else is scheduled. Eager steps on one rank; costs batching (RESULTS.md)
     batch_invariant: bool = False
     # torch.compile the model step (compilation.py). None = the platform's default: on for
-    # CUDA; on the CPU, the compiled step an earlier ``compile=True`` run saved, for models
-    # whose compiled step beats eager (V4), else eager: a first compile costs more than
-    # short runs gain (compile vs eager: benchmarks/RESULTS.md)
+    # CUDA; on the CPU, for models whose compiled step beats eager (V4, V4.1), the compiled
+    # step an earlier run saved, and a step no saved variant covers runs eagerly until such
+    # steps have taken cpu_compile_after_s, then compiles (and saves) a variant; other
+    # models eager (compile vs eager: benchmarks/RESULTS.md)
     compile: bool | None = None
+    # The CPU default's eager budget before it compiles a missing step variant (seconds of
+    # eager steps since the last compile; ski rental: about one compile's cost, 30-42 s for
+    # the tiny V4 on 2 cores). None: the default never compiles, it only loads saved steps.
+    # Default from $DEEPINFER_CPU_COMPILE_AFTER_S ("none" to turn it off), else 30
+    cpu_compile_after_s: float | None = field(default_factory=_env_compile_after)
     compile_backend: str = "inductor"  # any torch.compile backend ("eager" checks guards fast)
     # Where a CPU step compiled by Inductor is saved and loaded by later processes
     # (precompiled.py). None: beside the checkpoint when writable, else ~/.cache/deepinfer
@@ -187,6 +212,16 @@ class EngineConfig:
             )
         need(
             isinstance(self.compile_backend, str) and bool(self.compile_backend), "compile_backend", "a name"
+        )
+        need(
+            self.cpu_compile_after_s is None
+            or (
+                isinstance(self.cpu_compile_after_s, int | float)
+                and not isinstance(self.cpu_compile_after_s, bool)
+                and self.cpu_compile_after_s >= 0
+            ),
+            "cpu_compile_after_s",
+            "None or a number of seconds >= 0",
         )
         need(
             self.compile_cache_dir is None or isinstance(self.compile_cache_dir, str | Path),

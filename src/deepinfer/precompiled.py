@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -119,9 +120,18 @@ class PrecompiledStep:
     """``model.step(input_ids, positions, batch)`` from compiled variants saved in
     ``cache_dir``. The first call loads every saved variant of this model's key; a step that
     none of their guards accept is compiled ahead of time as a new variant and saved beside
-    them, so the next process starts with it, or, with ``compile_missing=False`` (the CPU's
-    default mode, which never stalls a run to compile), runs eagerly. ``loaded`` / ``compiled``
-    count variants and ``eager_steps`` the steps no variant took (tests, logs)."""
+    them, so the next process starts with it, or, with ``compile_missing=False``, runs eagerly.
+
+    ``compile_after_s`` (with ``compile_missing=False``; the CPU's default mode) buys the
+    compile the way the ski-rental rule buys skis: steps no variant covers run eagerly until
+    they have taken that many seconds, about what one compile costs, and the next such step
+    compiles a variant. A short run then never stalls on a compile it cannot earn back, and a
+    long one loses at most the compile's cost to eager steps (total time within 2x of the
+    better choice made in hindsight). The count restarts after each compile, so a rare step
+    shape buys its own variant only once it has cost as much.
+
+    ``loaded`` / ``compiled`` count variants, ``eager_steps`` / ``eager_seconds`` the steps no
+    variant took and their time since the last compile (tests, logs)."""
 
     def __init__(
         self,
@@ -129,11 +139,14 @@ class PrecompiledStep:
         cache_dir: Path,
         passes: Sequence[GraphPass] | None = None,
         compile_missing: bool = True,
+        compile_after_s: float | None = None,
     ) -> None:
         device = next(model.parameters()).device
         self.model = model
         self.compile_missing = compile_missing
+        self.compile_after_s = compile_after_s
         self.eager_steps = 0
+        self.eager_seconds = 0.0
         self.cache_dir = Path(cache_dir)
         self.pass_manager = PassManager(compilation.default_passes(device) if passes is None else passes)
         self.key = artefact_key(model, self.pass_manager)
@@ -151,17 +164,38 @@ class PrecompiledStep:
             if self._variants[i].guard_check(*args):
                 self._last = i
                 return self._variants[i](*args)
-        if not self.compile_missing:
+        if not self._compile_now():
             if not self.eager_steps:  # once: say why the default mode is not running compiled
                 logger.info(
                     "no saved compiled variant accepts this step (guards on shapes, the thread "
-                    "count, ...); running it eagerly (compile=True compiles and saves one)"
+                    "count, ...); running it eagerly%s",
+                    ""
+                    if self.compile_after_s is None
+                    else f" until such steps have taken {self.compile_after_s:g} s, then compiling one",
                 )
             self.eager_steps += 1
-            return self.model.step(input_ids, positions, batch)
+            start = time.perf_counter()
+            out = self.model.step(input_ids, positions, batch)
+            self.eager_seconds += time.perf_counter() - start
+            return out
         self._variants.append(self._compile(args, n))
+        self.eager_seconds = 0.0
         self._last = n
         return self._variants[n](*args)
+
+    def _compile_now(self) -> bool:
+        """Whether a step no variant covers is compiled (else it runs eagerly)."""
+        if self.compile_missing:
+            return True
+        if self.compile_after_s is None or self.eager_seconds < self.compile_after_s:
+            return False
+        logger.info(
+            "steps no compiled variant covers have run eagerly for %.1f s (compile_after_s=%g): "
+            "compiling one",
+            self.eager_seconds,
+            self.compile_after_s,
+        )
+        return True
 
     def has_saved_variants(self) -> bool:
         """Whether an earlier process saved a compiled variant of this model's step here."""

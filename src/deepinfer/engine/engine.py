@@ -111,11 +111,11 @@ class Engine:
         )
         platform = platform_for(self.device)
         use_compile, use_graphs = self._execution_modes(platform)
-        # compile=None on the CPU: a compiled step an earlier process saved runs by default
-        # where compiling pays, and a step none of its variants covers runs eagerly
+        # compile=None on the CPU, where compiling pays: saved variants run, and a step none
+        # covers runs eagerly until such steps have taken cpu_compile_after_s (then compiles)
         compile_missing = not (config.compile is None and not use_compile)
         if not compile_missing:
-            use_compile = self._saved_compiled_step(platform, checkpoint)
+            use_compile = self._cpu_default_compiles(platform, checkpoint)
         if self.device.type == "cpu":
             if config.tune_cpu_malloc:
                 tune_malloc()
@@ -156,6 +156,7 @@ class Engine:
             kv_cache_dtype=dtype,
             compile_cache_dir=self._compile_cache_dir(checkpoint) if use_compile else None,
             compile_missing=compile_missing,
+            compile_after_s=None if compile_missing else config.cpu_compile_after_s,
             num_window_blocks=num_window_blocks,
         )
         # EPLB: count each expert's tokens (rank 0 routes every token) and re-place periodically
@@ -331,12 +332,13 @@ class Engine:
             raise ValueError(f"ced_prefill: {type(self.model).__name__} has no causal encoder/decoder split")
         return use_compile, use_graphs
 
-    def _saved_compiled_step(self, platform: Platform, checkpoint: Path | None) -> bool:
-        """Whether ``compile=None`` runs a saved compiled step: on the CPU, for a model whose
-        compiled step measured faster than eager (``cpu_compile_pays``), once an earlier
-        process compiled this model's configuration and saved it (``compile=True``). The first
-        compile takes ~30 s per variant on 2 cores, more than a short run gains, so only a
-        warm start (~2 s) is taken by default."""
+    def _cpu_default_compiles(self, platform: Platform, checkpoint: Path | None) -> bool:
+        """Whether ``compile=None`` runs the step through saved compiled variants: on the CPU,
+        for a model whose compiled step measured faster than eager (``cpu_compile_pays``),
+        when an earlier process saved a variant of this configuration or when missing ones
+        may be compiled once eager steps have cost about a compile (``cpu_compile_after_s``,
+        ski rental: ``PrecompiledStep``). A first compile takes 30-42 s per variant on 2
+        cores, more than a short run gains; a saved one loads in ~2 s."""
         config = self.config
         if (
             platform.name != "cpu"
@@ -346,6 +348,8 @@ class Engine:
             or config.batch_invariant  # eager steps by definition
         ):
             return False
+        if config.cpu_compile_after_s is not None:
+            return True
         from deepinfer.precompiled import PrecompiledStep
 
         cache_dir = self._compile_cache_dir(checkpoint)

@@ -75,6 +75,7 @@ class ModelRunner:
         kv_cache_dtype: torch.dtype | None = None,
         compile_cache_dir: Path | None = None,
         compile_missing: bool = True,
+        compile_after_s: float | None = None,
         num_window_blocks: int | None = None,
     ) -> None:
         """``ced_replay``: with CED prefill, how many trailing prompt tokens run the decoder.
@@ -85,7 +86,8 @@ class ModelRunner:
         step returns, for a model drafter (None: logits only). ``kv_cache_dtype``: the pools'
         dtype (None: the model's compute dtype). ``compile_cache_dir``: where a CPU step
         compiled by Inductor is saved and found again (``precompiled.py``; None: not saved);
-        ``compile_missing=False``: a step none of the saved variants covers runs eagerly.
+        ``compile_missing=False``: a step none of the saved variants covers runs eagerly,
+        and with ``compile_after_s`` is compiled once such steps have taken that long.
         ``num_window_blocks``: the window pool's blocks when ``layout.bounded_window``."""
         self.model = model
         self.feature_offsets = feature_offsets
@@ -102,7 +104,9 @@ class ModelRunner:
         # Compiled steps get padded metadata (never sizes 0 or 1) so shapes stay symbolic.
         self.padding: StepPadding | None = None
         if compile_model:
-            self.forward = self._compiled_step(model, compile_backend, compile_cache_dir, compile_missing)
+            self.forward = self._compiled_step(
+                model, compile_backend, compile_cache_dir, compile_missing, compile_after_s
+            )
             self.padding = StepPadding.for_pools(
                 num_blocks, num_slots, null_window_block=self.null_window_block
             )
@@ -123,16 +127,22 @@ class ModelRunner:
 
     @staticmethod
     def _compiled_step(
-        model: CausalLM, backend: str, cache_dir: Path | None, compile_missing: bool
+        model: CausalLM,
+        backend: str,
+        cache_dir: Path | None,
+        compile_missing: bool,
+        compile_after_s: float | None,
     ) -> Callable[..., Any]:
         """The step compiled ahead of time and saved (CPU + Inductor, with a cache directory;
-        ``compile_missing=False``: only the saved variants, other steps eager), else compiled
-        by ``torch.compile`` in this process."""
+        ``compile_missing=False``: only the saved variants, other steps eager, or compiled
+        after ``compile_after_s`` of them), else compiled by ``torch.compile`` in this process."""
         device = next(model.parameters()).device
         if cache_dir is not None and backend == "inductor" and device.type == "cpu":
             from deepinfer.precompiled import PrecompiledStep
 
-            return PrecompiledStep(model, cache_dir, compile_missing=compile_missing)
+            return PrecompiledStep(
+                model, cache_dir, compile_missing=compile_missing, compile_after_s=compile_after_s
+            )
         from deepinfer.compilation import compile_step
 
         return compile_step(model, backend=backend)
