@@ -352,9 +352,7 @@ def _build_on_host(
 
     window_q = positions.unsqueeze(1) - torch.arange(w)  # [T, W]
     logits_idx = [base + k for c, base in zip(chunks, tokens.base, strict=True) for k in c.logits_offsets]
-    if padding is not None:  # extra rows return row 0's logits again; callers index real rows
-        fixed = len(chunks) if padding.max_model_len is not None else None
-        logits_idx += [0] * (_padded_len(len(logits_idx), fixed) - len(logits_idx))
+    real_logits = len(logits_idx)
     feature_idx = None
     if any(c.feature_offsets is not None for c in chunks):
         rows = [
@@ -379,6 +377,15 @@ def _build_on_host(
         window_valid = batch.window_valid & (window_q >= replay.unsqueeze(1))
         if rows.numel() < positions.numel() or not torch.equal(window_valid, batch.window_valid):
             batch.decoder_rows, batch.decoder_window_valid = rows, window_valid
+    if padding is not None:
+        # extra logits rows repeat a real row's logits (callers index real rows only): the
+        # first requested row, or a row that runs the decoder layers (CED skips some)
+        fixed = len(chunks) if padding.max_model_len is not None else None
+        pad = logits_idx[0] if logits_idx else 0
+        if not logits_idx and batch.decoder_rows is not None and batch.decoder_rows.numel():
+            pad = int(batch.decoder_rows[0])
+        extra = _padded_len(real_logits, fixed) - real_logits
+        batch.logits_idx = torch.tensor(logits_idx + [pad] * extra, dtype=torch.long)
     if w == 0:
         batch.full = _full_attention_meta(layout, chunks, tokens, padding)
     return positions, batch
