@@ -23,7 +23,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from deepinfer.kernels import cpu_gemv, cpu_int4_vnni, cpu_packed_gemm
+from deepinfer.kernels import cpu_gemv, cpu_int4_vnni, cpu_packed_gemm, huge_pages
 
 INT4_GROUP = 32
 # int4 rows up to which ``cpu_gemv``'s loop runs on CPUs without VNNI (PyTorch's kernel above)
@@ -54,7 +54,7 @@ class WeightOnlyLinear:
             # count (1.1-2x the widening loop and PyTorch's bf16 kernel, RESULTS.md)
             self.qweight = q8
             if cpu_packed_gemm.available():
-                self.packed8, self.qweight = cpu_packed_gemm.pack(q8), None
+                self.packed8, self.qweight = huge_pages.adopt(cpu_packed_gemm.pack(q8)), None
         else:
             if self.in_features % INT4_GROUP:
                 raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}, got {self.in_features}")
@@ -81,7 +81,8 @@ class WeightOnlyLinear:
             # above the widening loop's sizes, int8 activations on AVX-512 VNNI where the CPU
             # has it (a third copy of the int4 values, in that kernel's layout)
             if cpu_int4_vnni.available():
-                self.packed_vnni = cpu_int4_vnni.pack(q4[:rows], sz[:rows, :, 0], sz[:rows, :, 1])
+                packed = cpu_int4_vnni.pack(q4[:rows], sz[:rows, :, 0], sz[:rows, :, 1])
+                self.packed_vnni = huge_pages.adopt(packed)
 
     @property
     def nbytes(self) -> int:
@@ -152,7 +153,7 @@ class PackedLinear:
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
         if cpu_packed_gemm.supports(self.weight):
-            self.packed = cpu_packed_gemm.pack(self.weight)
+            self.packed = huge_pages.adopt(cpu_packed_gemm.pack(self.weight))
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
         _register_packed(self, self.weight, self.packed)

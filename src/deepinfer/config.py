@@ -119,6 +119,11 @@ class EngineConfig:
     # page faults on fresh activations (SmolLM2 prefill 1,375-1,450 -> 1,700-1,736 tok/s, RESULTS.md). Process-wide and
     # applied once at engine start; False leaves the C library's defaults
     tune_cpu_malloc: bool = True
+    # CPU, Linux: packed weight copies of 1 MiB and more live in 2 MiB-aligned memory advised
+    # for transparent huge pages (kernels/huge_pages.py): a decode step streams them, and 4 KiB
+    # pages cost a TLB miss each and stop the prefetchers (SmolLM2's projections at one row
+    # 7-19% faster on a Zen 4, RESULTS.md). Process-wide, set when an engine packs its weights
+    cpu_huge_pages: bool = True
     # Replay pure-decode steps from captured graphs (CUDA graphs; NPU graph mode) in batch-size
     # buckets up to max_graph_batch_size. None = on where the platform has a graph mode.
     capture_graphs: bool | None = None
@@ -184,6 +189,7 @@ class EngineConfig:
                 )
         need(isinstance(self.bounded_window_cache, bool), "bounded_window_cache", "a bool")
         need(isinstance(self.tune_cpu_malloc, bool), "tune_cpu_malloc", "a bool")
+        need(isinstance(self.cpu_huge_pages, bool), "cpu_huge_pages", "a bool")
         need(isinstance(self.enable_expert_parallel, bool), "enable_expert_parallel", "a bool")
         need(isinstance(self.enable_eplb, bool), "enable_eplb", "a bool")
         for name in ("eplb_window_size", "eplb_step_interval"):

@@ -42,6 +42,7 @@ from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
 from deepinfer.engine.structured_requests import StructuredRequests
+from deepinfer.kernels import huge_pages
 from deepinfer.memory import kv_bytes_per_token, pool_bytes
 from deepinfer.models.base import CausalLM
 from deepinfer.models.llama import LlamaForCausalLM
@@ -119,6 +120,7 @@ class Engine:
         if self.device.type == "cpu":
             if config.tune_cpu_malloc:
                 tune_malloc()
+            huge_pages.set_enabled(config.cpu_huge_pages)
             model.pack_weights()  # CPU projections: small-batch kernel, oneDNN-packed above
         drafter = self._drafter()
         graph_batch = min(config.max_graph_batch_size, config.max_num_seqs)
