@@ -43,10 +43,6 @@ def set_enabled(enabled: bool) -> None:
     _enabled = bool(enabled)
 
 
-def enabled() -> bool:
-    return _enabled
-
-
 def _madvise() -> ctypes._CFuncPtr | None:
     if not sys.platform.startswith("linux"):
         return None

@@ -188,6 +188,7 @@ def test_the_cpu_default_compiles_once_eager_steps_cost_a_compile(
     at_compile: list[tuple[float, int]] = []
 
     def fake_compile(self, args, index):
+        assert self._padded  # the step to compile was prepared with padded metadata
         at_compile.append((self.eager_seconds, self.eager_steps))
         self.compiled += 1
         return _FakeVariant(self.model)
@@ -209,6 +210,8 @@ def test_the_cpu_default_compiles_once_eager_steps_cost_a_compile(
     assert _tokens(never) == eager
     forward = never.engine.runner.forward
     assert forward.compiled == 0 and forward.eager_steps > 3 and forward.eager_seconds == forward.eager_steps
+    assert not forward.needs_padding()  # eager steps are prepared unpadded (faster)
+    assert never.engine.runner._step_padding() is None and llm.engine.runner._step_padding() is not None
     # budget 0: the first uncovered step compiles at once
     at_once = LLM(
         checkpoint, max_num_batched_tokens=64, compile_cache_dir=str(tmp_path / "e"), cpu_compile_after_s=0

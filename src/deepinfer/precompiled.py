@@ -147,6 +147,7 @@ class PrecompiledStep:
         self.compile_after_s = compile_after_s
         self.eager_steps = 0
         self.eager_seconds = 0.0
+        self._padded = True  # the last ``needs_padding`` answer (callers that never ask pad)
         self.cache_dir = Path(cache_dir)
         self.pass_manager = PassManager(compilation.default_passes(device) if passes is None else passes)
         self.key = artefact_key(model, self.pass_manager)
@@ -183,11 +184,25 @@ class PrecompiledStep:
         self._last = n
         return self._variants[n](*args)
 
+    def needs_padding(self) -> bool:
+        """Whether the next step should be prepared with padded metadata: a compiled variant
+        may run it (one is saved, or this step may be compiled). A step that will run eagerly
+        is faster unpadded (2% on a tiny-V4 offline batch). Before the first call has loaded the saved
+        variants (inside the step's inference mode, which their guards check), it looks for
+        them on disk. An asynchronous engine may prepare a step before the previous one spends
+        the budget; such a step runs eagerly and the next, padded one compiles."""
+        saved = bool(self._variants) if self._variants is not None else self.has_saved_variants()
+        self._padded = saved or self.compile_missing or self._budget_spent()
+        return self._padded
+
+    def _budget_spent(self) -> bool:
+        return self.compile_after_s is not None and self.eager_seconds >= self.compile_after_s
+
     def _compile_now(self) -> bool:
         """Whether a step no variant covers is compiled (else it runs eagerly)."""
         if self.compile_missing:
             return True
-        if self.compile_after_s is None or self.eager_seconds < self.compile_after_s:
+        if not (self._budget_spent() and self._padded):
             return False
         logger.info(
             "steps no compiled variant covers have run eagerly for %.1f s (compile_after_s=%g): "

@@ -209,11 +209,20 @@ class ModelRunner:
         # steps that return draft features run outside the captured graphs
         use_graphs = self.graphs is not None and feature_rows is None
         bucket = self.graphs.bucket_for(seq_chunks) if use_graphs and self.graphs is not None else None
-        padding = self.graphs.padding(bucket) if self.graphs is not None and bucket else self.padding
+        padding = self.graphs.padding(bucket) if self.graphs is not None and bucket else self._step_padding()
         positions, batch = build_forward_batch(self.layout, self.pools, seq_chunks, self.device, padding)
         return PreparedStep(
             chunks, positions, batch, sample_rows, prompt_rows, bucket, feature_rows, seq_chunks, padding
         )
+
+    def _step_padding(self) -> StepPadding | None:
+        """Compiled steps need padded metadata; a step the saved-step wrapper will run
+        eagerly (nothing loaded, compile budget not spent) is prepared unpadded, which is
+        faster."""
+        if self.padding is None:
+            return None
+        needs_padding = getattr(self.forward, "needs_padding", None)
+        return self.padding if needs_padding is None or needs_padding() else None
 
     def _window_table(self, request: Request) -> list[int] | None:
         """The request's window blocks aligned with its block table (blocks given back, or
