@@ -192,7 +192,7 @@ def width() -> int:
     built for (32 on AVX-512)."""
     lib = _library()
     if lib is None:
-        raise RuntimeError("the packed fp32 CPU kernel did not build on this machine")
+        raise RuntimeError("the packed fp32/int8 CPU kernel did not build on this machine")
     return int(lib.packed_gemm_width())
 
 

@@ -79,8 +79,7 @@ def adopt(t: torch.Tensor) -> torch.Tensor:
         or _MADVISE is None
         or nbytes < MIN_BYTES
         or t.device.type != "cpu"
-        or t.layout != torch.strided
-        or t.is_mkldnn
+        or t.layout != torch.strided  # also oneDNN's opaque tensors
     ):
         return t
     global _chunk_used

@@ -86,7 +86,8 @@ class WeightOnlyLinear:
 
     @property
     def nbytes(self) -> int:
-        """Bytes a step reads (weights and scales, in PyTorch's layout)."""
+        """Bytes a step reads (weights and scales; int8 in ``cpu_packed_gemm``'s padded tiles
+        where it built, else PyTorch's layout)."""
         q = self.qweight if self.packed8 is None else self.packed8
         assert q is not None
         return q.numel() * q.element_size() + self.scales.numel() * self.scales.element_size()

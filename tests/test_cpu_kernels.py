@@ -409,6 +409,9 @@ def _greedy(llm, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]
 )
 # fp32 above 16 rows (the driver's packed copies; every row count runs them)
 @example(kv_heads=3, group=3, head_dim=64, layers=2, rows=33, kv_dtype="float32", quantization=None, seed=5)
+# two prompts: the whole prefill fits one stack call, so its prefill spans run in the stack
+@example(kv_heads=2, group=2, head_dim=32, layers=2, rows=2, kv_dtype="float32", quantization=None, seed=3)
+@example(kv_heads=1, group=3, head_dim=64, layers=1, rows=2, kv_dtype="float16", quantization="int8", seed=7)
 def test_one_call_decode_stack_equals_the_layer_loop(
     tmp_path_factory, kv_heads, group, head_dim, layers, rows, kv_dtype, quantization, seed
 ):
@@ -439,7 +442,7 @@ def test_one_call_decode_stack_equals_the_layer_loop(
     )
     stack = llm.model.decode_stack
     assert stack is not None
-    rows = min(rows, stack.max_rows)  # fp32: 64; int8: 4; int4: 64 with VNNI, else 4
+    rows = min(rows, stack.max_rows)  # fp32 and int8: 64; int4: 64 with VNNI, else 4
     calls = {"n": 0, "spans": 0}
     real = type(stack).__call__
 

@@ -121,7 +121,7 @@ def test_padded_steps_touch_only_null_rows(tiny):
             assert got.shape == ref.shape and (got - ref).abs().max() <= 1e-4  # reduction lengths differ
         for got, ref in zip(pools, ref_pools, strict=True):
             # padding rows change the row count, which picks the CPU kernels (cpu_moe and
-            # cpu_gemv up to 16 rows, the GEMMs above): equal up to fp32 rounding
+            # the projection kernels' register passes): equal up to fp32 rounding
             assert torch.equal(got, ref) or (got - ref).abs().max() <= 1e-4
 
 

@@ -43,7 +43,7 @@ def test_kernels_compute_with_the_weights_they_report(method, out_features, grou
     if method == "int4" and lin.packed_vnni is not None:  # every size: int8 activations
         exact = _int8_per_group(x) @ deq.T + (b if b is not None else 0)
         assert (got - exact).norm() <= 1e-5 * exact.norm()
-    elif rows <= QUANTIZED_SMALL_ROWS or lin.packed8 is not None:  # fp32 throughout
+    elif (method == "int4" and rows <= QUANTIZED_SMALL_ROWS) or lin.packed8 is not None:  # fp32 throughout
         exact = x @ deq.T + (b if b is not None else 0)
         assert (got - exact).norm() <= 1e-5 * exact.norm()
     else:  # PyTorch's kernels: bf16 activations and accumulation
@@ -57,8 +57,7 @@ def test_kernels_compute_with_the_weights_they_report(method, out_features, grou
 
 def test_a_broken_scale_fails_the_kernel_check():
     """Mutation check of the test above: scales off by 5% are caught, on int8's paths (the
-    packed kernel at every size, or the widening loop and PyTorch's kernel where it did not
-    build)."""
+    packed kernel at every size, or PyTorch's kernel where it did not build) and int4's."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(16, 64, generator=gen)
     for rows in (QUANTIZED_SMALL_ROWS, QUANTIZED_SMALL_ROWS + 8):
@@ -172,7 +171,7 @@ def test_quantization_options_are_checked(llama_path, v4_ckpt):
 
 def test_int8_widths_pytorchs_kernel_cannot_take():
     """in_features not a multiple of 16 (PyTorch's int8 kernel crashes on them) run the
-    widening loop at every row count."""
+    packed kernel at every row count."""
     gen = torch.Generator().manual_seed(1)
     for k in (8, 24, 72, 100):
         lin = WeightOnlyLinear(torch.randn(20, k, generator=gen), None, "int8")

@@ -121,7 +121,7 @@ class Engine:
             if config.tune_cpu_malloc:
                 tune_malloc()
             huge_pages.set_enabled(config.cpu_huge_pages)
-            model.pack_weights()  # CPU projections: small-batch kernel, oneDNN-packed above
+            model.pack_weights()  # CPU projections packed once (cpu_packed_gemm; oneDNN for bf16)
         drafter = self._drafter()
         graph_batch = min(config.max_graph_batch_size, config.max_num_seqs)
         # the graphs' memory pool holds about one largest-bucket step's activations, and a

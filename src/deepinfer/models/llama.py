@@ -336,8 +336,9 @@ class LlamaForCausalLM(CausalLM):
         self.decode_stack = self._decode_stack()
 
     def pack_weights(self) -> None:
-        """oneDNN-packed copies of the float projections and the head for the engine's eager
-        CPU steps (``kernels/weight_only.PackedLinear``); quantized ones stay as they are."""
+        """Packed copies of the float projections and the head for the engine's eager CPU
+        steps (``kernels/weight_only.PackedLinear``: ``cpu_packed_gemm``'s layout for fp32,
+        oneDNN's for bf16); quantized ones stay as they are."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         if self.head is not None or not PackedLinear.available(weight):
             return  # quantized (or packed by an earlier engine) already
@@ -361,9 +362,7 @@ class LlamaForCausalLM(CausalLM):
             if isinstance(engine, WeightOnlyLinear):
                 if engine.bias is not None:
                     raise ValueError("the stack runs quantized weights without bias")
-                if engine.method == "int8":  # the stack runs the packed copy only
-                    if engine.packed8 is None:
-                        raise ValueError("int8 without cpu_packed_gemm's copy")
+                if engine.method == "int8":  # the packed copy (built wherever the stack is)
                     return engine.packed8, None, engine.scales_f32, None
                 return engine.packed4, None, engine.scale4, engine.offset4
             assert weight is not None
@@ -433,7 +432,9 @@ class LlamaForCausalLM(CausalLM):
         if batch.hidden_states is not None or torch.compiler.is_compiling():
             return None
         pools = [(p.window, p.values) for p in batch.pools]
-        return pools if stack.supports(h, pools, spans=meta.span_meta.shape[0] > 0) else None
+        # padded steps carry spans of 0 tokens, which need no span kernel
+        spans = bool(meta.span_meta[:, 1].any()) if meta.span_meta.shape[0] else False
+        return pools if stack.supports(h, pools, spans=spans) else None
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """One engine step (see ``CausalLM``): flat tokens in, logits for ``batch.logits_idx``."""
