@@ -16,7 +16,7 @@ device type; Triton when installed). Importing the package registers every op.
 C++ CPU kernels for small decode steps, built once per machine with Inductor's compiler
 driver (``cpu_build``) and called directly by eager steps: ``cpu_packed_gemm`` (fp32
 and int8 projections on a packed copy at any row count), ``cpu_gemv`` (an int4 loop at a few
-rows, for CPUs without VNNI), ``cpu_int4_vnni`` (int4 x int8 on AVX-512 VNNI),
+rows, for CPUs without VNNI or AVX2), ``cpu_int4_vnni`` (int4 x int8 on AVX-512 VNNI or AVX2),
 ``cpu_attention`` (decode attention
 reading the paged K/V pools in place; behind ``paged_attention`` on the CPU),
 ``cpu_rope_store`` (Llama RoPE plus the K/V cache writes in one call), ``cpu_norm_act``

@@ -1,6 +1,6 @@
-"""int4 weights times int8 activations on AVX-512 VNNI: weight-only int4 projections at 5 or
-more rows (decode batches and prefill), where PyTorch's int4 kernel (bf16 activations) and our
-fp32 widening loop are compute-bound.
+"""int4 weights times int8 activations, on AVX-512 VNNI or AVX2: weight-only int4 projections
+at every row count, where PyTorch's int4 kernel (bf16 activations) and an fp32 widening loop
+are compute-bound.
 
 llama.cpp's Q4_0 path quantizes activations to int8 per group of 32 and multiplies bytes
 (``vpdpbusd``: 64 multiply-adds per instruction against 16 for an fp32 FMA); this kernel does
@@ -17,9 +17,17 @@ Each block of sixteen rows is one stream: per group, its nibbles, then its scale
 Activations round to int8 per group (``s_x = max|x| / 127``), so results differ from the
 fp32-activation loop by that rounding, as llama.cpp's do.
 
+CPUs without VNNI but with AVX2 (AMD Zen 2/3, Intel before Ice Lake) read the same blocks as
+two halves of eight rows: ``vpmaddubsw`` multiplies bytes and adds pairs into int16, a group's
+eight of those add exactly in int16, and one ``vpmaddwd`` by ones ends the group in int32, as
+llama.cpp's AVX2 Q4_0 dot does; every step after the group sums is the VNNI path's, so both
+paths give the same bits. On a Zen 3 this ran 3x PyTorch's int4 kernel and 20-40x the widening
+loop there had been (whose AVX2 build is scalar) (RESULTS.md, tenth session).
+
 A row's result depends only on its own activations and the weights (fixed order), so it is
 the same whatever it is batched with. Built once per machine by ``cpu_build``; ``available()``
-is false without a compiler or without AVX-512 VNNI, and callers keep PyTorch's kernel.
+is false without a compiler or without AVX-512 VNNI or AVX2, and callers keep PyTorch's kernel.
+(The module keeps its first name, from when VNNI was the only path.)
 """
 
 from __future__ import annotations
@@ -40,10 +48,13 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 
-extern "C" int has_vnni() {
+// 2: AVX-512 VNNI (vpdpbusd); 1: AVX2 (vpmaddubsw + vpmaddwd); 0: neither
+extern "C" int int8_dot_isa() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vnni");
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni"))
+    return 2;
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
 }
 
 // A block of 16 weight rows, per group of 32 input channels: 4 x 64 bytes of nibbles (pair p:
@@ -76,7 +87,7 @@ extern "C" void pack_weights(const uint8_t* q, const uint16_t* scale, const uint
 
 // x [M, K] fp32 -> xq [M, K] int8, sx [M, G] (scale) and cx [M, G] (scale * sum of the group's
 // int8 values). Rounds to nearest even, as nearbyint does.
-__attribute__((target("avx512f,avx512bw"))) static void quantize_rows(
+__attribute__((target("avx512f,avx512bw,avx512dq"))) static void quantize_rows(
     const float* x, int8_t* xq, float* sx, float* cx, int64_t M, int64_t K) {
   const int64_t G = K / 32;
   const __m512 sign = _mm512_set1_ps(-0.f);
@@ -184,20 +195,163 @@ static void rows_block(const uint8_t* w, const float* bias, const int8_t* xq, co
   }
 }
 
-// y [M, N] = x [M, K] @ W.T (+ bias) for W packed by pack_weights.
-// scratch: M * K bytes + 2 * M * G floats.
-extern "C" void gemm_i4_i8(const float* x, const uint8_t* w, const float* bias, float* y, void* scratch, int64_t M,
-                           int64_t N, int64_t K, int threads) {
+// ---- AVX2 (no VNNI: AMD Zen 2/3, Intel before Ice Lake). The same packed blocks, each read as
+// two halves of 8 rows (one per 32-bit lane of a 256-bit register). vpmaddubsw multiplies the
+// weight bytes (0..15) by the activation bytes (-127..127) and adds pairs into int16; a group's
+// eight such products per lane stay below 8 x 2 x 15 x 127 = 30,480, so they add up exactly in
+// int16, and one vpmaddwd by ones finishes the group's sum per row in int32. Quantization, the
+// group sums and the float steps after them are the AVX-512 path's, operation for operation, so
+// both give the same bits.
+
+__attribute__((target("avx2,fma"))) static void quantize_rows_avx2(
+    const float* x, int8_t* xq, float* sx, float* cx, int64_t M, int64_t K) {
+  const int64_t G = K / 32;
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the packs' lane interleave
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xg = x + m * K + g * 32;
+      __m256 v[4];
+      __m256 mx = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(xg + 8 * i);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+      }
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_movehdup_ps(h));
+      const float s = _mm_cvtss_f32(h) / 127.f;
+      const __m256 inv = _mm256_set1_ps(s > 0.f ? 1.f / s : 0.f);
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+      const __m256i bytes = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + g * 32), bytes);
+      const __m256i t = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+      __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+      u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+      u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
+      sx[m * G + g] = s;
+      cx[m * G + g] = s * static_cast<float>(_mm_cvtsi128_si32(u));
+    }
+}
+
+__attribute__((target("avx2,fma"))) static inline __m256 bf16_to_f32_avx2(const uint8_t* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// One block (16 weight rows, two halves of 8) x MC activation rows.
+template <int MC>
+__attribute__((target("avx2,fma"))) static inline void block_pass_avx2(
+    const uint8_t* w, const int8_t* xq, const float* sx, const float* cx, const float* bias, float* y, int64_t N,
+    int64_t K, int64_t b) {
+  const int64_t G = K / 32;
+  const uint8_t* blk = w + b * block_bytes(K);
+  __m256 acc[2][MC];
+  for (int h = 0; h < 2; ++h)
+    for (int m = 0; m < MC; ++m) acc[h][m] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* grp = blk + g * GROUP_BYTES;
+    __m256i sum16[2][MC];
+    for (int h = 0; h < 2; ++h)
+      for (int m = 0; m < MC; ++m) sum16[h][m] = _mm256_setzero_si256();
+    for (int64_t p = 0; p < 4; ++p) {
+      _mm_prefetch(reinterpret_cast<const char*>(grp + p * 64 + PREFETCH), _MM_HINT_T0);
+      __m256i lo[2], hi[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + p * 64 + h * 32));
+        lo[h] = _mm256_and_si256(packed, low4);
+        hi[h] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+      }
+      for (int m = 0; m < MC; ++m) {
+        const int8_t* xr = xq + m * K + g * 32 + 8 * p;
+        const __m256i xa = _mm256_set1_epi32(four_bytes(xr));
+        const __m256i xb = _mm256_set1_epi32(four_bytes(xr + 4));
+        for (int h = 0; h < 2; ++h)
+          sum16[h][m] = _mm256_add_epi16(
+              sum16[h][m], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xa), _mm256_maddubs_epi16(hi[h], xb)));
+      }
+    }
+    _mm_prefetch(reinterpret_cast<const char*>(grp + 256 + PREFETCH), _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 s = bf16_to_f32_avx2(grp + 256 + 16 * h);
+      const __m256 c = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, bf16_to_f32_avx2(grp + 288 + 16 * h));
+      for (int m = 0; m < MC; ++m) {
+        const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[h][m], ones));
+        const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(sx[m * G + g]));
+        acc[h][m] = _mm256_fmadd_ps(isum, scale, acc[h][m]);
+        acc[h][m] = _mm256_fmadd_ps(c, _mm256_set1_ps(cx[m * G + g]), acc[h][m]);
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t n0 = b * 16 + 8 * h;
+    if (n0 >= N) break;
+    const int valid = static_cast<int>(std::min<int64_t>(8, N - n0));
+    alignas(32) float out[8], bv[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (bias)
+      for (int i = 0; i < valid; ++i) bv[i] = bias[n0 + i];
+    const __m256 bias_v = _mm256_load_ps(bv);
+    for (int m = 0; m < MC; ++m) {
+      const __m256 r = _mm256_add_ps(acc[h][m], bias_v);
+      if (valid == 8) {
+        _mm256_storeu_ps(y + m * N + n0, r);
+      } else {
+        _mm256_store_ps(out, r);
+        std::memcpy(y + m * N + n0, out, valid * sizeof(float));
+      }
+    }
+  }
+}
+
+constexpr int MC_AVX2 = 4;
+
+static void rows_block_avx2(const uint8_t* w, const float* bias, const int8_t* xq, const float* sx,
+                            const float* cx, float* y, int64_t M, int64_t N, int64_t K, int64_t b) {
+  const int64_t G = K / 32;
+  for (int64_t m = 0; m < M; m += MC_AVX2) {
+    const int8_t* xm = xq + m * K;
+    const float *sxm = sx + m * G, *cxm = cx + m * G;
+    float* ym = y + m * N;
+    switch (std::min<int64_t>(MC_AVX2, M - m)) {
+      case 1: block_pass_avx2<1>(w, xm, sxm, cxm, bias, ym, N, K, b); break;
+      case 2: block_pass_avx2<2>(w, xm, sxm, cxm, bias, ym, N, K, b); break;
+      case 3: block_pass_avx2<3>(w, xm, sxm, cxm, bias, ym, N, K, b); break;
+      default: block_pass_avx2<MC_AVX2>(w, xm, sxm, cxm, bias, ym, N, K, b); break;
+    }
+  }
+}
+
+// y [M, N] = x [M, K] @ W.T (+ bias) for W packed by pack_weights, on AVX-512 VNNI (isa 2) or
+// AVX2 (isa 1; an AVX-512 VNNI CPU runs both). scratch: M * K bytes + 2 * M * G floats.
+extern "C" void gemm_i4_i8_isa(int isa, const float* x, const uint8_t* w, const float* bias, float* y,
+                               void* scratch, int64_t M, int64_t N, int64_t K, int threads) {
   const int64_t G = K / 32, blocks = (N + 15) / 16;
   int8_t* xq = static_cast<int8_t*>(scratch);
   float* sx = reinterpret_cast<float*>(xq + M * K);
   float* cx = sx + M * G;
-  quantize_rows(x, xq, sx, cx, M, K);
+  if (isa == 2) {
+    quantize_rows(x, xq, sx, cx, M, K);
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t b0 = 0; b0 < blocks; b0 += RB) {
-    if (RB > 1 && blocks - b0 < RB) rows_block<1>(w, bias, xq, sx, cx, y, M, N, K, b0);
-    else rows_block<RB>(w, bias, xq, sx, cx, y, M, N, K, b0);
+    for (int64_t b0 = 0; b0 < blocks; b0 += RB) {
+      if (RB > 1 && blocks - b0 < RB) rows_block<1>(w, bias, xq, sx, cx, y, M, N, K, b0);
+      else rows_block<RB>(w, bias, xq, sx, cx, y, M, N, K, b0);
+    }
+  } else if (isa == 1) {
+    quantize_rows_avx2(x, xq, sx, cx, M, K);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b = 0; b < blocks; ++b) rows_block_avx2(w, bias, xq, sx, cx, y, M, N, K, b);
   }
+}
+
+// the same on the best instructions this CPU has (what the engine and the decode stack call)
+extern "C" void gemm_i4_i8(const float* x, const uint8_t* w, const float* bias, float* y, void* scratch, int64_t M,
+                           int64_t N, int64_t K, int threads) {
+  static const int isa = int8_dot_isa();
+  gemm_i4_i8_isa(isa, x, w, bias, y, scratch, M, N, K, threads);
 }
 """
 
@@ -207,17 +361,37 @@ def _library() -> ctypes.CDLL | None:
     lib = cpu_build.load(_SOURCE)
     if lib is None:
         return None
-    lib.has_vnni.restype = ctypes.c_int
-    if not lib.has_vnni():
+    lib.int8_dot_isa.restype = ctypes.c_int
+    if not lib.int8_dot_isa():
         return None
     cpu_build.bind(lib, "pack_weights", [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2)
     cpu_build.bind(lib, "gemm_i4_i8", [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int])
+    args = [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    cpu_build.bind(lib, "gemm_i4_i8_isa", args)
     return lib
 
 
 def available() -> bool:
-    """A compiler and a CPU with AVX-512 VNNI."""
+    """A compiler and a CPU with AVX-512 VNNI or AVX2."""
     return _library() is not None
+
+
+_ISAS = {2: "avx512-vnni", 1: "avx2"}
+
+
+def isa() -> str:
+    """The instructions the kernel multiplies bytes with on this CPU: ``"avx512-vnni"``,
+    ``"avx2"`` or ``"none"``."""
+    lib = _library()
+    return _ISAS.get(lib.int8_dot_isa() if lib is not None else 0, "none")
+
+
+def isas() -> list[str]:
+    """Every path this CPU can run (an AVX-512 VNNI CPU runs the AVX2 one too), for tests
+    that hold the paths to the same bits."""
+    lib = _library()
+    best = lib.int8_dot_isa() if lib is not None else 0
+    return [name for code, name in _ISAS.items() if code <= best]
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -237,10 +411,15 @@ def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tens
 
 
 def gemm(
-    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    path: str | None = None,
 ) -> torch.Tensor:
     """fp32 ``x [M, K] @ W.T (+ bias)`` [M, out_features] for ``W`` [out_features, K] packed by
-    ``pack``, with the activations rounded to int8 per group of 32."""
+    ``pack``, with the activations rounded to int8 per group of 32. ``path``: one of
+    ``isas()`` (default: the best this CPU has)."""
     lib = _library()
     assert lib is not None
     x = x.float().contiguous()
@@ -252,7 +431,11 @@ def gemm(
     y = torch.empty(m, n)
     scratch = torch.empty(m * k + 8 * m * (k // GROUP), dtype=torch.uint8)
     b = bias.float().contiguous() if bias is not None else None
-    lib.gemm_i4_i8(
+    if path is not None and path not in isas():
+        raise ValueError(f"gemm: path {path!r} is not one of this CPU's {isas()}")
+    code = {name: c for c, name in _ISAS.items()}[path or isa()]
+    lib.gemm_i4_i8_isa(
+        code,
         x.data_ptr(),
         packed.data_ptr(),
         b.data_ptr() if b is not None else None,

@@ -8,7 +8,7 @@ activations (PyTorch's weight-only kernels are fast only with bf16 activations:
 benchmarks/RESULTS.md, 2026-11-30 CPU section).
 
 int8: symmetric per output channel. int4: asymmetric per group of ``group`` input channels
-(the kernel's ``(q - 8) * scale + zero`` form). On CPUs with AVX-512 VNNI, int4 runs
+(the kernel's ``(q - 8) * scale + zero`` form). On CPUs with AVX-512 VNNI or AVX2, int4 runs
 ``cpu_int4_vnni`` at every row count (activations rounded to int8 per group, as llama.cpp's
 Q4_0 path does; its layout reads 0.625 bytes per weight, so a memory-bound B=1 step is faster
 than the widening loop's 0.75: SmolLM2 227-252 -> 301-304 tok/s, RESULTS.md), and int4
@@ -19,6 +19,7 @@ kernel above, so those results are not batch-invariant across that row count.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from deepinfer.kernels import cpu_gemv, cpu_int4_vnni, cpu_packed_gemm, huge_pages
 
 INT4_GROUP = 32
-# int4 rows up to which ``cpu_gemv``'s loop runs on CPUs without VNNI (PyTorch's kernel above)
+# int4 rows up to which ``cpu_gemv``'s loop runs on CPUs without VNNI or AVX2 (PyTorch's kernel above)
 QUANTIZED_SMALL_ROWS = 4
 _INNER_K_TILES = 2
 _INT4_ROWS = 16  # the int4 packing takes output rows in multiples of 16 (zero rows pad)
@@ -41,7 +42,7 @@ class WeightOnlyLinear:
             raise ValueError(f"quantization must be 'int8' or 'int4', got {method!r}")
         w = weight.detach().float()
         self.method = method
-        self.packed_vnni: torch.Tensor | None = None  # int4 on AVX-512 VNNI (below)
+        self.packed_vnni: torch.Tensor | None = None  # int4 x int8 on AVX-512 VNNI or AVX2 (below)
         self.packed8: torch.Tensor | None = None  # int8 in ``cpu_packed_gemm``'s layout (below)
         self.out_features, self.in_features = w.shape
         self.bias = None if bias is None else bias.detach().clone()
@@ -78,8 +79,8 @@ class WeightOnlyLinear:
             sz_used = sz[:rows].to(torch.bfloat16).float()
             self.scale4 = sz_used[..., 0].contiguous()
             self.offset4 = (sz_used[..., 1] - 8.0 * sz_used[..., 0]).contiguous()
-            # above the widening loop's sizes, int8 activations on AVX-512 VNNI where the CPU
-            # has it (a third copy of the int4 values, in that kernel's layout)
+            # int8 activations on AVX-512 VNNI or AVX2 where the CPU has either (a third copy
+            # of the int4 values, in that kernel's layout)
             if cpu_int4_vnni.available():
                 packed = cpu_int4_vnni.pack(q4[:rows], sz[:rows, :, 0], sz[:rows, :, 1])
                 self.packed_vnni = huge_pages.adopt(packed)
@@ -110,7 +111,7 @@ class WeightOnlyLinear:
     def _widening(self, flat: torch.Tensor) -> torch.Tensor | None:
         """fp32 ``flat @ W.T``: int8 on the packed kernel at any size (without it, only widths
         PyTorch's int8 kernel cannot take, through the dequantized weight); int4 on CPUs
-        without VNNI through ``cpu_gemv``'s widening loop (what the one-call decode stack runs
+        without VNNI or AVX2 through ``cpu_gemv``'s widening loop (what the one-call decode stack runs
         too) at decode sizes; None where PyTorch's kernels take over."""
         small = flat.shape[0] <= QUANTIZED_SMALL_ROWS
         if self.packed8 is not None:
@@ -161,11 +162,14 @@ class PackedLinear:
 
     @staticmethod
     def available(weight: torch.Tensor) -> bool:
-        return (
-            weight.device.type == "cpu"
-            and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available()
-        )
+        """Whether a packed copy can be built: fp32 everywhere oneDNN is, bf16 only where
+        oneDNN's bf16 kernels run on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only
+        CPU such as AMD Zen 3 has neither, and the bf16 projections stay on ``F.linear``)."""
+        if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+            return False
+        if weight.dtype == torch.bfloat16:
+            return _mkldnn_bf16()
+        return weight.dtype == torch.float32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -175,6 +179,11 @@ class PackedLinear:
         else:
             y = _packed_linear(flat, self.packed, self.out_features, self.bias).to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
+
+
+@functools.cache
+def _mkldnn_bf16() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _packed_linear(

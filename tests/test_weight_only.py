@@ -180,7 +180,9 @@ def test_int8_widths_pytorchs_kernel_cannot_take():
         assert (lin(x) - exact).norm() <= 1e-5 * exact.norm()
 
 
-needs_vnni = pytest.mark.skipif(not cpu_int4_vnni.available(), reason="this CPU has no AVX-512 VNNI")
+needs_vnni = pytest.mark.skipif(
+    not cpu_int4_vnni.available(), reason="this CPU has neither AVX-512 VNNI nor AVX2"
+)
 
 
 @needs_vnni
@@ -215,6 +217,8 @@ def test_vnni_int4_kernel_equals_its_definition(n, groups, m, seed):
     row = m // 2
     alone = cpu_int4_vnni.gemm(x[row : row + 1], packed, n)
     assert torch.equal(alone[0], got[row])
+    for path in cpu_int4_vnni.isas():  # AVX2 and VNNI give the same bits where both run
+        assert torch.equal(cpu_int4_vnni.gemm(x, packed, n, path=path), got)
     # mutation check: the bound above catches a 5% scale error wherever that error moves the
     # exact result past the bound (one output of one group can sit near zero: seed 418,
     # n = groups = m = 1 moved it by 1.7e-5 against a bound of 3.3e-5)

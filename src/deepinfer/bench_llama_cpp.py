@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.bench_serve import CHAT_PROMPTS
+from deepinfer.kernels import cpu_int4_vnni
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
 
@@ -56,7 +57,10 @@ def cpu_description() -> str:
     have = [
         f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if f in flags
     ]
-    return f"{model}; {' '.join(have) or 'no AVX-512'}; torch capability {torch.backends.cpu.get_cpu_capability()}"
+    return (
+        f"{model}; {' '.join(have) or 'no AVX2 or AVX-512'}; torch capability "
+        f"{torch.backends.cpu.get_cpu_capability()}; int4 x int8 kernel: {cpu_int4_vnni.isa()}"
+    )
 
 
 def batched_bench(llm: LLM, batch: int, prompt_len: int, output_len: int) -> Row:
