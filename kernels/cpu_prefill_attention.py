@@ -8,7 +8,7 @@ K/V head and a few positions make ~12 rows, whose scores against every visible k
 register tiles (a vector of keys times a broadcast query element, as ``cpu_packed_gemm`` does,
 over K transposed into blocks of one vector of keys once per span and head), then a
 max-subtracted fp32 softmax (ATen's vectorised exp, as the decode kernel uses) and the weighted
-sum of values from register tiles of rows x head size. Keys past a block's last position are
+sum of values from register tiles of rows x (up to four vectors of) the head. Keys past a block's last position are
 never computed (causal), and the pool rows are read in place while packing (fp32, bf16, fp16).
 
 Head sizes that are a multiple of the vector width up to eight vectors (16-128 on AVX-512) take
@@ -72,11 +72,11 @@ inline void scores_tail(int r, const float* const* qr, const float* kt, float* s
   }
 }
 
-// o_m = inv_m * sum_j p[m][j] v_j for R rows, keys j < nk; vv [keys][DV * V]
+// o_m = inv_m * sum_j p[m][j] v_j for R rows, keys j < nk, over DV vectors of the head; vv: the
+// block's first column, rows of d floats
 template <int DV, int R>
-inline void weighted(const float* p, int64_t stride, const float* vv, int64_t nk, float* const* orow,
+inline void weighted(const float* p, int64_t stride, const float* vv, int64_t d, int64_t nk, float* const* orow,
                      const float* inv) {
-  constexpr int64_t d = DV * V;
   Vec acc[R][DV];
   for (int m = 0; m < R; ++m)
     for (int b = 0; b < DV; ++b) acc[m][b] = Vec(0.f);
@@ -93,24 +93,33 @@ inline void weighted(const float* p, int64_t stride, const float* vv, int64_t nk
 }
 
 template <int DV, int R>
-inline void weighted_tail(int r, const float* p, int64_t stride, const float* vv, int64_t nk, float* const* orow,
-                          const float* inv) {
+inline void weighted_block(int r, const float* p, int64_t stride, const float* vv, int64_t d, int64_t nk,
+                           float* const* orow, const float* inv) {
   if constexpr (R > 0) {
-    if (r == R) weighted<DV, R>(p, stride, vv, nk, orow, inv);
-    else weighted_tail<DV, R - 1>(r, p, stride, vv, nk, orow, inv);
+    if (r == R) weighted<DV, R>(p, stride, vv, d, nk, orow, inv);
+    else weighted_block<DV, R - 1>(r, p, stride, vv, d, nk, orow, inv);
   }
 }
 
-// rows of one item in tiles of ACC / DV (the accumulators a tile holds)
+// rows of one item in tiles of ACC / DB rows by DB vectors of the head (DB = DV up to four
+// vectors, else column blocks of four: a head of eight AVX2 vectors, d = 64, would leave one row
+// per tile, every value load feeding a single FMA). Each output element still sums its keys in
+// order, so the blocks change no bit.
 template <int DV>
 inline void weighted_rows(int rows, const float* p, int64_t stride, const float* vv, const int64_t* nk,
                           float* const* orow, const float* inv) {
-  constexpr int R = ACC / DV;
+  constexpr int DB = DV < 4 ? DV : 4;
+  constexpr int R = ACC / DB;
+  constexpr int64_t d = DV * V;
+  float* cols[R];
   for (int m = 0; m < rows; m += R) {
     const int r = std::min(R, rows - m);
     int64_t n = 0;
     for (int i = 0; i < r; ++i) n = std::max(n, nk[m + i]);
-    weighted_tail<DV, R>(r, p + m * stride, stride, vv, n, orow + m, inv + m);
+    for (int b = 0; b < DV; b += DB) {
+      for (int i = 0; i < r; ++i) cols[i] = orow[m + i] + b * V;
+      weighted_block<DB, R>(r, p + m * stride, stride, vv + b * V, d, n, cols, inv + m);
+    }
   }
 }
 

@@ -301,7 +301,7 @@ def test_a_broken_attention_kernel_fails_the_reference_check():
 
 @settings(max_examples=15, deadline=None)
 @given(
-    tokens=st.integers(1, 6),
+    tokens=st.integers(1, 100),  # 64 and more: the tokens split over the threads
     kv_heads=st.integers(1, 3),
     group=st.integers(1, 3),
     half=st.integers(1, 20),
@@ -311,14 +311,15 @@ def test_a_broken_attention_kernel_fails_the_reference_check():
 )
 def test_rope_store_is_bitwise_the_reference(tokens, kv_heads, group, half, act, pool, seed):
     """Rotated q, and k and v in the pools, equal ``rotate_half_rope`` plus the two
-    ``index_copy_`` writes bit for bit, for every activation/pool dtype pair."""
+    ``index_copy_`` writes bit for bit, for every activation/pool dtype pair, one thread or
+    (from 64 tokens) several."""
     gen = torch.Generator().manual_seed(seed)
     heads, d = kv_heads * group, 2 * half
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen).to(act)
     angles = torch.rand(tokens, half, generator=gen) * 100
     cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
-    rows = torch.randperm(20, generator=gen)[:tokens]
-    k_pool, v_pool = torch.zeros(20, kv_heads * d, dtype=pool), torch.zeros(20, kv_heads * d, dtype=pool)
+    rows = torch.randperm(120, generator=gen)[:tokens]
+    k_pool, v_pool = torch.zeros(120, kv_heads * d, dtype=pool), torch.zeros(120, kv_heads * d, dtype=pool)
     k_ref, v_ref = k_pool.clone(), v_pool.clone()
     q = cpu_rope_store.rope_store(qkv, cos, sin, rows, k_pool, v_pool, heads, kv_heads, d)
     qk = rotate_half_rope(qkv[:, : (heads + kv_heads) * d].reshape(tokens, -1, d), cos, sin)
