@@ -21,8 +21,9 @@ CPUs without VNNI but with AVX2 (AMD Zen 2/3, Intel before Ice Lake) read the sa
 two halves of eight rows: ``vpmaddubsw`` multiplies bytes and adds pairs into int16, a group's
 eight of those add exactly in int16, and one ``vpmaddwd`` by ones ends the group in int32, as
 llama.cpp's AVX2 Q4_0 dot does; every step after the group sums is the VNNI path's, so both
-paths give the same bits. On a Zen 3 this ran 3x PyTorch's int4 kernel and 20-40x the widening
-loop there had been (whose AVX2 build is scalar) (RESULTS.md, tenth session).
+paths give the same bits. On a Zen 3 this ran 2.5-4x PyTorch's int4 kernel at 8-512 rows and
+9-29x the widening loop int4 had run there at 1-4 rows, whose AVX2 build is scalar (RESULTS.md,
+tenth session).
 
 A row's result depends only on its own activations and the weights (fixed order), so it is
 the same whatever it is batched with. Built once per machine by ``cpu_build``; ``available()``

@@ -8,8 +8,9 @@ K/V head and a few positions make ~12 rows, whose scores against every visible k
 register tiles (a vector of keys times a broadcast query element, as ``cpu_packed_gemm`` does,
 over K transposed into blocks of one vector of keys once per span and head), then a
 max-subtracted fp32 softmax (ATen's vectorised exp, as the decode kernel uses) and the weighted
-sum of values from register tiles of rows x (up to four vectors of) the head. Keys past a block's last position are
-never computed (causal), and the pool rows are read in place while packing (fp32, bf16, fp16).
+sum of values from register tiles of rows x (up to four vectors of) the head. Keys past a
+block's last position are never computed (causal), and the pool rows are read in place while
+packing (fp32, bf16, fp16).
 
 Head sizes that are a multiple of the vector width up to eight vectors (16-128 on AVX-512) take
 this path; others keep SDPA. Built once per machine by ``cpu_build``.

@@ -111,8 +111,8 @@ class WeightOnlyLinear:
     def _widening(self, flat: torch.Tensor) -> torch.Tensor | None:
         """fp32 ``flat @ W.T``: int8 on the packed kernel at any size (without it, only widths
         PyTorch's int8 kernel cannot take, through the dequantized weight); int4 on CPUs
-        without VNNI or AVX2 through ``cpu_gemv``'s widening loop (what the one-call decode stack runs
-        too) at decode sizes; None where PyTorch's kernels take over."""
+        without VNNI or AVX2 through ``cpu_gemv``'s widening loop (what the one-call decode
+        stack runs too) at decode sizes; None where PyTorch's kernels take over."""
         small = flat.shape[0] <= QUANTIZED_SMALL_ROWS
         if self.packed8 is not None:
             return cpu_packed_gemm.gemm(flat, self.packed8, self.out_features, None, self.scales_f32)
