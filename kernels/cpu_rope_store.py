@@ -6,7 +6,7 @@ than in arithmetic. This kernel does the same arithmetic in one pass: each head'
 rotated in fp32 exactly as ``rotate_half_rope`` does (a product, a product, a sum: no fused
 multiply-add, as Inductor's flags forbid contraction), rounded to the activations' dtype, and
 k and v are stored at the step's pool rows in the pool's dtype. Results are bitwise the
-reference's. A prefill's tokens (64 or more) split over the threads; decode stays on the
+reference's. A prefill's tokens (64 or more) split over ATen's threads; decode runs on the
 calling one. Built once per machine by ``cpu_build``.
 """
 
@@ -21,7 +21,7 @@ from deepinfer.kernels import cpu_build
 _SOURCE = r"""
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
-#include <omp.h>
+#include <ATen/Parallel.h>
 #include <cstdint>
 
 constexpr int64_t PARALLEL_TOKENS = 64;
@@ -30,10 +30,10 @@ template <typename A, typename P>
 void rope_store(const A* qkv, const float* cos, const float* sin, const int64_t* rows, P* k_pool,
                 P* v_pool, A* q_out, int64_t T, int64_t H, int64_t KV, int64_t d) {
   const int64_t half = d / 2, width = (H + 2 * KV) * d;
-  // tokens are independent: a prefill's rows split over the threads, a decode step's few stay
-  // on the calling thread (no parallel region to open)
-#pragma omp parallel for schedule(static) if (T >= PARALLEL_TOKENS)
-  for (int64_t t = 0; t < T; ++t) {
+  // tokens are independent: a prefill's split over ATen's threads (as many as PyTorch is set
+  // to), a decode step's few run inline on the calling thread
+  at::parallel_for(0, T, PARALLEL_TOKENS, [&](int64_t first, int64_t last) {
+  for (int64_t t = first; t < last; ++t) {
     const A* x = qkv + t * width;
     const float* c = cos + t * half;
     const float* s = sin + t * half;
@@ -57,6 +57,7 @@ void rope_store(const A* qkv, const float* cos, const float* sin, const int64_t*
     const A* v = x + (H + KV) * d;
     for (int64_t i = 0; i < KV * d; ++i) vr[i] = static_cast<P>(v[i]);
   }
+  });
 }
 
 #define ENTRY(NAME, A, P)                                                                        \
