@@ -20,10 +20,11 @@ fp32-activation loop by that rounding, as llama.cpp's do.
 CPUs without VNNI but with AVX2 (AMD Zen 2/3, Intel before Ice Lake) read the same blocks as
 two halves of eight rows: ``vpmaddubsw`` multiplies bytes and adds pairs into int16, a group's
 eight of those add exactly in int16, and one ``vpmaddwd`` by ones ends the group in int32, as
-llama.cpp's AVX2 Q4_0 dot does; every step after the group sums is the VNNI path's, so both
-paths give the same bits. On a Zen 3 this ran 2.5-4x PyTorch's int4 kernel at 8-512 rows and
-9-29x the widening loop int4 had run there at 1-4 rows, whose AVX2 build is scalar (RESULTS.md,
-tenth session).
+llama.cpp's AVX2 Q4_0 dot does; every step after the group sums is the VNNI path's, operation
+for operation, so both paths should give the same bits (the kernel test compares them on a CPU
+that runs both; none has run it yet: the AVX2 path was written and tested on an AVX2-only Zen
+3). There it ran 2.2-4.0x PyTorch's int4 kernel at 8-512 rows and 8-29x the widening loop int4
+had run there at 1-4 rows, whose AVX2 build is scalar (RESULTS.md, tenth session).
 
 A row's result depends only on its own activations and the weights (fixed order), so it is
 the same whatever it is batched with. Built once per machine by ``cpu_build``; ``available()``
@@ -202,7 +203,7 @@ static void rows_block(const uint8_t* w, const float* bias, const int8_t* xq, co
 // eight such products per lane stay below 8 x 2 x 15 x 127 = 30,480, so they add up exactly in
 // int16, and one vpmaddwd by ones finishes the group's sum per row in int32. Quantization, the
 // group sums and the float steps after them are the AVX-512 path's, operation for operation, so
-// both give the same bits.
+// both should give the same bits (compared by the kernel test where a CPU runs both).
 
 __attribute__((target("avx2,fma"))) static void quantize_rows_avx2(
     const float* x, int8_t* xq, float* sx, float* cx, int64_t M, int64_t K) {
@@ -378,21 +379,26 @@ def available() -> bool:
 
 
 _ISAS = {2: "avx512-vnni", 1: "avx2"}
+_CODES = {name: code for code, name in _ISAS.items()}
+
+
+@functools.cache
+def _best_code() -> int:
+    """The best path's code on this CPU (asked once: the CPU does not change under us)."""
+    lib = _library()
+    return lib.int8_dot_isa() if lib is not None else 0
 
 
 def isa() -> str:
     """The instructions the kernel multiplies bytes with on this CPU: ``"avx512-vnni"``,
     ``"avx2"`` or ``"none"``."""
-    lib = _library()
-    return _ISAS.get(lib.int8_dot_isa() if lib is not None else 0, "none")
+    return _ISAS.get(_best_code(), "none")
 
 
 def isas() -> list[str]:
     """Every path this CPU can run (an AVX-512 VNNI CPU runs the AVX2 one too), for tests
     that hold the paths to the same bits."""
-    lib = _library()
-    best = lib.int8_dot_isa() if lib is not None else 0
-    return [name for code, name in _ISAS.items() if code <= best]
+    return [name for code, name in _ISAS.items() if code <= _best_code()]
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -432,9 +438,11 @@ def gemm(
     y = torch.empty(m, n)
     scratch = torch.empty(m * k + 8 * m * (k // GROUP), dtype=torch.uint8)
     b = bias.float().contiguous() if bias is not None else None
-    if path is not None and path not in isas():
-        raise ValueError(f"gemm: path {path!r} is not one of this CPU's {isas()}")
-    code = {name: c for c, name in _ISAS.items()}[path or isa()]
+    code = _best_code()
+    if path is not None:
+        if path not in isas():
+            raise ValueError(f"gemm: path {path!r} is not one of this CPU's {isas()}")
+        code = _CODES[path]
     lib.gemm_i4_i8_isa(
         code,
         x.data_ptr(),

@@ -217,7 +217,8 @@ def test_vnni_int4_kernel_equals_its_definition(n, groups, m, seed):
     row = m // 2
     alone = cpu_int4_vnni.gemm(x[row : row + 1], packed, n)
     assert torch.equal(alone[0], got[row])
-    for path in cpu_int4_vnni.isas():  # AVX2 and VNNI give the same bits where both run
+    # AVX2 and VNNI give the same bits (a comparison only a VNNI CPU, which runs both, makes)
+    for path in cpu_int4_vnni.isas():
         assert torch.equal(cpu_int4_vnni.gemm(x, packed, n, path=path), got)
     # mutation check: the bound above catches a 5% scale error wherever that error moves the
     # exact result past the bound (one output of one group can sit near zero: seed 418,
