@@ -413,9 +413,42 @@ def test_adaptive_drafting_pauses_failing_requests_and_resumes_them():
     assert state.drafting("r")  # one failure is not yet a pattern (min_trials)
     state.verified("r", 4, 0)
     assert not state.drafting("r")
-    state.shadow("r", True)
-    state.shadow("r", True)
+    assert state.shadow("r", 4, 1)  # a first-token hit in a wrong draft does not resume it
+    assert state.shadow("r", 4, 1)
+    assert not state.drafting("r")
+    assert not state.shadow("r", 4, 1, final=False)  # an open trial: one match so far
+    assert not state.drafting("r")
+    assert state.shadow("r", 4, 2, final=False)  # two matched: resumed at once
     assert state.drafting("r")
+
+
+class _RightOnce(_Oracle):
+    """The target's greedy continuation, right at its first token only: what free-form text
+    gives an n-gram drafter (one token of its history repeats, the rest does not)."""
+
+    def lookup(self, tokens: Sequence[int]) -> list[int]:
+        return wrong_from(super().lookup(tokens), 1)
+
+
+@pytest.mark.parametrize("resume_hits", [2, 1])
+def test_a_paused_request_needs_more_than_one_matching_token_to_resume(llama, resume_hits):
+    """Five-token drafts right at their first token only: the request's average falls below
+    0.25 after three verifications, it pauses and stays paused, since its shadow trials never match two tokens. ``resume_hits=1`` (the
+    mutation check: the first-token rule it replaced) resumes it after every paused step and
+    keeps verifying mostly wrong drafts. Greedy outputs equal plain decoding either way."""
+    prompt = [11, 12, 13, 14, 15, 16]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    plain = LLM(llama).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(llama, speculative_config={"num_speculative_tokens": 5})
+    llm.engine.spec.drafter = _RightOnce([prompt + plain], 5)
+    llm.engine.spec.adaptive.resume_hits = resume_hits
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain
+    stats = llm.engine.spec.stats
+    if resume_hits == 2:
+        assert stats.verify_steps <= 4, stats
+    else:
+        assert stats.verify_steps >= 8, stats
 
 
 @pytest.mark.parametrize("adaptive", [True, False])

@@ -4,10 +4,19 @@ never make a batch slower than plain decoding).
 
 Each request keeps an exponential moving average of how many of its drafted tokens were
 accepted. Below ``pause_below`` it pauses: the drafter still proposes for it (an n-gram
-lookup costs nothing), but nothing is verified; instead each new token is compared with the
-paused draft's first token (a "shadow" trial, free), and the average moves with those
-outcomes. Above ``resume_above`` it drafts again. Both thresholds leave a gap, so a request
-does not flip every step.
+lookup costs nothing), but nothing is verified. Instead one paused draft at a time is scored
+against the tokens the request goes on to produce (a "shadow" trial, free): its accepted count
+is the longest prefix that matches, as a verification would have found it. A trial whose
+first ``resume_hits`` tokens match resumes drafting at once; one that fails earlier moves the
+average by its accepted fraction, as a verification would, and above ``resume_above`` the
+request drafts again too. Both thresholds leave a gap, so a request does not flip every step.
+A trial opens every step, so a request whose output starts to copy resumes within
+``resume_hits`` tokens.
+
+Asking for two matching tokens, not one, is what keeps free-form text paused: a chat reply
+often repeats one token of its history, and with a first-token rule such a hit resumed the
+request and bought about two rejected five-token chunks (SmolLM2's mixed batch in
+benchmarks/spec_ngram.py: 218 rejected draft rows with that rule, 90 with this one).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ class AdaptiveDrafting:
     resume_above: float = 0.5
     decay: float = 0.5  # weight of the newest outcome in the moving average
     min_trials: int = 2  # verifications before a request may pause
+    resume_hits: int = 2  # a paused draft whose first tokens match this far resumes drafting
     acceptance: dict[str, float] = field(default_factory=dict)
     trials: dict[str, int] = field(default_factory=dict)
     paused: set[str] = field(default_factory=set)
@@ -43,11 +53,25 @@ class AdaptiveDrafting:
         if self.trials[request_id] >= self.min_trials and self.acceptance[request_id] < self.pause_below:
             self.paused.add(request_id)
 
-    def shadow(self, request_id: str, hit: bool) -> None:
-        """A paused request's draft would have had its first token ``hit`` (right)."""
-        self._update(request_id, 1.0 if hit else 0.0)
+    def shadow(self, request_id: str, drafted: int, accepted: int, final: bool = True) -> bool:
+        """A paused request's draft of ``drafted`` tokens matched its next ``accepted`` tokens.
+        ``final=False``: the trial is still open (the ``accepted`` tokens so far all matched).
+        A trial whose first ``resume_hits`` tokens match resumes the request at once; one that
+        failed before that counts ``accepted / drafted`` in the average. Returns whether the
+        trial is closed."""
+        if drafted <= 0:
+            return True
+        if accepted >= min(self.resume_hits, drafted):
+            self._update(request_id, accepted / drafted)
+            self.acceptance[request_id] = max(self.acceptance[request_id], self.resume_above)
+            self.paused.discard(request_id)
+            return True
+        if not final:
+            return False
+        self._update(request_id, accepted / drafted)
         if self.acceptance[request_id] >= self.resume_above:
             self.paused.discard(request_id)
+        return True
 
     def forget(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)

@@ -180,6 +180,7 @@ class SpeculativeDecoder:
         self._old_confidences: list[list[list[float]]] = []  # lagged variant: two plans back
         self._accepted_end: dict[str, int] = {}  # this step's verified chunks: accepted positions
         self.adaptive = AdaptiveDrafting() if config.adaptive else None
+        self._shadow_trials: dict[str, list[Draft]] = {}  # paused requests: drafts being scored
 
     # -- scheduling (called by the scheduler) -------------------------------------------
 
@@ -307,9 +308,8 @@ class SpeculativeDecoder:
             if self._current_draft(req) is not None:
                 continue  # not stepped since: its ring and newest token are unchanged
             old = self.drafts.pop(req.request_id, None)
-            if self.adaptive is not None and self._paused(req) and old is not None and old.tokens:
-                if old.anchor_pos == req.num_tokens - 2:  # a shadow trial: would it have hit?
-                    self.adaptive.shadow(req.request_id, old.tokens[0] == req.output_token_ids[-1])
+            if self._paused(req):
+                self._score_shadow_trials(req, old)
             if req.slot is not None and can_draft(req):
                 ask = DraftRequest(
                     req.slot,
@@ -324,6 +324,32 @@ class SpeculativeDecoder:
         for (req, _), draft in zip(asks, self.drafter.propose([a for _, a in asks]), strict=True):
             if draft.tokens:
                 self.drafts[req.request_id] = draft
+
+    def _score_shadow_trials(self, req: SequenceState, newest: Draft | None) -> None:
+        """A paused request: open a shadow trial with ``newest`` (the draft that followed the
+        token before the newest one), then score every open trial against the tokens the
+        request produced since its anchor. Trials overlap (one opens each step), so a request
+        whose history starts to match resumes within a few tokens."""
+        assert self.adaptive is not None
+        rid = req.request_id
+        trials = self._shadow_trials.setdefault(rid, [])
+        if newest is not None and newest.tokens and newest.anchor_pos == req.num_tokens - 2:
+            trials.append(newest)
+        still_open = []
+        for trial in trials:
+            known = min(req.num_tokens - 1 - trial.anchor_pos, len(trial.tokens))
+            hits = 0
+            while hits < known and trial.tokens[hits] == _token_at(req, trial.anchor_pos + 1 + hits):
+                hits += 1
+            final = hits < known or known == len(trial.tokens)
+            if not self.adaptive.shadow(rid, len(trial.tokens), hits, final=final):
+                still_open.append(trial)
+            if not self._paused(req):
+                break
+        if self._paused(req):
+            self._shadow_trials[rid] = still_open
+        else:
+            self._shadow_trials.pop(rid, None)
 
     def _accepted_rows(
         self, featured: list[tuple[Chunk, tuple[int, int]]]
@@ -344,6 +370,7 @@ class SpeculativeDecoder:
     def forget(self, request_id: str) -> None:
         """The request finished or was aborted: drop its draft and saved state."""
         self.drafts.pop(request_id, None)
+        self._shadow_trials.pop(request_id, None)
         self.rollback.forget(request_id)
         if self.adaptive is not None:
             self.adaptive.forget(request_id)
