@@ -11,11 +11,24 @@ from stable_topk_patch import stable_indexer_topk
 
 from deepinfer.tiny import make_tiny_checkpoint
 
-torch.set_num_threads(2)
+# README's command runs two pytest-xdist workers, one per core: each computes on one thread
+# (two threads each would put four spinning OpenMP threads on two cores). Tests of threaded
+# kernel paths ask for two threads themselves (the ``two_threads`` fixture).
+ONE_WORKER_OF_SEVERAL = "PYTEST_XDIST_WORKER" in os.environ
+torch.set_num_threads(1 if ONE_WORKER_OF_SEVERAL else 2)
 # V4 engines keep the CPU default (saved compiled variants, eager steps otherwise) but never
 # reach its compile budget: a 30 s compile partway through a long test would change its
 # timing and kernels; test_precompiled.py tests the budget rule with explicit values
 os.environ.setdefault("DEEPINFER_CPU_COMPILE_AFTER_S", "1e9")
+
+
+@pytest.fixture
+def two_threads():
+    """Two compute threads for the test (kernels that split rows or tokens over threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

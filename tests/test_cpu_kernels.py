@@ -31,6 +31,8 @@ from deepinfer.models.layers.norms import RMSNorm
 from deepinfer.models.llama import rotate_half_rope
 from deepinfer.tiny import make_tiny_checkpoint
 
+pytestmark = pytest.mark.usefixtures("two_threads")  # the kernels' threaded paths, at any -n
+
 
 def test_the_kernels_build_here():
     """CI machines have the C++ compiler Inductor needs; a build failure must not pass quietly

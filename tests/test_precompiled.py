@@ -27,6 +27,8 @@ _FRESH_PROCESS = textwrap.dedent(
     """
     import json, sys, time
     start = time.perf_counter()
+    import torch
+    torch.set_num_threads(int(sys.argv[3]))  # dynamo's global-state guard holds the count
     from deepinfer import LLM, SamplingParams
     prompts = json.loads(sys.argv[2])
     llm = LLM(sys.argv[1], compile=True, max_num_batched_tokens=64)
@@ -78,7 +80,14 @@ def test_a_fresh_process_loads_the_saved_variants_and_compiles_nothing(checkpoin
     eager, saved = compiled
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     run = subprocess.run(
-        [sys.executable, "-c", _FRESH_PROCESS, str(checkpoint), json.dumps(_prompts())],
+        [
+            sys.executable,
+            "-c",
+            _FRESH_PROCESS,
+            str(checkpoint),
+            json.dumps(_prompts()),
+            str(torch.get_num_threads()),
+        ],
         capture_output=True,
         text=True,
         env=env,
