@@ -433,9 +433,10 @@ class _RightOnce(_Oracle):
 @pytest.mark.parametrize("resume_hits", [2, 1])
 def test_a_paused_request_needs_more_than_one_matching_token_to_resume(llama, resume_hits):
     """Five-token drafts right at their first token only: the request's average falls below
-    0.25 after three verifications, it pauses and stays paused, since its shadow trials never match two tokens. ``resume_hits=1`` (the
-    mutation check: the first-token rule it replaced) resumes it after every paused step and
-    keeps verifying mostly wrong drafts. Greedy outputs equal plain decoding either way."""
+    0.25 after three verifications, it pauses and stays paused, since its shadow trials never
+    match two tokens (3 verified chunks here). ``resume_hits=1`` (the mutation check: the
+    first-token rule it replaced) resumes it after every paused step and keeps verifying
+    mostly wrong drafts (20 chunks). Greedy outputs equal plain decoding either way."""
     prompt = [11, 12, 13, 14, 15, 16]
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     plain = LLM(llama).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
