@@ -12,10 +12,10 @@ from stable_topk_patch import stable_indexer_topk
 from deepinfer.tiny import make_tiny_checkpoint
 
 # README's command runs two pytest-xdist workers, one per core: each computes on one thread
-# (two threads each would put four spinning OpenMP threads on two cores). Tests of threaded
-# kernel paths ask for two threads themselves (the ``two_threads`` fixture).
-ONE_WORKER_OF_SEVERAL = "PYTEST_XDIST_WORKER" in os.environ
-torch.set_num_threads(1 if ONE_WORKER_OF_SEVERAL else 2)
+# (with two each, four compute threads on two cores, the suite ran slower than in one process:
+# RESULTS.md, eleventh session). The kernel test files ask for two threads themselves (the
+# ``two_threads`` fixture), so the kernels' threaded paths stay tested.
+torch.set_num_threads(1 if "PYTEST_XDIST_WORKER" in os.environ else 2)
 # V4 engines keep the CPU default (saved compiled variants, eager steps otherwise) but never
 # reach its compile budget: a 30 s compile partway through a long test would change its
 # timing and kernels; test_precompiled.py tests the budget rule with explicit values

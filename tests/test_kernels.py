@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from deepinfer.kernels.sinkhorn import _cpp, _library, _numpy, reference, sinkhorn
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+pytestmark = pytest.mark.usefixtures("two_threads")  # the kernels' threaded paths, at any -n
 
 
 @settings(max_examples=40, deadline=None)

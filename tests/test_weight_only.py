@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from deepinfer import LLM, SamplingParams, load_model
 from deepinfer.tiny import make_tiny_checkpoint
 
+pytestmark = pytest.mark.usefixtures("two_threads")  # the kernels' threaded paths, at any -n
+
 
 @settings(max_examples=12, deadline=None)
 @given(

@@ -332,7 +332,7 @@ class SpeculativeDecoder:
         whose history starts to match resumes within a few tokens."""
         assert self.adaptive is not None
         rid = req.request_id
-        trials = self._shadow_trials.setdefault(rid, [])
+        trials = self._shadow_trials.pop(rid, [])
         if newest is not None and newest.tokens and newest.anchor_pos == req.num_tokens - 2:
             trials.append(newest)
         still_open = []
@@ -345,11 +345,9 @@ class SpeculativeDecoder:
             if not self.adaptive.shadow(rid, len(trial.tokens), hits, final=final):
                 still_open.append(trial)
             if not self._paused(req):
-                break
-        if self._paused(req):
+                return  # resumed: the other trials no longer matter
+        if still_open:
             self._shadow_trials[rid] = still_open
-        else:
-            self._shadow_trials.pop(rid, None)
 
     def _accepted_rows(
         self, featured: list[tuple[Chunk, tuple[int, int]]]
