@@ -1,13 +1,18 @@
 """Speculative-decoding building blocks: the rejection sampler is lossless (its output has the
 target's distribution, checked by chi-square), greedy verification is a prefix match, an
-oracle draft is always accepted; the n-gram drafter proposes what followed the last match."""
+oracle draft is always accepted; the n-gram drafter proposes what followed the last match
+(checked against the definition on generated sequences, and through its per-slot histories)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deepinfer.sampling.rejection import rejection_sample
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.speculative.drafter import DraftRequest
 from deepinfer.speculative.ngram import NgramDrafter
 
 # chi-square critical values at p = 0.001 (df -> value), from standard tables
@@ -87,6 +92,61 @@ def test_ngram_drafter_proposes_what_followed_the_last_match():
         NgramDrafter(min_n=3, max_n=2)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         NgramDrafter(num_speculative_tokens=0)
+
+
+def _prompt_lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The n-gram draft by its definition: the longest suffix of ``min_n``..``max_n`` tokens
+    that occurred earlier; what followed its most recent occurrence with ``k`` tokens after
+    it, else its earliest occurrence."""
+    length = len(tokens)
+    for n in range(max_n, min_n - 1, -1):
+        starts = [s for s in range(length - n) if tokens[s : s + n] == tokens[length - n :]]
+        if starts:
+            full = [s for s in starts if s + n + k <= length]
+            s = full[-1] if full else starts[0]
+            return tokens[s + n : s + n + k]
+    return []
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 5), max_size=40),
+    k=st.integers(1, 6),
+    min_n=st.integers(1, 4),
+    extra_n=st.integers(0, 3),
+)
+def test_ngram_lookup_matches_its_definition(tokens, k, min_n, extra_n):
+    drafter = NgramDrafter(k, min_n, min_n + extra_n)
+    assert drafter.lookup(tokens) == _prompt_lookup(tokens, k, min_n, min_n + extra_n)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_ngram_proposals_follow_each_slots_requests(data):
+    """Proposals read each slot's cached history, extended step by step; a slot reused by a
+    new request, or a request given a new output list (shorter or not), must not see the old
+    tokens."""
+    drafter = NgramDrafter(3, 1, 3)
+    params = SamplingParams(max_tokens=8)
+    owners: dict[int, tuple[list[int], list[int]]] = {}
+    token = st.integers(0, 4)
+    for _ in range(data.draw(st.integers(1, 30))):
+        slot = data.draw(st.integers(0, 2))
+        action = data.draw(st.sampled_from(["grow", "grow", "grow", "new", "copy", "shorten"]))
+        if action == "new" or slot not in owners:
+            owners[slot] = (data.draw(st.lists(token, min_size=1, max_size=12)), [])
+        prompt, output = owners[slot]
+        if action == "copy":  # same tokens, a new list
+            output = [*output]
+        elif action == "shorten":  # a new list with fewer tokens than the slot has seen
+            output = output[: len(output) // 2]
+        owners[slot] = (prompt, output)
+        output.extend(data.draw(st.lists(token, max_size=4)))
+        length = len(prompt) + len(output)
+        req = DraftRequest(slot, length - 1, [*prompt, *output][-1], params, None, prompt, output)
+        (draft,) = drafter.propose([req])
+        assert draft.anchor_pos == length - 1
+        assert draft.tokens == _prompt_lookup([*prompt, *output], 3, 1, 3)
 
 
 def test_one_batched_verification_equals_each_request_verified_alone():
