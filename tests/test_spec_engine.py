@@ -342,9 +342,10 @@ def test_compressor_caches_after_rejections_equal_a_plain_run(arch, method, tmp_
 
 def test_hardware_schedule_verifies_less_as_concurrency_grows(llama):
     """Algorithm 1 in the engine with a synthetic steps-per-second table (fast up to 16
-    tokens, half as fast beyond): one request verifies its whole oracle draft, sixteen
-    concurrent requests verify none; outputs stay equal to plain decoding."""
-    from deepinfer.speculative.schedule import SpsTable
+    tokens, half as fast beyond; the engine's own step times are not fitted here): one
+    request verifies its whole oracle draft, sixteen concurrent requests verify none;
+    outputs stay equal to plain decoding."""
+    from deepinfer.speculative.schedule import SpsTable, StepCostFit
 
     rng = random.Random(8)
     prompts = [[rng.randrange(3, 200) for _ in range(rng.randrange(3, 20))] for _ in range(16)]
@@ -357,7 +358,8 @@ def test_hardware_schedule_verifies_less_as_concurrency_grows(llama):
         )
         spec = llm.engine.spec
         assert spec.sps is not None and len(spec.sps.sizes) > 1  # profiled at start
-        spec.sps = SpsTable.from_points({1: 100.0, 17: 50.0})
+        spec.sps = SpsTable.from_points({1: 100.0, 16: 100.0, 17: 50.0})
+        spec.step_cost = StepCostFit(min_weight=float("inf"))
         spec.drafter = _Oracle([p + o for p, o in zip(prompts, plain, strict=True)], 4)
         spec.trials, spec.accepts = [50] * 4, [50] * 4  # a history of full acceptance
         outs = llm.generate(prompts[:group], params, use_tqdm=False)
@@ -471,3 +473,82 @@ def test_a_request_whose_drafts_fail_stops_drafting_until_they_match(llama, adap
         assert stats.accepted > 0 and stats.drafted - stats.accepted <= 3 * 4, stats
     else:
         assert stats.drafted - stats.accepted >= 25, stats
+
+
+class _WrongFor(_Oracle):
+    """The target's greedy continuation, except for sequences starting with ``wrong``:
+    their drafts are wrong from the first token."""
+
+    def __init__(self, sequences: list[list[int]], k: int, wrong: list[int]) -> None:
+        super().__init__(sequences, k)
+        self.wrong = wrong
+
+    def lookup(self, tokens: Sequence[int]) -> list[int]:
+        draft = super().lookup(tokens)
+        return wrong_from(draft, 0) if list(tokens[: len(self.wrong)]) == self.wrong else draft
+
+
+@pytest.mark.parametrize("own_rates", [True, False])
+def test_lookup_confidences_are_each_requests_own(llama, own_rates, monkeypatch):
+    """Two requests in one batch, one whose drafts are always right and one whose drafts
+    are always wrong, under the threshold schedule (adaptive pausing off): with per-request
+    acceptance rates the wrong one soon verifies nothing while the right one verifies every
+    draft. With one pooled rate (the mutation check: the request's own history given no
+    weight) both see the same ~50% and verify alike. Outputs equal plain decoding."""
+    from deepinfer.speculative import decoder
+
+    if not own_rates:
+        monkeypatch.setattr(decoder, "REQUEST_PRIOR_TRIALS", 1e12)
+    right, wrong = [21, 22, 23, 24, 25], [31, 32, 33, 34, 35]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(llama).generate([right, wrong], params, use_tqdm=False)]
+    config = {
+        "num_speculative_tokens": 3,
+        "schedule": "threshold",
+        "confidence_threshold": 0.4,
+        "adaptive": False,
+    }
+    llm = LLM(llama, speculative_config=config)
+    llm.engine.spec.drafter = _WrongFor([right + plain[0], wrong + plain[1]], 3, wrong)
+    seen: dict[str, int] = {}
+    orig = llm.engine.spec._count
+
+    def count(req, drafted, accepted):
+        seen[req.prompt_token_ids[0]] = seen.get(req.prompt_token_ids[0], 0) + drafted
+        orig(req, drafted, accepted)
+
+    monkeypatch.setattr(llm.engine.spec, "_count", count)
+    outs = llm.generate([right, wrong], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    if own_rates:
+        assert seen[wrong[0]] <= 6 and seen[right[0]] >= 20, seen
+    else:
+        assert seen[wrong[0]] > 6, seen
+
+
+def test_the_hardware_schedule_prices_rows_by_the_engines_own_steps(llama):
+    """The engine times its decode and verification steps (prefill steps are left out of
+    the fit) and, once the fit exists, Algorithm 1 prices a drafted row by it: the same
+    confident oracle drafts are verified when the fitted row is cheap and none when a
+    step's time is all rows (a draft then pays only if surely accepted)."""
+    from deepinfer.speculative.schedule import LinearSps, SpsTable
+
+    prompt = [41, 42, 43, 44, 45, 46]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = LLM(llama).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(llama, speculative_config={"num_speculative_tokens": 4, "schedule": "hardware"})
+    spec = llm.engine.spec
+    spec.drafter = _Oracle([prompt + plain], 4)
+    observed: list[int] = []
+    orig = spec.step_cost.observe
+    spec.step_cost.observe = lambda rows, seconds: (observed.append(rows), orig(rows, seconds))
+    assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == plain
+    assert observed and all(1 <= r <= 5 for r in observed)  # one request: its row and drafts
+    assert len(observed) == spec.stats.engine_steps + sum(1 for r in observed if r == 1)
+    spec.sps = SpsTable.from_points({1: 100.0})  # flat: every draft pays
+    for fixed_s, row_s, expect_drafts in ((1.0, 1e-6, True), (1e-6, 1.0, False)):
+        spec.step_cost.line = lambda fixed_s=fixed_s, row_s=row_s: LinearSps(fixed_s, row_s)
+        spec.stats.__init__()
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == plain
+        assert (spec.stats.drafted > 0) == expect_drafts, (row_s, spec.stats)

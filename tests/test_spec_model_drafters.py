@@ -291,7 +291,7 @@ class _FakeDrafter:
 
 
 def test_lagged_schedule_sizes_a_step_from_confidences_two_plans_old(v41):
-    sps = SpsTable.from_points({1: 100.0, 3: 90.0, 5: 80.0, 9: 10.0})
+    sps = SpsTable.from_points({1: 100.0, 3: 90.0, 5: 80.0, 8: 80.0, 9: 10.0})
     config = SpeculativeConfig(method="dspark", schedule="hardware")
     spec = SpeculativeDecoder(config, _FakeDrafter(), 64, Rollback([], [], slots=None), sps, lagged=True)
 

@@ -1,14 +1,18 @@
 """Verification schedulers (speculative/schedule.py): Algorithm 1's early stop never looks ahead at a
 token's own value (the paper's Appendix A counterexample), the verified tokens per request
 shrink as concurrency grows under a synthetic steps-per-second table, and the lagged top-K,
-threshold and table lookups do what they say."""
+threshold and table lookups do what they say, and the step-cost fit finds the line its
+steps lie on."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deepinfer.speculative.schedule import (
     SpsTable,
+    StepCostFit,
     capacity_from,
     hardware_schedule,
     lagged_topk_schedule,
@@ -57,6 +61,47 @@ def test_prefixes_stay_prefixes_and_confident_requests_get_more():
 def test_threshold_and_table_lookup():
     assert threshold_schedule([[0.9, 0.9, 0.9], [0.5, 0.9]], 0.75) == [2, 0]
     table = SpsTable.from_points({4: 3.0, 16: 2.0})
-    assert (table(1), table(4), table(15), table(16), table(1000)) == (3.0, 3.0, 3.0, 2.0, 2.0)
+    assert (table(1), table(4), table(16), table(1000)) == (3.0, 3.0, 2.0, 2.0)
+    # between profiled sizes the step time is linear: 1/3 s at 4 rows, 1/2 s at 16
+    assert table(10) == pytest.approx(1 / (1 / 3 + (1 / 2 - 1 / 3) * 6 / 12))
+    assert table(4) > table(5) > table(15) > table(16)
     with pytest.raises(ValueError, match="increasing"):
         SpsTable((4, 2), (1.0, 2.0))
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    fixed=st.floats(1e-3, 1.0),
+    row=st.floats(0.0, 0.1),
+    rows=st.lists(st.integers(1, 64), min_size=12, max_size=60).filter(lambda r: len(set(r)) > 1),
+)
+def test_step_cost_fit_recovers_a_line(fixed, row, rows):
+    """Exact step times on a line: the weighted least-squares fit returns it (any decay)."""
+    fit = StepCostFit(min_spread=0.0)
+    for r in rows:
+        fit.observe(r, fixed + row * r)
+    line = fit.line()
+    assert line is not None
+    assert line.fixed_s == pytest.approx(fixed, rel=1e-6, abs=1e-9)
+    assert line.row_s == pytest.approx(row, rel=1e-6, abs=1e-9)
+    assert line(10) == pytest.approx(1 / (fixed + 10 * row))
+
+
+def test_step_cost_fit_waits_for_evidence_and_follows_changes():
+    fit = StepCostFit()
+    for _ in range(50):
+        fit.observe(4, 0.03)  # one size only: the row cost is unknown
+    assert fit.line() is None
+    fit = StepCostFit()
+    for r in (3, 8, 3):
+        fit.observe(r, 0.02 + 0.002 * r)
+    assert fit.line() is None  # too few steps
+    for i in range(40):
+        fit.observe(3 + 5 * (i % 2), 0.02 + 0.002 * (3 + 5 * (i % 2)))
+    assert fit.line().row_s == pytest.approx(0.002)
+    for i in range(200):  # the machine slows down: rows now cost twice as much
+        fit.observe(3 + 5 * (i % 2), 0.02 + 0.004 * (3 + 5 * (i % 2)))
+    assert fit.line().row_s == pytest.approx(0.004, rel=1e-3)
+    for _ in range(30):  # then only one size: the slope stays what the older steps showed
+        fit.observe(3, 0.032)
+    assert fit.line().row_s == pytest.approx(0.004, rel=0.05)

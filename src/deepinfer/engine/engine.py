@@ -271,6 +271,16 @@ class Engine:
             self.tp.close()
 
     def _execute(self, prepared: PreparedStep, input_ids: torch.Tensor):
+        """Run a step, timed on the CPU (where the forward's wall time is its cost; the
+        hardware verification schedule reads it)."""
+        if self.runner.device.type != "cpu":
+            return self._execute_step(prepared, input_ids)
+        start = time.perf_counter()
+        out = self._execute_step(prepared, input_ids)
+        prepared.forward_s = time.perf_counter() - start
+        return out
+
+    def _execute_step(self, prepared: PreparedStep, input_ids: torch.Tensor):
         """Run a step: on every rank when tensor parallel (its chunks broadcast first); under
         data parallel each rank runs its own chunks and rank 0 gathers the logits."""
         if self.tp is None:
@@ -675,6 +685,8 @@ class Engine:
                 self.scheduler.publish_full_blocks(c.request)
                 self.scheduler.trim_window(c.request)  # published first: trimmed blocks stay cached
         if self.spec is not None:
+            if prepared.forward_s is not None and all(c.num_tokens == 1 + len(c.draft) for c in chunks):
+                self.spec.observe_step(sum(c.num_tokens for c in chunks), prepared.forward_s)
             featured = [
                 (c, rows)
                 for c, rows in zip(chunks, prepared.feature_rows or [], strict=False)

@@ -44,6 +44,7 @@ class PreparedStep:
     # data-parallel attention: each chunk's rank; positions and batch are rank 0's part only
     # (the other ranks build theirs from their seq_chunks)
     ranks: list[int] | None = None
+    forward_s: float | None = None  # the forward's wall time, where it is exact (CPU)
 
     def on_rank(self, rank: int) -> list[int]:
         """Indices of the chunks rank ``rank`` runs."""

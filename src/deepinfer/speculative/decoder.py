@@ -29,6 +29,7 @@ from deepinfer.speculative.ngram import NgramDrafter
 from deepinfer.speculative.rollback import Rollback
 from deepinfer.speculative.schedule import (
     SpsTable,
+    StepCostFit,
     capacity_from,
     hardware_schedule,
     lagged_topk_schedule,
@@ -145,6 +146,11 @@ def build_drafter(model: Any, config: SpeculativeConfig, num_slots: int) -> Draf
     return DSparkDrafter(draft, num_slots, k)
 
 
+# a request's own acceptance history weighs as much as this many trials of the global one
+# before it has any: two verifications already separate a copying request from a free one
+REQUEST_PRIOR_TRIALS = 2.0
+
+
 class SpeculativeDecoder:
     """Drafting, verification scheduling, verification and rollback for the engine (see the
     module docstring for the calls). One ``Drafter`` serves every method."""
@@ -171,22 +177,33 @@ class SpeculativeDecoder:
         self.num_draft_tokens = drafter.num_draft_tokens
         self.stats = SpecStats()
         k = self.num_draft_tokens
-        # acceptance history per draft position: P(accept j | drafts before j accepted). A
-        # drafter without a confidence head (n-gram, MTP) uses these rates instead. They do
-        # not depend on the drafted tokens' values, so the schedule never anticipates them.
+        # acceptance history per draft position: P(accept j | drafts before j accepted), over
+        # all requests and per request. A drafter without a confidence head (n-gram, MTP) uses
+        # each request's own rates, drawn towards the global ones while it has few trials
+        # (copy-heavy and free-form requests accept very differently). They do not depend on
+        # the drafted tokens' values, so the schedule never anticipates them.
         self.trials, self.accepts = [0] * k, [0] * k
+        self._request_history: dict[str, tuple[list[int], list[int]]] = {}  # trials, accepts
         self.allowed: dict[str, int] = {}  # this step's verify lengths (hardware/threshold)
         self.drafts: dict[str, Draft] = {}  # drafts waiting for their step
         self._old_confidences: list[list[list[float]]] = []  # lagged variant: two plans back
         self._accepted_end: dict[str, int] = {}  # this step's verified chunks: accepted positions
         self.adaptive = AdaptiveDrafting() if config.adaptive else None
+        self.step_cost = StepCostFit()  # the engine's own decode/verify step times (CPU)
         self._shadow_trials: dict[str, list[Draft]] = {}  # paused requests: drafts being scored
 
     # -- scheduling (called by the scheduler) -------------------------------------------
 
-    def acceptance_rates(self) -> list[float]:
-        """Laplace-smoothed acceptance rate per draft position."""
-        return [(a + 1) / (t + 2) for a, t in zip(self.accepts, self.trials, strict=True)]
+    def acceptance_rates(self, request_id: str | None = None) -> list[float]:
+        """Laplace-smoothed acceptance rate per draft position over all requests; with
+        ``request_id``, that request's own rates with the global ones as a prior worth
+        ``REQUEST_PRIOR_TRIALS`` trials."""
+        rates = [(a + 1) / (t + 2) for a, t in zip(self.accepts, self.trials, strict=True)]
+        own = self._request_history.get(request_id) if request_id is not None else None
+        if own is None:
+            return rates
+        w = REQUEST_PRIOR_TRIALS
+        return [(a + w * g) / (t + w) for t, a, g in zip(own[0], own[1], rates, strict=True)]
 
     def _paused(self, req: SequenceState) -> bool:
         return self.adaptive is not None and not self.adaptive.drafting(req.request_id)
@@ -203,7 +220,7 @@ class SpeculativeDecoder:
             return []
         if draft.confidences:
             return draft.confidences[: len(draft.tokens)]
-        return self.acceptance_rates()[: len(draft.tokens)]
+        return self.acceptance_rates(req.request_id)[: len(draft.tokens)]
 
     def plan(self, requests: list[SequenceState]) -> None:
         """Before a step: how many drafts each decoding request may verify, for the whole
@@ -217,15 +234,14 @@ class SpeculativeDecoder:
         if schedule == "hardware":
             if self.sps is None:
                 raise RuntimeError("the hardware schedule needs a steps-per-second table")
+            sps = self.step_cost.line() or self.sps  # measured steps once there are enough
             if self.lagged:
                 self._old_confidences.append(conf)
                 old = self._old_confidences.pop(0) if len(self._old_confidences) > 2 else None
-                capacity = (
-                    capacity_from(old, self.sps) if old is not None else self.num_draft_tokens * len(conf)
-                )
+                capacity = capacity_from(old, sps) if old is not None else self.num_draft_tokens * len(conf)
                 lengths = lagged_topk_schedule(conf, capacity)
             else:
-                lengths = hardware_schedule(conf, self.sps)
+                lengths = hardware_schedule(conf, sps)
         else:
             lengths = threshold_schedule(conf, self.config.confidence_threshold)
         self.allowed = {r.request_id: n for r, n in zip(requests, lengths, strict=True)}
@@ -247,6 +263,11 @@ class SpeculativeDecoder:
         return draft.tokens[:room]
 
     # -- a step (called by the engine) --------------------------------------------------
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode or verification step of ``rows`` rows took ``seconds`` in the forward
+        (the hardware schedule's cost of a row, measured where the engine can time it)."""
+        self.step_cost.observe(rows, seconds)
 
     def before_step(self, chunks: list[Chunk]) -> None:
         for c in chunks:
@@ -369,6 +390,7 @@ class SpeculativeDecoder:
         """The request finished or was aborted: drop its draft and saved state."""
         self.drafts.pop(request_id, None)
         self._shadow_trials.pop(request_id, None)
+        self._request_history.pop(request_id, None)
         self.rollback.forget(request_id)
         if self.adaptive is not None:
             self.adaptive.forget(request_id)
@@ -377,9 +399,13 @@ class SpeculativeDecoder:
         self.stats.verify_steps += 1
         self.stats.drafted += drafted
         self.stats.accepted += accepted
+        k = self.num_draft_tokens
+        own = self._request_history.setdefault(req.request_id, ([0] * k, [0] * k))
         for j in range(min(accepted + 1, drafted)):  # positions that were tested
             self.trials[j] += 1
             self.accepts[j] += j < accepted
+            own[0][j] += 1
+            own[1][j] += j < accepted
         req.num_draft_tokens += drafted
         req.num_accepted_tokens += accepted
         if self.adaptive is not None:
