@@ -145,9 +145,10 @@ def test_compressor_models_roll_back_rejected_drafts(arch, method, tmp_path):
     prompts = _repetitive_prompts(6, 11)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(path).generate(prompts, params, use_tqdm=False)]
-    llm = LLM(
-        path, speculative_config={"method": method, "num_speculative_tokens": 3}, max_num_batched_tokens=48
-    )
+    # adaptive drafting off: in a closed batch of equal budgets it may verify nothing, and
+    # this test is about rolling back rejected drafts
+    config = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(path, speculative_config=config, max_num_batched_tokens=48)
     if arch == "deepseek_v41":  # no overlap state: rejections never need a saved copy
         llm.engine.runner.save_slot = None
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -252,7 +253,7 @@ def test_drafting_after_a_prefix_hit_that_leaves_one_token(arch, tmp_path):
     overlap from the block's snapshot, then decoding drafts and rolls back on compressor
     models; outputs equal plain decoding."""
     path = make_tiny_checkpoint(tmp_path / arch, arch=arch)
-    llm = LLM(path, speculative_config={"num_speculative_tokens": 5})
+    llm = LLM(path, speculative_config={"num_speculative_tokens": 5, "adaptive": False})  # drafts verified
     bs = llm.engine.layout.block_size
     rng = random.Random(4)
     prompts = []
@@ -552,3 +553,74 @@ def test_the_hardware_schedule_prices_rows_by_the_engines_own_steps(llama):
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         assert out.outputs[0].token_ids == plain
         assert (spec.stats.drafted > 0) == expect_drafts, (row_s, spec.stats)
+
+
+def _drafted_per_prompt(llm: LLM, monkeypatch) -> dict[int, int]:
+    """Drafted tokens verified per request, keyed by its first prompt token."""
+    seen: dict[int, int] = {}
+    orig = llm.engine.spec._count
+
+    def count(req, drafted, accepted):
+        seen[req.prompt_token_ids[0]] = seen.get(req.prompt_token_ids[0], 0) + drafted
+        orig(req, drafted, accepted)
+
+    monkeypatch.setattr(llm.engine.spec, "_count", count)
+    return seen
+
+
+@pytest.mark.parametrize("closed_rule", [True, False])
+def test_a_closed_batch_verifies_only_drafts_that_can_shorten_it(llama, closed_rule, monkeypatch):
+    """``LLM.generate`` with two requests of equal budget, one whose drafts are always right
+    and one whose drafts are always wrong: the wrong one pauses on its shadow trials and
+    will take every one of its steps, so the right one's drafts cannot end the batch sooner
+    and are not verified (nothing is). Given a longer budget, the right one is the last to
+    finish and drafts. Alone it drafts. Without the rule (the mutation check: the batch not
+    treated as closed) the equal-budget batch verifies the right one's drafts. Outputs
+    equal plain decoding throughout."""
+    from deepinfer.speculative import decoder
+
+    if not closed_rule:
+        monkeypatch.setattr(decoder.SpeculativeDecoder, "_cannot_shorten", lambda self, requests, running: [])
+    right, wrong = [21, 22, 23, 24, 25], [31, 32, 33, 34, 35]
+    short = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    plain_llm = LLM(llama)
+    plain_short = [o.outputs[0].token_ids for o in plain_llm.generate([right, wrong], short, use_tqdm=False)]
+    plain_long = plain_llm.generate([right], long, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(llama, speculative_config={"num_speculative_tokens": 3})
+    llm.engine.spec.drafter = _WrongFor([right + plain_long, wrong + plain_short[1]], 3, wrong)
+    seen = _drafted_per_prompt(llm, monkeypatch)
+
+    outs = llm.generate([right, wrong], short, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain_short
+    equal_budgets = dict(seen)
+    seen.clear()
+    outs = llm.generate([right, wrong], [long, short], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [plain_long, plain_short[1]]
+    right_longer = dict(seen)
+    seen.clear()
+    assert llm.generate([right], short, use_tqdm=False)[0].outputs[0].token_ids == plain_short[0]
+    alone = dict(seen)
+
+    assert right_longer.get(right[0], 0) >= 20 and alone.get(right[0], 0) >= 12, (right_longer, alone)
+    if closed_rule:
+        assert not equal_budgets, equal_budgets
+    else:
+        assert equal_budgets.get(right[0], 0) >= 12, equal_budgets
+
+
+def test_requests_outside_llm_generate_are_not_a_closed_batch(llama, monkeypatch):
+    """Requests stepped through the engine directly (as the server does) may be joined by
+    others at any step: the closed-batch rule does not apply, and the right request of an
+    equal-budget pair verifies its drafts."""
+    right, wrong = [21, 22, 23, 24, 25], [31, 32, 33, 34, 35]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(llama).generate([right, wrong], params, use_tqdm=False)]
+    llm = LLM(llama, speculative_config={"num_speculative_tokens": 3})
+    llm.engine.spec.drafter = _WrongFor([right + plain[0], wrong + plain[1]], 3, wrong)
+    seen = _drafted_per_prompt(llm, monkeypatch)
+    reqs = [llm.engine.add_request(f"r{i}", p, params) for i, p in enumerate((right, wrong))]
+    while not all(r.finished for r in reqs):
+        llm.engine.step()
+    assert [r.output_token_ids for r in reqs] == plain
+    assert seen.get(right[0], 0) >= 12, seen

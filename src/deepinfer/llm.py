@@ -223,12 +223,19 @@ class LLM:
 
             progress = tqdm(total=sum(len(g) for g in groups), desc="generate", unit="req")
         pending = {req.request_id for group in groups for req in group}
-        while pending:
-            for req in self.engine.step():
-                if req.finished and req.request_id in pending:
-                    pending.discard(req.request_id)
-                    if progress is not None:
-                        progress.update(1)
+        spec = self.engine.spec
+        if spec is not None:  # nothing else arrives until the call returns: a closed batch
+            spec.closed_batch = True
+        try:
+            while pending:
+                for req in self.engine.step():
+                    if req.finished and req.request_id in pending:
+                        pending.discard(req.request_id)
+                        if progress is not None:
+                            progress.update(1)
+        finally:
+            if spec is not None:
+                spec.closed_batch = False
         if progress is not None:
             progress.close()
         return [self._merge([self.engine.pop_finished(r.request_id) for r in group]) for group in groups]

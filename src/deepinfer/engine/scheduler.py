@@ -54,15 +54,16 @@ class Scheduler:
         block_size: int,
         num_slots: int,
         drafter: Callable[[Request, int], list[int]] | None = None,
-        plan_drafts: Callable[[list[Request]], None] | None = None,
+        plan_drafts: Callable[[list[Request], list[Request], int], None] | None = None,
         drafts_after_recompute: bool = False,
         window_pool: BlockPool | None = None,
         window: int = 0,
     ) -> None:
         """``drafter(request, room)``: speculative tokens for a decoding request (at most
         ``room``, or []);
-        ``plan_drafts(requests)``: called first with this step's decoding requests, so a
-        verification schedule can size every request's draft together.
+        ``plan_drafts(requests, running, num_waiting)``: called first with this step's decoding
+        requests (and every running one, and how many wait), so a verification schedule can
+        size every request's draft together.
         ``drafts_after_recompute``: a chunk that recomputes the last few accepted tokens after
         a rejection may carry drafts (when a rejection never rolls back past the chunk's own
         accepted part, ``speculative.rollback``; else recomputed chunks would keep growing).
@@ -226,7 +227,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
         if self.plan_drafts is not None:
-            self.plan_drafts([r for r in self.running if self.may_draft(r)])
+            self.plan_drafts([r for r in self.running if self.may_draft(r)], self.running, len(self.waiting))
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]

@@ -29,7 +29,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     confidence_threshold: float = 0.3
     # per request: stop verifying drafts that keep failing, resume when they match again
-    # (speculative/adaptive.py)
+    # (speculative/adaptive.py); and in LLM.generate's closed batches, verify only the drafts
+    # of requests that could be the last to finish (SpeculativeDecoder._cannot_shorten)
     adaptive: bool = True
 
     def __post_init__(self) -> None:

@@ -13,6 +13,7 @@ bias, pending ``min_tokens`` or logprobs); others decode one token per step as b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,6 +34,7 @@ from deepinfer.speculative.schedule import (
     capacity_from,
     hardware_schedule,
     lagged_topk_schedule,
+    survival,
     threshold_schedule,
 )
 from deepinfer.speculative.verify import DraftedRows, verify
@@ -190,6 +192,9 @@ class SpeculativeDecoder:
         self._accepted_end: dict[str, int] = {}  # this step's verified chunks: accepted positions
         self.adaptive = AdaptiveDrafting() if config.adaptive else None
         self.step_cost = StepCostFit()  # the engine's own decode/verify step times (CPU)
+        # set by LLM.generate while it runs: the requests the engine holds are all there will
+        # be until they finish, so the batch's end is what counts, not any one request's
+        self.closed_batch = False
         self._shadow_trials: dict[str, list[Draft]] = {}  # paused requests: drafts being scored
 
     # -- scheduling (called by the scheduler) -------------------------------------------
@@ -222,29 +227,66 @@ class SpeculativeDecoder:
             return draft.confidences[: len(draft.tokens)]
         return self.acceptance_rates(req.request_id)[: len(draft.tokens)]
 
-    def plan(self, requests: list[SequenceState]) -> None:
+    def plan(
+        self, requests: list[SequenceState], running: Sequence[SequenceState] = (), num_waiting: int = 0
+    ) -> None:
         """Before a step: how many drafts each decoding request may verify, for the whole
         batch at once (Algorithm 1, its lagged variant or the threshold rule; static: no
-        limit)."""
-        schedule = self.config.schedule
+        limit), then, in a closed batch with adaptive drafting, none for the requests whose
+        drafts cannot shorten it. ``running``: every running request (decoding or not);
+        ``num_waiting``: requests queued for a slot."""
         self.allowed = {}
-        if schedule == "static" or not requests:
+        if not requests:
             return
-        conf = [self.confidences(r) for r in requests]
-        if schedule == "hardware":
-            if self.sps is None:
-                raise RuntimeError("the hardware schedule needs a steps-per-second table")
-            sps = self.step_cost.line() or self.sps  # measured steps once there are enough
-            if self.lagged:
-                self._old_confidences.append(conf)
-                old = self._old_confidences.pop(0) if len(self._old_confidences) > 2 else None
-                capacity = capacity_from(old, sps) if old is not None else self.num_draft_tokens * len(conf)
-                lengths = lagged_topk_schedule(conf, capacity)
+        schedule = self.config.schedule
+        if schedule != "static":
+            conf = [self.confidences(r) for r in requests]
+            if schedule == "hardware":
+                if self.sps is None:
+                    raise RuntimeError("the hardware schedule needs a steps-per-second table")
+                sps = self.step_cost.line() or self.sps  # measured steps once there are enough
+                if self.lagged:
+                    self._old_confidences.append(conf)
+                    old = self._old_confidences.pop(0) if len(self._old_confidences) > 2 else None
+                    capacity = (
+                        capacity_from(old, sps) if old is not None else self.num_draft_tokens * len(conf)
+                    )
+                    lengths = lagged_topk_schedule(conf, capacity)
+                else:
+                    lengths = hardware_schedule(conf, sps)
             else:
-                lengths = hardware_schedule(conf, sps)
-        else:
-            lengths = threshold_schedule(conf, self.config.confidence_threshold)
-        self.allowed = {r.request_id: n for r, n in zip(requests, lengths, strict=True)}
+                lengths = threshold_schedule(conf, self.config.confidence_threshold)
+            self.allowed = {r.request_id: n for r, n in zip(requests, lengths, strict=True)}
+        if self.closed_batch and self.adaptive is not None and num_waiting == 0 and len(running) > 1:
+            for rid in self._cannot_shorten(requests, running):
+                self.allowed[rid] = 0
+
+    def _cannot_shorten(self, requests: list[SequenceState], running: Sequence[SequenceState]) -> list[str]:
+        """A closed batch (nothing waits, nothing more will come) ends with its slowest
+        request, so drafts pay only for requests that could be the last to finish. The
+        batch's end is estimated as the largest, over running requests, of remaining tokens
+        over expected tokens per step (one plus the survival of its drafts by its own
+        acceptance rates; one for a paused or non-decoding request, or one whose drafts have
+        no history yet). A decoding request whose remaining tokens, one per step, would end
+        by then gains nothing from drafting; its drafts would only cost the rows that are
+        rejected. Its drafts are scored as shadow trials instead (free), so its rates are
+        learnt before it verifies anything. Remaining tokens are ``max_tokens``' (an end of
+        sequence is not foreseen), so requests with equal budgets draft only when all the
+        slow ones can; any request drafts again once it is the one left."""
+        drafting = {r.request_id for r in requests if not self._paused(r)}
+
+        def remaining(r: SequenceState) -> int:
+            return max(
+                0, min(r.params.max_tokens - len(r.output_token_ids), self.max_model_len - r.num_tokens)
+            )
+
+        def per_step(r: SequenceState) -> float:
+            if r.request_id not in drafting or r.request_id not in self._request_history:
+                return 1.0
+            return 1.0 + sum(survival(self.acceptance_rates(r.request_id)))
+
+        end = max(remaining(r) / per_step(r) for r in running)
+        return [r.request_id for r in requests if remaining(r) <= end]
 
     def draft(self, req: SequenceState, room: int) -> list[int]:
         """Tokens to verify after the request's last token this step (may be empty);
@@ -309,6 +351,7 @@ class SpeculativeDecoder:
         it proposes for the requests ``ready`` to draft next step (all in one batch) unless
         their draft still follows their newest token."""
         rows = self._accepted_rows(featured)
+        verified = set(self._accepted_end)
         self._accepted_end = {}
         if features is not None and rows:
             slots, positions, next_tokens, feature_rows = [], [], [], []
@@ -329,7 +372,7 @@ class SpeculativeDecoder:
             if self._current_draft(req) is not None:
                 continue  # not stepped since: its ring and newest token are unchanged
             old = self.drafts.pop(req.request_id, None)
-            if self._paused(req):
+            if self._paused(req) or (self.closed_batch and req.request_id not in verified):
                 self._score_shadow_trials(req, old)
             if req.slot is not None and can_draft(req):
                 ask = DraftRequest(
@@ -347,12 +390,16 @@ class SpeculativeDecoder:
                 self.drafts[req.request_id] = draft
 
     def _score_shadow_trials(self, req: SequenceState, newest: Draft | None) -> None:
-        """A paused request: open a shadow trial with ``newest`` (the draft that followed the
-        token before the newest one), then score every open trial against the tokens the
-        request produced since its anchor. Trials overlap (one opens each step), so a request
-        whose history starts to match resumes within a few tokens."""
-        assert self.adaptive is not None
+        """A request whose drafts were not verified (paused, or kept from drafting in a closed
+        batch): open a shadow trial with ``newest`` (the draft that followed the token before
+        the newest one), then score every open trial against the tokens the request produced
+        since its anchor, as a verification would have. A closed trial counts in the
+        request's own acceptance rates, and, for a request not paused, as a verification in
+        its pause rule; a paused request's trials decide when it resumes. Trials overlap
+        (one opens each step), so a request whose history starts to match resumes within a
+        few tokens."""
         rid = req.request_id
+        paused = self._paused(req)
         trials = self._shadow_trials.pop(rid, [])
         if newest is not None and newest.tokens and newest.anchor_pos == req.num_tokens - 2:
             trials.append(newest)
@@ -363,9 +410,17 @@ class SpeculativeDecoder:
             while hits < known and trial.tokens[hits] == _token_at(req, trial.anchor_pos + 1 + hits):
                 hits += 1
             final = hits < known or known == len(trial.tokens)
-            if not self.adaptive.shadow(rid, len(trial.tokens), hits, final=final):
+            if final:
+                self._count_own(rid, len(trial.tokens), hits)
+                if not paused and self.adaptive is not None:  # as if verified: may pause it
+                    self.adaptive.verified(rid, len(trial.tokens), hits)
+            closed = final
+            if paused:
+                assert self.adaptive is not None
+                closed = self.adaptive.shadow(rid, len(trial.tokens), hits, final=final)
+            if not closed:
                 still_open.append(trial)
-            if not self._paused(req):
+            if paused and not self._paused(req):
                 return  # resumed: the other trials no longer matter
         if still_open:
             self._shadow_trials[rid] = still_open
@@ -399,14 +454,19 @@ class SpeculativeDecoder:
         self.stats.verify_steps += 1
         self.stats.drafted += drafted
         self.stats.accepted += accepted
-        k = self.num_draft_tokens
-        own = self._request_history.setdefault(req.request_id, ([0] * k, [0] * k))
         for j in range(min(accepted + 1, drafted)):  # positions that were tested
             self.trials[j] += 1
             self.accepts[j] += j < accepted
-            own[0][j] += 1
-            own[1][j] += j < accepted
+        self._count_own(req.request_id, drafted, accepted)
         req.num_draft_tokens += drafted
         req.num_accepted_tokens += accepted
         if self.adaptive is not None:
             self.adaptive.verified(req.request_id, drafted, accepted)
+
+    def _count_own(self, request_id: str, drafted: int, accepted: int) -> None:
+        """The request's own per-position history: a verified chunk, or a closed shadow trial."""
+        k = self.num_draft_tokens
+        own = self._request_history.setdefault(request_id, ([0] * k, [0] * k))
+        for j in range(min(accepted + 1, drafted, k)):
+            own[0][j] += 1
+            own[1][j] += j < accepted
