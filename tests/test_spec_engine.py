@@ -511,18 +511,11 @@ def test_lookup_confidences_are_each_requests_own(llama, own_rates, monkeypatch)
     }
     llm = LLM(llama, speculative_config=config)
     llm.engine.spec.drafter = _WrongFor([right + plain[0], wrong + plain[1]], 3, wrong)
-    seen: dict[str, int] = {}
-    orig = llm.engine.spec._count
-
-    def count(req, drafted, accepted):
-        seen[req.prompt_token_ids[0]] = seen.get(req.prompt_token_ids[0], 0) + drafted
-        orig(req, drafted, accepted)
-
-    monkeypatch.setattr(llm.engine.spec, "_count", count)
+    seen = _drafted_per_prompt(llm, monkeypatch)
     outs = llm.generate([right, wrong], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == plain
     if own_rates:
-        assert seen[wrong[0]] <= 6 and seen[right[0]] >= 20, seen
+        assert seen.get(wrong[0], 0) <= 6 and seen[right[0]] >= 20, seen
     else:
         assert seen[wrong[0]] > 6, seen
 
