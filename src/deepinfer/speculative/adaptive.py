@@ -16,7 +16,8 @@ not flip every step. As trials overlap, a request whose output starts to copy re
 Asking for two matching tokens, not one, is what keeps free-form text paused: a chat reply
 often repeats one token of its history, and with a first-token rule such a hit resumed the
 request and bought about two rejected five-token chunks (SmolLM2's mixed batch in
-benchmarks/spec_ngram.py: 218 rejected draft rows with that rule, 122 with this one).
+benchmarks/spec_ngram.py: 218 rejected draft rows with that rule, 122 with this one; since
+the closed-batch rule in ``SpeculativeDecoder._cannot_shorten``, that batch verifies none).
 """
 
 from __future__ import annotations

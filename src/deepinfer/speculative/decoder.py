@@ -204,11 +204,15 @@ class SpeculativeDecoder:
         ``request_id``, that request's own rates with the global ones as a prior worth
         ``REQUEST_PRIOR_TRIALS`` trials."""
         rates = [(a + 1) / (t + 2) for a, t in zip(self.accepts, self.trials, strict=True)]
-        own = self._request_history.get(request_id) if request_id is not None else None
+        return rates if request_id is None else self._own_rates(request_id, rates)
+
+    def _own_rates(self, request_id: str, pooled: list[float]) -> list[float]:
+        """The request's own rates drawn towards ``pooled`` (the global ones)."""
+        own = self._request_history.get(request_id)
         if own is None:
-            return rates
+            return pooled
         w = REQUEST_PRIOR_TRIALS
-        return [(a + w * g) / (t + w) for t, a, g in zip(own[0], own[1], rates, strict=True)]
+        return [(a + w * g) / (t + w) for t, a, g in zip(own[0], own[1], pooled, strict=True)]
 
     def _paused(self, req: SequenceState) -> bool:
         return self.adaptive is not None and not self.adaptive.drafting(req.request_id)
@@ -274,6 +278,7 @@ class SpeculativeDecoder:
         sequence is not foreseen), so requests with equal budgets draft only when all the
         slow ones can; any request drafts again once it is the one left."""
         drafting = {r.request_id for r in requests if not self._paused(r)}
+        pooled = self.acceptance_rates()  # once per step, not once per request
 
         def remaining(r: SequenceState) -> int:
             return max(
@@ -283,7 +288,7 @@ class SpeculativeDecoder:
         def per_step(r: SequenceState) -> float:
             if r.request_id not in drafting or r.request_id not in self._request_history:
                 return 1.0
-            return 1.0 + sum(survival(self.acceptance_rates(r.request_id)))
+            return 1.0 + sum(survival(self._own_rates(r.request_id, pooled)))
 
         end = max(remaining(r) / per_step(r) for r in running)
         return [r.request_id for r in requests if remaining(r) <= end]
