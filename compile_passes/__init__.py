@@ -3,11 +3,12 @@
 
 A pass is ``fn(graph: torch.fx.Graph) -> int``: it rewrites matched subgraphs in place and
 returns how many it rewrote. ``PASSES`` is the full pipeline (``compilation.default_passes``
-picks per platform; the CPU keeps only the verification fusion):
+picks per platform; the CPU keeps the verification fusion and adds the small-bmm rewrite):
 
 - ``fuse_sink_attention``: the V4/V4.1 attention core -> ``deepinfer::sink_attention``;
 - ``fuse_moe``: MoE gate + routed experts -> ``deepinfer::fused_moe``;
-- ``fuse_rejection_sampling``: speculative verification -> ``deepinfer::rejection_sample``.
+- ``fuse_rejection_sampling``: speculative verification -> ``deepinfer::rejection_sample``;
+- ``reduce_small_bmm`` (CPU only, not in ``PASSES``): memory-bound ``bmm``s -> mul + sum.
 
 Llama's paged attention is a custom op the model calls directly (``paged_attention``).
 """
@@ -19,8 +20,9 @@ from collections.abc import Callable
 import torch
 from deepinfer.compile_passes.attention import fuse_sink_attention
 from deepinfer.compile_passes.moe import fuse_moe
+from deepinfer.compile_passes.small_bmm import reduce_small_bmm
 from deepinfer.compile_passes.verification import fuse_rejection_sampling
 
-__all__ = ["PASSES", "fuse_moe", "fuse_rejection_sampling", "fuse_sink_attention"]
+__all__ = ["PASSES", "fuse_moe", "fuse_rejection_sampling", "fuse_sink_attention", "reduce_small_bmm"]
 
 PASSES: tuple[Callable[[torch.fx.Graph], int], ...] = (fuse_sink_attention, fuse_moe, fuse_rejection_sampling)

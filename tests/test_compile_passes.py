@@ -233,3 +233,52 @@ def test_sync_free_routed_experts_matches_the_reference(dtype):
     ref = routed_experts(x, weights, ids, w1, w2, w3, 2.0).float()
     got = routed_experts_grouped(x, weights, ids, w1, w2, w3, 2.0).float()
     assert (got - ref).abs().max() <= (1e-5 if dtype == torch.float32 else 0.05 * ref.abs().max())
+
+
+def test_small_bmm_pass_rewrites_only_memory_bound_products():
+    """Of a stream mix [T,4,4]@[T,4,64] (2 multiply-adds per element), a compute-bound
+    [T,128,256]@[T,256,L] (85 at any L) and a product with a symbolic inner size, only the
+    first becomes a mul + sum, and every result equals the eager bmm to rounding."""
+    from deepinfer.compile_passes import reduce_small_bmm
+
+    from deepinfer.compilation import PassManager, PostGradBackend
+
+    def products(mix, streams, q, keys, probs, values):
+        return torch.bmm(mix, streams), torch.bmm(q, keys), torch.bmm(probs, values)
+
+    backend = PostGradBackend(PassManager([reduce_small_bmm]))
+    compiled = torch.compile(products, backend=backend, dynamic=False)
+    gen = torch.Generator().manual_seed(0)
+    length_dims = {3: 2, 4: 2, 5: 1}  # which argument holds L where
+    for t, length in ((5, 7), (9, 12)):
+        args = (
+            torch.randn(t, 4, 4, generator=gen),
+            torch.randn(t, 4, 64, generator=gen),
+            torch.randn(t, 128, 256, generator=gen),
+            torch.randn(t, 256, length, generator=gen),
+            torch.randn(t, 4, length, generator=gen),
+            torch.randn(t, length, 64, generator=gen),
+        )
+        for i, x in enumerate(args):  # T and L symbolic, the rest static (as in a model step)
+            torch._dynamo.mark_dynamic(x, 0)
+            if i in length_dims:
+                torch._dynamo.mark_dynamic(x, length_dims[i])
+        for got, ref in zip(compiled(*args), products(*args), strict=True):
+            assert got.shape == ref.shape
+            assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
+    assert backend.manager.counts["reduce_small_bmm"] == 1
+    (graph,) = backend.graphs
+    bmms = [n for n in graph.graph.nodes if n.target is torch.ops.aten.bmm.default]
+    assert len(bmms) == 2
+
+
+def test_small_bmm_intensity_bound_is_the_limit_over_symbolic_sizes():
+    from deepinfer.compile_passes.small_bmm import intensity_bound
+
+    assert intensity_bound(4, 4, 64) == pytest.approx(4 * 4 * 64 / (16 + 256 + 256))
+    assert intensity_bound(4, 64, "L") == pytest.approx(4 * 64 / 68)  # L -> inf
+    assert intensity_bound("T", 4, "L") == float("inf")
+    for m, k in ((4, 64), (128, 512), (1, 3)):
+        big = intensity_bound(m, k, 10**9)  # the limit is approached from below
+        assert big <= intensity_bound(m, k, "L") + 1e-6
+        assert big == pytest.approx(intensity_bound(m, k, "L"), rel=1e-6)

@@ -62,13 +62,14 @@ class PassManager(CustomGraphPass):
 def default_passes(device: torch.device | None = None) -> list[GraphPass]:
     """The passes installed by default for models on ``device``: the whole ``compile_passes``
     pipeline where the fused ops have fast kernels (CUDA: Triton attention, grouped-GEMM
-    experts); on the CPU only the verification fusion, because Inductor's own C++ fusion of
-    the plain attention and MoE gate measured faster than our ops' reference implementations
-    (benchmarks/RESULTS.md). ``compile_step(passes=...)`` overrides the choice."""
-    from deepinfer.compile_passes import PASSES, fuse_rejection_sampling
+    experts). On the CPU: the verification fusion, and memory-bound ``bmm``s as reductions
+    (``reduce_small_bmm``); the attention and MoE fusions stay off there, because Inductor's
+    own C++ fusion of the plain attention and MoE gate measured faster than our ops' reference
+    implementations (benchmarks/RESULTS.md). ``compile_step(passes=...)`` overrides the choice."""
+    from deepinfer.compile_passes import PASSES, fuse_rejection_sampling, reduce_small_bmm
 
     if device is not None and device.type == "cpu":
-        return [fuse_rejection_sampling]
+        return [fuse_rejection_sampling, reduce_small_bmm]
     return list(PASSES)
 
 
