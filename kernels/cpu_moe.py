@@ -9,7 +9,8 @@ with, within the kernel's row range), each summing a token's choices in choice o
 - ``routed_experts_dot``: each (token, choice) pair's SwiGLU expert as dot products against the
   expert's weight rows; any expert size, up to ``MAX_ROWS`` tokens.
 - ``routed_experts_transposed``: each pair as rows times the experts' transposed weights, one
-  vector FMA over the output columns per input element (no horizontal sums); experts up to
+  vector FMA over the output columns per input element (no horizontal sums), blocks of output
+  columns accumulated in registers; experts up to
   ``SMALL_EXPERT_BYTES`` per matrix (kept as transposed copies), up to
   ``MAX_ROWS_SMALL_EXPERTS`` tokens.
 
@@ -61,13 +62,46 @@ static inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// y[0..n) += a * w[0..n) (lane-wise FMAs, then the tail): one broadcast step of a row-times-matrix
-static inline void axpy(float a, const float* w, float* y, int64_t n) {
-  const Vec av(a);
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size())
-    at::vec::fmadd(av, Vec::loadu(w + i), Vec::loadu(y + i)).store(y + i);
-  for (; i < n; ++i) y[i] = std::fma(a, w[i], y[i]);
+// y[j] = sum_c x[c] * w[c * ld + j] for the NV vectors of columns at y, the sum run as one FMA
+// per c in ascending c (what repeated y += x[c] * w[c] does), with the NV accumulators in
+// registers: one weight load per FMA instead of a load and a store of y as well.
+template <int NV>
+static inline void rows_times_block(const float* x, const float* w, int64_t rows, int64_t ld, float* y) {
+  Vec acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = Vec(0.f);
+  for (int64_t c = 0; c < rows; ++c) {
+    const Vec xv(x[c]);
+    const float* wr = w + c * ld;
+    for (int v = 0; v < NV; ++v) acc[v] = at::vec::fmadd(xv, Vec::loadu(wr + v * Vec::size()), acc[v]);
+  }
+  for (int v = 0; v < NV; ++v) acc[v].store(y + v * Vec::size());
+}
+
+// y[0..cols) = x[0..rows) times the row-major rows x cols matrix w, each column summed in
+// ascending row order with FMAs (vector blocks of 8, then of 1, then scalar columns).
+static inline void rows_times_matrix(const float* x, const float* w, int64_t rows, int64_t cols, float* y) {
+  constexpr int64_t wide = 8 * Vec::size();
+  int64_t j = 0;
+  for (; j + wide <= cols; j += wide) rows_times_block<8>(x, w + j, rows, cols, y + j);
+  for (; j + Vec::size() <= cols; j += Vec::size()) rows_times_block<1>(x, w + j, rows, cols, y + j);
+  for (; j < cols; ++j) {
+    float acc = 0.f;
+    for (int64_t c = 0; c < rows; ++c) acc = std::fma(x[c], w[c * cols + j], acc);
+    y[j] = acc;
+  }
+}
+
+// h[i] = silu(min(g, limit)) * clamp(u, -limit, limit) for gate g = gu[i], up u = gu[inter + i],
+// in vectors (the exponential is at::vec's, as eager PyTorch's silu uses); a lane's result
+// depends only on its own inputs, so not on the batch.
+static inline void swiglu(const float* gu, int64_t inter, float limit, float* h) {
+  const Vec hi(limit), lo(-limit), one(1.f);
+  for (int64_t i = 0; i < inter; i += Vec::size()) {
+    const int64_t n = std::min<int64_t>(Vec::size(), inter - i);
+    const Vec g = at::vec::minimum(Vec::loadu(gu + i, n), hi);
+    const Vec u = at::vec::clamp(Vec::loadu(gu + inter + i, n), lo, hi);
+    (g / (one + g.neg().exp()) * u).store(h + i, n);
+  }
 }
 
 // Small experts, any token count: each pair's SwiGLU as rows times the transposed weights
@@ -87,15 +121,9 @@ extern "C" void routed_experts_small_f32(const float* x, const float* weights, c
       for (int64_t c = 0; c < d; ++c) o[c] = 0.f;
       for (int64_t j = 0; j < k; ++j) {
         const int64_t e = ids[n * k + j];
-        std::fill(gu.begin(), gu.end(), 0.f);
-        for (int64_t c = 0; c < d; ++c) axpy(xr[c], w13t + (e * d + c) * 2 * inter, gu.data(), 2 * inter);
-        for (int64_t i = 0; i < inter; ++i) {
-          const float g = std::fmin(gu[i], limit);
-          const float u = std::fmax(std::fmin(gu[inter + i], limit), -limit);
-          h[i] = g / (1.f + std::exp(-g)) * u;
-        }
-        std::fill(y.begin(), y.end(), 0.f);
-        for (int64_t i = 0; i < inter; ++i) axpy(h[i], w2t + (e * inter + i) * d, y.data(), d);
+        rows_times_matrix(xr, w13t + e * d * 2 * inter, d, 2 * inter, gu.data());
+        swiglu(gu.data(), inter, limit, h.data());
+        rows_times_matrix(h.data(), w2t + e * inter * d, inter, d, y.data());
         const float wt = weights[n * k + j];
         for (int64_t c = 0; c < d; ++c) o[c] += wt * y[c];
       }
@@ -103,11 +131,13 @@ extern "C" void routed_experts_small_f32(const float* x, const float* weights, c
   }
 }
 
-// x [N, d], weights/ids [N, k], w1/w3 [E, I, d], w2 [E, d, I], h scratch [N * k, I], out [N, d]
+// x [N, d], weights/ids [N, k], w1/w3 [E, I, d], w2 [E, d, I], scratch [N * k, 3I] (each pair's
+// gate | up dot products, then its activations), out [N, d]
 extern "C" void routed_experts_f32(const float* x, const float* weights, const int64_t* ids, const float* w1,
-                                   const float* w2, const float* w3, float* h, float* out, int64_t n_tok,
+                                   const float* w2, const float* w3, float* scratch, float* out, int64_t n_tok,
                                    int64_t k, int64_t d, int64_t inter, float limit, int threads) {
   const int64_t pairs = n_tok * k;
+  float* h = scratch + pairs * 2 * inter;
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
@@ -115,10 +145,11 @@ extern "C" void routed_experts_f32(const float* x, const float* weights, const i
       const int64_t p = q / inter, i = q % inter;
       const int64_t row = ids[p] * inter + i;
       const float* xr = x + (p / k) * d;
-      const float g = std::fmin(dot(w1 + row * d, xr, d), limit);
-      const float u = std::fmax(std::fmin(dot(w3 + row * d, xr, d), limit), -limit);
-      h[p * inter + i] = g / (1.f + std::exp(-g)) * u;
+      scratch[p * 2 * inter + i] = dot(w1 + row * d, xr, d);
+      scratch[p * 2 * inter + inter + i] = dot(w3 + row * d, xr, d);
     }
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < pairs; ++p) swiglu(scratch + p * 2 * inter, inter, limit, h + p * inter);
 #pragma omp for schedule(static)
     for (int64_t q = 0; q < n_tok * d; ++q) {
       const int64_t n = q / d, o = q % d;
@@ -232,8 +263,8 @@ def routed_experts_dot(
     limit: float,
 ) -> torch.Tensor:
     """Each pair as dot products against the experts' own weight rows (decode sizes)."""
-    h = torch.empty(x.shape[0] * ids.shape[1], w1.shape[1])  # the pairs' SwiGLU activations
-    return _launch("routed_experts_f32", x, weights, ids, w1.shape[1], limit, w1, w2, w3, h)
+    scratch = torch.empty(x.shape[0] * ids.shape[1], 3 * w1.shape[1])  # gate | up, then activations
+    return _launch("routed_experts_f32", x, weights, ids, w1.shape[1], limit, w1, w2, w3, scratch)
 
 
 def _version(t: torch.Tensor) -> int:

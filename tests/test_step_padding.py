@@ -104,7 +104,11 @@ def _workload() -> list[list[SeqChunk]]:
 
 
 def test_padded_steps_touch_only_null_rows(tiny):
-    _, _, model = tiny
+    arch, path, model = tiny
+    if arch == "deepseek_v41":
+        # padding changes reduction lengths (last-bit differences), which V4.1's QAT rounding
+        # turns into whole grid steps (as in the config fuzzer): compare without it
+        model = load_model(path, fake_quant=False)
     layout = CacheLayout.from_specs(model.cache_spec(), 16)
     steps = _workload()
     ref_logits, ref_pools = _run(model, layout, steps, lambda chunks: None)
