@@ -107,7 +107,9 @@ def test_inductor_compiled_step_matches_eager_on_the_other_tiny_models(arch, tmp
     """Inductor for real (C++ code generation) on the tiny V4.1 and Llama: one padded mixed
     step (prefill chunks beside decodes) gives the eager logits."""
     path = make_tiny_checkpoint(tmp_path / arch, arch=arch)
-    other = load_model(path)
+    # V4.1's QAT rounding turns last-bit differences (Inductor's fused sums against eager's)
+    # into whole grid steps, as in the config fuzzer: compare without it
+    other = load_model(path, fake_quant=False if arch == "deepseek_v41" else None)
     compiled = compile_step(other)
     lengths, starts = [7, 1, 12], [0, 0, 0]
     with torch.inference_mode():

@@ -160,3 +160,54 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(
         torch.ops.deepinfer.sinkhorn.default, (torch.randn(6, 4, 4, generator=gen), 20, 1e-6)
     )
+
+
+def _sorted_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tie rule written out: a stable descending sort, first k columns."""
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 12),
+    cols=st.integers(1, 40),
+    k=st.integers(1, 8),
+    levels=st.integers(1, 5),
+    masked=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**16),
+)
+def test_topk_by_rounds_equals_the_stable_sort(rows, cols, k, levels, masked, seed):
+    """Few distinct scores (ties everywhere) and -inf (masked entries, whole rows of them)."""
+    from deepinfer.models.layers.topk import topk_by_rounds
+
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, levels, (rows, cols), generator=gen).float()
+    scores[torch.rand(rows, cols, generator=gen) < masked] = float("-inf")
+    got_values, got_indices = topk_by_rounds(scores, k)
+    k = min(k, cols)
+    want_values, want_indices = _sorted_topk(scores, k)
+    assert (got_indices[:, k:] == cols).all() and (got_values[:, k:] == float("-inf")).all()
+    got_values, got_indices = got_values[:, :k], got_indices[:, :k]
+    assert torch.equal(got_values, want_values) and torch.equal(got_indices, want_indices)
+
+
+def test_compiled_stable_topk_takes_the_rounds_and_keeps_the_tie_rule():
+    """Under torch.compile the traced graph has no sort (the rounds ran) and ties still go
+    to the lower column; eagerly the sort runs."""
+    from deepinfer.models.layers.topk import stable_topk
+
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    scores = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, float("-inf")], [2.0, 2.0, 2.0, 2.0, 2.0, 2.0]])
+    compiled = torch.compile(lambda s: stable_topk(s, 4), backend=recording, dynamic=True)
+    values, indices = compiled(scores)
+    assert indices.tolist() == [[1, 2, 4, 0], [0, 1, 2, 3]]
+    assert torch.equal(values, _sorted_topk(scores, 4)[0])
+    names = {getattr(n.target, "__name__", n.target) for g in graphs for n in g.graph.nodes}
+    assert "sort" not in names and "amax" in names
+    assert torch.equal(stable_topk(scores, 4)[1], indices)

@@ -103,13 +103,21 @@ def prepare_model(model: CausalLM, mark_static: bool = True) -> None:
             torch._dynamo.mark_static(table)
 
 
-def inductor_options(manager: PassManager) -> dict[str, object]:
+def inductor_options(manager: PassManager, device: torch.device | None = None) -> dict[str, object]:
     """Inductor settings of every compiled step: our passes, and no ``reorder_for_locality``.
     That pass moves a read of a cache pool below the write that follows it in the model (the
     compressor reads its state rows, then stores new ones); Inductor then cannot write the
     pool in place and copies the whole pool twice per write, every step: 7.7 ms of a tiny V4
-    decode step with 32k blocks and 256 slots, 1.4 ms without it."""
-    return {"post_grad_custom_post_pass": manager, "reorder_for_locality": False}
+    decode step with 32k blocks and 256 slots, 1.4 ms without it.
+
+    On the CPU the step's wrapper is C++ (``cpp_wrapper``): the Python wrapper spent ~2.7 ms
+    of a 19.5 ms tiny-V4 decode step of 256 rows allocating buffers, checking strides and
+    calling ~100 kernels; in C++ the decode steps of the throughput benchmark took 16% less
+    forward time (benchmarks/RESULTS.md, thirteenth session)."""
+    options: dict[str, object] = {"post_grad_custom_post_pass": manager, "reorder_for_locality": False}
+    if device is not None and device.type == "cpu":
+        options["cpp_wrapper"] = True
+    return options
 
 
 def configure_dynamo() -> None:
@@ -165,7 +173,7 @@ def compile_step(
     add a variant the first time they flip."""
     device = next(model.parameters()).device
     manager = PassManager(default_passes(device) if passes is None else passes)
-    options = inductor_options(manager) if backend == "inductor" else None
+    options = inductor_options(manager, device) if backend == "inductor" else None
     post_grad = PostGradBackend(manager) if backend == "post_grad" else None
     configure_dynamo()
     prepare_model(model)

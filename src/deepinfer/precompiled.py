@@ -247,7 +247,7 @@ class PrecompiledStep:
         configure_dynamo()
         prepare_model(model, mark_static=True)
         mark_step_dynamic(input_ids, positions, batch)
-        options = inductor_options(self.pass_manager)
+        options = inductor_options(self.pass_manager, input_ids.device)
         compiled_fn = torch.compile(model.step, fullgraph=True, dynamic=True, options=options)
         compiled = compiled_fn.aot_compile(((input_ids, positions, batch), {}))
         self.compiled += 1
