@@ -2,7 +2,9 @@
 gives the eager engine's tokens and compiles nothing; artefacts are keyed by what changes the
 compiled code; a damaged artefact is skipped, never fatal.
 
-One real compile of a 2-layer tiny V4 (~30 s on 2 cores) serves the whole module."""
+One real compile of a 2-layer tiny V4 (~30 s on 2 cores) serves the whole module. It is the
+suite's end-to-end check of the CPU's production setting, the C++ wrapper, which conftest.py
+turns off for the other compiling tests."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams, precompiled
-from deepinfer.compilation import PassManager
+from deepinfer.compilation import CPP_WRAPPER_ENV, PassManager, inductor_options
 from deepinfer.models.loading import load_model
 from deepinfer.precompiled import PrecompiledStep, artefact_key, default_cache_dir
 from deepinfer.tiny import make_tiny_checkpoint
@@ -46,6 +48,14 @@ def _prompts() -> list[list[int]]:
     a subset of a long one's, so the workload needs more than one compiled variant."""
     rng = random.Random(0)
     return [[rng.randrange(2, 258) for _ in range(n)] for n in (3, 9, 40, 70)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpp_wrapper():
+    """The production default (C++ wrapper) for this module and the processes it starts."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CPP_WRAPPER_ENV, "1")
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +162,20 @@ def test_artefact_key_follows_config_dtype_and_passes(checkpoint, tmp_path):
     assert artefact_key(model, manager) != artefact_key(load_model(checkpoint, dtype=torch.bfloat16), manager)
     other = make_tiny_checkpoint(tmp_path / "three", arch="deepseek_v4", num_hidden_layers=3)
     assert artefact_key(model, manager) != artefact_key(load_model(other), manager)
+
+
+def test_the_cpp_wrapper_switch_reaches_the_options_and_the_key(checkpoint, monkeypatch):
+    """A step compiled with the Python wrapper is other code: its artefact has another key."""
+    model, manager = load_model(checkpoint), PassManager([])
+    cpu = torch.device("cpu")
+    assert inductor_options(manager, cpu)["cpp_wrapper"] is True
+    with_wrapper = artefact_key(model, manager)
+    monkeypatch.setenv(CPP_WRAPPER_ENV, "0")
+    assert "cpp_wrapper" not in inductor_options(manager, cpu)
+    assert artefact_key(model, manager) != with_wrapper
+    monkeypatch.setenv(CPP_WRAPPER_ENV, "maybe")
+    with pytest.raises(ValueError, match=CPP_WRAPPER_ENV):
+        inductor_options(manager, cpu)
 
 
 def test_default_cache_dir_is_beside_a_writable_checkpoint(tmp_path, monkeypatch):

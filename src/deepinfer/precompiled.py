@@ -38,6 +38,7 @@ from deepinfer.compilation import (
     GraphPass,
     PassManager,
     configure_dynamo,
+    cpu_cpp_wrapper,
     inductor_options,
     mark_step_dynamic,
     prepare_model,
@@ -105,6 +106,7 @@ def artefact_key(model: CausalLM, manager: PassManager) -> str:
         torch.__version__,
         sys.version,
         str(pick_vec_isa()) if device.type == "cpu" else device.type,
+        f"cpp_wrapper={cpu_cpp_wrapper()}" if device.type == "cpu" else "",
         type(model).__qualname__,
         repr(model.config),
     ):
