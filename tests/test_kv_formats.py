@@ -5,6 +5,8 @@ cache while each token costs the bytes the formats say."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,6 +14,7 @@ from hypothesis import strategies as st
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.cache import kv_formats
+from deepinfer.cache.forward_batch import ForwardBatch
 from deepinfer.cache.kv_formats import PackedRows
 from deepinfer.models.layers.fake_quant import (
     fake_quant_fp4_e4m3_scale,
@@ -77,6 +80,11 @@ def test_packed_cache_gives_the_fake_quant_forward_in_fewer_bytes(tmp_path, arch
     packed, plain = runs["auto"][0], runs["float32"][0]
     assert all(isinstance(p.window, PackedRows) for p in packed.engine.runner.pools)
     assert not any(isinstance(p.window, PackedRows) for p in plain.engine.runner.pools)
+    # what a compiled step marks static: every pool tensor (a packed pool's bytes) once, the
+    # aliases of V4.1's shared entries included
+    tensors = list(ForwardBatch.pool_tensors(SimpleNamespace(pools=packed.engine.runner.pools)))
+    assert len({id(t) for t in tensors}) == len(tensors)
+    assert all(any(p.window.data is t for t in tensors) for p in packed.engine.runner.pools)
     for a, b in zip(runs["auto"][1], runs["float32"][1], strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for x, y in zip(
@@ -99,3 +107,15 @@ def test_packed_cache_gives_the_fake_quant_forward_in_fewer_bytes(tmp_path, arch
         packed.memory_report()["kv_cache"]["bytes_per_token"]
         < 0.5 * plain.memory_report()["kv_cache"]["bytes_per_token"]
     )
+
+
+@pytest.mark.parametrize("fmt", sorted(kv_formats.FORMATS))
+def test_a_packed_pool_knows_its_width_from_its_bytes(fmt):
+    """``PackedRows.dim`` comes from the row's bytes (a constant in a compiled step, where the
+    pool's width is static); a width the format's blocks do not divide is a clear error."""
+    block = kv_formats.FORMATS[fmt][0]
+    for dim in (block, 2 * block, 7 * block, 512):
+        pool = kv_formats.packed_zeros(fmt, 3, dim, torch.float32, "cpu", torch.zeros)
+        assert pool.dim == dim and pool.shape == (3, dim)
+    with pytest.raises(ValueError, match=fmt):
+        kv_formats.packed_zeros(fmt, 3, block + 1, torch.float32, "cpu", torch.zeros)

@@ -82,12 +82,23 @@ def mark_step_dynamic(input_ids: torch.Tensor, positions: torch.Tensor, batch: F
     """Mark every content-dependent size dynamic before the first trace. ``dynamic=True``
     covers the step's direct tensor arguments only; tensors inside the ForwardBatch would be
     traced static first and recompiled once each. Sizes 0 and 1 still specialise, which is
-    why the runner pads the metadata (``StepPadding``)."""
+    why the runner pads the metadata (``StepPadding``).
+
+    The cache pools' widths are marked static (their row counts stay symbolic, so a saved
+    step serves any cache size): ``dynamic=True`` would trace them as symbols, and symbolic
+    widths made sympy the trace's main cost (a V4.1 step traced in 89 s, 25 s with static
+    widths; RESULTS.md, fourteenth session). The metadata's fixed sizes (the window, a group's
+    ratio) stay symbolic: marked static, Inductor vectorised the tiny V4's window attention
+    along its 8 window rows, loading the gathered rows one element at a time, and the
+    throughput benchmark ran ~10% slower."""
     torch._dynamo.maybe_mark_dynamic(input_ids, 0)
     torch._dynamo.maybe_mark_dynamic(positions, 0)
     for t, dims in batch.metadata():
         for d in dims:
             torch._dynamo.maybe_mark_dynamic(t, d)
+    for t in batch.pool_tensors():
+        for d in range(1, t.dim()):
+            torch._dynamo.mark_static(t, d)
 
 
 def prepare_model(model: CausalLM, mark_static: bool = True) -> None:

@@ -199,6 +199,25 @@ class ForwardBatch:
                     ((0, 1) if f.name in ("decode_kv", "decode_valid") else (0,)),
                 )
 
+    def pool_tensors(self) -> Iterator[torch.Tensor]:
+        """Every cache tensor of the step (a packed pool's bytes), each once: rows on dim 0,
+        then sizes fixed by the model (widths, group ratios)."""
+        seen: set[int] = set()
+
+        def tensors(obj) -> Iterator[torch.Tensor]:
+            if isinstance(obj, PackedRows):
+                obj = obj.data
+            if isinstance(obj, torch.Tensor):
+                if id(obj) not in seen:
+                    seen.add(id(obj))
+                    yield obj
+            elif dataclasses.is_dataclass(obj):
+                for f in dataclasses.fields(obj):
+                    yield from tensors(getattr(obj, f.name))
+
+        for layer in self.pools:
+            yield from tensors(layer)
+
     def clone_metadata(self) -> ForwardBatch:
         """A copy with new storage for every index tensor; the pools stay shared."""
         return self.map_metadata(torch.Tensor.clone)

@@ -47,8 +47,14 @@ class PackedRows:
 
     data: torch.Tensor
     fmt: str
-    dim: int
     dtype: torch.dtype  # what reads decode to
+
+    @property
+    def dim(self) -> int:
+        """Values per row, from the row's bytes: a compiled step marks the pool's width static,
+        so this is a constant there (an int field would be traced as a symbol)."""
+        block, bits = FORMATS[self.fmt]
+        return self.data.shape[-1] // (block * bits // 8 + 1) * block
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -131,4 +137,6 @@ def decode(fmt: str, data: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.
 def packed_zeros(fmt: str, rows: int, dim: int, dtype: torch.dtype, device, zeros) -> PackedRows:
     """A zeroed pool of ``rows`` rows (``zeros`` allocates, as the plain pools do). Zero bytes
     decode to zeros in every format."""
-    return PackedRows(zeros(rows, row_bytes(fmt, dim), dtype=torch.uint8, device=device), fmt, dim, dtype)
+    if not fits(fmt, dim):
+        raise ValueError(f"rows of {dim} values cannot take {fmt} (blocks of {FORMATS[fmt][0]})")
+    return PackedRows(zeros(rows, row_bytes(fmt, dim), dtype=torch.uint8, device=device), fmt, dtype)
