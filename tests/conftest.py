@@ -20,9 +20,9 @@ torch.set_num_threads(1 if "PYTEST_XDIST_WORKER" in os.environ else 2)
 # reach its compile budget: a 30 s compile partway through a long test would change its
 # timing and kernels; test_precompiled.py tests the budget rule with explicit values
 os.environ.setdefault("DEEPINFER_CPU_COMPILE_AFTER_S", "1e9")
-# Compiling tests use Inductor's Python wrapper: the C++ one (the CPU default) made their
-# compiles ~25% slower and the suite reach its 25-minute budget (RESULTS.md, fourteenth
-# session); test_precompiled.py runs the default end to end
+# Compiling tests use Inductor's Python wrapper: the C++ one (the CPU default) makes each
+# Inductor compile longer (the tiny V4's 126 -> 160 s), and the suite runs many compiles for a
+# few steps each (RESULTS.md, fourteenth session); test_precompiled.py runs the default end to end
 os.environ.setdefault("DEEPINFER_CPU_CPP_WRAPPER", "0")
 
 

@@ -201,7 +201,7 @@ class ForwardBatch:
 
     def pool_tensors(self) -> Iterator[torch.Tensor]:
         """Every cache tensor of the step (a packed pool's bytes), each once: rows on dim 0,
-        then sizes fixed by the model (widths, group ratios)."""
+        then the width the model fixes."""
         seen: set[int] = set()
 
         def tensors(obj) -> Iterator[torch.Tensor]:
