@@ -84,18 +84,23 @@ def mark_step_dynamic(input_ids: torch.Tensor, positions: torch.Tensor, batch: F
     traced static first and recompiled once each. Sizes 0 and 1 still specialise, which is
     why the runner pads the metadata (``StepPadding``).
 
-    The cache pools' widths are marked static (their row counts stay symbolic, so a saved
-    step serves any cache size): ``dynamic=True`` would trace them as symbols, and symbolic
-    widths made sympy the trace's main cost (a V4.1 step traced in 89 s, 25 s with static
-    widths; RESULTS.md, fourteenth session). The metadata's fixed sizes (the window, a group's
-    ratio) stay symbolic: marked static, Inductor vectorised the tiny V4's window attention
-    along its 8 window rows, loading the gathered rows one element at a time, and the
-    throughput benchmark ran ~10% slower."""
+    The metadata's fixed sizes (the window, a group's ratio) stay symbolic: marked static,
+    Inductor vectorised the tiny V4's window attention along its 8 window rows, loading the
+    gathered rows one element at a time, and the throughput benchmark ran 10-20% slower
+    (RESULTS.md, fourteenth session). The pools are ``mark_pools_static``'s."""
     torch._dynamo.maybe_mark_dynamic(input_ids, 0)
     torch._dynamo.maybe_mark_dynamic(positions, 0)
     for t, dims in batch.metadata():
         for d in dims:
             torch._dynamo.maybe_mark_dynamic(t, d)
+
+
+def mark_pools_static(batch: ForwardBatch) -> None:
+    """Mark the cache pools' widths static before a trace; their row counts stay symbolic,
+    so a saved step serves any cache size. ``dynamic=True`` would trace the widths as symbols,
+    and symbolic widths made sympy the trace's main cost (a V4.1 step traced in 89 s, 25 s
+    with static widths; RESULTS.md, fourteenth session). The pools persist across steps, so
+    once per pool list is enough (~100 us a call on the tiny V4.1)."""
     for t in batch.pool_tensors():
         for d in range(1, t.dim()):
             torch._dynamo.mark_static(t, d)
@@ -137,13 +142,14 @@ CPP_WRAPPER_ENV = "DEEPINFER_CPU_CPP_WRAPPER"
 
 def cpu_cpp_wrapper() -> bool:
     """Whether CPU steps compile with the C++ wrapper: yes unless ``$DEEPINFER_CPU_CPP_WRAPPER``
-    is ``0``. Turning it off trades ~16% of decode forward time for a first compile ~20% shorter
-    (160 s against 126 s for the tiny V4 on 2 cores): the test suite does, where it compiles
+    is ``0``. The Python wrapper compiles faster (the tiny V4's first compile 126 s against 160 s
+    on 2 cores) and runs slower (the throughput benchmark's decode forward 3.51 s against 2.96 s;
+    RESULTS.md, thirteenth session): the test suite does, where it compiles
     many models but runs each for a few steps."""
     value = os.environ.get(CPP_WRAPPER_ENV, "1").strip().lower()
-    if value not in ("0", "1", "false", "true", "off", "on"):
+    if value not in ("0", "1"):
         raise ValueError(f"${CPP_WRAPPER_ENV} must be 0 or 1, got {value!r}")
-    return value in ("1", "true", "on")
+    return value == "1"
 
 
 def configure_dynamo() -> None:
@@ -205,8 +211,13 @@ def compile_step(
     prepare_model(model)
     compiled = torch.compile(model.step, backend=post_grad or backend, dynamic=True, options=options)
 
+    marked: list[object] = []  # the pool list last marked static
+
     def step(input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         mark_step_dynamic(input_ids, positions, batch)
+        if not marked or marked[0] is not batch.pools:
+            mark_pools_static(batch)
+            marked[:] = [batch.pools]
         return compiled(input_ids, positions, batch)
 
     step.pass_manager = manager  # type: ignore[attr-defined]

@@ -40,6 +40,7 @@ from deepinfer.compilation import (
     configure_dynamo,
     cpu_cpp_wrapper,
     inductor_options,
+    mark_pools_static,
     mark_step_dynamic,
     prepare_model,
 )
@@ -249,6 +250,7 @@ class PrecompiledStep:
         configure_dynamo()
         prepare_model(model, mark_static=True)
         mark_step_dynamic(input_ids, positions, batch)
+        mark_pools_static(batch)
         options = inductor_options(self.pass_manager, input_ids.device)
         compiled_fn = torch.compile(model.step, fullgraph=True, dynamic=True, options=options)
         compiled = compiled_fn.aot_compile(((input_ids, positions, batch), {}))
