@@ -6,8 +6,10 @@ step's contents for compiled steps and captured graphs.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from deepinfer.cache.forward_batch import ForwardBatch, FullAttentionMeta, GroupMeta, LayerPools
@@ -70,133 +72,175 @@ class SeqChunk:
 
 @dataclass
 class _TokenLayout:
-    """Per-token facts of a step, shared by every ratio's bookkeeping."""
+    """Per-token and per-chunk facts of a step as NumPy arrays, shared by every ratio's
+    bookkeeping (NumPy: a step's metadata is a few dozen small array operations, each ~1 us
+    there against ~5-10 us as a torch op)."""
 
-    positions: torch.Tensor  # [T]
-    token_block: torch.Tensor  # [T, max_blocks] each token's block table
-    window_block: torch.Tensor  # [T, max_blocks] its window blocks (token_block unless bounded)
-    slot: torch.Tensor  # [T]
-    end: torch.Tensor  # [T] end position (exclusive) of the token's chunk
+    positions: np.ndarray  # [T]
+    seq_of_token: np.ndarray  # [T] index of the token's chunk
+    token_block: np.ndarray  # [T, max_blocks] each token's block table
+    window_block: np.ndarray  # [T, max_blocks] its window blocks (token_block unless bounded)
+    slot: np.ndarray  # [T]
+    end: np.ndarray  # [T] end position (exclusive) of the token's chunk
     base: list[int]  # first token row of each chunk
+    chunk_start: np.ndarray  # [C]
+    chunk_end: np.ndarray  # [C]
+    chunk_slot: np.ndarray  # [C]
+    chunk_base: np.ndarray  # [C]
+    tables: np.ndarray  # [C, max_blocks] block tables (padded with 0)
 
 
-# A compressor row a step reads (its kv and gate projections), as one int: lists of them are
-# built for every group a prefill closes, and plain ints cost a fraction of objects there.
+# A compressor row a step reads (its kv and gate projections), coded as one int so that
+# every row of every closed group is one entry of an integer array:
 # >= 0: a token row of this step (projected now); -(2p + 1): row p of the slot's open-group
 # buffer pool; -(2p + 2): row p of its overlap pool (a copy of its last closed group).
 PADDING_ROW = 0  # what padded entries point at (outputs discarded)
 
 
-def _buffer_row(p: int) -> int:
-    return -2 * p - 1
-
-
-def _overlap_row(p: int) -> int:
-    return -2 * p - 2
-
-
-def _source_of(position: int, chunk: SeqChunk, first_row: int, ratio: int) -> int:
-    """Where ``position``'s projections are this step: computed now if the chunk covers it;
-    else in the open group's buffer (same group as the chunk's start) or in the overlap
-    copy (the group before that)."""
-    if position >= chunk.start:
-        return first_row + position - chunk.start
-    open_group_start = (chunk.start // ratio) * ratio
-    row = chunk.slot * ratio + position % ratio
-    return _buffer_row(row) if position >= open_group_start else _overlap_row(row)
+def _source_rows(tokens: _TokenLayout, chunk: np.ndarray, group: np.ndarray, ratio: int) -> np.ndarray:
+    """[G, ratio] coded source rows of the positions of groups ``group`` of chunks ``chunk``:
+    computed now if the chunk covers the position; else in the open group's buffer (same
+    group as the chunk's start) or in the overlap copy (the group before that)."""
+    q = group[:, None] * ratio + np.arange(ratio)
+    start = tokens.chunk_start[chunk][:, None]
+    token_row = tokens.chunk_base[chunk][:, None] + q - start
+    pool_row = tokens.chunk_slot[chunk][:, None] * ratio + q % ratio
+    in_buffer = q >= (start // ratio) * ratio
+    return np.where(q >= start, token_row, np.where(in_buffer, -2 * pool_row - 1, -2 * pool_row - 2))
 
 
 @dataclass
 class _ClosedGroups:
     """The groups of one ratio that close in a step, and the copies that follow from them,
-    as Python lists (one entry per group, or per row for the copies) of rows coded as
-    ``_source_of`` returns them."""
+    as integer arrays of rows coded as ``_source_rows`` returns them (groups in chunk order,
+    then position order)."""
 
-    members: list[list[int]] = field(default_factory=list)  # each group's ratio rows
-    previous: list[list[int] | None] = field(default_factory=list)  # the group before
-    first_position: list[int] = field(default_factory=list)
-    entry_row: list[int] = field(default_factory=list)  # entry-pool row receiving its entry
-    overlap_from: list[int] = field(default_factory=list)  # a sequence's newest group ...
-    overlap_to: list[int] = field(default_factory=list)  # ... becomes its overlap rows
-    snapshot_from: list[int] = field(default_factory=list)  # a group ending a block ...
-    snapshot_to: list[int] = field(default_factory=list)  # ... is kept as that block's snapshot
-    restore_from: list[int] = field(default_factory=list)  # a prefix hit's snapshot rows ...
-    restore_to: list[int] = field(default_factory=list)  # ... restored into the slot's overlap
+    members: np.ndarray  # [G, r] each group's rows
+    previous: np.ndarray  # [G, r] the group before (rows of -1: none)
+    has_previous: np.ndarray  # [G] bool
+    first_position: np.ndarray  # [G]
+    entry_row: np.ndarray  # [G] entry-pool row receiving its entry
+    overlap_from: np.ndarray  # a sequence's newest group ...
+    overlap_to: np.ndarray  # ... becomes its overlap rows
+    snapshot_from: np.ndarray  # a group ending a block ...
+    snapshot_to: np.ndarray  # ... is kept as that block's snapshot
+    restore_from: np.ndarray  # a prefix hit's snapshot rows ...
+    restore_to: np.ndarray  # ... restored into the slot's overlap
 
-    def pool_rows_read(self) -> tuple[list[int], list[int]]:
-        """The buffer-pool and overlap-pool rows this step reads, each sorted once."""
-        rows = {row for group in self.members for row in group if row < 0}
-        rows.update(row for group in self.previous if group for row in group if row < 0)
-        rows.update(row for row in self.overlap_from + self.snapshot_from if row < 0)
-        buffer = sorted((-row - 1) // 2 for row in rows if row % 2)
-        overlap = sorted((-row - 2) // 2 for row in rows if not row % 2)
-        return buffer, overlap
+    def pool_rows_read(self) -> tuple[np.ndarray, np.ndarray]:
+        """The buffer-pool and overlap-pool rows this step reads, sorted, each once."""
+        rows = np.concatenate(
+            [
+                self.members.ravel(),
+                self.previous[self.has_previous].ravel(),
+                self.overlap_from,
+                self.snapshot_from,
+            ]
+        )
+        rows = rows[rows < 0]
+        buffer = rows[rows % 2 == 1]
+        overlap = rows[rows % 2 == 0]
+        return np.unique((-buffer - 1) // 2), np.unique((-overlap - 2) // 2)
+
+
+def _long(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64)
 
 
 def _closed_groups(
-    layout: CacheLayout, chunks: list[SeqChunk], first_rows: list[int], ratio: int
+    layout: CacheLayout, chunks: list[SeqChunk], tokens: _TokenLayout, ratio: int
 ) -> _ClosedGroups:
-    """Walk the groups each chunk closes (decode steps close at most one per sequence)."""
+    """Every group the chunks close (decode steps close at most one per sequence), as arrays:
+    one NumPy expression per field, whatever the number of sequences."""
     bs, r = layout.block_size, ratio
-    entries_per_block = bs // r
-    out = _ClosedGroups()
-    for chunk, first_row in zip(chunks, first_rows, strict=True):
-        start, end = chunk.start, chunk.start + chunk.num_tokens
-        if chunk.restore_overlap and start > 0:  # the snapshot kept with the block before start
-            block = chunk.block_table[start // bs - 1]
-            out.restore_from += range(block * r, (block + 1) * r)
-            out.restore_to += range(chunk.slot * r, (chunk.slot + 1) * r)
-        if end // r == start // r:
-            continue  # no group closes: the common decode case
+    epb = bs // r
+    lo, hi = tokens.chunk_start // r, tokens.chunk_end // r
+    count = hi - lo
+    chunk = np.repeat(np.arange(len(chunks)), count)
+    group = lo[chunk] + np.arange(len(chunk)) - np.repeat(np.cumsum(count) - count, count)
+    members = _source_rows(tokens, chunk, group, r)
+    has_previous = group > 0
+    previous = np.where(has_previous[:, None], _source_rows(tokens, chunk, group - 1, r), -1)
+    entry_row = tokens.tables[chunk, group // epb] * epb + group % epb
+    ends_block = (group + 1) * r % bs == 0  # the group ends a block: snapshot the overlap there
+    snapshot_block = tokens.tables[chunk[ends_block], ((group[ends_block] + 1) * r - 1) // bs]
+    closes = count > 0
+    newest = np.cumsum(count)[closes] - 1
+    restore_from, restore_to = [], []
+    for c in chunks:
+        if c.restore_overlap and c.start > 0:  # the snapshot kept with the block before start
+            block = c.block_table[c.start // bs - 1]
+            restore_from += range(block * r, (block + 1) * r)
+            restore_to += range(c.slot * r, (c.slot + 1) * r)
+    lanes = np.arange(r)
+    return _ClosedGroups(
+        members=members,
+        previous=previous,
+        has_previous=has_previous,
+        first_position=group * r,
+        entry_row=entry_row,
+        overlap_from=members[newest].ravel(),
+        overlap_to=(tokens.chunk_slot[closes][:, None] * r + lanes).ravel(),
+        snapshot_from=members[ends_block].ravel(),
+        snapshot_to=(snapshot_block[:, None] * r + lanes).ravel(),
+        restore_from=_long(restore_from),
+        restore_to=_long(restore_to),
+    )
 
-        def rows_of(group: int, chunk: SeqChunk = chunk, first_row: int = first_row) -> list[int]:
-            low = group * r
-            if low >= chunk.start:  # projected in this step: consecutive token rows
-                return list(range(first_row + low - chunk.start, first_row + low - chunk.start + r))
-            return [_source_of(q, chunk, first_row, r) for q in range(low, low + r)]
 
-        for group in range(start // r, end // r):
-            members = rows_of(group)
-            out.members.append(members)
-            out.previous.append(rows_of(group - 1) if group > 0 else None)
-            out.first_position.append(group * r)
-            block_of_entry = chunk.block_table[group // entries_per_block]
-            out.entry_row.append(block_of_entry * entries_per_block + group % entries_per_block)
-            group_end = (group + 1) * r
-            if group_end % bs == 0:  # the group ends a block: snapshot the overlap there
-                block = chunk.block_table[(group_end - 1) // bs]
-                out.snapshot_from += members
-                out.snapshot_to += range(block * r, (block + 1) * r)
-        out.overlap_from += out.members[-1]
-        out.overlap_to += range(chunk.slot * r, (chunk.slot + 1) * r)
-    return out
+def _pad_to(values: np.ndarray, fill: int, bound: int | None) -> np.ndarray:
+    extra = _padded_len(len(values), bound) - len(values)
+    return np.concatenate([values, np.full(extra, fill, dtype=np.int64)]) if extra else values
 
 
-def _pad_to(values: list, fill, bound: int | None) -> list:
-    return values + [fill] * (_padded_len(len(values), bound) - len(values))
+def _pad_rows(rows: np.ndarray, fill: int, bound: int | None) -> np.ndarray:
+    """``rows`` [G, r] with rows of ``fill`` appended up to the padded length."""
+    extra = _padded_len(rows.shape[0], bound) - rows.shape[0]
+    if not extra:
+        return rows
+    return np.concatenate([rows, np.full((extra, rows.shape[1]), fill, dtype=np.int64)])
 
 
 def _pad_closed_groups(
     groups: _ClosedGroups, padding: StepPadding, ratio: int, epb: int, t_total: int
-) -> None:
-    """Pad every list in place with entries that touch only the null block or slot. With
-    ``max_model_len`` (a captured bucket) each list takes the largest size a decode step of
+) -> _ClosedGroups:
+    """Every array padded with entries that touch only the null block or slot. With
+    ``max_model_len`` (a captured bucket) each takes the largest size a decode step of
     ``t_total`` tokens can need, so the shapes do not follow the step's contents."""
     fixed = padding.max_model_len is not None
     per_row = t_total * ratio if fixed else None  # rows of at most one group per token
     per_group = t_total if fixed else None
     null_slot_row, null_snapshot_row = padding.null_slot * ratio, padding.null_block * ratio
-    n = _padded_len(len(groups.members), per_group)
-    groups.members += [[PADDING_ROW] * ratio] * (n - len(groups.members))
-    groups.previous += [None] * (n - len(groups.previous))
-    groups.first_position = _pad_to(groups.first_position, 0, per_group)
-    groups.entry_row = _pad_to(groups.entry_row, padding.null_block * epb, per_group)
-    groups.overlap_from = _pad_to(groups.overlap_from, PADDING_ROW, per_row)
-    groups.overlap_to = _pad_to(groups.overlap_to, null_slot_row, per_row)
-    groups.snapshot_from = _pad_to(groups.snapshot_from, PADDING_ROW, per_row)
-    groups.snapshot_to = _pad_to(groups.snapshot_to, null_snapshot_row, per_row)
-    groups.restore_from = _pad_to(groups.restore_from, null_snapshot_row, per_row)
-    groups.restore_to = _pad_to(groups.restore_to, null_slot_row, per_row)
+    members = _pad_rows(groups.members, PADDING_ROW, per_group)
+    extra = members.shape[0] - groups.members.shape[0]
+    return _ClosedGroups(
+        members=members,
+        previous=_pad_rows(groups.previous, -1, per_group),
+        has_previous=np.concatenate([groups.has_previous, np.zeros(extra, dtype=bool)]),
+        first_position=_pad_to(groups.first_position, 0, per_group),
+        entry_row=_pad_to(groups.entry_row, padding.null_block * epb, per_group),
+        overlap_from=_pad_to(groups.overlap_from, PADDING_ROW, per_row),
+        overlap_to=_pad_to(groups.overlap_to, null_slot_row, per_row),
+        snapshot_from=_pad_to(groups.snapshot_from, PADDING_ROW, per_row),
+        snapshot_to=_pad_to(groups.snapshot_to, null_snapshot_row, per_row),
+        restore_from=_pad_to(groups.restore_from, null_snapshot_row, per_row),
+        restore_to=_pad_to(groups.restore_to, null_slot_row, per_row),
+    )
+
+
+def _numbering(t_total: int, buffer_rows: np.ndarray, overlap_rows: np.ndarray, num_buffer: int):
+    """Coded rows -> rows of the gathered source cat(step rows [T], buffer rows, overlap rows)
+    (``num_buffer``: the buffer rows' padded count)."""
+
+    def numbered(rows: np.ndarray) -> np.ndarray:
+        out = rows.copy()
+        buffer = (rows < 0) & (rows % 2 == 1)
+        overlap = (rows < 0) & (rows % 2 == 0)
+        out[buffer] = t_total + np.searchsorted(buffer_rows, (-rows[buffer] - 1) // 2)
+        out[overlap] = t_total + num_buffer + np.searchsorted(overlap_rows, (-rows[overlap] - 2) // 2)
+        return out
+
+    return numbered
 
 
 def _group_meta(
@@ -206,71 +250,62 @@ def _group_meta(
     tokens: _TokenLayout,
     padding: StepPadding | None,
 ) -> GroupMeta:
-    """Compressor bookkeeping for one ratio (see ``GroupMeta``).
-
-    Per-token work (the trailing partial group, the visible entries) is vectorised; Python
-    walks only the groups that close this step and the prefix-cache restores.
-    """
+    """Compressor bookkeeping for one ratio (see ``GroupMeta``), vectorised over sequences and
+    groups (a Python walk over every closed group cost ~1 ms a step at 256 sequences)."""
     r = ratio
     epb = layout.block_size // r  # entries per block
     t_total = int(tokens.positions.shape[0])
-    groups = _closed_groups(layout, chunks, tokens.base, r)
+    groups = _closed_groups(layout, chunks, tokens, r)
 
     # Rows of earlier steps that this step reads, by pool.
     buffer_rows, overlap_rows = groups.pool_rows_read()
+    padded_buffer, padded_overlap = buffer_rows, overlap_rows
 
     # Tokens past their chunk's last group boundary start or extend its open group.
     pos = tokens.positions
     in_open_group = pos >= (tokens.end // r) * r
-    buf_src = torch.nonzero(in_open_group).squeeze(1)
+    buf_src = np.flatnonzero(in_open_group)
     buf_dst = tokens.slot[buf_src] * r + pos[buf_src] % r
     visible = (pos + 1) // r  # entries each token may read
-    num_entries = int(visible.max()) if visible.numel() else 0
+    num_entries = int(visible.max()) if visible.size else 0
 
     if padding is not None:
-        _pad_closed_groups(groups, padding, r, epb, t_total)
+        groups = _pad_closed_groups(groups, padding, r, epb, t_total)
         fixed = padding.max_model_len is not None
         per_row = t_total * r if fixed else None
-        buffer_rows = _pad_to(buffer_rows, padding.null_slot * r, per_row)
-        overlap_rows = _pad_to(overlap_rows, padding.null_slot * r, per_row)
-        extra = _padded_len(buf_src.shape[0], t_total if fixed else None) - buf_src.shape[0]
-        buf_src = torch.cat([buf_src, buf_src.new_zeros(extra)])
-        buf_dst = torch.cat([buf_dst, buf_dst.new_full((extra,), padding.null_slot * r)])
+        padded_buffer = _pad_to(buffer_rows, padding.null_slot * r, per_row)
+        padded_overlap = _pad_to(overlap_rows, padding.null_slot * r, per_row)
+        buf_src = _pad_to(buf_src, 0, t_total if fixed else None)
+        buf_dst = _pad_to(buf_dst, padding.null_slot * r, t_total if fixed else None)
         num_entries = padding.max_model_len // r if fixed else max(num_entries, MIN_ROWS)
 
-    # The layers gather one "source" = cat(step rows [T], buffer_rows, overlap_rows).
-    numbering = {_buffer_row(p): t_total + k for k, p in enumerate(buffer_rows)}
-    numbering.update({_overlap_row(p): t_total + len(buffer_rows) + k for k, p in enumerate(overlap_rows)})
-
-    def numbered(rows: list[int]) -> list[int]:
-        return [row if row >= 0 else numbering[row] for row in rows]
-
-    def long(values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long)
-
-    j = torch.arange(num_entries)
-    block_col = (j // epb).clamp(max=tokens.token_block.shape[1] - 1).expand(len(pos), -1)
-    entry_valid = j.unsqueeze(0) < visible.unsqueeze(1)
-    entry_idx = tokens.token_block.gather(1, block_col) * epb + j % epb
+    numbered = _numbering(t_total, buffer_rows, overlap_rows, len(padded_buffer))
+    j = np.arange(num_entries)
+    block_col = np.minimum(j // epb, tokens.token_block.shape[1] - 1)
+    entry_valid = j[None, :] < visible[:, None]
+    entry_idx = tokens.token_block[:, block_col] * epb + j % epb
     if padding is not None:  # entries past a sequence's table point at the null block
-        entry_idx = torch.where(entry_valid, entry_idx, padding.null_block * epb)
+        entry_idx = np.where(entry_valid, entry_idx, padding.null_block * epb)
+    tensor = _tensor
     return GroupMeta(
-        src_buf_rows=long(buffer_rows),
-        src_ovl_rows=long(overlap_rows),
-        group_rows=long([numbered(g) for g in groups.members]).view(-1, r),
-        prev_rows=long([numbered(g) if g else [-1] * r for g in groups.previous]).view(-1, r),
-        group_pos=long(groups.first_position),
-        entry_slot=long(groups.entry_row),
-        buf_src=buf_src,
-        buf_dst=buf_dst,
-        ovl_src=long(numbered(groups.overlap_from)),
-        ovl_dst=long(groups.overlap_to),
-        snap_src=long(numbered(groups.snapshot_from)),
-        snap_dst=long(groups.snapshot_to),
-        restore_src=long(groups.restore_from),
-        restore_dst=long(groups.restore_to),
-        entry_idx=entry_idx,
-        entry_valid=entry_valid,
+        src_buf_rows=tensor(padded_buffer),
+        src_ovl_rows=tensor(padded_overlap),
+        group_rows=tensor(numbered(groups.members).reshape(-1, r)),
+        prev_rows=tensor(
+            np.where(groups.has_previous[:, None], numbered(groups.previous), -1).reshape(-1, r)
+        ),
+        group_pos=tensor(groups.first_position),
+        entry_slot=tensor(groups.entry_row),
+        buf_src=tensor(buf_src),
+        buf_dst=tensor(buf_dst),
+        ovl_src=tensor(numbered(groups.overlap_from)),
+        ovl_dst=tensor(groups.overlap_to),
+        snap_src=tensor(numbered(groups.snapshot_from)),
+        snap_dst=tensor(groups.snapshot_to),
+        restore_src=tensor(groups.restore_from),
+        restore_dst=tensor(groups.restore_to),
+        entry_idx=tensor(entry_idx),
+        entry_valid=tensor(entry_valid),
     )
 
 
@@ -302,6 +337,71 @@ def build_forward_batch(
     return to_device(positions, device), moved
 
 
+def _padded_chunks(chunks: list[SeqChunk], padding: StepPadding | None) -> list[SeqChunk]:
+    """``chunks`` followed by one-token null chunks up to the padded token count."""
+    if padding is None:
+        return chunks
+    real = sum(c.num_tokens for c in chunks)
+    target = _padded_len(real, padding.num_tokens)
+    null_window = None if padding.null_window_block is None else [padding.null_window_block]
+    null = SeqChunk([padding.null_block], padding.null_slot, 0, 1, window_table=null_window)
+    return chunks + [null] * (target - real)
+
+
+def _padded_table(rows: list[list[int]], fills: list[int] | None = None) -> np.ndarray:
+    """[len(rows), longest] int64: each row then its fill (``fills[i]``, or 0)."""
+    sizes = np.fromiter(map(len, rows), np.int64, len(rows))
+    width = int(sizes.max()) if len(rows) else 0
+    out = np.zeros((len(rows), width), dtype=np.int64)
+    if fills is not None:
+        out[:] = np.asarray(fills, dtype=np.int64)[:, None]
+    flat = np.fromiter(itertools.chain.from_iterable(rows), np.int64, int(sizes.sum()))
+    out[np.arange(width) < sizes[:, None]] = flat
+    return out
+
+
+def _token_layout(chunks: list[SeqChunk], padding: StepPadding | None) -> _TokenLayout:
+    """Per-token and per-chunk arrays of a step's chunks (padding chunks included)."""
+    n = len(chunks)
+    lengths = np.fromiter((c.num_tokens for c in chunks), np.int64, n)
+    starts = np.fromiter((c.start for c in chunks), np.int64, n)
+    slots = np.fromiter((c.slot for c in chunks), np.int64, n)
+    ends = starts + lengths
+    first_row = np.cumsum(lengths) - lengths
+    seq_of_token = np.repeat(np.arange(n), lengths)
+    positions = starts[seq_of_token] + np.arange(int(lengths.sum())) - first_row[seq_of_token]
+    tables = _padded_table([c.block_table for c in chunks])
+    window_tables = tables
+    if any(c.window_table is not None for c in chunks):
+        null_window = padding.null_window_block if padding is not None else None
+        for c in chunks:
+            if c.window_table is None or len(c.window_table) != len(c.block_table):
+                raise ValueError("a bounded window needs a window table as long as each block table")
+        window_rows = [c.window_table for c in chunks]
+        fills = [null_window if null_window is not None else table[-1] for table in window_rows]
+        window_tables = _padded_table(window_rows, fills)  # type: ignore[arg-type]
+    return _TokenLayout(
+        positions=positions,
+        seq_of_token=seq_of_token,
+        token_block=tables[seq_of_token],
+        window_block=window_tables[seq_of_token],
+        slot=slots[seq_of_token],
+        end=ends[seq_of_token],
+        base=first_row.tolist(),
+        chunk_start=starts,
+        chunk_end=ends,
+        chunk_slot=slots,
+        chunk_base=first_row,
+        tables=tables,
+    )
+
+
+def _tensor(values: np.ndarray) -> torch.Tensor:
+    """A host tensor over a NumPy array's memory (C-contiguous, as the compiled step's guards
+    expect of every metadata tensor)."""
+    return torch.from_numpy(np.ascontiguousarray(values))
+
+
 def _build_on_host(
     layout: CacheLayout,
     pools: list[LayerPools],
@@ -310,47 +410,17 @@ def _build_on_host(
 ) -> tuple[torch.Tensor, ForwardBatch]:
     """``build_forward_batch``'s work; every tensor is made on the host (CPU)."""
     bs, w = layout.block_size, layout.window
-    if padding is not None:
-        real = sum(c.num_tokens for c in chunks)
-        target = _padded_len(real, padding.num_tokens)
-        null_window = None if padding.null_window_block is None else [padding.null_window_block]
-        null = SeqChunk([padding.null_block], padding.null_slot, 0, 1, window_table=null_window)
-        chunks = chunks + [null] * (target - real)
-    lengths = torch.tensor([c.num_tokens for c in chunks], dtype=torch.long)
-    starts = torch.tensor([c.start for c in chunks], dtype=torch.long)
-    first_row = torch.cumsum(lengths, 0) - lengths
-    seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), lengths)
-    positions = starts[seq_of_token] + torch.arange(int(lengths.sum())) - first_row[seq_of_token]
-    max_blocks = max(len(c.block_table) for c in chunks)
-    tables = torch.tensor([c.block_table + [0] * (max_blocks - len(c.block_table)) for c in chunks])
-    window_tables = tables
-    if any(c.window_table is not None for c in chunks):
-        null_window = padding.null_window_block if padding is not None else None
-        rows = []
-        for c in chunks:
-            table = c.window_table
-            if table is None or len(table) != len(c.block_table):
-                raise ValueError("a bounded window needs a window table as long as each block table")
-            fill = null_window if null_window is not None else table[-1]
-            rows.append(table + [fill] * (max_blocks - len(table)))
-        window_tables = torch.tensor(rows, dtype=torch.long)
-    slots = torch.tensor([c.slot for c in chunks], dtype=torch.long)
-    tokens = _TokenLayout(
-        positions=positions,
-        token_block=tables[seq_of_token],
-        window_block=window_tables[seq_of_token],
-        slot=slots[seq_of_token],
-        end=(starts + lengths)[seq_of_token],
-        base=first_row.tolist(),
-    )
+    chunks = _padded_chunks(chunks, padding)
+    tokens = _token_layout(chunks, padding)
     positions = tokens.positions
 
-    def rows_at(q: torch.Tensor) -> torch.Tensor:
+    def rows_at(q: np.ndarray) -> np.ndarray:
         """Window-pool rows of positions ``q`` [T, n] of each token's sequence."""
-        qc = q.clamp(min=0)
-        return tokens.window_block.gather(1, qc // bs) * bs + qc % bs
+        qc = np.maximum(q, 0)
+        return np.take_along_axis(tokens.window_block, qc // bs, 1) * bs + qc % bs
 
-    window_q = positions.unsqueeze(1) - torch.arange(w)  # [T, W]
+    window_q = positions[:, None] - np.arange(w)  # [T, W]
+    window_valid = window_q >= 0
     logits_idx = [base + k for c, base in zip(chunks, tokens.base, strict=True) for k in c.logits_offsets]
     real_logits = len(logits_idx)
     feature_idx = None
@@ -363,20 +433,20 @@ def _build_on_host(
         feature_idx = torch.tensor(rows, dtype=torch.long)
     batch = ForwardBatch(
         pools=pools,
-        window_idx=rows_at(window_q),
-        window_valid=window_q >= 0,
-        window_write=rows_at(positions.unsqueeze(1)).squeeze(1),
+        window_idx=_tensor(rows_at(window_q)),
+        window_valid=_tensor(window_valid),
+        window_write=_tensor(rows_at(positions[:, None])[:, 0]),
         logits_idx=torch.tensor(logits_idx, dtype=torch.long),
         feature_idx=feature_idx,
     )
     for ratio in layout.ratios:
         batch.groups[ratio] = _group_meta(layout, chunks, ratio, tokens, padding)
     if any(c.replay_from > 0 for c in chunks):
-        replay = torch.tensor([c.replay_from for c in chunks], dtype=torch.long)[seq_of_token]
-        rows = torch.nonzero(positions >= replay).squeeze(1)
-        window_valid = batch.window_valid & (window_q >= replay.unsqueeze(1))
-        if rows.numel() < positions.numel() or not torch.equal(window_valid, batch.window_valid):
-            batch.decoder_rows, batch.decoder_window_valid = rows, window_valid
+        replay = np.fromiter((c.replay_from for c in chunks), np.int64, len(chunks))[tokens.seq_of_token]
+        rows = np.flatnonzero(positions >= replay)
+        decoder_valid = window_valid & (window_q >= replay[:, None])
+        if rows.size < positions.size or not np.array_equal(decoder_valid, window_valid):
+            batch.decoder_rows, batch.decoder_window_valid = _tensor(rows), _tensor(decoder_valid)
     if padding is not None:
         # extra logits rows repeat a real row's logits (callers index real rows only): the
         # first requested row, or a row that runs the decoder layers (CED skips some)
@@ -388,7 +458,7 @@ def _build_on_host(
         batch.logits_idx = torch.tensor(logits_idx + [pad] * extra, dtype=torch.long)
     if w == 0:
         batch.full = _full_attention_meta(layout, chunks, tokens, padding)
-    return positions, batch
+    return _tensor(positions), batch
 
 
 def _kv_rows(table: list[int], end: int, bs: int) -> torch.Tensor:
@@ -422,7 +492,8 @@ def _full_attention_meta(
         spans += [[0, 0, 0, 0]] * (_padded_len(len(spans), None) - len(spans))
         span_rows += [null_row] * (_padded_len(len(span_rows), None) - len(span_rows))
     rows = torch.tensor(decode, dtype=torch.long)
-    pos = tokens.positions[rows.clamp(min=0)]  # each decode token reads positions 0 .. pos
+    positions, token_block = torch.from_numpy(tokens.positions), torch.from_numpy(tokens.token_block)
+    pos = positions[rows.clamp(min=0)]  # each decode token reads positions 0 .. pos
     length = int(pos.max()) + 1 if len(decode) else 0
     if fixed_len is not None:
         length = fixed_len  # a captured graph reads max_model_len positions
@@ -431,7 +502,7 @@ def _full_attention_meta(
     q = torch.arange(length).unsqueeze(0).expand(len(decode), -1)
     valid = (q <= pos.unsqueeze(1)) & (rows >= 0).unsqueeze(1)
     qc = torch.where(valid, q, 0)
-    kv = tokens.token_block[rows.clamp(min=0)].gather(1, qc // bs) * bs + qc % bs
+    kv = token_block[rows.clamp(min=0)].gather(1, qc // bs) * bs + qc % bs
     if padding is not None:
         kv = torch.where(valid, kv, padding.null_block * bs)
     return FullAttentionMeta(

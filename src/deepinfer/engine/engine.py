@@ -727,11 +727,12 @@ class Engine:
         tokens = sample(allowed, rows, rowwise=self.config.batch_invariant)
         now = time.perf_counter()
         updated = []
-        for (c, _), token, row_logits in zip(live, tokens, sampled_logits, strict=True):
+        for i, ((c, _), token) in enumerate(zip(live, tokens, strict=True)):
             req = c.request
             if req.first_token_time is None:
                 req.first_token_time = now
-            self._append(req, token, row_logits)
+            # a row's logits are read only for its logprobs: no view made for the others
+            self._append(req, token, sampled_logits[i] if req.params.logprobs is not None else None)
             updated.append(req)
             if req.finish_reason is not None:  # the token just sampled has no row yet (an
                 # asynchronous engine may count the next step's row already)
@@ -754,7 +755,7 @@ class Engine:
         self.spec.roll_back(verified)
         return req
 
-    def _append(self, req: Request, token: int, row_logits: torch.Tensor) -> None:
+    def _append(self, req: Request, token: int, row_logits: torch.Tensor | None) -> None:
         """Append a sampled token (stop checks) and advance the request's grammar, whose end
         (its stop token accepted) ends the request."""
         self.output_processor.append_token(req, token, row_logits)

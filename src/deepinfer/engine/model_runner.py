@@ -263,7 +263,7 @@ class ModelRunner:
         ids: list[int] = []
         for i in step.on_rank(rank):
             c = step.chunks[i]
-            ids += c.request.all_token_ids[c.start : c.end - len(c.draft)] + c.draft
+            ids += c.request.token_slice(c.start, c.end - len(c.draft)) + c.draft
         if rank == 0:
             ids += [0] * (step.positions.shape[0] - len(ids))  # padded null tokens
         return torch.tensor(ids, dtype=torch.long, device=self.device)

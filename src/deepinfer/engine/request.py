@@ -61,6 +61,17 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without joining the prompt and output lists (a decode
+        step reads one token of each running request)."""
+        prompt = self.prompt_token_ids
+        n = len(prompt)
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        if end <= n:
+            return prompt[start:end]
+        return prompt[start:] + self.output_token_ids[: end - n]
+
     @property
     def num_tokens(self) -> int:
         """Tokens known or being sampled; the cache must eventually hold all but the last."""

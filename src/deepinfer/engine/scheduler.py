@@ -186,10 +186,13 @@ class Scheduler:
         computed count)."""
         if not self.config.enable_prefix_caching or request.status is not Status.RUNNING:
             return
-        tokens = request.all_token_ids
         bs = self.block_size
         computed = request.num_computed_tokens if computed is None else computed
-        full = min(computed, len(tokens)) // bs
+        known = len(request.prompt_token_ids) + len(request.output_token_ids)
+        full = min(computed, known) // bs
+        if full <= len(request.block_hashes):
+            return  # the common decode step: no block filled since the last call
+        tokens = request.all_token_ids
         parent = request.block_hashes[-1] if request.block_hashes else None
         for k in range(len(request.block_hashes), full):
             parent = block_hash(parent, tokens[k * bs : (k + 1) * bs], request.cache_salt)

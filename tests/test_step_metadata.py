@@ -1,0 +1,62 @@
+"""The vectorised compressor bookkeeping of the step-metadata builder equals the plain Python
+walk it replaced (``step_metadata_reference``), field for field, on generated steps: decodes
+and prefill chunks mixed, groups closing anywhere in a chunk, prefix-hit restores, every
+padding mode."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deepinfer.cache import step_metadata
+from deepinfer.cache.step_metadata import SeqChunk, StepPadding
+from tests.step_metadata_reference import reference_group_meta
+
+
+@st.composite
+def steps(draw):
+    """(block size, ratio, chunks, padding) of one valid step."""
+    bs = draw(st.sampled_from([4, 8, 16]))
+    ratio = draw(st.sampled_from([r for r in (1, 2, 4, 8, 128) if bs % r == 0 or r == 128]))
+    if ratio > bs:
+        bs = ratio  # a group never spans blocks: the entry pool holds bs // ratio per block
+    decode_only = draw(st.booleans())
+    num_seqs = draw(st.integers(1, 6))
+    slots = draw(st.permutations(range(8)))[:num_seqs]
+    blocks = iter(draw(st.permutations(range(64))))
+    chunks = []
+    for slot in slots:
+        start = draw(st.integers(0, 3 * bs))
+        num_tokens = 1 if decode_only else draw(st.integers(1, 2 * bs))
+        table = [next(blocks) for _ in range(-(-(start + num_tokens) // bs))]
+        restore = start >= bs and draw(st.booleans())
+        chunks.append(SeqChunk(table, slot, start, num_tokens, restore_overlap=restore))
+    mode = draw(st.sampled_from(["none", "padded", "tokens", "bucket"] if decode_only else ["none", "padded"]))
+    padding = None
+    if mode != "none":
+        total = sum(c.num_tokens for c in chunks)
+        num_tokens = total + draw(st.integers(0, 3)) if mode in ("tokens", "bucket") else None
+        max_len = 4 * bs if mode == "bucket" else None
+        padding = StepPadding(null_block=64, null_slot=8, num_tokens=num_tokens, max_model_len=max_len)
+    return bs, ratio, chunks, padding
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps())
+def test_group_meta_equals_the_python_walk(step):
+    bs, ratio, chunks, padding = step
+    layout = SimpleNamespace(block_size=bs)
+    chunks = step_metadata._padded_chunks(chunks, padding)
+    tokens = step_metadata._token_layout(chunks, padding)
+    got = step_metadata._group_meta(layout, chunks, ratio, tokens, padding)
+    as_torch = SimpleNamespace(
+        **{k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in vars(tokens).items()}
+    )
+    want = reference_group_meta(layout, chunks, ratio, as_torch, padding)
+    for f in dataclasses.fields(want):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f.name
