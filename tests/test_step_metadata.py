@@ -35,7 +35,9 @@ def steps(draw):
         table = [next(blocks) for _ in range(-(-(start + num_tokens) // bs))]
         restore = start >= bs and draw(st.booleans())
         chunks.append(SeqChunk(table, slot, start, num_tokens, restore_overlap=restore))
-    mode = draw(st.sampled_from(["none", "padded", "tokens", "bucket"] if decode_only else ["none", "padded"]))
+    mode = draw(
+        st.sampled_from(["none", "padded", "tokens", "bucket"] if decode_only else ["none", "padded"])
+    )
     padding = None
     if mode != "none":
         total = sum(c.num_tokens for c in chunks)
