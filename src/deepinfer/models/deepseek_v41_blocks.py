@@ -29,7 +29,8 @@ from deepinfer.models.layers.shared_indexer import SharedIndexer, select_candida
 class StepShared:
     """What earlier layers publish to later ones within one step."""
 
-    chosen: torch.Tensor | None = None  # [T, E] bool: the latest index source's top-k
+    # the latest index source's top-k: columns of its ratio's entry_idx, and visibility
+    chosen: tuple[torch.Tensor, torch.Tensor] | None = None  # both [T, k]
     candidates: torch.Tensor | None = None  # [T, E] bool: the candidate source's blocks
     # KV source layer -> (its compressed entries, its index keys) as written this step
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -125,7 +126,9 @@ class SharedKVAttention(LatentAttention):
                     scores = scores.masked_fill(~shared.candidates, float("-inf"))
                 shared.chosen = self.indexer.choose(scores)
             assert shared.chosen is not None, "a compressed layer runs after its index source"
-            parts.append((gather_rows(entries, meta.entry_idx).to(q.dtype), shared.chosen))
+            columns, visible = shared.chosen
+            rows = meta.entry_idx.gather(1, columns)
+            parts.append((gather_rows(entries, rows).to(q.dtype), visible))
         return self.attend(q, parts, cos, sin)
 
 

@@ -193,9 +193,9 @@ class Attention(LatentAttention):
         if self.compressor is not None:
             meta = batch.groups[self.ratio]
             _, entries = self.compressor(x, pools.compressor, meta, pools.entries, batch)
-            if self.indexer is not None:
-                chosen = self.indexer(x, q_residual, cos, sin, pools, meta, batch)
-            else:
-                chosen = meta.entry_valid  # HCA: every entry whose group has closed
-            parts.append((gather_rows(entries, meta.entry_idx).to(q.dtype), chosen))
+            if self.indexer is not None:  # CSA: the indexer's top-k entries
+                rows, visible = self.indexer(x, q_residual, cos, sin, pools, meta, batch)
+            else:  # HCA: every entry whose group has closed
+                rows, visible = meta.entry_idx, meta.entry_valid
+            parts.append((gather_rows(entries, rows).to(q.dtype), visible))
         return self.attend(q, parts, cos, sin)

@@ -47,12 +47,15 @@ class Indexer(nn.Module):
         pools: LayerPools,
         meta: GroupMeta,
         batch: ForwardBatch,
-    ) -> torch.Tensor:
-        """Return the chosen-entry mask [T, E] over ``meta.entry_idx``."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chosen entries: their entry-pool rows and visibility, both [T, min(topk, E)]
+        (a row may pick fewer visible entries than ``topk``). Attention then reads only these
+        rows, not every entry a token can see: a masked softmax over all E visible entries
+        gives the same result at E / topk times the gathers and products."""
         _, index_keys = self.compressor(x, pools.indexer, meta, pools.index_keys, batch)
         t, e = meta.entry_idx.shape
         if e == 0:
-            return meta.entry_valid
+            return meta.entry_idx, meta.entry_valid
         keys = gather_rows(index_keys, meta.entry_idx)  # [T, E, head_dim]
         q = self.wq_b(q_residual).view(t, self.n_heads, self.head_dim)
         q = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
@@ -63,5 +66,4 @@ class Indexer(nn.Module):
         index_scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [T, E]
         index_scores = index_scores.masked_fill(~meta.entry_valid, float("-inf"))
         _, picks = stable_topk(index_scores, self.topk)  # ties: the older entry wins
-        chosen = torch.zeros_like(meta.entry_valid)
-        return chosen.scatter(1, picks, meta.entry_valid.gather(1, picks))
+        return meta.entry_idx.gather(1, picks), meta.entry_valid.gather(1, picks)

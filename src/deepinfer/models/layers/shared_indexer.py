@@ -116,11 +116,13 @@ class SharedIndexer(nn.Module):
         scores = (dots * weights.unsqueeze(-1)).sum(dim=1)
         return scores.masked_fill(~meta.entry_valid, float("-inf"))
 
-    def choose(self, scores: torch.Tensor) -> torch.Tensor:
-        """Level two: the ``topk`` best finite scores per row, as a bool mask [T, E]."""
+    def choose(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Level two: the ``topk`` best finite scores per row, as columns of ``scores`` and
+        their visibility, both [T, min(topk, E)] (attention reads only these entries)."""
         e = scores.shape[1]
         if e == 0:
-            return torch.zeros_like(scores, dtype=torch.bool)
+            return scores.new_zeros(scores.shape, dtype=torch.long), torch.zeros_like(
+                scores, dtype=torch.bool
+            )
         values, indices = stable_topk(scores, self.topk)
-        chosen = torch.zeros_like(scores, dtype=torch.bool)
-        return chosen.scatter_(1, indices, values > float("-inf"))
+        return indices, values > float("-inf")
