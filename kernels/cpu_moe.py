@@ -1,4 +1,5 @@
-"""Routed experts of a MoE step as one CPU call (fp32), for decode sizes and small experts.
+"""Routed experts of a MoE step as one CPU call (fp32), for decode sizes and small experts
+(whole prefill steps of tiny ones).
 
 At a few tokens per step the sorted dispatch of ``moe.routed_experts_reference`` (argsort,
 bincount, a gather, three ``F.linear`` per active expert, ``index_add_``) costs ~150 us of
@@ -10,9 +11,9 @@ with, within the kernel's row range), each summing a token's choices in choice o
   expert's weight rows; any expert size, up to ``MAX_ROWS`` tokens.
 - ``routed_experts_transposed``: each pair as rows times the experts' transposed weights, one
   vector FMA over the output columns per input element (no horizontal sums), blocks of output
-  columns accumulated in registers; experts up to
-  ``SMALL_EXPERT_BYTES`` per matrix (kept as transposed copies), up to
-  ``MAX_ROWS_SMALL_EXPERTS`` tokens.
+  columns accumulated in registers; experts up to ``SMALL_EXPERT_BYTES`` per matrix (kept
+  as transposed copies), up to a token count that falls as the matrices grow
+  (``transposed_rows``).
 
 Sums run in another order than the GEMMs', so results agree with the reference to fp32
 rounding, not bitwise. Built once per machine by ``cpu_build``; callers keep the reference
@@ -29,11 +30,16 @@ from deepinfer.kernels import cpu_build
 
 # Tokens per call up to which the per-pair dot products beat the sorted GEMM dispatch.
 MAX_ROWS = 16
-# Expert matrices up to this size run the transposed kernel, up to this many tokens (a 256-
-# sequence decode step: 275 us against the sorted dispatch's 528 us on the tiny V4's experts;
-# at 2,048 tokens the dispatch's GEMMs win, 1.6 ms against 2.0 ms)
+# Expert matrices up to SMALL_EXPERT_BYTES run the transposed kernel, up to a token count
+# that falls as the matrices grow: the sorted dispatch's GEMMs pay a fixed cost per active
+# expert and then run faster per token. Measured on the Zen 5 (AVX-512; RESULTS.md, fifteenth
+# session), 8 experts, top-2: 64 x 64 matrices 861 us against 2,025 us at 2,048 tokens, still
+# ahead at 8,192; 128 x 128 (64 KiB) even at 8,192; 256 x 512 (512 KiB) ahead up to ~128
+# tokens, behind at 256; 512 x 512 (1 MiB) behind from 64 tokens on.
 SMALL_EXPERT_BYTES = 1 << 20
-MAX_ROWS_SMALL_EXPERTS = 512
+MAX_ROWS_SMALL_EXPERTS = 32
+TINY_EXPERT_BYTES = 64 << 10
+MAX_ROWS_TINY_EXPERTS = 4096
 
 # Transposed copies of small stacked experts, keyed by the stacked tensors' addresses, shapes
 # and versions (an in-place write makes a new copy); a handful of models' worth at most.
@@ -182,10 +188,13 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def small_experts(w1: torch.Tensor) -> bool:
-    """Experts whose weight matrices stay in cache: the transposed kernel runs them up to
-    ``MAX_ROWS_SMALL_EXPERTS`` tokens (from transposed copies made once, ``_transposed``)."""
-    return w1[0].numel() * w1.element_size() <= SMALL_EXPERT_BYTES
+def transposed_rows(w1: torch.Tensor) -> int:
+    """Tokens up to which the transposed kernel (from transposed copies made once,
+    ``_transposed``) beats the sorted dispatch for these experts; 0: experts too large for it."""
+    nbytes = w1[0].numel() * w1.element_size()
+    if nbytes <= TINY_EXPERT_BYTES:
+        return MAX_ROWS_TINY_EXPERTS
+    return MAX_ROWS_SMALL_EXPERTS if nbytes <= SMALL_EXPERT_BYTES else 0
 
 
 def supports(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> bool:
@@ -194,7 +203,7 @@ def supports(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tens
     return (
         x.device.type == "cpu"
         and x.dim() == 2
-        and (x.shape[0] <= MAX_ROWS or (small_experts(w1) and x.shape[0] <= MAX_ROWS_SMALL_EXPERTS))
+        and x.shape[0] <= max(MAX_ROWS, transposed_rows(w1))
         and x.dtype == torch.float32
         and all(w.dtype == torch.float32 and w.is_contiguous() and w.dim() == 3 for w in (w1, w2, w3))
         and not x.requires_grad
@@ -213,7 +222,7 @@ def routed_experts(
 ) -> torch.Tensor:
     """The ``deepinfer::routed_experts`` contract (kernels/moe.py) for ``supports`` inputs:
     small experts through the transposed kernel, others through the per-pair dot products."""
-    if small_experts(w1) and x.shape[0] <= MAX_ROWS_SMALL_EXPERTS:
+    if x.shape[0] <= transposed_rows(w1):
         return routed_experts_transposed(x, weights, ids, w1, w2, w3, limit)
     return routed_experts_dot(x, weights, ids, w1, w2, w3, limit)
 

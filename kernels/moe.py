@@ -78,7 +78,8 @@ def routed_experts(
 
     ``sum_j weights[n, j] * w2_e(silu(min(w1_e x, limit)) * clamp(w3_e x, -limit, limit))``
     with ``e = ids[n, j]``. Its default kernel is ``routed_experts_reference``; fp32 CPU steps
-    that ``cpu_moe`` takes (decode sizes; small experts up to 512 tokens) run its kernels.
+    that ``cpu_moe`` takes (decode sizes; small experts, tiny ones up to 4,096 tokens) run its
+    kernels.
     """
     if cpu_moe.supports(x, w1, w2, w3):
         return cpu_moe.routed_experts(x, weights, ids, w1, w2, w3, limit)
