@@ -159,8 +159,27 @@ class ModelRunner:
         seq_chunks, sample_rows, prompt_rows = [], [], []
         feature_rows: list[tuple[int, int]] | None = [] if self.feature_offsets is not None else None
         row = feature_row = 0
+        window_table = self._window_table
+        plain = self.ced_replay is None and feature_rows is None
         for c in chunks:
             req = c.request
+            if plain and c.samples and not c.draft and req.params.prompt_logprobs is None:
+                # the common chunk (every decode): logits of its last position only
+                prompt_rows.append((row, 0))
+                sample_rows.append(row)
+                row += 1
+                seq_chunks.append(
+                    SeqChunk(
+                        req.block_ids,
+                        req.slot,
+                        c.start,
+                        c.num_tokens,
+                        c.restore_overlap,
+                        [c.num_tokens - 1],
+                        window_table=window_table(req),
+                    )
+                )
+                continue
             offsets: list[int] = []
             prompt_len = len(req.prompt_token_ids)
             if req.params.prompt_logprobs is not None and c.start < prompt_len - 1:
@@ -232,8 +251,11 @@ class ModelRunner:
         null = self.null_window_block
         if null is None:
             return None
-        ids = request.window_block_ids[: len(request.block_ids)]
-        return [b if b >= 0 else null for b in ids] + [null] * (len(request.block_ids) - len(ids))
+        n = len(request.block_ids)
+        ids = request.window_block_ids[:n]
+        if len(ids) == n and min(ids, default=0) >= 0:
+            return ids
+        return [b if b >= 0 else null for b in ids] + [null] * (n - len(ids))
 
     def _slot_rows(self) -> list[tuple[torch.Tensor, int]]:
         """Every per-slot compressor tensor (partial-group buffers, live overlap) and its

@@ -93,7 +93,7 @@ class Scheduler:
     # ---- cache ownership ------------------------------------------------------------------
 
     def _ensure_blocks(self, request: Request, num_tokens: int) -> bool:
-        need = math.ceil(num_tokens / self.block_size) - len(request.block_ids)
+        need = -(-num_tokens // self.block_size) - len(request.block_ids)
         if need > 0:
             blocks = self.pool.allocate(need)
             if blocks is None:
@@ -106,9 +106,11 @@ class Scheduler:
         if self.window_pool is None:
             return True
         ids = request.window_block_ids
-        blocks = math.ceil(num_tokens / self.block_size)
-        ids.extend([-1] * (blocks - len(ids)))
+        blocks = -(-num_tokens // self.block_size)
         first = request.num_computed_tokens // self.block_size
+        if first == blocks - 1 and first < len(ids) and ids[first] >= 0:
+            return True  # a decode inside a block it holds already
+        ids.extend([-1] * (blocks - len(ids)))
         missing = [j for j in range(first, blocks) if ids[j] < 0]
         taken = self.window_pool.allocate(len(missing)) if missing else []
         if taken is None:
@@ -232,6 +234,7 @@ class Scheduler:
         if self.plan_drafts is not None:
             self.plan_drafts([r for r in self.running if self.may_draft(r)], self.running, len(self.waiting))
         i = 0
+        batch_invariant = self.config.batch_invariant
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             todo = request.num_tokens - request.num_computed_tokens
@@ -239,7 +242,7 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(todo, budget)
-            if self.config.batch_invariant:
+            if batch_invariant:
                 num_new = self._grid_chunk(request, todo, budget)
                 if num_new == 0:  # the next grid cell does not fit this step's budget
                     i += 1
