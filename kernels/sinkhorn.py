@@ -4,9 +4,9 @@
 loop (built once per machine by ``cpu_build``): the matrices are tiny ([T, 4, 4]) and the
 2 * iters row/column normalisations are pure per-op overhead in eager PyTorch (~10 us each).
 4 x 4 matrices (V4's ``hc_mult``) run sixteen at a time, one per vector lane, softmax's exp
-included (256 matrices: 35 -> 12 us). Where no compiler is available the NumPy version runs instead (~1.5 us per
-normalisation). Every path computes in fp32, matrix by matrix, so a row's result does not
-depend on the batch around it.
+included (256 matrices: 35 -> 12 us). Where no compiler is available the NumPy version runs
+instead (~1.5 us per normalisation). Every path computes in fp32, matrix by matrix, so a row's
+result does not depend on the batch around it.
 """
 
 from __future__ import annotations

@@ -122,16 +122,26 @@ class Scheduler:
     def trim_window(self, request: Request) -> None:
         """Give back the window blocks no later position reads (all before the next
         position's window), keeping their prefix-cache hashes. Run after each step on the
-        step's requests (only they moved); a block given back while a step that reads it is still to run is safe:
-        only steps write blocks, one at a time, so a new owner writes it only later."""
+        step's requests (only they moved); a block given back while a step that reads it is
+        still to run is safe: only steps write blocks, one at a time, so a new owner writes it
+        only later.
+
+        The blocks given back so far are a prefix of the table (earlier calls gave back all
+        before their limit; a prefix hit starts with one), so the walk goes back from the
+        limit and stops at the first one given back: a step costs the blocks it frees, not
+        the sequence's length. The blocks are freed in table order, as a forward walk would."""
         if self.window_pool is None:
             return
         oldest = request.num_computed_tokens - self.window + 1  # first position still read
         ids = request.window_block_ids
-        for j in range(min(max(0, oldest) // self.block_size, len(ids))):
-            if ids[j] >= 0:
-                self.window_pool.free([ids[j]])
-                ids[j] = -1
+        j = min(max(0, oldest) // self.block_size, len(ids)) - 1
+        freed = []
+        while j >= 0 and ids[j] >= 0:
+            freed.append(ids[j])
+            ids[j] = -1
+            j -= 1
+        for block in reversed(freed):
+            self.window_pool.free([block])
 
     def _release(self, request: Request) -> None:
         self.pool.free(request.block_ids)
