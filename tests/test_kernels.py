@@ -112,6 +112,34 @@ def test_routed_experts_paths_match_the_definition(n, e, k, d, inter, limit, see
             assert torch.equal(alone[0], got[row])
 
 
+def test_routed_experts_at_prefill_sizes_take_the_kernel_that_measured_faster():
+    """Tiny experts run the transposed kernel at a whole prefill step's tokens (its threaded
+    path), equal to the sorted dispatch to fp32 rounding and row by row independent of the
+    batch; experts of 1 MiB go to the dispatch past a few dozen tokens (RESULTS.md, fifteenth
+    session)."""
+    from deepinfer.kernels import cpu_moe
+    from deepinfer.kernels.moe import routed_experts, routed_experts_reference
+
+    gen = torch.Generator().manual_seed(9)
+    n, e, k, d, inter = 2048, 8, 2, 64, 64
+    x = torch.randn(n, d, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)])
+    weights = torch.rand(n, k, generator=gen)
+    w1, w3 = torch.randn(e, inter, d, generator=gen) / 8, torch.randn(e, inter, d, generator=gen) / 8
+    w2 = torch.randn(e, d, inter, generator=gen) / 8
+    assert cpu_moe.transposed_rows(w1) >= n and cpu_moe.supports(x, w1, w2, w3)
+    got = routed_experts(x, weights, ids, w1, w2, w3, 10.0)
+    assert torch.allclose(got, routed_experts_reference(x, weights, ids, w1, w2, w3, 10.0), atol=1e-5)
+    for row in (0, 777, n - 1):
+        alone = cpu_moe.routed_experts_transposed(
+            x[row : row + 1], weights[row : row + 1], ids[row : row + 1], w1, w2, w3, 10.0
+        )
+        assert torch.equal(alone[0], got[row])
+    big = torch.empty(e, 512, 512)  # 1 MiB matrices
+    assert cpu_moe.transposed_rows(big) == cpu_moe.MAX_ROWS_SMALL_EXPERTS < 64
+    assert not cpu_moe.supports(torch.randn(64, 512), big, big.transpose(1, 2).contiguous(), big)
+
+
 def test_transposed_expert_copies_follow_in_place_writes():
     """The transposed kernel keeps copies of the experts: writing the weights in place (a
     research edit, a reload) must not leave it computing with the old ones."""
