@@ -159,41 +159,33 @@ class ModelRunner:
         seq_chunks, sample_rows, prompt_rows = [], [], []
         feature_rows: list[tuple[int, int]] | None = [] if self.feature_offsets is not None else None
         row = feature_row = 0
-        window_table = self._window_table
-        plain = self.ced_replay is None and feature_rows is None
         for c in chunks:
             req = c.request
-            replay_from, features = 0, None
-            if plain and c.samples and not c.draft and req.params.prompt_logprobs is None:
-                # the common chunk (every decode): logits of its last position only
-                offsets = [c.num_tokens - 1]
-                prompt_rows.append((row, 0))
-                sample_rows.append(row)
-                row += 1
+            offsets: list[int] = []
+            prompt_len = len(req.prompt_token_ids)
+            if req.params.prompt_logprobs is not None and c.start < prompt_len - 1:
+                # logits at positions p predict token p + 1 of the prompt
+                offsets = list(range(min(c.num_tokens, prompt_len - 1 - c.start)))
+            prompt_rows.append((row, len(offsets)))
+            if c.samples and c.draft:  # verification needs the logits of every drafted position
+                first = c.num_tokens - len(c.draft) - 1
+                sample_rows.append(row + len(offsets))
+                offsets += list(range(first, c.num_tokens))
+            elif c.samples:
+                if not offsets or offsets[-1] != c.num_tokens - 1:
+                    offsets.append(c.num_tokens - 1)
+                sample_rows.append(row + len(offsets) - 1)
             else:
-                offsets = []
-                prompt_len = len(req.prompt_token_ids)
-                if req.params.prompt_logprobs is not None and c.start < prompt_len - 1:
-                    # logits at positions p predict token p + 1 of the prompt
-                    offsets = list(range(min(c.num_tokens, prompt_len - 1 - c.start)))
-                prompt_rows.append((row, len(offsets)))
-                if c.samples and c.draft:  # verification needs the logits of every drafted position
-                    first = c.num_tokens - len(c.draft) - 1
-                    sample_rows.append(row + len(offsets))
-                    offsets += list(range(first, c.num_tokens))
-                elif c.samples:
-                    if not offsets or offsets[-1] != c.num_tokens - 1:
-                        offsets.append(c.num_tokens - 1)
-                    sample_rows.append(row + len(offsets) - 1)
-                else:
-                    sample_rows.append(-1)
-                row += len(offsets)
-                if self.ced_replay is not None and req.params.prompt_logprobs is None:
-                    replay_from = max(0, prompt_len - self.ced_replay)  # prompt logprobs need every row
-                if self.feature_offsets is not None and feature_rows is not None:
-                    features = self.feature_offsets(c.num_tokens, len(c.draft))
-                    feature_rows.append((feature_row, features[0] if features else c.num_tokens))
-                    feature_row += len(features)
+                sample_rows.append(-1)
+            row += len(offsets)
+            replay_from = 0
+            if self.ced_replay is not None and req.params.prompt_logprobs is None:
+                replay_from = max(0, prompt_len - self.ced_replay)  # prompt logprobs need every row
+            features = None
+            if self.feature_offsets is not None and feature_rows is not None:
+                features = self.feature_offsets(c.num_tokens, len(c.draft))
+                feature_rows.append((feature_row, features[0] if features else c.num_tokens))
+                feature_row += len(features)
             seq_chunks.append(
                 SeqChunk(
                     req.block_ids,
@@ -204,7 +196,7 @@ class ModelRunner:
                     offsets,
                     replay_from,
                     features,
-                    window_table(req),
+                    self._window_table(req),
                 )
             )
         if data_parallel:
@@ -240,11 +232,8 @@ class ModelRunner:
         null = self.null_window_block
         if null is None:
             return None
-        n = len(request.block_ids)
-        ids = request.window_block_ids[:n]
-        if len(ids) == n and min(ids, default=0) >= 0:
-            return ids
-        return [b if b >= 0 else null for b in ids] + [null] * (n - len(ids))
+        ids = request.window_block_ids[: len(request.block_ids)]
+        return [b if b >= 0 else null for b in ids] + [null] * (len(request.block_ids) - len(ids))
 
     def _slot_rows(self) -> list[tuple[torch.Tensor, int]]:
         """Every per-slot compressor tensor (partial-group buffers, live overlap) and its
