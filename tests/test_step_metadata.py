@@ -54,7 +54,7 @@ def test_group_meta_equals_the_python_walk(step):
     layout = SimpleNamespace(block_size=bs)
     chunks = step_metadata._padded_chunks(chunks, padding)
     tokens = step_metadata._token_layout(chunks, padding)
-    got = step_metadata._group_meta(layout, chunks, ratio, tokens, padding)
+    got = step_metadata._group_meta(layout, ratio, tokens, padding)
     as_torch = SimpleNamespace(
         **{k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in vars(tokens).items()}
     )

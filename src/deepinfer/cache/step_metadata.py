@@ -87,6 +87,7 @@ class _TokenLayout:
     chunk_end: np.ndarray  # [C]
     chunk_slot: np.ndarray  # [C]
     chunk_base: np.ndarray  # [C]
+    chunk_restore: np.ndarray  # [C] bool: the chunk follows a prefix-cache hit
     tables: np.ndarray  # [C, max_blocks] block tables (padded with 0)
 
 
@@ -143,20 +144,14 @@ class _ClosedGroups:
         return np.unique((-buffer - 1) // 2), np.unique((-overlap - 2) // 2)
 
 
-def _long(values) -> np.ndarray:
-    return np.asarray(values, dtype=np.int64)
-
-
-def _closed_groups(
-    layout: CacheLayout, chunks: list[SeqChunk], tokens: _TokenLayout, ratio: int
-) -> _ClosedGroups:
+def _closed_groups(layout: CacheLayout, tokens: _TokenLayout, ratio: int) -> _ClosedGroups:
     """Every group the chunks close (decode steps close at most one per sequence), as arrays:
     one NumPy expression per field, whatever the number of sequences."""
     bs, r = layout.block_size, ratio
     epb = bs // r
     lo, hi = tokens.chunk_start // r, tokens.chunk_end // r
     count = hi - lo
-    chunk = np.repeat(np.arange(len(chunks)), count)
+    chunk = np.repeat(np.arange(len(count)), count)
     group = lo[chunk] + np.arange(len(chunk)) - np.repeat(np.cumsum(count) - count, count)
     members = _source_rows(tokens, chunk, group, r)
     has_previous = group > 0
@@ -166,12 +161,9 @@ def _closed_groups(
     snapshot_block = tokens.tables[chunk[ends_block], ((group[ends_block] + 1) * r - 1) // bs]
     closes = count > 0
     newest = np.cumsum(count)[closes] - 1
-    restore_from, restore_to = [], []
-    for c in chunks:
-        if c.restore_overlap and c.start > 0:  # the snapshot kept with the block before start
-            block = c.block_table[c.start // bs - 1]
-            restore_from += range(block * r, (block + 1) * r)
-            restore_to += range(c.slot * r, (c.slot + 1) * r)
+    # a prefix hit restores the snapshot kept with the block before its start
+    restoring = tokens.chunk_restore & (tokens.chunk_start > 0)
+    restore_block = tokens.tables[restoring, tokens.chunk_start[restoring] // bs - 1]
     lanes = np.arange(r)
     return _ClosedGroups(
         members=members,
@@ -183,8 +175,8 @@ def _closed_groups(
         overlap_to=(tokens.chunk_slot[closes][:, None] * r + lanes).ravel(),
         snapshot_from=members[ends_block].ravel(),
         snapshot_to=(snapshot_block[:, None] * r + lanes).ravel(),
-        restore_from=_long(restore_from),
-        restore_to=_long(restore_to),
+        restore_from=(restore_block[:, None] * r + lanes).ravel(),
+        restore_to=(tokens.chunk_slot[restoring][:, None] * r + lanes).ravel(),
     )
 
 
@@ -245,7 +237,6 @@ def _numbering(t_total: int, buffer_rows: np.ndarray, overlap_rows: np.ndarray, 
 
 def _group_meta(
     layout: CacheLayout,
-    chunks: list[SeqChunk],
     ratio: int,
     tokens: _TokenLayout,
     padding: StepPadding | None,
@@ -255,7 +246,7 @@ def _group_meta(
     r = ratio
     epb = layout.block_size // r  # entries per block
     t_total = int(tokens.positions.shape[0])
-    groups = _closed_groups(layout, chunks, tokens, r)
+    groups = _closed_groups(layout, tokens, r)
 
     # Rows of earlier steps that this step reads, by pool.
     buffer_rows, overlap_rows = groups.pool_rows_read()
@@ -392,6 +383,7 @@ def _token_layout(chunks: list[SeqChunk], padding: StepPadding | None) -> _Token
         chunk_end=ends,
         chunk_slot=slots,
         chunk_base=first_row,
+        chunk_restore=np.fromiter((c.restore_overlap for c in chunks), bool, n),
         tables=tables,
     )
 
@@ -440,7 +432,7 @@ def _build_on_host(
         feature_idx=feature_idx,
     )
     for ratio in layout.ratios:
-        batch.groups[ratio] = _group_meta(layout, chunks, ratio, tokens, padding)
+        batch.groups[ratio] = _group_meta(layout, ratio, tokens, padding)
     if any(c.replay_from > 0 for c in chunks):
         replay = np.fromiter((c.replay_from for c in chunks), np.int64, len(chunks))[tokens.seq_of_token]
         rows = np.flatnonzero(positions >= replay)
