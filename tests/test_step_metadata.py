@@ -1,18 +1,19 @@
-"""The vectorised compressor bookkeeping of the step-metadata builder equals the plain Python
-walk it replaced (``step_metadata_reference``), field for field, on generated steps: decodes
-and prefill chunks mixed, groups closing anywhere in a chunk, prefix-hit restores, every
-padding mode."""
+"""Both builders of the compressor bookkeeping (the compiled one, ``native_group_meta``, and
+the NumPy one) equal the plain Python walk they replaced (``step_metadata_reference``), field
+for field, on generated steps: decodes and prefill chunks mixed, groups closing anywhere in a
+chunk, prefix-hit restores, every padding mode."""
 
 from __future__ import annotations
 
 import dataclasses
 from types import SimpleNamespace
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepinfer.cache import step_metadata
+from deepinfer.cache import native_group_meta, step_metadata
 from deepinfer.cache.step_metadata import SeqChunk, StepPadding
 from tests.step_metadata_reference import reference_group_meta
 
@@ -47,14 +48,37 @@ def steps(draw):
     return bs, ratio, chunks, padding
 
 
-@settings(max_examples=300, deadline=None)
-@given(steps())
-def test_group_meta_equals_the_python_walk(step):
+def _native(layout, ratio, tokens, padding):
+    fields = native_group_meta.build(layout.block_size, ratio, tokens, padding, step_metadata.MIN_ROWS)
+    assert fields is not None  # every generated step fits its padding
+    return step_metadata.GroupMeta(**fields)
+
+
+BUILDERS = {"native": _native, "numpy": step_metadata._group_meta_numpy}
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_group_meta_equals_the_python_walk(name):
+    if name == "native" and not native_group_meta.available():
+        pytest.skip("no C++ compiler on this machine: the NumPy builder runs instead")
+    _check_builder(BUILDERS[name])
+
+
+def _check_builder(builder) -> None:
+    @settings(max_examples=300, deadline=None)
+    @given(steps())
+    def check(step):
+        _check_step(builder, step)
+
+    check()
+
+
+def _check_step(builder, step) -> None:
     bs, ratio, chunks, padding = step
     layout = SimpleNamespace(block_size=bs)
     chunks = step_metadata._padded_chunks(chunks, padding)
     tokens = step_metadata._token_layout(chunks, padding)
-    got = step_metadata._group_meta(layout, ratio, tokens, padding)
+    got = builder(layout, ratio, tokens, padding)
     as_torch = SimpleNamespace(
         **{k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in vars(tokens).items()}
     )

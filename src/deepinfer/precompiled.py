@@ -67,8 +67,9 @@ def default_cache_dir(checkpoint: Path | None) -> Path:
 _NOT_IN_STEP = (
     "bench_serve.py",
     "benchmarking.py",
-    "cache/step_metadata.py",  # builds the step's inputs on the host; a new input layout
-    # is caught by the saved variants' guards, which then compile one for it
+    "cache/native_group_meta.py",  # with step_metadata.py: builds the step's inputs on
+    "cache/step_metadata.py",  # the host; a new input layout is caught by the saved
+    # variants' guards, which then compile one for it
     "chat",
     "cli.py",
     "engine",

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from deepinfer.cache import native_group_meta
 from deepinfer.cache.forward_batch import ForwardBatch, FullAttentionMeta, GroupMeta, LayerPools
 from deepinfer.cache.pools import CacheLayout
 
@@ -241,8 +242,23 @@ def _group_meta(
     tokens: _TokenLayout,
     padding: StepPadding | None,
 ) -> GroupMeta:
-    """Compressor bookkeeping for one ratio (see ``GroupMeta``), vectorised over sequences and
-    groups (a Python walk over every closed group cost ~1 ms a step at 256 sequences)."""
+    """Compressor bookkeeping for one ratio (see ``GroupMeta``): the compiled builder where
+    it loaded (``native_group_meta``), else the NumPy one; both give the same fields."""
+    if native_group_meta.available():
+        fields = native_group_meta.build(layout.block_size, ratio, tokens, padding, MIN_ROWS)
+        if fields is not None:
+            return GroupMeta(**fields)
+    return _group_meta_numpy(layout, ratio, tokens, padding)
+
+
+def _group_meta_numpy(
+    layout: CacheLayout,
+    ratio: int,
+    tokens: _TokenLayout,
+    padding: StepPadding | None,
+) -> GroupMeta:
+    """``_group_meta`` vectorised over sequences and groups in NumPy (a Python walk over
+    every closed group cost ~1 ms a step at 256 sequences)."""
     r = ratio
     epb = layout.block_size // r  # entries per block
     t_total = int(tokens.positions.shape[0])
@@ -324,6 +340,8 @@ def build_forward_batch(
     With ``padding`` the step may hold extra null tokens after the real ones (their input ids
     are the caller's to append, any valid id) and padded metadata; see ``StepPadding``."""
     positions, batch = _build_on_host(layout, pools, chunks, padding)
+    if device.type == "cpu":  # already there (mapping every field costs ~0.2 ms a step)
+        return positions, batch
     moved = batch.map_metadata(lambda t: to_device(t, device), keep_on_host=("span_meta",))
     return to_device(positions, device), moved
 
@@ -339,8 +357,9 @@ def _padded_chunks(chunks: list[SeqChunk], padding: StepPadding | None) -> list[
     return chunks + [null] * (target - real)
 
 
-def _padded_table(rows: list[list[int]], fills: list[int] | None = None) -> np.ndarray:
-    """[len(rows), longest] int64: each row then its fill (``fills[i]``, or 0)."""
+def _padded_table(rows: list[list[int]], fills: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """[len(rows), longest] int64: each row then its fill (``fills[i]``, or 0); and the
+    rows' lengths."""
     sizes = np.fromiter(map(len, rows), np.int64, len(rows))
     width = int(sizes.max()) if len(rows) else 0
     out = np.zeros((len(rows), width), dtype=np.int64)
@@ -348,7 +367,7 @@ def _padded_table(rows: list[list[int]], fills: list[int] | None = None) -> np.n
         out[:] = np.asarray(fills, dtype=np.int64)[:, None]
     flat = np.fromiter(itertools.chain.from_iterable(rows), np.int64, int(sizes.sum()))
     out[np.arange(width) < sizes[:, None]] = flat
-    return out
+    return out, sizes
 
 
 def _token_layout(chunks: list[SeqChunk], padding: StepPadding | None) -> _TokenLayout:
@@ -361,16 +380,19 @@ def _token_layout(chunks: list[SeqChunk], padding: StepPadding | None) -> _Token
     first_row = np.cumsum(lengths) - lengths
     seq_of_token = np.repeat(np.arange(n), lengths)
     positions = starts[seq_of_token] + np.arange(int(lengths.sum())) - first_row[seq_of_token]
-    tables = _padded_table([c.block_table for c in chunks])
+    tables, table_sizes = _padded_table([c.block_table for c in chunks])
     window_tables = tables
-    if any(c.window_table is not None for c in chunks):
+    window_rows = [c.window_table for c in chunks]
+    if any(row is not None for row in window_rows):
         null_window = padding.null_window_block if padding is not None else None
-        for c in chunks:
-            if c.window_table is None or len(c.window_table) != len(c.block_table):
-                raise ValueError("a bounded window needs a window table as long as each block table")
-        window_rows = [c.window_table for c in chunks]
-        fills = [null_window if null_window is not None else table[-1] for table in window_rows]
-        window_tables = _padded_table(window_rows, fills)  # type: ignore[arg-type]
+        if any(row is None for row in window_rows):
+            raise ValueError("a bounded window needs a window table as long as each block table")
+        fills = [
+            null_window if null_window is not None else (table[-1] if table else 0) for table in window_rows
+        ]
+        window_tables, window_sizes = _padded_table(window_rows, fills)  # type: ignore[arg-type]
+        if not np.array_equal(window_sizes, table_sizes):
+            raise ValueError("a bounded window needs a window table as long as each block table")
     return _TokenLayout(
         positions=positions,
         seq_of_token=seq_of_token,
