@@ -44,6 +44,7 @@ from deepinfer.compilation import (
     mark_step_dynamic,
     prepare_model,
 )
+from deepinfer.gc_heap import freeze_long_lived
 from deepinfer.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -168,6 +169,8 @@ class PrecompiledStep:
         args = (self.model, input_ids, positions, batch)
         if self._variants is None:
             self._variants = self._load()
+            if self._variants:
+                freeze_long_lived()  # the model and its compiled steps live as long as the process
         n = len(self._variants)
         for i in (*range(self._last, n), *range(self._last)):
             if self._variants[i].guard_check(*args):
@@ -188,6 +191,7 @@ class PrecompiledStep:
             self.eager_seconds += time.perf_counter() - start
             return out
         self._variants.append(self._compile(args, n))
+        freeze_long_lived()
         self.eager_seconds = 0.0
         self._last = n
         return self._variants[n](*args)

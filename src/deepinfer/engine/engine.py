@@ -712,17 +712,12 @@ class Engine:
         logits row), with stop checks."""
         if not live:
             return []
-        rows = [
-            SamplingRow(
-                c.request.params,
-                c.request.generator,
-                c.request.prompt_token_ids,
-                c.request.output_token_ids,
-                self.eos_token_ids,
-            )
-            for c, _ in live
-        ]
-        sampled_logits = logits[torch.tensor([row for _, row in live])]
+        rows = [c.request.sampling_row or self._sampling_row(c.request) for c, _ in live]
+        indices = [row for _, row in live]
+        if indices == list(range(len(indices))):  # the usual step: rows 0..n-1, no gather
+            sampled_logits = logits[: len(indices)]
+        else:
+            sampled_logits = logits[torch.tensor(indices)]
         allowed = self.structured.mask_rows(sampled_logits, [c.request for c, _ in live])
         tokens = sample(allowed, rows, rowwise=self.config.batch_invariant)
         now = time.perf_counter()
@@ -738,6 +733,18 @@ class Engine:
                 # asynchronous engine may count the next step's row already)
                 self._finish(req, computed=min(req.num_computed_tokens, req.num_tokens - 1))
         return updated
+
+    def _sampling_row(self, request: Request) -> SamplingRow:
+        """What the sampler reads of ``request``, made once: its params, generator and token
+        lists never change identity (the lists grow in place)."""
+        request.sampling_row = SamplingRow(
+            request.params,
+            request.generator,
+            request.prompt_token_ids,
+            request.output_token_ids,
+            self.eos_token_ids,
+        )
+        return request.sampling_row
 
     def _append_verified(self, verified: VerifiedChunk) -> Request:
         """Append a drafted chunk's verified tokens one by one (stop checks apply to each),

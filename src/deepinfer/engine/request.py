@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from deepinfer.outputs import Logprob
+from deepinfer.sampling.sampler import SamplingRow
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -56,6 +57,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    sampling_row: SamplingRow | None = None  # the sampler's view of this request, made once
 
     @property
     def all_token_ids(self) -> list[int]:
