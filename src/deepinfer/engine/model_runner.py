@@ -20,7 +20,7 @@ from deepinfer.engine.graph_runner import DecodeGraphRunner
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import ScheduledChunk
 from deepinfer.models.base import CausalLM
-from deepinfer.platforms import GraphCapture
+from deepinfer.platforms import GraphCapture, cpu_blas
 from deepinfer.speculative.schedule import SpsTable
 
 
@@ -303,7 +303,11 @@ class ModelRunner:
         """The step's logits, and its draft features when the batch asked for them."""
         if step.graph_bucket is not None and self.graphs is not None:
             return self.graphs.run(step.graph_bucket, input_ids, step.positions, step.batch), None
-        out = self.forward(input_ids, step.positions, step.batch)
+        if self.device.type == "cpu":
+            with cpu_blas.threads_for_step(input_ids.shape[0]):
+                out = self.forward(input_ids, step.positions, step.batch)
+        else:
+            out = self.forward(input_ids, step.positions, step.batch)
         if isinstance(out, tuple):
             return out[0], out[1]
         return out, None

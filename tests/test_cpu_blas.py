@@ -1,0 +1,51 @@
+"""Small CPU steps run MKL single-threaded, larger ones with every thread, and the calling
+thread's MKL setting is back to what it was after each step (so code around the engine
+never runs with the step's setting)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import pytest
+import torch
+
+from deepinfer.platforms import cpu_blas
+
+pytestmark = pytest.mark.skipif(not cpu_blas.available(), reason="this PyTorch build has no MKL")
+
+
+def _mkl_threads() -> int:
+    """Threads MKL would use for a call from this thread now."""
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+    lib.MKL_Get_Max_Threads.restype = ctypes.c_int
+    return lib.MKL_Get_Max_Threads()
+
+
+def test_small_steps_run_mkl_single_threaded_and_restore():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        before = _mkl_threads()
+        assert before == 2
+        with cpu_blas.threads_for_step(cpu_blas.SINGLE_THREAD_ROWS):
+            assert _mkl_threads() == 1
+        assert _mkl_threads() == before
+        with cpu_blas.threads_for_step(cpu_blas.SINGLE_THREAD_ROWS + 1):
+            assert _mkl_threads() == before
+        with pytest.raises(RuntimeError), cpu_blas.threads_for_step(1):
+            raise RuntimeError("a failing step")
+        assert _mkl_threads() == before
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="MKL runs one thread on one core anyway")
+def test_the_setting_is_per_thread():
+    seen = []
+    with cpu_blas.threads_for_step(1):
+        worker = threading.Thread(target=lambda: seen.append(_mkl_threads()))
+        worker.start()
+        worker.join()
+    assert len(seen) == 1 and seen[0] > 1  # another thread keeps MKL's own default
