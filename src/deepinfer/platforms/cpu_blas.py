@@ -4,8 +4,9 @@ PyTorch's fp32 ``mm`` on the CPU is MKL's sgemm, which opens an OpenMP parallel 
 each call. For the few-row GEMMs of a small step (a short batch decoding, K = 64 on the tiny
 V4) waking the other threads costs more than it shares: measured on this project's 2-core
 machine, a batch-1 tiny-V4 decode step took 1.26 ms with MKL single-threaded for such steps
-against 1.44 ms without, and the offline throughput benchmark ran ~4% faster (RESULTS.md,
-sixteenth session). Larger steps keep every thread (256-row GEMMs ran 1.7x faster threaded).
+against 1.44 ms without; the offline throughput benchmark moved within the machine's noise
+(RESULTS.md, sixteenth session). Larger steps keep every thread (256-row GEMMs ran 1.7x faster
+threaded).
 
 The switch is MKL's per-thread setting (``MKL_Set_Num_Threads_Local``, exported by the
 MKL that PyTorch's x86 wheels link statically); PyTorch's own thread count is untouched, so
