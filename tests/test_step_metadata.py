@@ -86,3 +86,24 @@ def _check_step(builder, step) -> None:
     for f in dataclasses.fields(want):
         a, b = getattr(got, f.name), getattr(want, f.name)
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f.name
+
+
+def test_native_builder_leaves_out_of_table_steps_to_numpy():
+    """Steps the scheduler never makes, whose block reads fall outside a chunk's table (a
+    restore before the first block boundary, a table shorter than the chunk), are not read
+    out of bounds by the compiled builder: it declines them and the NumPy rules apply."""
+    if not native_group_meta.available():
+        pytest.skip("no C++ compiler on this machine: the NumPy builder runs instead")
+    layout = SimpleNamespace(block_size=4)
+    restore_early = [SeqChunk([7, 9], 1, 2, 5, restore_overlap=True)]
+    short_table = [SeqChunk([3], 0, 0, 16)]
+    for chunks in (restore_early, short_table):
+        tokens = step_metadata._token_layout(chunks, None)
+        assert native_group_meta.build(4, 2, tokens, None, step_metadata.MIN_ROWS) is None
+    tokens = step_metadata._token_layout(restore_early, None)
+    got = step_metadata._group_meta(layout, 2, tokens, None)
+    want = step_metadata._group_meta_numpy(layout, 2, tokens, None)
+    for f in dataclasses.fields(want):
+        assert torch.equal(getattr(got, f.name), getattr(want, f.name)), f.name
+    with pytest.raises(IndexError):
+        step_metadata._group_meta(layout, 2, step_metadata._token_layout(short_table, None), None)

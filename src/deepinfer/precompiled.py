@@ -74,9 +74,11 @@ _NOT_IN_STEP = (
     "chat",
     "cli.py",
     "engine",
+    "gc_heap.py",
     "graph_dump.py",
     "llm.py",
     "outputs.py",
+    "platforms/cpu_blas.py",  # sets MKL's threads around a step, never inside one
     "sampling_params.py",
     "server",
     "speculative",

@@ -71,7 +71,8 @@ inline int64_t index_of(const std::vector<int64_t>& sorted, int64_t value) {
 
 }  // namespace
 
-// Returns 0, or -1 when a padded size is smaller than the step needs. sizes[8]: padded
+// Returns 0, or -1 when a padded size is smaller than the step needs or a block table does
+// not reach a position it must (the caller then runs the NumPy builder). sizes[8]: padded
 // groups, buffer rows read, overlap rows read, open-group tokens, overlap copies,
 // snapshots, restores, entries per token.
 extern "C" int64_t group_meta_build(
@@ -103,6 +104,7 @@ extern "C" int64_t group_meta_build(
         s.prev_rows.push_back(g > 0 ? source_row(g - 1, l, r, start, base, slot) : -1);
       has_previous.push_back(g > 0);
       s.group_pos.push_back(g * r);
+      if (g / epb >= max_blocks) return -1;  // a table too short for the chunk: NumPy raises
       s.entry_slot.push_back(table[g / epb] * epb + g % epb);
       if ((g + 1) * r % block_size == 0) {  // ends a block: its snapshot
         const int64_t block = table[((g + 1) * r - 1) / block_size];
@@ -122,7 +124,9 @@ extern "C" int64_t group_meta_build(
   }
   for (int64_t c = 0; c < num_chunks; ++c) {  // prefix hits restore the block before their start
     if (!chunk_restore[c] || chunk_start[c] <= 0) continue;
-    const int64_t block = tables[c * max_blocks + chunk_start[c] / block_size - 1];
+    const int64_t col = chunk_start[c] / block_size - 1;
+    if (col < 0 || col >= max_blocks) return -1;  // never block-aligned here: NumPy's rules
+    const int64_t block = tables[c * max_blocks + col];
     for (int64_t l = 0; l < r; ++l) {
       s.restore_src.push_back(block * r + l);
       s.restore_dst.push_back(chunk_slot[c] * r + l);

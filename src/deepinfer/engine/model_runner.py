@@ -289,7 +289,11 @@ class ModelRunner:
             with torch.inference_mode():
                 for _ in range(repeats):
                     start = time.perf_counter()
-                    self.forward(ids, positions, batch)
+                    if self.device.type == "cpu":  # as ``execute`` runs a step of this size
+                        with cpu_blas.threads_for_step(size):
+                            self.forward(ids, positions, batch)
+                    else:
+                        self.forward(ids, positions, batch)
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     best = min(best, time.perf_counter() - start)
