@@ -49,3 +49,28 @@ def test_the_setting_is_per_thread():
         worker.start()
         worker.join()
     assert len(seen) == 1 and seen[0] > 1  # another thread keeps MKL's own default
+
+
+def test_the_engine_runs_small_steps_mkl_single_threaded(v4_ckpt):
+    """The runner's steps see MKL single-threaded while they run (a decode of one request),
+    and the calling thread's setting is back once ``generate`` returns."""
+    from deepinfer import LLM, SamplingParams
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM(v4_ckpt, compile=False)
+        seen = []
+        forward = llm.engine.runner.forward
+
+        def recording(*args, **kwargs):
+            seen.append(_mkl_threads())
+            return forward(*args, **kwargs)
+
+        llm.engine.runner.forward = recording
+        before = _mkl_threads()
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+        assert seen and set(seen) == {1}
+        assert _mkl_threads() == before == 2
+    finally:
+        torch.set_num_threads(threads)

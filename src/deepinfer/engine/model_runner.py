@@ -5,6 +5,7 @@ It owns the physical cache pools and knows tensors, never policy (DESIGN.md §2)
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -289,16 +290,17 @@ class ModelRunner:
             with torch.inference_mode():
                 for _ in range(repeats):
                     start = time.perf_counter()
-                    if self.device.type == "cpu":  # as ``execute`` runs a step of this size
-                        with cpu_blas.threads_for_step(size):
-                            self.forward(ids, positions, batch)
-                    else:
+                    with self._blas_threads(size):  # as ``execute`` runs a step of this size
                         self.forward(ids, positions, batch)
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     best = min(best, time.perf_counter() - start)
             rates.append(1.0 / best)
         return SpsTable(tuple(sizes), tuple(rates))
+
+    def _blas_threads(self, rows: int) -> contextlib.AbstractContextManager[None]:
+        """MKL's threads for a step of ``rows`` token rows (``cpu_blas``; CPU only)."""
+        return cpu_blas.threads_for_step(rows) if self.device.type == "cpu" else contextlib.nullcontext()
 
     @torch.inference_mode()
     def execute(
@@ -307,10 +309,7 @@ class ModelRunner:
         """The step's logits, and its draft features when the batch asked for them."""
         if step.graph_bucket is not None and self.graphs is not None:
             return self.graphs.run(step.graph_bucket, input_ids, step.positions, step.batch), None
-        if self.device.type == "cpu":
-            with cpu_blas.threads_for_step(input_ids.shape[0]):
-                out = self.forward(input_ids, step.positions, step.batch)
-        else:
+        with self._blas_threads(input_ids.shape[0]):
             out = self.forward(input_ids, step.positions, step.batch)
         if isinstance(out, tuple):
             return out[0], out[1]

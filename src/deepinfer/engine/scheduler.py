@@ -140,8 +140,7 @@ class Scheduler:
             freed.append(ids[j])
             ids[j] = -1
             j -= 1
-        for block in reversed(freed):
-            self.window_pool.free([block])
+        self.window_pool.free(freed[::-1])
 
     def _release(self, request: Request) -> None:
         self.pool.free(request.block_ids)
