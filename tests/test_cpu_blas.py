@@ -1,6 +1,6 @@
-"""Small CPU steps run MKL single-threaded, larger ones with every thread, and the calling
-thread's MKL setting is back to what it was after each step (so code around the engine
-never runs with the step's setting)."""
+"""Small CPU steps run MKL (and, in a compiled step, OpenMP) single-threaded, larger ones with
+every thread, and the calling thread's setting is back to what it was after each step (so code
+around the engine never runs with the step's setting)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from deepinfer.platforms import cpu_blas
 
-pytestmark = pytest.mark.skipif(not cpu_blas.available(), reason="this PyTorch build has no MKL")
+needs_mkl = pytest.mark.skipif(not cpu_blas.available(), reason="this PyTorch build has no MKL")
 
 
 def _mkl_threads() -> int:
@@ -23,6 +23,7 @@ def _mkl_threads() -> int:
     return lib.MKL_Get_Max_Threads()
 
 
+@needs_mkl
 def test_small_steps_run_mkl_single_threaded_and_restore():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -41,6 +42,20 @@ def test_small_steps_run_mkl_single_threaded_and_restore():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.skipif(not cpu_blas.openmp_available(), reason="PyTorch's OpenMP runtime not found")
+def test_small_steps_run_openmp_single_threaded_and_restore(two_threads):
+    with cpu_blas.openmp_for_step(cpu_blas.OPENMP_SINGLE_THREAD_ROWS):
+        assert torch.get_num_threads() == 1
+        assert torch.ones(1 << 20).sum().item() == 1 << 20  # ATen's parallel ops still run
+    assert torch.get_num_threads() == 2
+    with cpu_blas.openmp_for_step(cpu_blas.OPENMP_SINGLE_THREAD_ROWS + 1):
+        assert torch.get_num_threads() == 2
+    with pytest.raises(RuntimeError), cpu_blas.openmp_for_step(1):
+        raise RuntimeError("a failing step")
+    assert torch.get_num_threads() == 2
+
+
+@needs_mkl
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="MKL runs one thread on one core anyway")
 def test_the_setting_is_per_thread():
     seen = []
@@ -51,6 +66,7 @@ def test_the_setting_is_per_thread():
     assert len(seen) == 1 and seen[0] > 1  # another thread keeps MKL's own default
 
 
+@needs_mkl
 def test_the_engine_runs_small_steps_mkl_single_threaded(v4_ckpt):
     """The runner's steps see MKL single-threaded while they run (a decode of one request),
     and the calling thread's setting is back once ``generate`` returns."""

@@ -22,6 +22,7 @@ import torch
 from deepinfer import LLM, SamplingParams, precompiled
 from deepinfer.compilation import CPP_WRAPPER_ENV, PassManager, inductor_options
 from deepinfer.models.loading import load_model
+from deepinfer.platforms import cpu_blas
 from deepinfer.precompiled import PrecompiledStep, artefact_key, default_cache_dir
 from deepinfer.tiny import make_tiny_checkpoint
 
@@ -56,6 +57,17 @@ def cpp_wrapper():
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(CPP_WRAPPER_ENV, "1")
         yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def production_threads():
+    """Two compute threads, as the CPU engine runs (conftest gives xdist workers one): the
+    variants are built for two, and small steps run them on one (``cpu_blas.openmp_for_step``),
+    so the tokens checks below cover kernels built for two threads run on one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +150,44 @@ def test_the_cpu_default_keeps_llama_eager_even_with_a_saved_step(tmp_path):
     (step.cache_dir / f"{step.key}-0.step").write_bytes(b"a saved variant")
     assert step.has_saved_variants()
     assert not isinstance(LLM(llama).engine.runner.forward, PrecompiledStep)
+
+
+class _RecordingVariant:
+    """Stands in for a loaded variant: accepts every step, records the thread count its guard
+    check and its call saw, and returns a marker instead of logits."""
+
+    def __init__(self) -> None:
+        self.guards: list[int] = []
+        self.calls: list[tuple[int, int]] = []
+
+    def guard_check(self, model, input_ids, positions, batch) -> bool:
+        self.guards.append(torch.get_num_threads())
+        return True
+
+    def __call__(self, model, input_ids, positions, batch) -> str:
+        self.calls.append((input_ids.shape[0], torch.get_num_threads()))
+        if batch == "fail":
+            raise RuntimeError("a failing step")
+        return "logits"
+
+
+@pytest.mark.skipif(not cpu_blas.openmp_available(), reason="PyTorch's OpenMP runtime not found")
+def test_a_small_step_runs_its_variant_on_one_thread_after_its_guards(checkpoint, tmp_path):
+    """Guards are checked at the process's thread count (dynamo's guards record it); a step of
+    at most ``OPENMP_SINGLE_THREAD_ROWS`` rows then runs on one OpenMP thread, a larger one on all;
+    the count is back after each call, a failing one included."""
+    step = PrecompiledStep(load_model(checkpoint), tmp_path)
+    variant = _RecordingVariant()
+    step._variants = [variant]
+    small = torch.zeros(cpu_blas.OPENMP_SINGLE_THREAD_ROWS, dtype=torch.long)
+    large = torch.zeros(cpu_blas.OPENMP_SINGLE_THREAD_ROWS + 1, dtype=torch.long)
+    assert step(small, small, None) == "logits" and torch.get_num_threads() == 2
+    assert step(large, large, None) == "logits" and torch.get_num_threads() == 2
+    with pytest.raises(RuntimeError, match="failing"):
+        step(small, small, "fail")
+    assert torch.get_num_threads() == 2
+    assert variant.guards == [2, 2, 2]
+    assert variant.calls == [(small.shape[0], 1), (large.shape[0], 2), (small.shape[0], 1)]
 
 
 def test_a_damaged_artefact_is_skipped(checkpoint, caplog):

@@ -46,6 +46,7 @@ from deepinfer.compilation import (
 )
 from deepinfer.gc_heap import freeze_long_lived
 from deepinfer.models.base import CausalLM
+from deepinfer.platforms import cpu_blas
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ _NOT_IN_STEP = (
     "graph_dump.py",
     "llm.py",
     "outputs.py",
-    "platforms/cpu_blas.py",  # sets MKL's threads around a step, never inside one
+    "platforms/cpu_blas.py",  # sets MKL's and OpenMP's threads around a step, never inside one
     "sampling_params.py",
     "server",
     "speculative",
@@ -177,7 +178,7 @@ class PrecompiledStep:
         for i in (*range(self._last, n), *range(self._last)):
             if self._variants[i].guard_check(*args):
                 self._last = i
-                return self._variants[i](*args)
+                return self._run(i, args)
         if not self._compile_now():
             if not self.eager_steps:  # once: say why the default mode is not running compiled
                 logger.info(
@@ -196,7 +197,13 @@ class PrecompiledStep:
         freeze_long_lived()
         self.eager_seconds = 0.0
         self._last = n
-        return self._variants[n](*args)
+        return self._run(n, args)
+
+    def _run(self, index: int, args: tuple) -> Any:
+        """Call a variant whose guards passed; a small step's kernels run on this thread
+        alone (``cpu_blas.openmp_for_step``: after the guards, which record the thread count)."""
+        with cpu_blas.openmp_for_step(args[1].shape[0]):
+            return self._variants[index](*args)
 
     def needs_padding(self) -> bool:
         """Whether the next step should be prepared with padded metadata: a compiled variant

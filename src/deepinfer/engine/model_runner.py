@@ -299,7 +299,8 @@ class ModelRunner:
         return SpsTable(tuple(sizes), tuple(rates))
 
     def _blas_threads(self, rows: int) -> contextlib.AbstractContextManager[None]:
-        """MKL's threads for a step of ``rows`` token rows (``cpu_blas``; CPU only)."""
+        """MKL's threads for a step of ``rows`` token rows (``cpu_blas``; CPU only). OpenMP's
+        are set by ``PrecompiledStep`` around a compiled variant's call, after its guards."""
         return cpu_blas.threads_for_step(rows) if self.device.type == "cpu" else contextlib.nullcontext()
 
     @torch.inference_mode()
