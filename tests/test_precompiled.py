@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams, precompiled
-from deepinfer.compilation import CPP_WRAPPER_ENV, PassManager, inductor_options
+from deepinfer.compilation import CPP_WRAPPER_ENV, CPU_MIN_CHUNK_SIZE, PassManager, inductor_options
 from deepinfer.models.loading import load_model
 from deepinfer.platforms import cpu_blas
 from deepinfer.precompiled import PrecompiledStep, artefact_key, default_cache_dir
@@ -219,6 +219,8 @@ def test_the_cpp_wrapper_switch_reaches_the_options_and_the_key(checkpoint, monk
     model, manager = load_model(checkpoint), PassManager([])
     cpu = torch.device("cpu")
     assert inductor_options(manager, cpu)["cpp_wrapper"] is True
+    assert inductor_options(manager, cpu)["cpp.min_chunk_size"] == CPU_MIN_CHUNK_SIZE
+    assert "cpp.min_chunk_size" not in inductor_options(manager, torch.device("meta"))
     with_wrapper = artefact_key(model, manager)
     monkeypatch.setenv(CPP_WRAPPER_ENV, "0")
     assert "cpp_wrapper" not in inductor_options(manager, cpu)

@@ -130,11 +130,23 @@ def inductor_options(manager: PassManager, device: torch.device | None = None) -
     On the CPU the step's wrapper is C++ (``cpp_wrapper``): the Python wrapper spent ~2.7 ms
     of a 19.5 ms tiny-V4 decode step of 256 rows allocating buffers, checking strides and
     calling ~100 kernels; in C++ the decode steps of the throughput benchmark took 16% less
-    forward time (benchmarks/RESULTS.md, thirteenth session)."""
+    forward time (benchmarks/RESULTS.md, thirteenth session). CPU loops go parallel from
+    ``CPU_MIN_CHUNK_SIZE`` elements a thread."""
     options: dict[str, object] = {"post_grad_custom_post_pass": manager, "reorder_for_locality": False}
-    if device is not None and device.type == "cpu" and cpu_cpp_wrapper():
-        options["cpp_wrapper"] = True
+    if device is not None and device.type == "cpu":
+        options["cpp.min_chunk_size"] = CPU_MIN_CHUNK_SIZE
+        if cpu_cpp_wrapper():
+            options["cpp_wrapper"] = True
     return options
+
+
+# Inductor runs a CPU loop nest in parallel only when it holds at least this many elements per
+# thread, judged by the sizes of the step that was traced (Inductor's default: 512). The steps
+# a variant serves differ from the traced one, and ours are small: at 64, tiny-V4 offline
+# throughput was ahead in 7 of 8 alternated process rounds (+4% median; 8 was slower than 64
+# in 3 of 4; RESULTS.md, seventeenth session). Small steps run the parallel loops on one
+# thread anyway (``cpu_blas.openmp_for_step``).
+CPU_MIN_CHUNK_SIZE = 64
 
 
 CPP_WRAPPER_ENV = "DEEPINFER_CPU_CPP_WRAPPER"
