@@ -8,7 +8,9 @@ picks per platform; the CPU keeps the verification fusion and adds the small-bmm
 - ``fuse_sink_attention``: the V4/V4.1 attention core -> ``deepinfer::sink_attention``;
 - ``fuse_moe``: MoE gate + routed experts -> ``deepinfer::fused_moe``;
 - ``fuse_rejection_sampling``: speculative verification -> ``deepinfer::rejection_sample``;
-- ``reduce_small_bmm`` (CPU only, not in ``PASSES``): memory-bound ``bmm``s -> mul + sum.
+- ``reduce_small_bmm`` (CPU only, not in ``PASSES``): memory-bound ``bmm``s -> mul + sum;
+- ``use_packed_linear`` (CPU only, not in ``PASSES``): weight projections ->
+  ``deepinfer::packed_linear`` (packed weight copies, a C++ kernel behind the dispatcher).
 
 Llama's paged attention is a custom op the model calls directly (``paged_attention``).
 """
@@ -20,9 +22,17 @@ from collections.abc import Callable
 import torch
 from deepinfer.compile_passes.attention import fuse_sink_attention
 from deepinfer.compile_passes.moe import fuse_moe
+from deepinfer.compile_passes.packed_linear import use_packed_linear
 from deepinfer.compile_passes.small_bmm import reduce_small_bmm
 from deepinfer.compile_passes.verification import fuse_rejection_sampling
 
-__all__ = ["PASSES", "fuse_moe", "fuse_rejection_sampling", "fuse_sink_attention", "reduce_small_bmm"]
+__all__ = [
+    "PASSES",
+    "fuse_moe",
+    "fuse_rejection_sampling",
+    "fuse_sink_attention",
+    "reduce_small_bmm",
+    "use_packed_linear",
+]
 
 PASSES: tuple[Callable[[torch.fx.Graph], int], ...] = (fuse_sink_attention, fuse_moe, fuse_rejection_sampling)

@@ -63,14 +63,19 @@ class PassManager(CustomGraphPass):
 def default_passes(device: torch.device | None = None) -> list[GraphPass]:
     """The passes installed by default for models on ``device``: the whole ``compile_passes``
     pipeline where the fused ops have fast kernels (CUDA: Triton attention, grouped-GEMM
-    experts). On the CPU: the verification fusion, and memory-bound ``bmm``s as reductions
-    (``reduce_small_bmm``); the attention and MoE fusions stay off there, because Inductor's
+    experts). On the CPU: the verification fusion, memory-bound ``bmm``s as reductions
+    (``reduce_small_bmm``), and weight projections on packed copies (``use_packed_linear``,
+    where its C++ op built); the attention and MoE fusions stay off there, because Inductor's
     own C++ fusion of the plain attention and MoE gate measured faster than our ops' reference
     implementations (benchmarks/RESULTS.md). ``compile_step(passes=...)`` overrides the choice."""
-    from deepinfer.compile_passes import PASSES, fuse_rejection_sampling, reduce_small_bmm
+    from deepinfer.compile_passes import PASSES, fuse_rejection_sampling, reduce_small_bmm, use_packed_linear
+    from deepinfer.kernels import cpu_linear_op
 
     if device is not None and device.type == "cpu":
-        return [fuse_rejection_sampling, reduce_small_bmm]
+        passes: list[GraphPass] = [fuse_rejection_sampling, reduce_small_bmm]
+        if cpu_linear_op.available():  # the op the rewrite inserts is registered
+            passes.append(use_packed_linear)
+        return passes
     return list(PASSES)
 
 

@@ -156,6 +156,27 @@ class CausalLM(nn.Module):
         """Engine-only copies of weights in a faster layout for eager CPU steps (default:
         none)."""
 
+    def register_packed_projections(self) -> int:
+        """Packed copies of the fp32 projection weights a compiled CPU step multiplies with
+        (``deepinfer::packed_linear``, ``kernels/cpu_linear_op.py``): every 2-D fp32 CPU
+        parameter but embeddings and routed experts (those run their own kernels). A weight
+        left out only runs on ``aten::mm``. Returns how many were registered (0 where the op
+        did not build)."""
+        from deepinfer.kernels import cpu_linear_op
+
+        if not cpu_linear_op.available():
+            return 0
+        embeddings = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
+        count = 0
+        for name, param in self.named_parameters():
+            if param.dim() != 2 or param.dtype != torch.float32 or param.device.type != "cpu":
+                continue
+            if id(param) in embeddings or ".experts." in f".{name}" or param.is_inference():
+                continue
+            cpu_linear_op.register(param)
+            count += 1
+        return count
+
     # -- speculative decoding --------------------------------------------------------------
 
     def draft_model(self, method: str) -> Any | None:

@@ -196,6 +196,10 @@ class DeepseekV4ForCausalLM(CausalLM):
     def compute_dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
+    def pack_weights(self) -> None:
+        """The CPU engine's packed projections for compiled steps (``register_packed_projections``)."""
+        self.register_packed_projections()
+
     def drop_optional_layers(self) -> None:
         self.mtp = nn.ModuleList()
 

@@ -144,6 +144,10 @@ class DeepseekV41ForCausalLM(CausalLM):
         else:
             super().keep_stored(name, weight, scale, block)
 
+    def pack_weights(self) -> None:
+        """The CPU engine's packed projections for compiled steps (``register_packed_projections``)."""
+        self.register_packed_projections()
+
     def drop_optional_layers(self) -> None:
         self.mtp = nn.ModuleList()
 

@@ -1,0 +1,186 @@
+"""``deepinfer::packed_linear``: a compiled CPU step's projections on packed weight copies, as a
+C++ op registered with PyTorch's dispatcher.
+
+A tiny-V4 decode step runs ~61 small projections (K = 32-256, N = 8-258). Inside the compiled
+step each was ``aten::mm`` on MKL: 7-48 us a call at 64-256 rows, where ``cpu_packed_gemm``'s
+kernel on a packed copy takes half of that (measured on the Zen 5, RESULTS.md, seventeenth
+session). A Python custom op would give the gain back in its per-call cost (6-10 us of Python
+dispatch), so this op's CPU kernel is C++: the compiled step's C++ wrapper reaches it through
+the dispatcher without taking the GIL.
+
+``register(weight)`` packs a weight once into a registry owned by the library, keyed by the
+weight's tensor and checked at every call against it (alive, same version counter: an
+in-place write, e.g. an expert move, invalidates the copy). ``packed_linear(x, weight)``
+multiplies on the packed copy when one is registered and current, and is ``x @ weight.T``
+(``aten::mm``) otherwise, so a graph that calls it is correct whatever was registered; only
+the speed differs. Each output is the packed kernel's single FMA chain over k, the same at any
+row count (batch-invariant), another summation order than MKL's.
+
+Built once per machine with ``torch.utils.cpp_extension`` (PyTorch's extension builder, cached
+under ``~/.cache/torch_extensions``) for the vector ISA Inductor picks; ``available()`` is false
+where no compiler works, and the compile pass that inserts the op then leaves ``mm`` alone."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+
+import torch
+from deepinfer.kernels import cpu_packed_gemm
+
+logger = logging.getLogger(__name__)
+
+_OP_SOURCE = r"""
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <atomic>
+#include <mutex>
+#include <unordered_map>
+
+namespace {
+
+struct Packed {
+  // the registered weight, not kept alive; the weak reference keeps its TensorImpl's memory
+  // until the entry is swept, so no other tensor can be found under its address meanwhile
+  c10::weak_intrusive_ptr<c10::TensorImpl> owner;
+  uint32_t version;  // its version counter when packed
+  at::Tensor packed;  // [ceil(N / 2V)][K][2V]
+};
+
+std::mutex registry_mutex;
+std::unordered_map<const c10::TensorImpl*, Packed> registry;
+std::atomic<int64_t> packed_calls{0};  // calls that ran on a packed copy (tests, logs)
+
+bool current(const Packed& entry, const at::Tensor& weight) {
+  if (weight.is_inference()) return false;  // no version counter: never registered
+  auto owner = entry.owner.lock();
+  return owner.get() == weight.unsafeGetTensorImpl() && entry.version == weight._version();
+}
+
+void register_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
+              "packed_linear: register a 2-D fp32 CPU weight, got ", weight.scalar_type(), " ", weight.sizes());
+  TORCH_CHECK(!weight.is_inference(), "packed_linear: an inference tensor has no version counter to check");
+  const int64_t n = weight.size(0), k = weight.size(1), t = 2 * V, blocks = (n + t - 1) / t;
+  at::Tensor padded = at::zeros({blocks * t, k}, weight.options());
+  padded.narrow(0, 0, n).copy_(weight.detach());
+  at::Tensor packed = padded.view({blocks, t, k}).transpose(1, 2).contiguous();
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  for (auto it = registry.begin(); it != registry.end();) {  // drop copies of freed weights
+    it = it->second.owner.expired() ? registry.erase(it) : std::next(it);
+  }
+  registry.insert_or_assign(
+      weight.unsafeGetTensorImpl(),
+      Packed{c10::weak_intrusive_ptr<c10::TensorImpl>(weight.getIntrusivePtr()), weight._version(), packed});
+}
+
+int64_t registered() {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  return static_cast<int64_t>(registry.size());
+}
+
+int64_t calls() { return packed_calls.load(); }
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight) {
+  at::Tensor packed;
+  if (x.scalar_type() == at::kFloat && x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1)) {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    auto it = registry.find(weight.unsafeGetTensorImpl());
+    if (it != registry.end() && current(it->second, weight)) packed = it->second.packed;
+  }
+  if (!packed.defined()) return at::mm(x, weight.t());
+  packed_calls.fetch_add(1, std::memory_order_relaxed);
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), n = weight.size(0), k = xc.size(1);
+  at::Tensor y = at::empty({m, n}, xc.options());
+  packed_gemm_f32(xc.data_ptr<float>(), packed.data_ptr<float>(), nullptr, y.data_ptr<float>(), m, n, k,
+                  at::get_num_threads());
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
+  m.def("packed_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("register_packed_linear(Tensor weight) -> ()");
+  m.def("packed_linear_count() -> int");
+  m.def("packed_linear_calls() -> int");
+}
+
+TORCH_LIBRARY_IMPL(deepinfer, CPU, m) {
+  m.impl("packed_linear", &packed_linear);
+  m.impl("register_packed_linear", &register_weight);
+}
+
+TORCH_LIBRARY_IMPL(deepinfer, CompositeExplicitAutograd, m) {
+  m.impl("packed_linear_count", &registered);
+  m.impl("packed_linear_calls", &calls);
+}
+"""
+
+
+def _source() -> str:
+    # the packed kernel's own source first: the op calls its packed_gemm_f32 and width V
+    return cpu_packed_gemm._SOURCE + _OP_SOURCE
+
+
+@functools.cache
+def _load() -> bool:
+    """Build (or load from the extension cache) and register the op; False where that fails."""
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+        from torch.utils import cpp_extension
+
+        isa = pick_vec_isa()
+        flags = ["-O3", "-fopenmp", *str(isa.build_arch_flags()).split()]
+        flags += [f"-D{macro}" for macro in isa.build_macro()]
+        source = _source()
+        digest = hashlib.sha256((source + " ".join(flags)).encode()).hexdigest()[:16]
+        cpp_extension.load_inline(
+            name=f"deepinfer_packed_linear_{digest}",
+            cpp_sources=[source],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+    except Exception as exc:
+        logger.warning("the packed-linear CPU op is unavailable (%s); compiled steps keep aten::mm", exc)
+        return False
+
+    @torch.library.register_fake("deepinfer::packed_linear")
+    def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+    return True
+
+
+def available() -> bool:
+    """Whether the op is registered in this process (built on the first call)."""
+    return _load()
+
+
+def register(weight: torch.Tensor) -> None:
+    """Pack ``weight`` (2-D fp32, CPU) for ``packed_linear``; again after it was written in place."""
+    if not _load():
+        raise RuntimeError("the packed-linear CPU op did not build on this machine")
+    torch.ops.deepinfer.register_packed_linear(weight)
+
+
+def registered() -> int:
+    """Packed copies the registry holds (those of freed weights go at the next ``register``)."""
+    return int(torch.ops.deepinfer.packed_linear_count()) if _load() else 0
+
+
+def packed_calls() -> int:
+    """Calls of the op so far (this process) that ran on a packed copy."""
+    return int(torch.ops.deepinfer.packed_linear_calls()) if _load() else 0
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for ``x`` [M, K]: on ``weight``'s packed copy where one is registered
+    and current, else ``aten::mm``."""
+    if not _load():
+        return x @ weight.T
+    return torch.ops.deepinfer.packed_linear(x, weight)
