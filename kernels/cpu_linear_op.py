@@ -10,9 +10,9 @@ the dispatcher without taking the GIL.
 
 ``register(weight)`` packs a weight once into a registry owned by the library, keyed by the
 weight's tensor and checked at every call against it (alive, same version counter: an
-in-place write, e.g. an expert move, invalidates the copy). ``packed_linear(x, weight)``
-multiplies on the packed copy when one is registered and current, and is ``x @ weight.T``
-(``aten::mm``) otherwise, so a graph that calls it is correct whatever was registered; only
+in-place write, e.g. an expert move, invalidates the copy). ``packed_linear(x, weight, bias)``
+multiplies on the packed copy when one is registered and current (an fp32 bias added in the
+kernel), and is ``aten::mm`` / ``aten::addmm`` otherwise, so a graph that calls it is correct whatever was registered; only
 the speed differs. Each output is the packed kernel's single FMA chain over k, the same at any
 row count (batch-invariant), another summation order than MKL's.
 
@@ -83,27 +83,30 @@ int64_t registered() {
 
 int64_t calls() { return packed_calls.load(); }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight) {
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   at::Tensor packed;
   if (x.scalar_type() == at::kFloat && x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1)) {
     std::lock_guard<std::mutex> lock(registry_mutex);
     auto it = registry.find(weight.unsafeGetTensorImpl());
     if (it != registry.end() && current(it->second, weight)) packed = it->second.packed;
   }
-  if (!packed.defined()) return at::mm(x, weight.t());
+  const bool fp32_bias = !bias.has_value() || (bias->scalar_type() == at::kFloat && bias->dim() == 1 &&
+                                                 bias->size(0) == weight.size(0) && bias->device().is_cpu());
+  if (!packed.defined() || !fp32_bias) return bias.has_value() ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
   packed_calls.fetch_add(1, std::memory_order_relaxed);
   const at::Tensor xc = x.contiguous();
   const int64_t m = xc.size(0), n = weight.size(0), k = xc.size(1);
   at::Tensor y = at::empty({m, n}, xc.options());
-  packed_gemm_f32(xc.data_ptr<float>(), packed.data_ptr<float>(), nullptr, y.data_ptr<float>(), m, n, k,
-                  at::get_num_threads());
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  packed_gemm_f32(xc.data_ptr<float>(), packed.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
+                  y.data_ptr<float>(), m, n, k, at::get_num_threads());
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
-  m.def("packed_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("register_packed_linear(Tensor weight) -> ()");
   m.def("packed_linear_count() -> int");
   m.def("packed_linear_calls() -> int");
@@ -150,7 +153,7 @@ def _load() -> bool:
         return False
 
     @torch.library.register_fake("deepinfer::packed_linear")
-    def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty(x.shape[0], weight.shape[0])
 
     return True
@@ -178,9 +181,9 @@ def packed_calls() -> int:
     return int(torch.ops.deepinfer.packed_linear_calls()) if _load() else 0
 
 
-def packed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for ``x`` [M, K]: on ``weight``'s packed copy where one is registered
-    and current, else ``aten::mm``."""
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for ``x`` [M, K]: on ``weight``'s packed copy where one is
+    registered and current, else ``aten::mm`` / ``aten::addmm``."""
     if not _load():
-        return x @ weight.T
-    return torch.ops.deepinfer.packed_linear(x, weight)
+        return x @ weight.T if bias is None else torch.addmm(bias, x, weight.T)
+    return torch.ops.deepinfer.packed_linear(x, weight, bias)

@@ -32,6 +32,8 @@ def test_packed_linear_is_x_times_w_transposed(m, n, k, seed):
     weight = torch.randn(n, k, generator=gen)
     calls = cpu_linear_op.packed_calls()
     assert torch.equal(cpu_linear_op.packed_linear(x, weight), x @ weight.T)  # unregistered: aten::mm
+    some_bias = torch.randn(n, generator=gen)
+    assert torch.equal(cpu_linear_op.packed_linear(x, weight, some_bias), torch.addmm(some_bias, x, weight.T))
     assert cpu_linear_op.packed_calls() == calls
     cpu_linear_op.register(weight)
     got = cpu_linear_op.packed_linear(x, weight)
@@ -42,6 +44,8 @@ def test_packed_linear_is_x_times_w_transposed(m, n, k, seed):
     # each row is one FMA chain whatever else is in the batch: bitwise equal alone
     row = int(torch.randint(m, (1,), generator=gen))
     assert torch.equal(cpu_linear_op.packed_linear(x[row : row + 1], weight)[0], got[row])
+    bias = torch.randn(n, generator=gen)
+    assert torch.equal(cpu_linear_op.packed_linear(x, weight, bias), got + bias)  # the kernel adds it last
     # a strided input (a column slice) reads the same values
     wide = torch.cat([x, torch.randn(m, 3, generator=gen)], dim=1)
     assert torch.equal(cpu_linear_op.packed_linear(wide[:, :k], weight), got)
@@ -99,16 +103,18 @@ def test_register_refuses_what_it_cannot_pack():
 
 
 def test_the_pass_rewrites_weight_projections_only():
-    """In a compiled function, ``F.linear`` of an input weight becomes the op; a product of two
-    computed tensors stays ``mm``; the results match eager."""
+    """In a compiled function, ``F.linear`` of an input weight, with a bias or not, and an
+    ``addmm`` with a 2-D addend become the op; a product of two computed tensors stays ``mm``;
+    the results match eager."""
     from deepinfer.compile_passes import use_packed_linear
 
     from deepinfer.compilation import PassManager, PostGradBackend
 
-    def f(x: torch.Tensor, weight: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def f(x, weight, other, weight2, bias) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         projected = torch.nn.functional.linear(x, weight)
         computed = torch.relu(other)
-        return projected, projected @ computed.T
+        residual = torch.addmm(computed[:6, :9], x, weight2.T)  # a 2-D addend
+        return projected, projected @ computed.T, torch.nn.functional.linear(x, weight2, bias) + residual
 
     backend = PostGradBackend(PassManager([use_packed_linear]))
     compiled = torch.compile(f, backend=backend, dynamic=False)
@@ -118,16 +124,20 @@ def test_the_pass_rewrites_weight_projections_only():
         torch.randn(40, 24, generator=gen),
         torch.randn(7, 40),
     )
+    weight2, bias = torch.randn(9, 24, generator=gen), torch.randn(9, generator=gen)
     cpu_linear_op.register(weight)
+    cpu_linear_op.register(weight2)
     calls = cpu_linear_op.packed_calls()
-    for got, ref in zip(compiled(x, weight, other), f(x, weight, other), strict=True):
+    args = (x, weight, other, weight2, bias)
+    for got, ref in zip(compiled(*args), f(*args), strict=True):
         assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
-    assert backend.manager.counts["use_packed_linear"] == 1
-    assert cpu_linear_op.packed_calls() == calls + 1
+    assert backend.manager.counts["use_packed_linear"] == 3
+    assert cpu_linear_op.packed_calls() == calls + 3
     (graph,) = backend.graphs
     targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
-    assert targets.count(torch.ops.deepinfer.packed_linear.default) == 1
+    assert targets.count(torch.ops.deepinfer.packed_linear.default) == 3
     assert targets.count(torch.ops.aten.mm.default) == 1
+    assert targets.count(torch.ops.aten.addmm.default) == 0
 
 
 def test_a_v4_model_registers_its_projections_but_not_experts_or_embeddings(v4_ckpt):
