@@ -57,6 +57,8 @@ def test_cli_throughput_reports_the_peer_fairly(tmp_path):
             "12",
             "--peer-batch-sizes",
             "4",
+            "--rounds",
+            "2",
         ],
         capture_output=True,
         text=True,
@@ -64,7 +66,9 @@ def test_cli_throughput_reports_the_peer_fairly(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "length-sorted" in run.stdout and "arrival order" in run.stdout
-    assert "tokens computed for" in run.stdout and "ratio deepinfer / best transformers" in run.stdout
+    assert "tokens computed for" in run.stdout
+    assert run.stdout.count("ratio deepinfer / best transformers") == 2  # one a round, alternated
+    assert "ratio over 2 alternated rounds: median" in run.stdout
 
 
 def test_sorted_batches_compute_fewer_wasted_tokens():

@@ -75,6 +75,13 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 _COMPILE_CHOICES = {"auto": None, "on": True, "off": False}
 # bench_llama_cpp.VARIANTS' names (kept here so the parser builds without importing the engine)
 _BATCHED_VARIANTS = ("fp32", "fp32-kv16", "bf16", "int8", "int4")
@@ -135,6 +142,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _bench_throughput(args: argparse.Namespace) -> int:
+    import statistics
     import tempfile
     from pathlib import Path
 
@@ -170,12 +178,17 @@ def _bench_throughput(args: argparse.Namespace) -> int:
                 16, tuple(args.prompt_len), tuple(args.output_len), llm.vocab_size, seed=args.seed + 1
             )
             deepinfer_throughput(llm, warm)
-        ours = deepinfer_throughput(llm, work)
-        print(
-            f"deepinfer: {ours:.1f} output tok/s ({args.num_requests} requests, {work.output_tokens} tokens)"
-        )
-        if args.peer_batch_sizes:
-            peer = load_transformers_peer(llm.path)
+        peer = load_transformers_peer(llm.path) if args.peer_batch_sizes else None
+        ratios = []
+        for round_ in range(args.rounds):  # rounds alternate the two sides on a noisy machine
+            if args.rounds > 1:
+                print(f"round {round_ + 1} of {args.rounds}")
+            ours = deepinfer_throughput(llm, work)
+            print(
+                f"deepinfer: {ours:.1f} output tok/s ({args.num_requests} requests, {work.output_tokens} tokens)"
+            )
+            if peer is None:
+                continue
             runs = transformers_throughput_runs(peer, work, args.peer_batch_sizes)
             for run in runs:
                 order = "length-sorted" if run.sort else "arrival order"
@@ -185,7 +198,13 @@ def _bench_throughput(args: argparse.Namespace) -> int:
                     f"{run.credited_tokens} requested)"
                 )
             best = max(runs, key=lambda r: r.tok_s)
-            print(f"ratio deepinfer / best transformers: {ours / best.tok_s:.2f}x")
+            ratios.append(ours / best.tok_s)
+            print(f"ratio deepinfer / best transformers: {ratios[-1]:.2f}x")
+        if len(ratios) > 1:
+            listed = ", ".join(f"{r:.2f}x" for r in ratios)
+            print(
+                f"ratio over {len(ratios)} alternated rounds: median {statistics.median(ratios):.2f}x ({listed})"
+            )
         bs1 = decode_bs1(llm)
         print(
             f"bs=1 decode: {bs1['decode_tok_s']:.1f} tok/s; bandwidth bound {bs1['bound_tok_s']:.0f} tok/s "
@@ -559,6 +578,13 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--peer-batch-sizes", type=int, nargs="*", default=[64, 256])
     tp.add_argument("--threads", type=int, default=torch.get_num_threads())
     tp.add_argument("--seed", type=int, default=0)
+    tp.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=1,
+        help="alternate deepinfer and the peer this many times and report the median ratio "
+        "(for machines whose speed drifts within a run)",
+    )
     tp.add_argument("--tensor-parallel-size", type=int, default=1, help=_TP_HELP)
     tp.add_argument("--enable-expert-parallel", action="store_true", help=_EP_HELP)
     tp.add_argument("--data-parallel-size", type=int, default=1, help=_DP_HELP)
