@@ -25,6 +25,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import time
+from pathlib import Path
 
 import torch
 from deepinfer.kernels import cpu_packed_gemm
@@ -141,11 +143,16 @@ def _load() -> bool:
         flags += [f"-D{macro}" for macro in isa.build_macro()]
         source = _source()
         digest = hashlib.sha256((source + " ".join(flags)).encode()).hexdigest()[:16]
+        name = f"deepinfer_packed_linear_{digest}"
+        build_dir = Path(cpp_extension.get_default_build_root()) / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        _drop_stale_lock(build_dir / "lock")
         cpp_extension.load_inline(
-            name=f"deepinfer_packed_linear_{digest}",
+            name=name,
             cpp_sources=[source],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
             is_python_module=False,
         )
     except Exception as exc:
@@ -157,6 +164,20 @@ def _load() -> bool:
         return x.new_empty(x.shape[0], weight.shape[0])
 
     return True
+
+
+# A build takes ~30 s on two cores; a lock this old was left by a build that was killed, and
+# PyTorch's builder would wait on it forever.
+STALE_LOCK_S = 600.0
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+            logger.warning("removed a stale build lock %s", lock)
+    except FileNotFoundError:
+        pass
 
 
 def available() -> bool:

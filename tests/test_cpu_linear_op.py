@@ -159,3 +159,19 @@ def test_a_v4_model_registers_its_projections_but_not_experts_or_embeddings(v4_c
     head = cpu_linear_op.packed_linear(x, model.head.weight)
     assert cpu_linear_op.packed_calls() == calls + 1
     assert torch.allclose(head, x @ model.head.weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_a_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path):
+    """A killed build leaves PyTorch's builder a lock it would wait on forever."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    cpu_linear_op._drop_stale_lock(lock)
+    assert lock.exists()  # a build may be running
+    old = time.time() - cpu_linear_op.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    cpu_linear_op._drop_stale_lock(lock)
+    assert not lock.exists()
+    cpu_linear_op._drop_stale_lock(lock)  # none: nothing to do
