@@ -19,6 +19,10 @@ def use_packed_linear(graph: torch.fx.Graph) -> int:
     ``addmm(b, x, permute(input, [1, 0]))`` with unit scales: a 1-D fp32 ``b`` is the op's
     bias, a 2-D one (a residual add Inductor folded into the product) an ``add`` after it,
     which Inductor fuses with what follows; returns how many."""
+    from deepinfer.kernels import cpu_linear_op
+
+    if not cpu_linear_op.available():  # the op is not registered in this process
+        return 0
     count = 0
     for node in list(graph.nodes):
         bias = addend = None

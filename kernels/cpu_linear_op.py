@@ -9,8 +9,10 @@ dispatch), so this op's CPU kernel is C++: the compiled step's C++ wrapper reach
 the dispatcher without taking the GIL.
 
 ``register(weight)`` packs a weight once into a registry owned by the library, keyed by the
-weight's tensor and checked at every call against it (alive, same version counter: an
-in-place write, e.g. an expert move, invalidates the copy). ``packed_linear(x, weight, bias)``
+weight's tensor and checked at every call against it (alive, same version counter, storage,
+sizes and strides: an in-place write through PyTorch or ``p.data = t`` invalidates the
+copy). Writes PyTorch does not count (through ``p.data.copy_``, or raw pointers) need a fresh
+``register``; the engine writes none into these weights. ``packed_linear(x, weight, bias)``
 multiplies on the packed copy when one is registered and current (an fp32 bias added in the
 kernel), and is ``aten::mm`` / ``aten::addmm`` otherwise, so a graph that calls it is correct whatever was registered; only
 the speed differs. Each output is the packed kernel's single FMA chain over k, the same at any
@@ -25,6 +27,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +43,7 @@ _OP_SOURCE = r"""
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 namespace {
 
@@ -48,6 +52,8 @@ struct Packed {
   // until the entry is swept, so no other tensor can be found under its address meanwhile
   c10::weak_intrusive_ptr<c10::TensorImpl> owner;
   uint32_t version;  // its version counter when packed
+  const void* data;  // its storage, sizes and strides when packed: ``p.data = t`` changes them
+  std::vector<int64_t> sizes, strides;  // without a version bump
   at::Tensor packed;  // [ceil(N / 2V)][K][2V]
 };
 
@@ -55,10 +61,18 @@ std::mutex registry_mutex;
 std::unordered_map<const c10::TensorImpl*, Packed> registry;
 std::atomic<int64_t> packed_calls{0};  // calls that ran on a packed copy (tests, logs)
 
+void sweep() {  // drop the copies of freed weights (the registry's lock held)
+  for (auto it = registry.begin(); it != registry.end();) {
+    it = it->second.owner.expired() ? registry.erase(it) : std::next(it);
+  }
+}
+
 bool current(const Packed& entry, const at::Tensor& weight) {
   if (weight.is_inference()) return false;  // no version counter: never registered
   auto owner = entry.owner.lock();
-  return owner.get() == weight.unsafeGetTensorImpl() && entry.version == weight._version();
+  return owner.get() == weight.unsafeGetTensorImpl() && entry.version == weight._version() &&
+         entry.data == weight.data_ptr() && weight.sizes().vec() == entry.sizes &&
+         weight.strides().vec() == entry.strides;
 }
 
 void register_weight(const at::Tensor& weight) {
@@ -70,16 +84,16 @@ void register_weight(const at::Tensor& weight) {
   padded.narrow(0, 0, n).copy_(weight.detach());
   at::Tensor packed = padded.view({blocks, t, k}).transpose(1, 2).contiguous();
   std::lock_guard<std::mutex> lock(registry_mutex);
-  for (auto it = registry.begin(); it != registry.end();) {  // drop copies of freed weights
-    it = it->second.owner.expired() ? registry.erase(it) : std::next(it);
-  }
+  sweep();
   registry.insert_or_assign(
       weight.unsafeGetTensorImpl(),
-      Packed{c10::weak_intrusive_ptr<c10::TensorImpl>(weight.getIntrusivePtr()), weight._version(), packed});
+      Packed{c10::weak_intrusive_ptr<c10::TensorImpl>(weight.getIntrusivePtr()), weight._version(),
+             weight.data_ptr(), weight.sizes().vec(), weight.strides().vec(), packed});
 }
 
 int64_t registered() {
   std::lock_guard<std::mutex> lock(registry_mutex);
+  sweep();
   return static_cast<int64_t>(registry.size());
 }
 
@@ -131,9 +145,18 @@ def _source() -> str:
     return cpu_packed_gemm._SOURCE + _OP_SOURCE
 
 
-@functools.cache
+_LOAD_LOCK = threading.Lock()
+
+
 def _load() -> bool:
-    """Build (or load from the extension cache) and register the op; False where that fails."""
+    """Build (or load from the extension cache) and register the op, once per process; False
+    where that fails."""
+    with _LOAD_LOCK:
+        return _load_once()
+
+
+@functools.cache
+def _load_once() -> bool:
     try:
         from torch._inductor.cpu_vec_isa import pick_vec_isa
         from torch.utils import cpp_extension
@@ -193,7 +216,7 @@ def register(weight: torch.Tensor) -> None:
 
 
 def registered() -> int:
-    """Packed copies the registry holds (those of freed weights go at the next ``register``)."""
+    """Packed copies the registry holds, after dropping those of freed weights."""
     return int(torch.ops.deepinfer.packed_linear_count()) if _load() else 0
 
 

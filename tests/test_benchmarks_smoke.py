@@ -71,6 +71,23 @@ def test_cli_throughput_reports_the_peer_fairly(tmp_path):
     assert "ratio over 2 alternated rounds: median" in run.stdout
 
 
+def test_each_round_gets_new_prompts():
+    """A round that reran the same prompts would hit our prefix cache (the peer has none): every
+    round's workload, and the warm-up's, has prompts of its own."""
+    import argparse
+
+    from deepinfer.cli import round_workload
+
+    args = argparse.Namespace(seed=0, num_requests=16, prompt_len=[16, 64], output_len=[2, 8])
+    rounds = [round_workload(args, 258, r) for r in range(3)]
+    warm = random_workload(16, (16, 64), (2, 8), 258, seed=args.seed + 1)
+    prompts = [{tuple(p[:16]) for p in w.prompts} for w in (*rounds, warm)]
+    assert rounds[0].prompts == random_workload(16, (16, 64), (2, 8), 258, seed=0).prompts
+    for i in range(len(prompts)):
+        for j in range(i):
+            assert not prompts[i] & prompts[j]  # no shared first block
+
+
 def test_sorted_batches_compute_fewer_wasted_tokens():
     """The peer's length-sorted batches decode less past each request's end than arrival
     order, and both report what they computed."""

@@ -53,6 +53,9 @@ def test_small_steps_run_openmp_single_threaded_and_restore(two_threads):
     with pytest.raises(RuntimeError), cpu_blas.openmp_for_step(1):
         raise RuntimeError("a failing step")
     assert torch.get_num_threads() == 2
+    torch.set_num_threads(3)  # a count the cut was not measured at: left alone
+    with cpu_blas.openmp_for_step(1):
+        assert torch.get_num_threads() == 3
 
 
 @needs_mkl

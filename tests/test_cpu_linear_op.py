@@ -89,6 +89,28 @@ def test_a_freed_weights_copy_is_dropped_and_never_reused_at_its_address():
     assert cpu_linear_op.registered() <= held + 1  # the freed weight's copy went
 
 
+def test_a_weight_replaced_through_data_is_never_read_from_its_stale_copy():
+    """``p.data = t`` swaps the storage without a version bump: the storage check catches it."""
+    gen = torch.Generator().manual_seed(4)
+    x, weight = torch.randn(5, 24, generator=gen), torch.nn.Parameter(torch.randn(40, 24, generator=gen))
+    cpu_linear_op.register(weight)
+    calls = cpu_linear_op.packed_calls()
+    weight.data = torch.randn(40, 24, generator=gen)
+    with torch.no_grad():
+        assert torch.equal(cpu_linear_op.packed_linear(x, weight), x @ weight.T)
+    assert cpu_linear_op.packed_calls() == calls
+
+
+def test_the_pass_leaves_graphs_alone_where_the_op_did_not_build(monkeypatch):
+    from deepinfer.compile_passes import use_packed_linear
+
+    graph = torch.fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    graph.output(graph.call_function(torch.ops.aten.mm.default, (x, w)))
+    monkeypatch.setattr(cpu_linear_op, "available", lambda: False)
+    assert use_packed_linear(graph) == 0
+
+
 def test_register_refuses_what_it_cannot_pack():
     with pytest.raises(RuntimeError, match="2-D fp32"):
         cpu_linear_op.register(torch.randn(4, 4, dtype=torch.float64))
@@ -140,20 +162,23 @@ def test_the_pass_rewrites_weight_projections_only():
     assert targets.count(torch.ops.aten.addmm.default) == 0
 
 
-def test_a_v4_model_registers_its_projections_but_not_experts_or_embeddings(v4_ckpt):
+def test_a_v4_model_registers_its_projections_but_not_experts_or_tables(v4_ckpt):
+    """nn.Linear weights, the mHC mixing functions and the router; never routed experts,
+    embeddings or the compressor's position table."""
     from deepinfer.models.loading import load_model
 
     model = load_model(v4_ckpt)
     count = model.register_packed_projections()
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
     names = [
         name
         for name, p in model.named_parameters()
         if p.dim() == 2
-        and p.dtype == torch.float32
         and ".experts." not in f".{name}"
-        and name != "embed.weight"
+        and (id(p) in linear or name.rsplit(".", 1)[-1].startswith("hc_") or name.endswith("gate.weight"))
     ]
     assert count == len(names) > 0
+    assert not any(name.endswith(("embed.weight", "ape")) for name in names)
     x = torch.randn(3, model.head.weight.shape[1])
     calls = cpu_linear_op.packed_calls()
     head = cpu_linear_op.packed_linear(x, model.head.weight)

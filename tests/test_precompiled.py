@@ -61,9 +61,11 @@ def cpp_wrapper():
 
 @pytest.fixture(scope="module", autouse=True)
 def production_threads():
-    """Two compute threads, as the CPU engine runs (conftest gives xdist workers one): the
-    variants are built for two, and small steps run them on one (``cpu_blas.openmp_for_step``),
-    so the tokens checks below cover kernels built for two threads run on one."""
+    """Two compute threads, as the CPU engine runs on this project's 2-core machines (conftest
+    gives xdist workers one): the variants are built for two, and small steps run them on one
+    (``cpu_blas.openmp_for_step``), so on a 2-core machine the tokens checks below cover
+    kernels built for two threads run on one (where the CPU count differs, Inductor names the
+    count in its kernels and only ATen's and our loops switch)."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     yield

@@ -141,6 +141,18 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def round_workload(args: argparse.Namespace, vocab_size: int, round_: int):
+    """Round ``round_``'s requests for ``bench throughput``: the same for both sides, new prompts
+    each round (a rerun of the same prompts would hit our prefix cache, which the peer lacks).
+    Round 0 is ``--seed``'s workload; the warm-up uses ``--seed + 1``."""
+    from deepinfer.benchmarking import random_workload
+
+    seed = args.seed if round_ == 0 else args.seed + 1000 * round_
+    return random_workload(
+        args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab_size, seed=seed
+    )
+
+
 def _bench_throughput(args: argparse.Namespace) -> int:
     import statistics
     import tempfile
@@ -170,9 +182,6 @@ def _bench_throughput(args: argparse.Namespace) -> int:
             enable_expert_parallel=args.enable_expert_parallel,
             data_parallel_size=args.data_parallel_size,
         )
-        work = random_workload(
-            args.num_requests, tuple(args.prompt_len), tuple(args.output_len), llm.vocab_size, seed=args.seed
-        )
         if llm.engine.runner.padding is not None:  # compiled: graphs built before the clock starts
             warm = random_workload(
                 16, tuple(args.prompt_len), tuple(args.output_len), llm.vocab_size, seed=args.seed + 1
@@ -183,6 +192,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
         for round_ in range(args.rounds):  # rounds alternate the two sides on a noisy machine
             if args.rounds > 1:
                 print(f"round {round_ + 1} of {args.rounds}")
+            work = round_workload(args, llm.vocab_size, round_)  # no prefix-cache hits on a rerun
             ours = deepinfer_throughput(llm, work)
             print(
                 f"deepinfer: {ours:.1f} output tok/s ({args.num_requests} requests, {work.output_tokens} tokens)"

@@ -122,6 +122,8 @@ class Engine:
                 tune_malloc()
             huge_pages.set_enabled(config.cpu_huge_pages)
             model.pack_weights()  # CPU projections packed once (cpu_packed_gemm; oneDNN for bf16)
+            if use_compile:  # compiled steps' projections on packed copies (deepinfer::packed_linear)
+                model.register_packed_projections()
         drafter = self._drafter()
         graph_batch = min(config.max_graph_batch_size, config.max_num_seqs)
         # the graphs' memory pool holds about one largest-bucket step's activations, and a

@@ -156,25 +156,33 @@ class CausalLM(nn.Module):
         """Engine-only copies of weights in a faster layout for eager CPU steps (default:
         none)."""
 
+    # Parameters besides ``nn.Linear`` weights that the model's step multiplies with through
+    # ``F.linear`` (name suffixes), packed for compiled CPU steps; a model that sets none and
+    # leaves ``packs_projections`` False registers nothing.
+    projection_params: tuple[str, ...] = ()
+    packs_projections = False
+
     def register_packed_projections(self) -> int:
-        """Packed copies of the fp32 projection weights a compiled CPU step multiplies with
-        (``deepinfer::packed_linear``, ``kernels/cpu_linear_op.py``): every 2-D fp32 CPU
-        parameter but embeddings and routed experts (those run their own kernels). A weight
-        left out only runs on ``aten::mm``. Returns how many were registered (0 where the op
-        did not build)."""
+        """Packed copies of the fp32 weights a compiled CPU step multiplies with
+        (``deepinfer::packed_linear``, ``kernels/cpu_linear_op.py``): ``nn.Linear`` weights but
+        routed experts' (their own kernels), and the ``projection_params`` the model names.
+        Tables read by index (embeddings, Engram) are never packed. A weight left out only runs
+        on ``aten::mm``. The engine calls this when compiled steps may run. Returns how many
+        were registered (0 where the op did not build or the model does not pack)."""
         from deepinfer.kernels import cpu_linear_op
 
-        if not cpu_linear_op.available():
+        if not self.packs_projections or not cpu_linear_op.available():
             return 0
-        embeddings = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
+        linear = {id(m.weight) for m in self.modules() if isinstance(m, nn.Linear)}
         count = 0
         for name, param in self.named_parameters():
             if param.dim() != 2 or param.dtype != torch.float32 or param.device.type != "cpu":
                 continue
-            if id(param) in embeddings or ".experts." in f".{name}" or param.is_inference():
+            if ".experts." in f".{name}" or param.is_inference():
                 continue
-            cpu_linear_op.register(param)
-            count += 1
+            if id(param) in linear or name.endswith(self.projection_params):
+                cpu_linear_op.register(param)
+                count += 1
         return count
 
     # -- speculative decoding --------------------------------------------------------------

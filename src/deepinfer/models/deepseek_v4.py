@@ -172,6 +172,14 @@ class DeepseekV4ForCausalLM(CausalLM):
     ignored_checkpoint_prefixes = ("mtp.",)
     optional_checkpoint_prefix = "mtp."
 
+    packs_projections = True  # compiled CPU steps run its projections on packed copies
+    projection_params = (
+        "hc_attn_fn",
+        "hc_ffn_fn",
+        "hc_head_fn",
+        "gate.weight",
+    )  # mHC mixing and the MoE router, beside nn.Linear
+
     def __init__(self, cfg: DeepseekV4Config) -> None:
         super().__init__()
         self.config = cfg
@@ -195,10 +203,6 @@ class DeepseekV4ForCausalLM(CausalLM):
     @property
     def compute_dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
-
-    def pack_weights(self) -> None:
-        """The CPU engine's packed projections for compiled steps (``register_packed_projections``)."""
-        self.register_packed_projections()
 
     def drop_optional_layers(self) -> None:
         self.mtp = nn.ModuleList()

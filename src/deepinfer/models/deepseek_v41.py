@@ -70,6 +70,14 @@ class DeepseekV41ForCausalLM(CausalLM):
     ignored_checkpoint_prefixes = ("mtp.",)
     optional_checkpoint_prefix = "mtp."
 
+    packs_projections = True  # compiled CPU steps run its projections on packed copies
+    projection_params = (
+        "hc_attn_fn",
+        "hc_ffn_fn",
+        "hc_head_fn",
+        "gate.weight",
+    )  # mHC mixing and the MoE router, beside nn.Linear
+
     def __init__(self, cfg: DeepseekV41Config) -> None:
         super().__init__()
         cfg.validate()
@@ -143,10 +151,6 @@ class DeepseekV41ForCausalLM(CausalLM):
             table.keep_stored(weight, scale)
         else:
             super().keep_stored(name, weight, scale, block)
-
-    def pack_weights(self) -> None:
-        """The CPU engine's packed projections for compiled steps (``register_packed_projections``)."""
-        self.register_packed_projections()
 
     def drop_optional_layers(self) -> None:
         self.mtp = nn.ModuleList()

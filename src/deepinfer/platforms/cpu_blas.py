@@ -38,6 +38,11 @@ SINGLE_THREAD_ROWS = 64
 # batch-B decode, alternated in one process (RESULTS.md, seventeenth session): B = 1 / 8 / 16
 # 5% / 17% / 16% faster on one thread, B = 24 / 32 / 48 / 64 8-13% slower.
 OPENMP_SINGLE_THREAD_ROWS = 16
+# Thread counts the cut was measured at: with more threads a 16-row step may still gain from
+# them, so other counts keep theirs until measured. (Inductor names the thread count in its
+# kernels, ``num_threads(N)``, where it differs from the CPU count; the switch then reaches
+# only ATen's and our own parallel loops.)
+OPENMP_SWITCHED_THREADS = (2,)
 
 
 @functools.cache
@@ -99,12 +104,13 @@ def threads_for_step(rows: int) -> Iterator[None]:
 def openmp_for_step(rows: int) -> Iterator[None]:
     """Run the body (the call of a small step whose guards were checked, on this thread) with
     OpenMP at one thread; this thread's count (``torch.get_num_threads()``) comes back
-    afterwards. Steps above ``OPENMP_SINGLE_THREAD_ROWS`` rows keep every thread."""
+    afterwards. Steps above ``OPENMP_SINGLE_THREAD_ROWS`` rows, and threads running another
+    count than ``OPENMP_SWITCHED_THREADS``, keep every thread."""
     lib = _openmp() if rows <= OPENMP_SINGLE_THREAD_ROWS else None
     # torch's count, not the runtime's: torch sets a thread's count on its first parallel op,
     # and asking it first means that happens here rather than inside the body
     previous = torch.get_num_threads() if lib is not None else 1
-    if lib is None or previous == 1:
+    if lib is None or previous not in OPENMP_SWITCHED_THREADS:
         yield
         return
     lib.omp_set_num_threads(1)
