@@ -17,8 +17,14 @@ from deepinfer.cache.layer_spec import LayerCacheSpec
 from deepinfer.models.base import CausalLM
 from deepinfer.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config
 from deepinfer.models.layers.attention import Attention
-from deepinfer.models.layers.mhc import HyperConnectedBlock, hc_collapse, hc_expand, hc_head_collapse
-from deepinfer.models.layers.moe import MoE
+from deepinfer.models.layers.mhc import (
+    MIXING_FUNCTIONS,
+    HyperConnectedBlock,
+    hc_collapse,
+    hc_expand,
+    hc_head_collapse,
+)
+from deepinfer.models.layers.moe import ROUTER_WEIGHT, MoE
 from deepinfer.models.layers.norms import RMSNorm
 from deepinfer.models.layers.rope import Rotary
 from deepinfer.weights.writer import FP8_LINEARS
@@ -173,12 +179,7 @@ class DeepseekV4ForCausalLM(CausalLM):
     optional_checkpoint_prefix = "mtp."
 
     packs_projections = True  # compiled CPU steps run its projections on packed copies
-    projection_params = (
-        "hc_attn_fn",
-        "hc_ffn_fn",
-        "hc_head_fn",
-        "gate.weight",
-    )  # mHC mixing and the MoE router, beside nn.Linear
+    projection_params = (*MIXING_FUNCTIONS, ROUTER_WEIGHT)  # beside nn.Linear weights
 
     def __init__(self, cfg: DeepseekV4Config) -> None:
         super().__init__()

@@ -37,7 +37,8 @@ from deepinfer.models.layers.engram import (
     build_compressed_token_map,
     engram_hash_ids,
 )
-from deepinfer.models.layers.mhc import hc_collapse
+from deepinfer.models.layers.mhc import MIXING_FUNCTIONS, hc_collapse
+from deepinfer.models.layers.moe import ROUTER_WEIGHT
 from deepinfer.models.layers.norms import RMSNorm
 from deepinfer.models.layers.rope import Rotary
 from deepinfer.weights.writer import FP8_LINEARS
@@ -71,12 +72,7 @@ class DeepseekV41ForCausalLM(CausalLM):
     optional_checkpoint_prefix = "mtp."
 
     packs_projections = True  # compiled CPU steps run its projections on packed copies
-    projection_params = (
-        "hc_attn_fn",
-        "hc_ffn_fn",
-        "hc_head_fn",
-        "gate.weight",
-    )  # mHC mixing and the MoE router, beside nn.Linear
+    projection_params = (*MIXING_FUNCTIONS, ROUTER_WEIGHT)  # beside nn.Linear weights
 
     def __init__(self, cfg: DeepseekV41Config) -> None:
         super().__init__()

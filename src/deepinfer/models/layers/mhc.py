@@ -14,6 +14,10 @@ from torch import nn
 from deepinfer.kernels.sinkhorn import sinkhorn
 from deepinfer.models.layers.norms import RMSNorm, unweighted_rms_norm
 
+# The mixing functions of the mHC sites and of the final collapse (``hc_{site}_fn``): weights
+# the step multiplies with through ``F.linear``, packed for compiled CPU steps.
+MIXING_FUNCTIONS = ("hc_attn_fn", "hc_ffn_fn", "hc_head_fn")
+
 
 def hc_mixes(
     streams: torch.Tensor,

@@ -18,6 +18,10 @@ from deepinfer.kernels.moe import routed_experts, routed_experts_reference
 from deepinfer.kernels.quantized import routed_experts_fp4
 from deepinfer.models.deepseek_v4_config import DeepseekV4Config
 
+# The router's weight (``Gate.weight``), a projection the step multiplies with through
+# ``F.linear``, packed for compiled CPU steps.
+ROUTER_WEIGHT = "gate.weight"
+
 
 def replica_slots(ids: torch.Tensor, log2phy: torch.Tensor, replicas: torch.Tensor) -> torch.Tensor:
     """The physical slot serving each (token, choice) of logical ``ids`` [N, k]: a logical
