@@ -1,8 +1,8 @@
 """``deepinfer::packed_linear``: a compiled CPU step's projections on packed weight copies, as a
 C++ op registered with PyTorch's dispatcher.
 
-A tiny-V4 decode step runs ~61 small projections (K = 32-256, N = 8-258). Inside the compiled
-step each was ``aten::mm`` on MKL: 7-48 us a call at 64-256 rows, where ``cpu_packed_gemm``'s
+A tiny-V4 step runs 66 small projections (K = 32-256, N = 8-258). Inside the compiled step
+each was ``aten::mm`` / ``addmm`` on MKL: 7-48 us a call at 64-256 rows, where ``cpu_packed_gemm``'s
 kernel on a packed copy takes half of that (measured on the Zen 5, RESULTS.md, seventeenth
 session). A Python custom op would give the gain back in its per-call cost (6-10 us of Python
 dispatch), so this op's CPU kernel is C++: the compiled step's C++ wrapper reaches it through
@@ -14,8 +14,8 @@ sizes and strides: an in-place write through PyTorch or ``p.data = t`` invalidat
 copy). Writes PyTorch does not count (through ``p.data.copy_``, or raw pointers) need a fresh
 ``register``; the engine writes none into these weights. ``packed_linear(x, weight, bias)``
 multiplies on the packed copy when one is registered and current (an fp32 bias added in the
-kernel), and is ``aten::mm`` / ``aten::addmm`` otherwise, so a graph that calls it is correct whatever was registered; only
-the speed differs. Each output is the packed kernel's single FMA chain over k, the same at any
+kernel), and is ``aten::mm`` / ``aten::addmm`` otherwise, so a graph that calls it is correct
+whatever was registered; only the speed differs. Each output is the packed kernel's single FMA chain over k, the same at any
 row count (batch-invariant), another summation order than MKL's.
 
 Built once per machine with ``torch.utils.cpp_extension`` (PyTorch's extension builder, cached
