@@ -71,8 +71,8 @@ bool current(const Packed& entry, const at::Tensor& weight) {
   if (weight.is_inference()) return false;  // no version counter: never registered
   auto owner = entry.owner.lock();
   return owner.get() == weight.unsafeGetTensorImpl() && entry.version == weight._version() &&
-         entry.data == weight.data_ptr() && weight.sizes().vec() == entry.sizes &&
-         weight.strides().vec() == entry.strides;
+         entry.data == weight.data_ptr() && weight.sizes() == c10::IntArrayRef(entry.sizes) &&
+         weight.strides() == c10::IntArrayRef(entry.strides);
 }
 
 void register_weight(const at::Tensor& weight) {

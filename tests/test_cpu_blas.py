@@ -24,22 +24,17 @@ def _mkl_threads() -> int:
 
 
 @needs_mkl
-def test_small_steps_run_mkl_single_threaded_and_restore():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        before = _mkl_threads()
-        assert before == 2
-        with cpu_blas.threads_for_step(cpu_blas.SINGLE_THREAD_ROWS):
-            assert _mkl_threads() == 1
+def test_small_steps_run_mkl_single_threaded_and_restore(two_threads):
+    before = _mkl_threads()
+    assert before == 2
+    with cpu_blas.threads_for_step(cpu_blas.SINGLE_THREAD_ROWS):
+        assert _mkl_threads() == 1
+    assert _mkl_threads() == before
+    with cpu_blas.threads_for_step(cpu_blas.SINGLE_THREAD_ROWS + 1):
         assert _mkl_threads() == before
-        with cpu_blas.threads_for_step(cpu_blas.SINGLE_THREAD_ROWS + 1):
-            assert _mkl_threads() == before
-        with pytest.raises(RuntimeError), cpu_blas.threads_for_step(1):
-            raise RuntimeError("a failing step")
-        assert _mkl_threads() == before
-    finally:
-        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError), cpu_blas.threads_for_step(1):
+        raise RuntimeError("a failing step")
+    assert _mkl_threads() == before
 
 
 @pytest.mark.skipif(not cpu_blas.openmp_available(), reason="PyTorch's OpenMP runtime not found")
@@ -70,26 +65,21 @@ def test_the_setting_is_per_thread():
 
 
 @needs_mkl
-def test_the_engine_runs_small_steps_mkl_single_threaded(v4_ckpt):
+def test_the_engine_runs_small_steps_mkl_single_threaded(v4_ckpt, two_threads):
     """The runner's steps see MKL single-threaded while they run (a decode of one request),
     and the calling thread's setting is back once ``generate`` returns."""
     from deepinfer import LLM, SamplingParams
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        llm = LLM(v4_ckpt, compile=False)
-        seen = []
-        forward = llm.engine.runner.forward
+    llm = LLM(v4_ckpt, compile=False)
+    seen = []
+    forward = llm.engine.runner.forward
 
-        def recording(*args, **kwargs):
-            seen.append(_mkl_threads())
-            return forward(*args, **kwargs)
+    def recording(*args, **kwargs):
+        seen.append(_mkl_threads())
+        return forward(*args, **kwargs)
 
-        llm.engine.runner.forward = recording
-        before = _mkl_threads()
-        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
-        assert seen and set(seen) == {1}
-        assert _mkl_threads() == before == 2
-    finally:
-        torch.set_num_threads(threads)
+    llm.engine.runner.forward = recording
+    before = _mkl_threads()
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    assert seen and set(seen) == {1}
+    assert _mkl_threads() == before == 2

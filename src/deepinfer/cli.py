@@ -147,7 +147,7 @@ def round_workload(args: argparse.Namespace, vocab_size: int, round_: int):
     Round 0 is ``--seed``'s workload; the warm-up uses ``--seed + 1``."""
     from deepinfer.benchmarking import random_workload
 
-    seed = args.seed if round_ == 0 else args.seed + 1000 * round_
+    seed = args.seed + 1000 * round_
     return random_workload(
         args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab_size, seed=seed
     )

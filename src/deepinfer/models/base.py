@@ -156,11 +156,10 @@ class CausalLM(nn.Module):
         """Engine-only copies of weights in a faster layout for eager CPU steps (default:
         none)."""
 
-    # Parameters besides ``nn.Linear`` weights that the model's step multiplies with through
-    # ``F.linear`` (name suffixes), packed for compiled CPU steps; a model that sets none and
-    # leaves ``packs_projections`` False registers nothing.
-    projection_params: tuple[str, ...] = ()
-    packs_projections = False
+    # For a model whose compiled CPU steps run projections on packed copies: the parameters
+    # besides ``nn.Linear`` weights that its step multiplies with through ``F.linear`` (name
+    # suffixes, possibly none). None: the model packs nothing.
+    projection_params: tuple[str, ...] | None = None
 
     def register_packed_projections(self) -> int:
         """Packed copies of the fp32 weights a compiled CPU step multiplies with
@@ -171,7 +170,7 @@ class CausalLM(nn.Module):
         were registered (0 where the op did not build or the model does not pack)."""
         from deepinfer.kernels import cpu_linear_op
 
-        if not self.packs_projections or not cpu_linear_op.available():
+        if self.projection_params is None or not cpu_linear_op.available():
             return 0
         linear = {id(m.weight) for m in self.modules() if isinstance(m, nn.Linear)}
         count = 0

@@ -71,8 +71,8 @@ class DeepseekV41ForCausalLM(CausalLM):
     ignored_checkpoint_prefixes = ("mtp.",)
     optional_checkpoint_prefix = "mtp."
 
-    packs_projections = True  # compiled CPU steps run its projections on packed copies
-    projection_params = (*MIXING_FUNCTIONS, ROUTER_WEIGHT)  # beside nn.Linear weights
+    # compiled CPU steps run its projections on packed copies: these beside nn.Linear weights
+    projection_params = (*MIXING_FUNCTIONS, ROUTER_WEIGHT)
 
     def __init__(self, cfg: DeepseekV41Config) -> None:
         super().__init__()
