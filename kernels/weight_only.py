@@ -20,6 +20,9 @@ kernel above, so those results are not batch-invariant across that row count.
 from __future__ import annotations
 
 import functools
+import os
+import sys
+import tempfile
 import weakref
 
 import torch
@@ -184,6 +187,35 @@ class PackedLinear:
 @functools.cache
 def _mkldnn_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def onednn_bf16_kernel(rows: int = 32, width: int = 64) -> str | None:
+    """The oneDNN implementation a bf16 ``PackedLinear`` of ``rows`` rows runs on this CPU
+    (``brg_matmul:avx10_1_512_amx`` on an AMX Xeon, an ``avx512_core_bf16`` kernel without
+    AMX), read from oneDNN's verbose log of one product; None where the bf16 path is not
+    oneDNN's. Benchmarks print it: whether bf16 reached AMX is a fact about the run."""
+    probe = torch.zeros(width, width, dtype=torch.bfloat16)
+    if not PackedLinear.available(probe):
+        return None
+    layer = PackedLinear(probe, None)
+    x = torch.zeros(rows, width, dtype=torch.bfloat16)
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile(mode="w+") as log:
+        os.dup2(log.fileno(), 1)  # oneDNN writes its log to the process's stdout
+        try:
+            with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+                layer(x)
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        log.seek(0)
+        lines = log.read().splitlines()
+    for line in lines:  # onednn_verbose,v1,primitive,exec,cpu,inner_product,<impl>,...
+        fields = line.split(",")
+        if "exec" in fields and "inner_product" in fields:
+            return fields[fields.index("inner_product") + 1]
+    return None
 
 
 def _packed_linear(

@@ -11,9 +11,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from deepinfer.kernels import weight_only
 
 from deepinfer import bench_llama_cpp
-from deepinfer.bench_llama_cpp import VARIANTS, llama_cpp_rows, parse_batched_bench, run_table
+from deepinfer.bench_llama_cpp import (
+    NO_REPACK,
+    VARIANTS,
+    cpu_description,
+    llama_cpp_rows,
+    parse_batched_bench,
+    run_table,
+)
 from deepinfer.cli import _BATCHED_VARIANTS, main
 from deepinfer.tiny import make_tiny_checkpoint
 
@@ -54,11 +62,13 @@ def _fake_llama_cpp(tmp_path: Path):
     return root, calls, run
 
 
-@pytest.mark.parametrize(("outtype", "quantized"), [("F32", False), ("Q8_0", False), ("Q4_0", True)])
+@pytest.mark.parametrize(
+    ("outtype", "quantized"), [("F32", False), ("BF16", False), ("Q8_0", False), ("Q4_0", True)]
+)
 def test_the_peer_runs_on_the_same_weights_and_shape(tmp_path, outtype, quantized):
     root, calls, run = _fake_llama_cpp(tmp_path)
     checkpoint = tmp_path / "ckpt"
-    rows = llama_cpp_rows(root, checkpoint, outtype, [1, 8], 144, 64, threads=3, run=run)
+    rows = llama_cpp_rows(root, checkpoint, outtype, [1, 8], 144, 64, threads=3, run=run).rows
     assert set(rows) == {1, 8}
     convert = calls[0]
     assert convert[1].endswith("convert_hf_to_gguf.py") and convert[2] == str(checkpoint)
@@ -113,3 +123,39 @@ def test_the_cli_offers_every_variant_and_reads_llama_cpp_dir(monkeypatch, tmp_p
     assert bench_llama_cpp.default_llama_cpp() == tmp_path
     monkeypatch.delenv("LLAMA_CPP_DIR")
     assert bench_llama_cpp.default_llama_cpp() is None
+
+
+def test_a_crashed_peer_is_rerun_without_repacking_and_says_so(tmp_path):
+    """llama.cpp's AMX path segfaults on some builds (ggml-org/llama.cpp#20824): the table gets
+    the peer's run without repacking, labelled, instead of dying; an error it reports is raised."""
+    root, calls, ok = _fake_llama_cpp(tmp_path)
+
+    def crashing(args, **kwargs):
+        if args[0].endswith("llama-batched-bench") and NO_REPACK not in args:
+            raise subprocess.CalledProcessError(-11, args)
+        return ok(args, **kwargs)
+
+    peer = llama_cpp_rows(root, tmp_path, "Q8_0", [1, 8], 144, 64, threads=2, run=crashing)
+    assert set(peer.rows) == {1, 8} and peer.fallback == NO_REPACK
+    assert calls[-1][-1] == NO_REPACK
+    assert llama_cpp_rows(root, tmp_path, "Q8_0", [1], 144, 64, threads=2, run=ok).fallback is None
+
+    def failing(args, **kwargs):
+        if args[0].endswith("llama-batched-bench"):
+            raise subprocess.CalledProcessError(1, args)
+        return ok(args, **kwargs)
+
+    with pytest.raises(subprocess.CalledProcessError):
+        llama_cpp_rows(root, tmp_path, "Q8_0", [1], 144, 64, threads=2, run=failing)
+
+
+def test_the_bf16_onednn_kernel_is_named():
+    """The table names the oneDNN kernel bf16 runs; on a CPU with AMX it must be AMX's."""
+    kernel = weight_only.onednn_bf16_kernel()
+    if not weight_only.PackedLinear.available(torch.zeros(2, 2, dtype=torch.bfloat16)):
+        assert kernel is None
+        return
+    assert kernel and ":" in kernel  # e.g. brg_matmul:avx10_1_512_amx
+    if "amx_bf16" in Path("/proc/cpuinfo").read_text():
+        assert "amx" in kernel
+    assert f"bf16 projections: {kernel}" in cpu_description()

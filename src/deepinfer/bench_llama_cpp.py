@@ -5,10 +5,11 @@ B sequences of P-token prompts, N output tokens each; per B: prefill tok/s (``S_
 tok/s (``S_TG``) and the whole shape's output tok/s (B x N / wall), as llama-batched-bench
 reports them. Variants pair a deepinfer setting with the llama.cpp type converted from the same
 checkpoint: our exact fp32 and fp32 with an fp16 KV cache (llama.cpp's own default KV
-precision) against F32, weight-only int8 against Q8_0, int4 against Q4_0. The prefix cache is
+precision) against F32, bf16 weights against BF16, weight-only int8 against Q8_0, int4 against
+Q4_0. The prefix cache is
 off: llama-batched-bench prefills every prompt, so a cache hit would be work the peer pays for.
-The CPU's ISA is printed with the table, so figures from different machines are never compared
-as if alike; quantized variants report greedy agreement with our fp32 on chat prompts.
+The CPU's ISA (and the oneDNN kernel our bf16 projections run: AMX or not) is printed with the
+table, so figures from different machines are never compared as if alike; quantized variants report greedy agreement with our fp32 on chat prompts.
 
 How llama.cpp is built and run: ``../shared/reference/cpu_peers.md`` (a checkout with
 ``build/bin/llama-batched-bench`` and ``llama-quantize``; its converter needs ``gguf``).
@@ -24,11 +25,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from deepinfer.bench_serve import CHAT_PROMPTS
-from deepinfer.kernels import cpu_int4_vnni
+from deepinfer.kernels import cpu_int4_vnni, weight_only
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
 
@@ -36,12 +38,25 @@ from deepinfer.sampling_params import SamplingParams
 VARIANTS: dict[str, tuple[dict, str | None]] = {
     "fp32": ({}, "F32"),
     "fp32-kv16": ({"kv_cache_dtype": "float16"}, "F32"),
-    "bf16": ({"dtype": "bfloat16"}, None),
+    "bf16": ({"dtype": "bfloat16"}, "BF16"),
     "int8": ({"quantization": "int8"}, "Q8_0"),
     "int4": ({"quantization": "int4"}, "Q4_0"),
 }
 # (prefill tok/s, decode tok/s, output tok/s of the whole shape)
 Row = tuple[float, float, float]
+# llama.cpp's own converter writes these types; the rest come from llama-quantize
+CONVERTER_TYPES = ("F32", "BF16", "Q8_0")
+# llama.cpp's flag that keeps weights in the model file's layout (no repacking into its AVX or
+# AMX buffers), the fallback when its repacked path crashes (ggml-org/llama.cpp#20824: a
+# segfault in ggml_backend_amx_mul_mat, which we hit with Q8_0 on an AMX Xeon)
+NO_REPACK = "--no-repack"
+
+
+class PeerRows(NamedTuple):
+    """llama.cpp's rows by batch size, and the fallback flag it needed (None: its defaults)."""
+
+    rows: dict[int, Row]
+    fallback: str | None
 
 
 def cpu_description() -> str:
@@ -59,7 +74,8 @@ def cpu_description() -> str:
     ]
     return (
         f"{model}; {' '.join(have) or 'no AVX2 or AVX-512'}; torch capability "
-        f"{torch.backends.cpu.get_cpu_capability()}; int4 x int8 kernel: {cpu_int4_vnni.isa()}"
+        f"{torch.backends.cpu.get_cpu_capability()}; int4 x int8 kernel: {cpu_int4_vnni.isa()}; "
+        f"bf16 projections: {weight_only.onednn_bf16_kernel() or 'not oneDNN'}"
     )
 
 
@@ -134,16 +150,18 @@ def llama_cpp_rows(
     output_len: int,
     threads: int,
     run: Callable[..., subprocess.CompletedProcess] = subprocess.run,
-) -> dict[int, Row]:
-    """llama-batched-bench on ``checkpoint`` converted to ``outtype`` (F32, Q8_0 or Q4_0) by the
-    checkout's own converter (and ``llama-quantize`` for Q4_0)."""
+) -> PeerRows:
+    """llama-batched-bench on ``checkpoint`` converted to ``outtype`` (F32, BF16, Q8_0 or Q4_0) by
+    the checkout's own converter (and ``llama-quantize`` for Q4_0). Run with llama.cpp's
+    defaults; only when that run dies of a signal is it rerun once with ``--no-repack`` (and the
+    result says so), so a crash in one of its kernels costs the table a weaker peer, not the run."""
     bench = root / "build" / "bin" / "llama-batched-bench"
     if not bench.exists():
         raise FileNotFoundError(f"--llama-cpp: no {bench} (build llama.cpp there first)")
     with tempfile.TemporaryDirectory() as tmp:
         gguf = Path(tmp) / f"model-{outtype.lower()}.gguf"
         convert = [sys.executable, str(root / "convert_hf_to_gguf.py"), str(checkpoint), "--outfile"]
-        if outtype in ("F32", "Q8_0"):
+        if outtype in CONVERTER_TYPES:
             run([*convert, str(gguf), "--outtype", outtype.lower()], check=True, capture_output=True)
         else:
             base = Path(tmp) / "model-f32.gguf"
@@ -157,8 +175,16 @@ def llama_cpp_rows(
         args = [str(bench), "-m", str(gguf), "-c", str(context), "-b", "2048", "-ub", "512"]
         args += ["-npp", str(prompt_len), "-ntg", str(output_len), "-npl", ",".join(map(str, batches))]
         args += ["-t", str(threads), "-tb", str(threads)]
-        out = run(args, check=True, capture_output=True, text=True).stdout
-    return parse_batched_bench(out, output_len)
+        try:
+            out, fallback = run(args, check=True, capture_output=True, text=True).stdout, None
+        except subprocess.CalledProcessError as error:
+            if error.returncode >= 0:  # an error it reported, not a crash: nothing to fall back to
+                raise
+            out, fallback = (
+                run([*args, NO_REPACK], check=True, capture_output=True, text=True).stdout,
+                NO_REPACK,
+            )
+    return PeerRows(parse_batched_bench(out, output_len), fallback)
 
 
 def run_table(
@@ -210,19 +236,22 @@ def _run_table(
         options, peer = VARIANTS[name]
         llm = LLM(checkpoint, max_num_seqs=max(batches), enable_prefix_caching=False, **options)
         batched_bench(llm, 1, prompt_len, output_len)  # warm-up
-        peer_rows = (
+        peer_run = (
             llama_cpp_rows(llama_cpp, checkpoint, peer, batches, prompt_len, output_len, threads)
             if llama_cpp is not None and peer is not None
-            else {}
+            else PeerRows({}, None)
+        )
+        peer_label = f"llama.cpp {peer}" + (
+            f" ({peer_run.fallback}: its default crashed)" if peer_run.fallback else ""
         )
         for b in batches:
             ours = batched_bench(llm, b, prompt_len, output_len)
-            row = {"variant": name, "batch": b, "ours": ours, "peer": peer_rows.get(b)}
+            row = {"variant": name, "batch": b, "ours": ours, "peer": peer_run.rows.get(b)}
             cells = [name, str(b), f"{ours[0]:.0f}", f"{ours[1]:.1f}", f"{ours[2]:.1f}"]
             if row["peer"] is not None:
                 theirs = row["peer"]
                 row["decode_ratio"], row["shape_ratio"] = ours[1] / theirs[1], ours[2] / theirs[2]
-                cells += [f"llama.cpp {peer}", f"{theirs[1]:.1f}", f"{theirs[2]:.1f}"]
+                cells += [peer_label, f"{theirs[1]:.1f}", f"{theirs[2]:.1f}"]
                 cells += [f"{row['decode_ratio']:.2f}x", f"{row['shape_ratio']:.2f}x"]
             else:
                 cells += ["-"] * 5
