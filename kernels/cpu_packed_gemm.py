@@ -88,8 +88,10 @@ inline void tile(const float* x, const W* w, const W* next, const float* scale, 
     if constexpr (PF_NEXT) {
       __builtin_prefetch(next + k * 2 * V);
       __builtin_prefetch(next + k * 2 * V + V);
-    } else {
-      __builtin_prefetch(reinterpret_cast<const char*>(wk) + AHEAD_BYTES);
+    } else {  // every cache line of this step's 2V weights, AHEAD_BYTES on (fp32: two lines)
+      const char* ahead = reinterpret_cast<const char*>(wk) + AHEAD_BYTES;
+      for (int64_t line = 0; line < static_cast<int64_t>(2 * V * sizeof(W)); line += 64)
+        __builtin_prefetch(ahead + line);
     }
     for (int m = 0; m < R; ++m) {
       const Vec xv(x[m * K + k]);
