@@ -6,11 +6,14 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deepinfer.sampling.sampler import (
     SamplingRow,
     apply_processors,
     filtered_log_probs,
+    greedy_tokens,
     make_generator,
     sample,
     sample_token,
@@ -169,3 +172,29 @@ def test_seeded_rows_ignore_their_neighbours():
         return tokens
 
     assert draws(0) == draws(2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    vocab=st.integers(1, 3000),
+    levels=st.integers(1, 4),
+    nans=st.integers(0, 3),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_greedy_tokens_are_argmax_with_ties_and_nans(rows, vocab, levels, nans, seed):
+    """``greedy_tokens`` is the engine's argmax: the first maximum on ties (few distinct values
+    make many), a NaN taken as the maximum, at any row count and vocabulary size."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels, (rows, vocab), generator=g).float()
+    logits[torch.randint(0, rows, (nans,), generator=g), torch.randint(0, vocab, (nans,), generator=g)] = (
+        math.nan
+    )
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+
+
+def test_greedy_tokens_check_can_fail():
+    """The mutation check: the last maximum instead of the first differs on a tie."""
+    logits = torch.tensor([[0.0, 2.0, 2.0]])
+    last = logits.shape[1] - 1 - logits.flip(-1).argmax(dim=-1)
+    assert not torch.equal(last, greedy_tokens(logits))

@@ -106,13 +106,21 @@ def filter_log_probs(
     return filtered.log_softmax(-1)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` (the first maximum of each row; a NaN counts as the maximum), by
+    ``max(dim=-1)``, which returns the same indices: on the CPU ATen's argmax reduces one
+    element at a time (2.0 ms for 32 rows of SmolLM2's 49,152 logits at two threads, 3% of a
+    batch-32 decode step) where ``max`` takes 0.66 ms."""
+    return logits.max(dim=-1).indices
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow], rowwise: bool = False) -> list[int]:
     """One token per row of ``logits`` [N, V]. ``rowwise`` (batch-invariant mode): each
     row's filters and draw on that row alone, so no kernel sees how many rows there are."""
     if rowwise and len(rows) > 1:
         return [sample(logits[i : i + 1], [row])[0] for i, row in enumerate(rows)]
     processed = apply_processors(logits, rows)
-    tokens = processed.argmax(dim=-1).tolist()
+    tokens = greedy_tokens(processed).tolist()
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         idx = torch.tensor(random_rows)

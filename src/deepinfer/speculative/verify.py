@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.sampling.rejection import acceptance_and_recovery, assemble_tokens
-from deepinfer.sampling.sampler import filter_log_probs
+from deepinfer.sampling.sampler import filter_log_probs, greedy_tokens
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -38,7 +38,7 @@ def verify(items: list[DraftedRows]) -> list[list[int]]:
     out: list[list[int] | None] = [None] * len(items)
     greedy = [i for i, item in enumerate(items) if item.params.greedy]
     if greedy:
-        target = torch.cat([items[i].logits for i in greedy]).argmax(dim=-1).tolist()
+        target = greedy_tokens(torch.cat([items[i].logits for i in greedy])).tolist()
         row = 0
         for i in greedy:
             draft = items[i].draft
