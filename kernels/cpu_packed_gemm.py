@@ -21,6 +21,9 @@ read the unpacked weights) 0.87-1.08x at one row, where both stream at the memor
 1.1-1.8x at 4-16 rows (``benchmarks/cpu_packed_gemm.py`` and RESULTS.md).
 int8 weights (weight-only ``quantization="int8"``) widen to fp32 in registers and meet their
 per-output scale after the sum: fp32 activations and accumulation, a quarter of the bytes.
+bf16 weights (``dtype="bfloat16"``) widen exactly (a shift) with fp32 activations and sums, the
+precision of oneDNN's bf16 product: small row counts stream half the bytes of fp32, where
+oneDNN's AMX kernel read the same weights at ~18 GB/s (RESULTS.md, eighteenth session).
 
 Each output is one FMA chain over k in order, started at zero, then the scale and the bias:
 the same operations whatever the row count, tile or thread split, so a row's result is bitwise
@@ -43,6 +46,7 @@ _SOURCE = r"""
 #include <omp.h>
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
@@ -65,6 +69,23 @@ inline Vec load_w(const int8_t* p) {
 #else
   alignas(64) float b[V];
   for (int i = 0; i < V; ++i) b[i] = static_cast<float>(p[i]);
+  return Vec::loadu(b);
+#endif
+}
+// bf16 weights (their 16 bits are an fp32's top half: widened exactly by a shift)
+inline Vec load_w(const uint16_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16)));
+#else
+  alignas(64) float b[V];
+  for (int i = 0; i < V; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+    std::memcpy(b + i, &bits, sizeof(float));
+  }
   return Vec::loadu(b);
 #endif
 }
@@ -161,6 +182,12 @@ extern "C" void packed_gemm_f32(const float* x, const float* p, const float* bia
   packed_gemm<float>(x, p, nullptr, bias, y, M, N, K, threads);
 }
 
+// bf16 weights (raw bits), fp32 activations and sums: y = x . w + bias
+extern "C" void packed_gemm_bf16(const float* x, const uint16_t* p, const float* bias, float* y, int64_t M,
+                                 int64_t N, int64_t K, int threads) {
+  packed_gemm<uint16_t>(x, p, nullptr, bias, y, M, N, K, threads);
+}
+
 // int8 weights with one fp32 scale per output: y = scale * (x . q) + bias
 extern "C" void packed_gemm_i8(const float* x, const int8_t* p, const float* scale, const float* bias, float* y,
                                int64_t M, int64_t N, int64_t K, int threads) {
@@ -168,6 +195,8 @@ extern "C" void packed_gemm_i8(const float* x, const int8_t* p, const float* sca
 }
 """
 
+# weight dtypes the kernel reads: fp32, bf16 (widened exactly), int8 (meets a per-output scale)
+DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 ARGTYPES_I8 = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 
@@ -179,6 +208,7 @@ def _library() -> ctypes.CDLL | None:
     if lib is not None:
         cpu_build.bind(lib, "packed_gemm_f32", ARGTYPES)
         cpu_build.bind(lib, "packed_gemm_i8", ARGTYPES_I8)
+        cpu_build.bind(lib, "packed_gemm_bf16", ARGTYPES)
         cpu_build.bind(lib, "packed_gemm_width", []).restype = ctypes.c_int64
     return lib
 
@@ -199,22 +229,17 @@ def width() -> int:
 
 
 def supports(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` is what the kernel packs: a 2-D fp32 or int8 CPU matrix."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dim() == 2
-        and weight.dtype in (torch.float32, torch.int8)
-        and available()
-    )
+    """Whether ``weight`` is what the kernel packs: a 2-D fp32, bf16 or int8 CPU matrix."""
+    return weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in DTYPES and available()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [N, K] (fp32, or int8 values that meet a per-row scale in ``gemm``) as the
+    """``weight`` [N, K] (fp32, bf16, or int8 values that meet a per-row scale in ``gemm``) as the
     kernel reads it: [ceil(N / T), K, T] of the same dtype with T = ``width()`` outputs per
     tile, output channels past N zero. A copy, without autograd."""
     if not supports(weight):
         raise ValueError(
-            f"pack: needs a 2-D fp32 or int8 CPU weight, got {weight.dtype} {tuple(weight.shape)}"
+            f"pack: needs a 2-D fp32, bf16 or int8 CPU weight, got {weight.dtype} {tuple(weight.shape)}"
         )
     n, k = weight.shape
     v = width()
@@ -238,7 +263,7 @@ def gemm(
 ) -> torch.Tensor:
     """``x @ W.T * scale + bias`` for ``x`` [M, K] (any float dtype, computed in fp32), ``W``
     packed by ``pack`` (``out_features`` rows; int8 ones need ``scale``, fp32 [out_features],
-    fp32 ones take none), ``bias`` [out_features] or None. Returns fp32 [M, N]."""
+    fp32 and bf16 ones take none), ``bias`` [out_features] or None. Returns fp32 [M, N]."""
     lib = _library()
     if lib is None:
         raise RuntimeError("the packed CPU kernel did not build on this machine")
@@ -248,16 +273,20 @@ def gemm(
         raise ValueError(
             f"packed gemm: x has {k} columns, packed weight {tuple(packed.shape)} for {out_features} outputs"
         )
-    if packed.dtype not in (torch.float32, torch.int8) or not packed.is_contiguous():
-        raise ValueError("packed gemm: the packed weight must be contiguous fp32 or int8 (from pack())")
-    if (scale is None) != (packed.dtype == torch.float32):
-        raise ValueError("packed gemm: int8 weights need their per-output fp32 scale, fp32 weights none")
+    if packed.dtype not in DTYPES or not packed.is_contiguous():
+        raise ValueError("packed gemm: the packed weight must be contiguous fp32, bf16 or int8 (from pack())")
+    if (scale is None) != (packed.dtype != torch.int8):
+        raise ValueError(
+            "packed gemm: int8 weights need their per-output fp32 scale, fp32 and bf16 weights none"
+        )
     xf = x.float().contiguous()
     bf = None if bias is None else bias.float().contiguous()  # kept alive across the call
     b = None if bf is None else bf.data_ptr()
     y = torch.empty(m, out_features, dtype=torch.float32)
     threads = torch.get_num_threads()
-    if scale is None:
+    if packed.dtype == torch.bfloat16:
+        lib.packed_gemm_bf16(xf.data_ptr(), packed.data_ptr(), b, y.data_ptr(), m, out_features, k, threads)
+    elif scale is None:
         lib.packed_gemm_f32(xf.data_ptr(), packed.data_ptr(), b, y.data_ptr(), m, out_features, k, threads)
     else:
         sf = scale.float().contiguous()

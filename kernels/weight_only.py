@@ -144,24 +144,40 @@ class WeightOnlyLinear:
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
+# bf16 steps of at most this many rows run ``cpu_packed_gemm`` on a second packed copy (bf16
+# widened exactly, fp32 sums) instead of oneDNN: on the AMX Xeon in RESULTS.md (eighteenth
+# session) SmolLM2's bf16 projection stack took 10.6 / 12.2 / 13.8 ms at 1 / 4 / 8 rows against
+# oneDNN's AMX kernel's 14.4 / 14.2 / 14.6, and lost from 12 rows (16.3 vs 15.1 ms)
+BF16_PACKED_ROWS = 8
+
+
 class PackedLinear:
     """``x @ W.T + b`` for the engine's CPU steps on a copy of ``W`` packed once: for fp32
     weights ``cpu_packed_gemm``'s layout (that kernel at every row count: 1.03-2.2x oneDNN's
     packed GEMM on the CPU measured, and a row's result the same at any batch size,
     benchmarks/RESULTS.md), for bf16 weights, or where the C++ kernels did not build, oneDNN's
-    blocked layout (the kernel Inductor's CPU freezing uses). Same precision as ``F.linear``,
-    another summation order. Engine-only: the packed copy has no autograd and costs a second
-    copy of the weights beside the parameters research code computes with."""
+    blocked layout (the kernel Inductor's CPU freezing uses; AMX where the CPU has it), plus
+    for bf16 a ``cpu_packed_gemm`` copy for steps of at most ``BF16_PACKED_ROWS`` rows. Same
+    precision as ``F.linear``, another summation order. Engine-only: the packed copies have no
+    autograd and cost a second copy of the weights (bf16: a third) beside the parameters
+    research code computes with."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features, self.in_features = weight.shape
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
-        if cpu_packed_gemm.supports(self.weight):
+        fp32 = self.weight.dtype == torch.float32 and cpu_packed_gemm.supports(self.weight)
+        if fp32:
             self.packed = huge_pages.adopt(cpu_packed_gemm.pack(self.weight))
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
-        _register_packed(self, self.weight, self.packed)
+        # bf16: a second packed copy for steps of few rows (see BF16_PACKED_ROWS)
+        self.small = (
+            huge_pages.adopt(cpu_packed_gemm.pack(self.weight))
+            if self.weight.dtype == torch.bfloat16 and cpu_packed_gemm.supports(self.weight)
+            else None
+        )
+        _register_packed(self, self.weight, (self.packed, self.small))
 
     @staticmethod
     def available(weight: torch.Tensor) -> bool:
@@ -180,7 +196,7 @@ class PackedLinear:
         if torch.compiler.is_compiling():  # one op, the packed copy found at run time
             y = cpu_linear(flat, self.weight, self.bias)
         else:
-            y = _packed_linear(flat, self.packed, self.out_features, self.bias).to(x.dtype)
+            y = _packed_linear(flat, self.packed, self.small, self.out_features, self.bias).to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
 
@@ -219,9 +235,16 @@ def onednn_bf16_kernel(rows: int = 32, width: int = 64) -> str | None:
 
 
 def _packed_linear(
-    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    small: torch.Tensor | None,
+    out_features: int,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``x @ W.T + b`` on ``W``'s packed copy, by the kernel its layout belongs to."""
+    """``x @ W.T + b`` on ``W``'s packed copy, by the kernel its layout belongs to; bf16 steps of
+    at most ``BF16_PACKED_ROWS`` rows on the ``cpu_packed_gemm`` copy ``small``."""
+    if small is not None and x.shape[0] <= BF16_PACKED_ROWS:
+        return cpu_packed_gemm.gemm(x, small, out_features, bias)
     if packed.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     return cpu_packed_gemm.gemm(x, packed, out_features, bias)
@@ -231,14 +254,16 @@ def _packed_linear(
 # oneDNN's opaque tensors, and a packed copy is not a parameter of the traced module): keyed by
 # the weight's address, shape and dtype, dropped when the owning PackedLinear, which keeps the
 # weight alive, is collected.
-_PACKED: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+_PACKED: dict[tuple[int, tuple[int, ...], torch.dtype], tuple[torch.Tensor, torch.Tensor | None]] = {}
 
 
 def _packed_key(weight: torch.Tensor) -> tuple[int, tuple[int, ...], torch.dtype]:
     return (weight.data_ptr(), tuple(weight.shape), weight.dtype)
 
 
-def _register_packed(owner: object, weight: torch.Tensor, packed: torch.Tensor) -> None:
+def _register_packed(
+    owner: object, weight: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor | None]
+) -> None:
     key = _packed_key(weight)
     _PACKED[key] = packed
     weakref.finalize(owner, _PACKED.pop, key, None)
@@ -248,10 +273,10 @@ def _register_packed(owner: object, weight: torch.Tensor, packed: torch.Tensor) 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """A ``PackedLinear`` inside a compiled step: ``x`` [M, K] by ``weight`` [N, K] on the
     weight's packed copy, as the eager class runs it, so one graph serves decode and prefill."""
-    packed = _PACKED.get(_packed_key(weight))
-    if packed is None:
+    copies = _PACKED.get(_packed_key(weight))
+    if copies is None:
         return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
-    return _packed_linear(x, packed, weight.shape[0], bias).to(x.dtype)
+    return _packed_linear(x, *copies, weight.shape[0], bias).to(x.dtype)
 
 
 @cpu_linear.register_fake

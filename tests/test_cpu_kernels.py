@@ -20,6 +20,7 @@ from deepinfer.kernels import (
     cpu_packed_gemm,
     cpu_prefill_attention,
     cpu_rope_store,
+    weight_only,
 )
 from deepinfer.kernels.paged_attention import paged_attention_reference
 from deepinfer.kernels.weight_only import PackedLinear, cpu_linear
@@ -59,17 +60,21 @@ def _gemm_case(seed: int, rows: int, n: int, k: int, bias: bool):
     n=st.integers(1, 70),
     k=st.integers(1, 200),
     bias=st.booleans(),
-    int8=st.booleans(),
+    weights=st.sampled_from(["fp32", "bf16", "int8"]),
     threads=st.sampled_from([1, 2, 3]),
     seed=st.integers(0, 10_000),
 )
-def test_packed_gemm_matches_fp64(rows, n, k, bias, int8, threads, seed):
+def test_packed_gemm_matches_fp64(rows, n, k, bias, weights, threads, seed):
     """Any shape (partial vector blocks, odd block counts, the rows left after the register
-    passes, row ranges split over threads), fp32 weights or int8 ones with a per-row scale:
-    the fp32 result is within fp32 summation error of the fp64 product."""
+    passes, row ranges split over threads), fp32 or bf16 weights or int8 ones with a per-row
+    scale: the fp32 result is within fp32 summation error of the fp64 product of the weights
+    as given (bf16 ones exactly widened)."""
     x, w, b, expected, bound = _gemm_case(seed, rows, n, k, bias)
     scale = None
-    if int8:
+    if weights == "bf16":
+        w = w.bfloat16()
+        expected = x.double() @ w.double().T + (0 if b is None else b.double())
+    if weights == "int8":
         gen = torch.Generator().manual_seed(seed + 1)
         q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
         scale = torch.rand(n, generator=gen) / 64
@@ -117,6 +122,42 @@ def test_a_broken_packed_gemm_fails_the_reference_check():
     y = torch.zeros(5, 9)
     fn(x.data_ptr(), cpu_packed_gemm.pack(w).data_ptr(), None, y.data_ptr(), 5, 9, 37, 1)
     assert (y.double() - expected).abs().max().item() > bound
+
+
+def test_a_broken_bf16_widening_fails_the_reference_check():
+    """Mutation check for bf16 weights: widening with the bits one place off (a shift of 15)
+    gives results the fp64 check rejects."""
+    source = cpu_packed_gemm._SOURCE.replace("), 16)));", "), 15)));")  # the widening shift
+    assert source != cpu_packed_gemm._SOURCE
+    broken = cpu_build.load(source)
+    assert broken is not None
+    fn = cpu_build.bind(broken, "packed_gemm_bf16", cpu_packed_gemm.ARGTYPES)
+    x, w, _, _, _ = _gemm_case(4, 3, 40, 37, False)
+    w = w.bfloat16()
+    expected = x.double() @ w.double().T
+    bound = 1e-5 * (x.double().abs() @ w.double().abs().T).max().item() + 1e-5
+    y = torch.zeros(3, 40)
+    fn(x.data_ptr(), cpu_packed_gemm.pack(w).data_ptr(), None, y.data_ptr(), 3, 40, 37, 1)
+    assert (y.double() - expected).abs().max().item() > bound
+
+
+@pytest.mark.parametrize("rows", [1, 8, 9, 40])
+def test_bf16_steps_of_few_rows_run_the_packed_kernel(rows):
+    """A bf16 ``PackedLinear`` runs ``cpu_packed_gemm`` on its second copy up to
+    ``BF16_PACKED_ROWS`` rows and oneDNN above (bitwise each kernel's own result), and the
+    compiled op makes the same choice."""
+    w = torch.randn(70, 48).bfloat16()
+    x = torch.randn(rows, 48).bfloat16()
+    if not PackedLinear.available(w):
+        assert not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        pytest.skip("oneDNN has no bf16 kernels on this CPU (checked: available() says so)")
+    layer = PackedLinear(w, None)
+    assert layer.small is not None and layer.packed.is_mkldnn
+    small = cpu_packed_gemm.gemm(x, layer.small, 70).bfloat16()
+    onednn = torch.ops.mkldnn._linear_pointwise(x, layer.packed, None, "none", [], "")
+    assert torch.equal(layer(x), small if rows <= weight_only.BF16_PACKED_ROWS else onednn)
+    assert torch.equal(cpu_linear(x, w, None), layer(x))
+    torch.testing.assert_close(layer(x).float(), x.float() @ w.float().T, rtol=3e-2, atol=3e-2)
 
 
 @pytest.mark.parametrize("rows", [1, 16, 33])
