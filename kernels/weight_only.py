@@ -206,7 +206,8 @@ def _mkldnn_bf16() -> bool:
 
 
 def onednn_bf16_kernel(rows: int = 32, width: int = 64) -> str | None:
-    """The oneDNN implementation a bf16 ``PackedLinear`` of ``rows`` rows runs on this CPU
+    """The oneDNN implementation a bf16 ``PackedLinear`` of ``rows`` rows (more than
+    ``BF16_PACKED_ROWS``; fewer run ``cpu_packed_gemm``) runs on this CPU
     (``brg_matmul:avx10_1_512_amx`` on an AMX Xeon, an ``avx512_core_bf16`` kernel without
     AMX), read from oneDNN's verbose log of one product; None where the bf16 path is not
     oneDNN's. Benchmarks print it: whether bf16 reached AMX is a fact about the run."""

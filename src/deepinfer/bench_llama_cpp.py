@@ -6,10 +6,10 @@ tok/s (``S_TG``) and the whole shape's output tok/s (B x N / wall), as llama-bat
 reports them. Variants pair a deepinfer setting with the llama.cpp type converted from the same
 checkpoint: our exact fp32 and fp32 with an fp16 KV cache (llama.cpp's own default KV
 precision) against F32, bf16 weights against BF16, weight-only int8 against Q8_0, int4 against
-Q4_0. The prefix cache is
-off: llama-batched-bench prefills every prompt, so a cache hit would be work the peer pays for.
-The CPU's ISA (and the oneDNN kernel our bf16 projections run: AMX or not) is printed with the
-table, so figures from different machines are never compared as if alike; quantized variants report greedy agreement with our fp32 on chat prompts.
+Q4_0. The prefix cache is off: llama-batched-bench prefills every prompt, so a cache hit would
+be work the peer pays for. The CPU's ISA (and the oneDNN kernel our bf16 projections run above
+a few rows: AMX or not) is printed with the table, so figures from different machines are never
+compared as if alike; quantized variants report greedy agreement with our fp32 on chat prompts.
 
 How llama.cpp is built and run: ``../shared/reference/cpu_peers.md`` (a checkout with
 ``build/bin/llama-batched-bench`` and ``llama-quantize``; its converter needs ``gguf``).
@@ -75,7 +75,8 @@ def cpu_description() -> str:
     return (
         f"{model}; {' '.join(have) or 'no AVX2 or AVX-512'}; torch capability "
         f"{torch.backends.cpu.get_cpu_capability()}; int4 x int8 kernel: {cpu_int4_vnni.isa()}; "
-        f"bf16 projections: {weight_only.onednn_bf16_kernel() or 'not oneDNN'}"
+        f"bf16 projections: cpu_packed_gemm up to {weight_only.BF16_PACKED_ROWS} rows, above "
+        f"{weight_only.onednn_bf16_kernel() or 'not oneDNN'}"
     )
 
 
