@@ -96,3 +96,25 @@ def test_random_workloads_keep_blocks_accounted(ops, num_blocks, budget, prefix)
     assert sched.num_unfinished == 0
     assert pool.num_free == num_blocks and not any(pool.ref_count)
     assert sorted(sched.free_slots) == list(range(num_slots))
+
+
+@settings(max_examples=60, deadline=None)
+@given(num_blocks=st.integers(4, 30), data=st.data())
+def test_blocks_that_cache_nothing_are_reused_first(num_blocks, data):
+    """A freed block without a hash is handed out again before any other free block (its pages
+    are mapped and warm), and a hashed one only after every block that caches nothing, least
+    recently freed first, so cached prefixes live longest."""
+    pool = BlockPool(num_blocks)
+    taken = pool.allocate(num_blocks)
+    assert taken is not None
+    hashed = data.draw(st.lists(st.sampled_from(taken), unique=True, max_size=num_blocks))
+    for i, block in enumerate(hashed):
+        pool.cache(block, b"h%d" % i)
+    order = data.draw(st.permutations(taken))
+    pool.free(order)
+    plain_freed = [b for b in order if b not in hashed]
+    again = pool.allocate(num_blocks)
+    assert again is not None
+    # unhashed: the last freed first; then the hashed blocks in the order they were freed
+    assert again == plain_freed[::-1] + [b for b in order if b in hashed]
+    assert all(pool.lookup([b"h%d" % i]) == [] for i in range(len(hashed)))  # evicted on reuse

@@ -57,13 +57,20 @@ class BlockPool:
         return blocks
 
     def free(self, blocks: Sequence[int]) -> None:
-        """Drop one reference to each block; unreferenced ones become evictable."""
+        """Drop one reference to each block; unreferenced ones become evictable. A block that
+        caches nothing (no hash: prefix caching off, or a partial block) goes to the front of
+        the free list, to be handed out first: its memory is already mapped and likely still
+        in the CPU's caches, where a never-used block's pages would fault in and be zeroed on
+        first write (the pools are lazily mapped), and the hashed blocks behind it keep their
+        cached prefixes longer. Hashed blocks go to the back (least recently used first)."""
         for block in blocks:
             if self.ref_count[block] <= 0:
                 raise RuntimeError(f"block {block} freed more often than allocated")
             self.ref_count[block] -= 1
             if self.ref_count[block] == 0:
                 self._free[block] = None
+                if block not in self._hash_of:
+                    self._free.move_to_end(block, last=False)
 
     def lookup(self, hashes: Sequence[bytes]) -> list[int]:
         """The cached blocks for the longest prefix of ``hashes``; takes a reference to each."""
