@@ -90,15 +90,32 @@ inline Vec load_w(const uint16_t* p) {
 #endif
 }
 
-// Ahead of the stream by this much a single pass prefetches its own tile (one linear stream);
-// passes over more rows prefetch the next tile instead, while they re-read this one from L2
+// What a pass prefetches (PF): a single pass (at most MR rows) its own tile, AHEAD_BYTES ahead
+// (PF_OWN); a pass of a few (up to SPREAD_PASSES) its share of the next tile, which the
+// following passes re-read from L2 (PF_SHARE: pass p of P covers bytes [p / P, (p + 1) / P) of
+// it, one prefetch per k step advancing 1 / (P K) of it in 16-bit fixed point, at most a line a
+// step, so no line is skipped, and the next tile streams in under all P passes); a pass of many
+// all of the next tile (PF_WHOLE: a share of one pass in twenty-two came too thin). Asking for
+// the whole next tile in the first of three passes (32 rows) filled the line buffers in a third
+// of the tile's time and left the memory stream and the FMAs taking turns: SmolLM2's stack at
+// 32 rows took the sum of both times (RESULTS.md, eighteenth session).
+constexpr int PF_OWN = 0, PF_SHARE = 1, PF_WHOLE = 2;
 constexpr int64_t AHEAD_BYTES = 8192;
+constexpr int64_t SPREAD_PASSES = 12;  // up to 144 rows
+struct Prefetch {
+  const char* base;
+  int64_t pos, inc;
+};
 
-// y[m, n0 + i] for i < 2V outputs and R rows; w: the tile ([K][2V], one linear stream), next:
-// the next tile's first element (PF_NEXT) or nothing (own stream ahead); int8 weights meet
-// their per-output scale after the sum
-template <typename W, int R, bool PF_NEXT>
-inline void tile(const float* x, const W* w, const W* next, const float* scale, const float* bias, float* y,
+inline Prefetch share(const void* next, int64_t tile_bytes, int64_t pass, int64_t passes, int64_t K) {
+  return {static_cast<const char*>(next), (pass * tile_bytes << 16) / passes, (tile_bytes << 16) / (passes * K)};
+}
+
+// y[m, n0 + i] for i < 2V outputs and R rows; w: the tile ([K][2V], one linear stream); pf:
+// the next tile to prefetch (PF_SHARE: this pass's share; PF_WHOLE: all; unused for PF_OWN);
+// int8 weights meet their per-output scale after the sum
+template <typename W, int R, int PF>
+inline void tile(const float* x, const W* w, Prefetch pf, const float* scale, const float* bias, float* y,
                  int64_t N, int64_t K, int64_t n0) {
   Vec acc[2][R];
   for (int b = 0; b < 2; ++b)
@@ -106,9 +123,12 @@ inline void tile(const float* x, const W* w, const W* next, const float* scale, 
   for (int64_t k = 0; k < K; ++k) {
     const W* wk = w + k * 2 * V;
     const Vec w0 = load_w(wk), w1 = load_w(wk + V);
-    if constexpr (PF_NEXT) {
-      __builtin_prefetch(next + k * 2 * V);
-      __builtin_prefetch(next + k * 2 * V + V);
+    if constexpr (PF == PF_SHARE) {
+      __builtin_prefetch(pf.base + (pf.pos >> 16));
+      pf.pos += pf.inc;
+    } else if constexpr (PF == PF_WHOLE) {
+      for (int64_t line = 0; line < static_cast<int64_t>(2 * V * sizeof(W)); line += 64)
+        __builtin_prefetch(pf.base + k * 2 * V * static_cast<int64_t>(sizeof(W)) + line);
     } else {  // every cache line of this step's 2V weights, AHEAD_BYTES on (fp32: two lines)
       const char* ahead = reinterpret_cast<const char*>(wk) + AHEAD_BYTES;
       for (int64_t line = 0; line < static_cast<int64_t>(2 * V * sizeof(W)); line += 64)
@@ -136,12 +156,12 @@ inline void tile(const float* x, const W* w, const W* next, const float* scale, 
 }
 
 // the last r < MR rows of a pass sequence
-template <typename W, int R, bool PF_NEXT>
-inline void tail(int64_t r, const float* x, const W* w, const W* next, const float* scale, const float* bias,
+template <typename W, int R, int PF>
+inline void tail(int64_t r, const float* x, const W* w, Prefetch pf, const float* scale, const float* bias,
                  float* y, int64_t N, int64_t K, int64_t n0) {
   if constexpr (R > 0) {
-    if (r == R) tile<W, R, PF_NEXT>(x, w, next, scale, bias, y, N, K, n0);
-    else tail<W, R - 1, PF_NEXT>(r, x, w, next, scale, bias, y, N, K, n0);
+    if (r == R) tile<W, R, PF>(x, w, pf, scale, bias, y, N, K, n0);
+    else tail<W, R - 1, PF>(r, x, w, pf, scale, bias, y, N, K, n0);
   }
 }
 
@@ -149,12 +169,21 @@ template <typename W>
 inline void passes(const float* x, const W* w, const W* next, const float* scale, const float* bias, float* y,
                    int64_t M, int64_t N, int64_t K, int64_t n0) {
   if (M <= MR) {  // one pass: read the tile once, prefetching along it
-    tail<W, MR, false>(M, x, w, next, scale, bias, y, N, K, n0);
+    tail<W, MR, PF_OWN>(M, x, w, Prefetch{}, scale, bias, y, N, K, n0);
     return;
   }
-  int64_t m = 0;
-  for (; m + MR <= M; m += MR) tile<W, MR, true>(x + m * K, w, next, scale, bias, y + m * N, N, K, n0);
-  tail<W, MR - 1, true>(M - m, x + m * K, w, next, scale, bias, y + m * N, N, K, n0);
+  const int64_t count = (M + MR - 1) / MR, bytes = K * 2 * V * static_cast<int64_t>(sizeof(W));
+  int64_t m = 0, pass = 0;
+  if (count <= SPREAD_PASSES) {
+    for (; m + MR <= M; m += MR, ++pass)
+      tile<W, MR, PF_SHARE>(x + m * K, w, share(next, bytes, pass, count, K), scale, bias, y + m * N, N, K, n0);
+    tail<W, MR - 1, PF_SHARE>(M - m, x + m * K, w, share(next, bytes, pass, count, K), scale, bias, y + m * N, N,
+                              K, n0);
+    return;
+  }
+  const Prefetch whole{static_cast<const char*>(static_cast<const void*>(next)), 0, 0};
+  for (; m + MR <= M; m += MR) tile<W, MR, PF_WHOLE>(x + m * K, w, whole, scale, bias, y + m * N, N, K, n0);
+  tail<W, MR - 1, PF_WHOLE>(M - m, x + m * K, w, whole, scale, bias, y + m * N, N, K, n0);
 }
 
 // y [M, N] = x [M, K] @ W.T (* scale [N]) (+ bias [N]), W packed as [ceil(N / 2V)][K][2V]. Work

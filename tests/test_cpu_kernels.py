@@ -111,9 +111,7 @@ def test_packed_gemm_rows_do_not_depend_on_their_batch(n, k, rows, seed):
 def test_a_broken_packed_gemm_fails_the_reference_check():
     """Mutation check: the same source with the rows after the full register passes dropped
     gives results the fp64 check rejects."""
-    source = cpu_packed_gemm._SOURCE.replace(
-        "if (r == R) tile<W, R, PF_NEXT>", "if (r == R + 1) tile<W, R, PF_NEXT>"
-    )
+    source = cpu_packed_gemm._SOURCE.replace("if (r == R) tile<W, R, PF>", "if (r == R + 1) tile<W, R, PF>")
     assert source != cpu_packed_gemm._SOURCE
     broken = cpu_build.load(source)
     assert broken is not None
