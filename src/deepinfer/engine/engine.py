@@ -121,7 +121,7 @@ class Engine:
             if config.tune_cpu_malloc:
                 tune_malloc()
             huge_pages.set_enabled(config.cpu_huge_pages)
-            model.pack_weights()  # CPU projections packed once (cpu_packed_gemm; oneDNN for bf16)
+            model.pack_weights()  # CPU projections packed once (cpu_packed_gemm; bf16: oneDNN too)
             if use_compile:  # compiled steps' projections on packed copies (deepinfer::packed_linear)
                 model.register_packed_projections()
         drafter = self._drafter()
