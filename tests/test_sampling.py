@@ -194,7 +194,9 @@ def test_greedy_tokens_are_argmax_with_ties_and_nans(rows, vocab, levels, nans, 
 
 
 def test_greedy_tokens_check_can_fail():
-    """The mutation check: the last maximum instead of the first differs on a tie."""
+    """The mutation check: a greedy rule taking the last maximum instead of the first fails the
+    property's comparison with ``argmax`` on a tie."""
     logits = torch.tensor([[0.0, 2.0, 2.0]])
     last = logits.shape[1] - 1 - logits.flip(-1).argmax(dim=-1)
-    assert not torch.equal(last, greedy_tokens(logits))
+    assert not torch.equal(last, logits.argmax(dim=-1))
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))

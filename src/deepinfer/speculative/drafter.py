@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from deepinfer.sampling.sampler import filter_log_probs
+from deepinfer.sampling.sampler import filter_log_probs, greedy_tokens
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -88,7 +88,7 @@ def sample_drafts(
     """One draft token per row of ``logits`` [B, V] with each request's own filters
     (temperature, top-k/p, min-p; one batched call) and generator; greedy requests take the
     argmax. Returns the tokens [B] and each row's draft distribution (None for greedy rows)."""
-    tokens = logits.argmax(dim=-1)
+    tokens = greedy_tokens(logits)
     qs: list[torch.Tensor | None] = [None] * len(requests)
     sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
     if not sampled:
