@@ -10,7 +10,9 @@ picks per platform; the CPU keeps the verification fusion and adds the small-bmm
 - ``fuse_rejection_sampling``: speculative verification -> ``deepinfer::rejection_sample``;
 - ``reduce_small_bmm`` (CPU only, not in ``PASSES``): memory-bound ``bmm``s -> mul + sum;
 - ``use_packed_linear`` (CPU only, not in ``PASSES``): weight projections ->
-  ``deepinfer::packed_linear`` (packed weight copies, a C++ kernel behind the dispatcher).
+  ``deepinfer::packed_linear`` (packed weight copies, a C++ kernel behind the dispatcher);
+- ``use_native_cpu_ops`` (CPU only, not in ``PASSES``): the Python custom ops
+  ``routed_experts`` / ``sinkhorn`` -> their C++ dispatcher twins (``kernels/cpu_step_ops.py``).
 
 Llama's paged attention is a custom op the model calls directly (``paged_attention``).
 """
@@ -22,6 +24,7 @@ from collections.abc import Callable
 import torch
 from deepinfer.compile_passes.attention import fuse_sink_attention
 from deepinfer.compile_passes.moe import fuse_moe
+from deepinfer.compile_passes.native_cpu_ops import use_native_cpu_ops
 from deepinfer.compile_passes.packed_linear import use_packed_linear
 from deepinfer.compile_passes.small_bmm import reduce_small_bmm
 from deepinfer.compile_passes.verification import fuse_rejection_sampling
@@ -32,6 +35,7 @@ __all__ = [
     "fuse_rejection_sampling",
     "fuse_sink_attention",
     "reduce_small_bmm",
+    "use_native_cpu_ops",
     "use_packed_linear",
 ]
 

@@ -1,15 +1,28 @@
-"""Builds the C++ CPU kernels with Inductor's compiler driver (``CppCodeCache``): the flags,
-vector-ISA pick and on-disk cache Inductor uses for its own generated kernels, so a kernel is
-compiled once per machine and loaded from the cache afterwards. Sources use ATen's portable
-``at::vec::Vectorized`` (AVX2, AVX-512, NEON or scalar)."""
+"""Builds the C++ CPU kernels. ``load``: plain C functions with Inductor's compiler driver
+(``CppCodeCache``): the flags, vector-ISA pick and on-disk cache Inductor uses for its own
+generated kernels, so a kernel is compiled once per machine and loaded from the cache
+afterwards. ``load_op_library``: ops registered with PyTorch's dispatcher (a compiled step's
+C++ wrapper calls them without the GIL), built by ``torch.utils.cpp_extension`` for the vector
+ISA Inductor picks. Sources use ATen's portable ``at::vec::Vectorized`` (AVX2, AVX-512, NEON or
+scalar)."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import logging
+import threading
+import time
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
+
+# A build takes ~30 s on two cores; a lock this old was left by a build that was killed, and
+# PyTorch's builder would wait on it forever.
+STALE_LOCK_S = 600.0
+
+_OP_LIBRARY_LOCK = threading.Lock()
 
 
 @functools.cache
@@ -30,3 +43,52 @@ def bind(lib: ctypes.CDLL, name: str, argtypes: list) -> ctypes._CFuncPtr:
     fn.argtypes = argtypes
     fn.restype = None
     return fn
+
+
+# What Inductor's own C++ builds use for floating point (``cpp_builder._get_ffast_math_flags``
+# with its defaults): no FMA contraction the source did not write, so a kernel built here gives
+# the bits the ``load`` build of the same source gives.
+INDUCTOR_MATH_FLAGS = ("-fno-trapping-math", "-fno-signed-zeros", "-ffp-contract=off")
+
+
+def load_op_library(prefix: str, source: str, extra_flags: tuple[str, ...] = ()) -> None:
+    """Build (or load from PyTorch's extension cache, ``~/.cache/torch_extensions``) the C++
+    source, whose ``TORCH_LIBRARY`` blocks register its ops when it loads. The extension's
+    name is ``prefix`` and a digest of the source and flags, so an edit builds anew. Raises
+    where no compiler works; callers turn that into their fallback."""
+    with _OP_LIBRARY_LOCK:
+        _load_op_library(prefix, source, extra_flags)
+
+
+@functools.cache
+def _load_op_library(prefix: str, source: str, extra_flags: tuple[str, ...]) -> None:
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch.utils import cpp_extension
+
+    isa = pick_vec_isa()
+    flags = ["-O3", "-fopenmp", *str(isa.build_arch_flags()).split()]
+    flags += [f"-D{macro}" for macro in isa.build_macro()]
+    flags += extra_flags
+    digest = hashlib.sha256((source + " ".join(flags)).encode()).hexdigest()[:16]
+    name = f"{prefix}_{digest}"
+    build_dir = Path(cpp_extension.get_default_build_root()) / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    drop_stale_lock(build_dir / "lock")
+    cpp_extension.load_inline(
+        name=name,
+        cpp_sources=[source],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        is_python_module=False,
+    )
+
+
+def drop_stale_lock(lock: Path) -> None:
+    """Remove a build lock older than ``STALE_LOCK_S`` (its build was killed)."""
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+            logger.warning("removed a stale build lock %s", lock)
+    except FileNotFoundError:
+        pass

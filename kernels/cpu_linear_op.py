@@ -18,21 +18,18 @@ kernel), and is ``aten::mm`` / ``aten::addmm`` otherwise, so a graph that calls 
 whatever was registered; only the speed differs. Each output is the packed kernel's single FMA chain over k, the same at any
 row count (batch-invariant), another summation order than MKL's.
 
-Built once per machine with ``torch.utils.cpp_extension`` (PyTorch's extension builder, cached
-under ``~/.cache/torch_extensions``) for the vector ISA Inductor picks; ``available()`` is false
+Built once per machine by ``cpu_build.load_op_library`` (PyTorch's extension builder) for the
+vector ISA Inductor picks; ``available()`` is false
 where no compiler works, and the compile pass that inserts the op then leaves ``mm`` alone."""
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import threading
-import time
-from pathlib import Path
 
 import torch
-from deepinfer.kernels import cpu_packed_gemm
+from deepinfer.kernels import cpu_build, cpu_packed_gemm
 
 logger = logging.getLogger(__name__)
 
@@ -158,26 +155,7 @@ def _load() -> bool:
 @functools.cache
 def _load_once() -> bool:
     try:
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
-        from torch.utils import cpp_extension
-
-        isa = pick_vec_isa()
-        flags = ["-O3", "-fopenmp", *str(isa.build_arch_flags()).split()]
-        flags += [f"-D{macro}" for macro in isa.build_macro()]
-        source = _source()
-        digest = hashlib.sha256((source + " ".join(flags)).encode()).hexdigest()[:16]
-        name = f"deepinfer_packed_linear_{digest}"
-        build_dir = Path(cpp_extension.get_default_build_root()) / name
-        build_dir.mkdir(parents=True, exist_ok=True)
-        _drop_stale_lock(build_dir / "lock")
-        cpp_extension.load_inline(
-            name=name,
-            cpp_sources=[source],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            is_python_module=False,
-        )
+        cpu_build.load_op_library("deepinfer_packed_linear", _source())
     except Exception as exc:
         logger.warning("the packed-linear CPU op is unavailable (%s); compiled steps keep aten::mm", exc)
         return False
@@ -187,20 +165,6 @@ def _load_once() -> bool:
         return x.new_empty(x.shape[0], weight.shape[0])
 
     return True
-
-
-# A build takes ~30 s on two cores; a lock this old was left by a build that was killed, and
-# PyTorch's builder would wait on it forever.
-STALE_LOCK_S = 600.0
-
-
-def _drop_stale_lock(lock: Path) -> None:
-    try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            lock.unlink()
-            logger.warning("removed a stale build lock %s", lock)
-    except FileNotFoundError:
-        pass
 
 
 def available() -> bool:

@@ -12,7 +12,7 @@ import gc
 
 import pytest
 import torch
-from deepinfer.kernels import cpu_linear_op
+from deepinfer.kernels import cpu_build, cpu_linear_op
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -193,10 +193,10 @@ def test_a_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path):
 
     lock = tmp_path / "lock"
     lock.write_text("")
-    cpu_linear_op._drop_stale_lock(lock)
+    cpu_build.drop_stale_lock(lock)
     assert lock.exists()  # a build may be running
-    old = time.time() - cpu_linear_op.STALE_LOCK_S - 1
+    old = time.time() - cpu_build.STALE_LOCK_S - 1
     os.utime(lock, (old, old))
-    cpu_linear_op._drop_stale_lock(lock)
+    cpu_build.drop_stale_lock(lock)
     assert not lock.exists()
-    cpu_linear_op._drop_stale_lock(lock)  # none: nothing to do
+    cpu_build.drop_stale_lock(lock)  # none: nothing to do

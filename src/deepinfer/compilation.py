@@ -64,17 +64,26 @@ def default_passes(device: torch.device | None = None) -> list[GraphPass]:
     """The passes installed by default for models on ``device``: the whole ``compile_passes``
     pipeline where the fused ops have fast kernels (CUDA: Triton attention, grouped-GEMM
     experts). On the CPU: the verification fusion, memory-bound ``bmm``s as reductions
-    (``reduce_small_bmm``), and weight projections on packed copies (``use_packed_linear``,
-    where its C++ op built); the attention and MoE fusions stay off there, because Inductor's
+    (``reduce_small_bmm``), weight projections on packed copies (``use_packed_linear``,
+    where its C++ op built), and the routed experts and Sinkhorn as C++ ops
+    (``use_native_cpu_ops``, where they built); the attention and MoE fusions stay off there, because Inductor's
     own C++ fusion of the plain attention and MoE gate measured faster than our ops' reference
     implementations (benchmarks/RESULTS.md). ``compile_step(passes=...)`` overrides the choice."""
-    from deepinfer.compile_passes import PASSES, fuse_rejection_sampling, reduce_small_bmm, use_packed_linear
-    from deepinfer.kernels import cpu_linear_op
+    from deepinfer.compile_passes import (
+        PASSES,
+        fuse_rejection_sampling,
+        reduce_small_bmm,
+        use_native_cpu_ops,
+        use_packed_linear,
+    )
+    from deepinfer.kernels import cpu_linear_op, cpu_step_ops
 
     if device is not None and device.type == "cpu":
         passes: list[GraphPass] = [fuse_rejection_sampling, reduce_small_bmm]
         if cpu_linear_op.available():  # the op the rewrite inserts is registered
             passes.append(use_packed_linear)
+        if cpu_step_ops.available():  # the ops the rewrite inserts are registered
+            passes.append(use_native_cpu_ops)
         return passes
     return list(PASSES)
 

@@ -1,0 +1,220 @@
+"""The compiled step's opaque CPU ops as C++ dispatcher kernels: ``deepinfer::routed_experts_cpu``
+and ``deepinfer::sinkhorn_cpu``.
+
+``deepinfer::routed_experts`` and ``deepinfer::sinkhorn`` are Python custom ops: inside a
+compiled step's C++ wrapper each call goes back into Python (the custom-op machinery, dynamo's
+disable wrapper, the kernel choice in ``cpu_moe``, a ``ctypes`` call), ~10-20 us a call, 15
+calls a tiny-V4 step. These two ops run the same C++ kernels (``cpu_moe``'s and ``sinkhorn``'s
+sources, compiled into this extension) with the same choice of kernel and thread count, from
+C++, so the wrapper reaches them without Python. They are built with Inductor's floating-point
+flags, so they return the bits the Python ops' ``ctypes`` builds return. Inputs the kernels do not take (another
+dtype or device, autograd, steps too large for the expert kernels) go to the Python op
+through the dispatcher, so a graph that calls these ops is correct for any input; only the
+speed differs. ``compile_passes.native_cpu_ops`` puts them into compiled CPU steps.
+
+The transposed expert copies the small-expert kernel reads are made once per stacked weight
+and kept in a registry like ``cpu_linear_op``'s: keyed by ``w1``'s tensor and checked at every
+call against all three weights (alive, version counter, storage, sizes), so an in-place write
+through PyTorch makes a fresh copy."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+
+import torch
+from deepinfer.kernels import cpu_build, cpu_moe, moe, sinkhorn
+
+logger = logging.getLogger(__name__)
+
+_OP_SOURCE = r"""
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+#include <array>
+#include <mutex>
+#include <unordered_map>
+
+namespace {
+
+constexpr int64_t kMaxRows = MAX_ROWS_DOT;
+constexpr int64_t kSmallBytes = SMALL_EXPERT_BYTES_, kMaxRowsSmall = MAX_ROWS_SMALL;
+constexpr int64_t kTinyBytes = TINY_EXPERT_BYTES_, kMaxRowsTiny = MAX_ROWS_TINY;
+constexpr int64_t kThreadedWork = int64_t(1) << 17;  // n_tok * k * inter * d from which threads pay
+
+int64_t transposed_rows(const at::Tensor& w1) {
+  const int64_t nbytes = w1.size(1) * w1.size(2) * int64_t(sizeof(float));
+  if (nbytes <= kTinyBytes) return kMaxRowsTiny;
+  return nbytes <= kSmallBytes ? kMaxRowsSmall : 0;
+}
+
+int64_t version_of(const at::Tensor& t) { return t.is_inference() ? -1 : int64_t(t._version()); }
+
+struct Transposed {
+  // the stacked weights, not kept alive (a weak reference keeps a TensorImpl's memory until
+  // the entry is swept, so no other tensor is found under its address meanwhile)
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> owners;  // w1, w2, w3
+  std::array<int64_t, 3> versions;
+  std::array<const void*, 3> data;
+  std::array<std::vector<int64_t>, 3> sizes;
+  at::Tensor w13t, w2t;  // [E, d, 2I] gate | up columns, [E, I, d]
+};
+
+std::mutex registry_mutex;
+std::unordered_map<const c10::TensorImpl*, Transposed> registry;
+
+bool current(const Transposed& entry, const std::array<const at::Tensor*, 3>& w) {
+  for (int i = 0; i < 3; ++i) {
+    auto owner = entry.owners[i].lock();
+    if (owner.get() != w[i]->unsafeGetTensorImpl() || entry.versions[i] != version_of(*w[i]) ||
+        entry.data[i] != w[i]->data_ptr() || w[i]->sizes() != c10::IntArrayRef(entry.sizes[i]))
+      return false;
+  }
+  return true;
+}
+
+std::pair<at::Tensor, at::Tensor> transposed(const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& w3) {
+  const std::array<const at::Tensor*, 3> w{&w1, &w2, &w3};
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = registry.find(w1.unsafeGetTensorImpl());
+  if (it != registry.end() && current(it->second, w)) return {it->second.w13t, it->second.w2t};
+  for (auto e = registry.begin(); e != registry.end();)  // drop the copies of freed weights
+    e = e->second.owners[0].expired() ? registry.erase(e) : std::next(e);
+  Transposed entry;
+  for (int i = 0; i < 3; ++i) {
+    entry.owners.emplace_back(w[i]->getIntrusivePtr());
+    entry.versions[i] = version_of(*w[i]);
+    entry.data[i] = w[i]->data_ptr();
+    entry.sizes[i] = w[i]->sizes().vec();
+  }
+  entry.w13t = at::cat({w1, w3}, 1).transpose(1, 2).contiguous();
+  entry.w2t = w2.transpose(1, 2).contiguous();
+  auto out = std::make_pair(entry.w13t, entry.w2t);
+  registry.insert_or_assign(w1.unsafeGetTensorImpl(), std::move(entry));
+  return out;
+}
+
+bool experts_native(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& w3) {
+  if (!x.device().is_cpu() || x.dim() != 2 || x.scalar_type() != at::kFloat || x.requires_grad()) return false;
+  for (const at::Tensor* w : {&w1, &w2, &w3})
+    if (!w->device().is_cpu() || w->scalar_type() != at::kFloat || !w->is_contiguous() || w->dim() != 3 ||
+        w->requires_grad())
+      return false;
+  return x.size(0) <= std::max(kMaxRows, transposed_rows(w1));
+}
+
+at::Tensor routed_experts_cpu(const at::Tensor& x_in, const at::Tensor& weights_in, const at::Tensor& ids_in,
+                              const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& w3, double limit) {
+  if (!experts_native(x_in, w1, w2, w3) || !weights_in.device().is_cpu() || !ids_in.device().is_cpu() ||
+      weights_in.requires_grad()) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("deepinfer::routed_experts", "")
+                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                           const at::Tensor&, const at::Tensor&, double)>();
+    return op.call(x_in, weights_in, ids_in, w1, w2, w3, limit);
+  }
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor weights = weights_in.to(at::kFloat).contiguous();
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const int64_t n_tok = x.size(0), d = x.size(1), k = ids.size(1), inter = w1.size(1);
+  at::Tensor out = at::empty_like(x);
+  const int threads = n_tok * k * inter * d >= kThreadedWork ? at::get_num_threads() : 1;
+  if (n_tok <= transposed_rows(w1)) {
+    auto [w13t, w2t] = transposed(w1, w2, w3);
+    routed_experts_small_f32(x.data_ptr<float>(), weights.data_ptr<float>(), ids.data_ptr<int64_t>(),
+                             w13t.data_ptr<float>(), w2t.data_ptr<float>(), out.data_ptr<float>(), n_tok, k, d,
+                             inter, float(limit), threads);
+  } else {
+    at::Tensor scratch = at::empty({n_tok * k, 3 * inter}, x.options());  // gate | up, then activations
+    routed_experts_f32(x.data_ptr<float>(), weights.data_ptr<float>(), ids.data_ptr<int64_t>(), w1.data_ptr<float>(),
+                       w2.data_ptr<float>(), w3.data_ptr<float>(), scratch.data_ptr<float>(), out.data_ptr<float>(),
+                       n_tok, k, d, inter, float(limit), threads);
+  }
+  return out;
+}
+
+int64_t transposed_count() {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  for (auto e = registry.begin(); e != registry.end();)
+    e = e->second.owners[0].expired() ? registry.erase(e) : std::next(e);
+  return static_cast<int64_t>(registry.size());
+}
+
+at::Tensor sinkhorn_cpu(const at::Tensor& comb, int64_t iters, double eps) {
+  if (!comb.device().is_cpu() || comb.scalar_type() != at::kFloat || comb.dim() < 2 ||
+      comb.size(-1) != comb.size(-2) || comb.requires_grad()) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("deepinfer::sinkhorn", "")
+                         .typed<at::Tensor(const at::Tensor&, int64_t, double)>();
+    return op.call(comb, iters, eps);
+  }
+  const at::Tensor c = comb.contiguous();
+  at::Tensor out = at::empty_like(c);
+  const int64_t n = c.size(-1);
+  if (c.numel() > 0) sinkhorn_f32(c.data_ptr<float>(), out.data_ptr<float>(), c.numel() / (n * n), n, iters, float(eps));
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
+  m.def("routed_experts_cpu(Tensor x, Tensor weights, Tensor ids, Tensor w1, Tensor w2, Tensor w3, float limit) -> Tensor");
+  m.def("sinkhorn_cpu(Tensor comb, int iters, float eps) -> Tensor");
+  m.def("routed_experts_transposed_count() -> int");
+}
+
+TORCH_LIBRARY_IMPL(deepinfer, CompositeExplicitAutograd, m) {
+  m.impl("routed_experts_cpu", &routed_experts_cpu);
+  m.impl("sinkhorn_cpu", &sinkhorn_cpu);
+  m.impl("routed_experts_transposed_count", &transposed_count);
+}
+"""
+
+
+def _source() -> str:
+    """The kernels' own sources first (the ops call their C functions), then the ops, with
+    ``cpu_moe``'s size limits written in."""
+    op = (
+        _OP_SOURCE.replace("MAX_ROWS_DOT", str(cpu_moe.MAX_ROWS))
+        .replace("SMALL_EXPERT_BYTES_", str(cpu_moe.SMALL_EXPERT_BYTES))
+        .replace("MAX_ROWS_SMALL", str(cpu_moe.MAX_ROWS_SMALL_EXPERTS))
+        .replace("TINY_EXPERT_BYTES_", str(cpu_moe.TINY_EXPERT_BYTES))
+        .replace("MAX_ROWS_TINY", str(cpu_moe.MAX_ROWS_TINY_EXPERTS))
+    )
+    return cpu_moe._SOURCE + sinkhorn._SOURCE + op
+
+
+_LOAD_LOCK = threading.Lock()
+
+
+def available() -> bool:
+    """Whether the ops are registered in this process (built on the first call)."""
+    with _LOAD_LOCK:
+        return _load_once()
+
+
+@functools.cache
+def _load_once() -> bool:
+    assert moe.routed_experts is not None and sinkhorn.sinkhorn_op is not None  # fallbacks registered
+    try:
+        cpu_build.load_op_library("deepinfer_cpu_step_ops", _source(), cpu_build.INDUCTOR_MATH_FLAGS)
+    except Exception as exc:
+        logger.warning("the C++ step ops are unavailable (%s); compiled steps keep the Python ops", exc)
+        return False
+
+    @torch.library.register_fake("deepinfer::routed_experts_cpu")
+    def _(x, weights, ids, w1, w2, w3, limit):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("deepinfer::sinkhorn_cpu")
+    def _(comb, iters, eps):
+        return torch.empty_like(comb)
+
+    return True
+
+
+def transposed_count() -> int:
+    """Transposed expert copies the registry holds, after dropping those of freed weights."""
+    return int(torch.ops.deepinfer.routed_experts_transposed_count()) if available() else 0

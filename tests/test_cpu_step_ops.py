@@ -1,0 +1,150 @@
+"""``deepinfer::routed_experts_cpu`` / ``deepinfer::sinkhorn_cpu`` (kernels/cpu_step_ops.py) and
+the pass that puts them into compiled CPU steps.
+
+The C++ ops must return exactly what the Python ops they stand in for return, on every input:
+the same kernels where those run (same bits), the Python op itself where they do not. The
+tests check that on generated shapes across both expert kernels and the fallbacks, that an
+in-place write to the experts never leaves a stale transposed copy in use, that freed experts'
+copies go, and that a compiled tiny-V4 step calls the C++ ops and agrees with eager."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from deepinfer.kernels import cpu_moe, cpu_step_ops, moe, sinkhorn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.skipif(not cpu_step_ops.available(), reason="no C++ compiler for the ops")
+
+
+def _experts(gen: torch.Generator, e: int, d: int, inter: int) -> tuple[torch.Tensor, ...]:
+    w1 = torch.randn(e, inter, d, generator=gen) / d**0.5
+    w2 = torch.randn(e, d, inter, generator=gen) / inter**0.5
+    w3 = torch.randn(e, inter, d, generator=gen) / d**0.5
+    return w1, w2, w3
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(0, 80),
+    d=st.sampled_from([8, 24, 64, 100]),
+    inter=st.sampled_from([8, 40, 64]),
+    e=st.integers(1, 8),
+    k=st.integers(1, 3),
+    big=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float32, torch.float64]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_routed_experts_cpu_returns_the_python_ops_bits(rows, d, inter, e, k, big, dtype, seed):
+    """Tiny experts (the transposed kernel at any row count), large ones (the dot kernel up to
+    ``MAX_ROWS`` rows, the Python reference above), and float64 (the Python op throughout)."""
+    gen = torch.Generator().manual_seed(seed)
+    if big:  # matrices over SMALL_EXPERT_BYTES: no transposed kernel
+        inter = cpu_moe.SMALL_EXPERT_BYTES // (4 * d) + 1
+    w1, w2, w3 = (w.to(dtype) for w in _experts(gen, e, d, inter))
+    x = torch.randn(rows, d, generator=gen, dtype=dtype)
+    ids = torch.randint(0, e, (rows, k), generator=gen)
+    weights = torch.rand(rows, k, generator=gen)
+    got = torch.ops.deepinfer.routed_experts_cpu(x, weights, ids, w1, w2, w3, 3.0)
+    want = torch.ops.deepinfer.routed_experts(x, weights, ids, w1, w2, w3, 3.0)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    ref = moe.routed_experts_reference(
+        x.double(), weights.double(), ids, w1.double(), w2.double(), w3.double(), 3.0
+    )
+    assert torch.allclose(got.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lead=st.lists(st.integers(0, 40), min_size=0, max_size=2),
+    n=st.integers(1, 6),
+    iters=st.integers(1, 25),
+    dtype=st.sampled_from([torch.float32, torch.float32, torch.float64]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_sinkhorn_cpu_returns_the_python_ops_bits(lead, n, iters, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    comb = torch.randn(*lead, n, n, generator=gen, dtype=dtype)
+    got = torch.ops.deepinfer.sinkhorn_cpu(comb, iters, 1e-6)
+    assert got.dtype == dtype and torch.equal(got, torch.ops.deepinfer.sinkhorn(comb, iters, 1e-6))
+    assert torch.allclose(got.double(), sinkhorn.reference(comb.double(), iters, 1e-6), atol=1e-5)
+    strided = torch.randn(*lead, n, n + 2, generator=gen, dtype=dtype)[..., :n]  # not contiguous
+    assert torch.equal(
+        torch.ops.deepinfer.sinkhorn_cpu(strided, iters, 1e-6),
+        torch.ops.deepinfer.sinkhorn(strided, iters, 1e-6),
+    )
+
+
+def test_experts_written_in_place_are_never_read_from_a_stale_copy():
+    gen = torch.Generator().manual_seed(1)
+    w1, w2, w3 = _experts(gen, 4, 16, 16)
+    x, ids, weights = (
+        torch.randn(6, 16, generator=gen),
+        torch.randint(0, 4, (6, 2), generator=gen),
+        torch.rand(6, 2),
+    )
+    torch.ops.deepinfer.routed_experts_cpu(x, weights, ids, w1, w2, w3, 10.0)  # copies made
+    for w in (w1, w2, w3):  # each of the three is checked
+        with torch.no_grad():
+            w.mul_(1.5)
+        got = torch.ops.deepinfer.routed_experts_cpu(x, weights, ids, w1, w2, w3, 10.0)
+        assert torch.equal(got, torch.ops.deepinfer.routed_experts(x, weights, ids, w1, w2, w3, 10.0))
+    fresh = tuple(w.clone() for w in (w1, w2, w3))  # same values, new tensors
+    assert torch.equal(
+        torch.ops.deepinfer.routed_experts_cpu(x, weights, ids, *fresh, 10.0),
+        torch.ops.deepinfer.routed_experts_cpu(x, weights, ids, w1, w2, w3, 10.0),
+    )
+
+
+def test_freed_experts_copies_are_dropped():
+    gen = torch.Generator().manual_seed(2)
+    x, ids, weights = (
+        torch.randn(3, 8, generator=gen),
+        torch.randint(0, 2, (3, 1), generator=gen),
+        torch.rand(3, 1),
+    )
+    held = cpu_step_ops.transposed_count()
+    for _ in range(5):
+        w = _experts(gen, 2, 8, 8)
+        torch.ops.deepinfer.routed_experts_cpu(x, weights, ids, *w, 10.0)
+        del w
+        gc.collect()
+    assert cpu_step_ops.transposed_count() <= held
+
+
+def test_the_pass_leaves_graphs_alone_where_the_ops_did_not_build(monkeypatch):
+    from deepinfer.compile_passes import use_native_cpu_ops
+
+    graph = torch.fx.Graph()
+    comb = graph.placeholder("comb")
+    graph.output(graph.call_function(torch.ops.deepinfer.sinkhorn.default, (comb, 20, 1e-6)))
+    monkeypatch.setattr(cpu_step_ops, "available", lambda: False)
+    assert use_native_cpu_ops(graph) == 0
+
+
+def test_a_compiled_v4_step_runs_the_cpp_ops_and_agrees_with_eager(v4_ckpt):
+    """With the CPU's default passes, every routed-experts and Sinkhorn call of the tiny V4's
+    compiled step is retargeted (none left to Python), and its tokens are eager's."""
+    from deepinfer import LLM, SamplingParams
+
+    prompts = [[5, 9, 14, 3, 3, 8], [7, 7, 2, 40, 11, 12, 13, 14, 15, 16]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    eager = [
+        o.outputs[0].token_ids for o in LLM(v4_ckpt, compile=False).generate(prompts, params, use_tqdm=False)
+    ]
+    llm = LLM(v4_ckpt, compile=True, compile_backend="post_grad")
+    compiled = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert compiled == eager
+    step = llm.engine.runner.forward
+    layers = len(llm.engine.runner.model.layers)
+    graphs = step.post_grad.graphs
+    assert graphs and step.pass_manager.counts["use_native_cpu_ops"] >= 3 * layers * len(graphs)
+    for graph in graphs:  # two Sinkhorns and the experts a layer, none left to Python
+        targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+        assert targets.count(torch.ops.deepinfer.routed_experts_cpu.default) == layers
+        assert targets.count(torch.ops.deepinfer.sinkhorn_cpu.default) >= 2 * layers
+        assert torch.ops.deepinfer.routed_experts.default not in targets
+        assert torch.ops.deepinfer.sinkhorn.default not in targets
