@@ -322,3 +322,39 @@ def test_cpu_compile_after_s_is_validated(checkpoint, monkeypatch):
         EngineConfig()
     monkeypatch.delenv(COMPILE_AFTER_ENV)
     assert EngineConfig().cpu_compile_after_s == 30.0
+
+
+def _tag_safe_roots(node) -> int:
+    """Guard managers in the tree whose subtree a matching dict tag skips."""
+    from torch._C._dynamo.guards import DictGuardManager
+
+    if node is None:
+        return 0
+    if isinstance(node, DictGuardManager):
+        children = [m for pair in node.get_key_value_managers().values() for m in pair]
+    else:
+        children = node.get_child_managers()
+    return int(node.is_tag_safe_root()) + sum(_tag_safe_roots(c) for c in children)
+
+
+def test_loaded_guards_skip_unchanged_modules_yet_reject_a_replaced_parameter(checkpoint, compiled):
+    """The loaded guard trees skip the model's module subtrees by dict tag; a parameter
+    replaced with one of another shape changes a dict, so every variant rejects the step."""
+    eager, _ = compiled
+    llm = LLM(checkpoint, compile=True, max_num_batched_tokens=64)
+    step = llm.engine.runner.forward
+    seen: list[tuple] = []
+    run = step._run
+    step._run = lambda index, args: seen.append(args) or run(index, args)
+    assert _tokens(llm) == eager
+    assert step.loaded >= 1 and step.compiled == 0
+    assert all(_tag_safe_roots(v._artifacts.guard_manager.root) > 0 for v in step._variants)
+    args = seen[-1]
+    with torch.inference_mode():
+        assert any(v.guard_check(*args) for v in step._variants)
+        wkv = llm.engine.runner.model.layers[0].attn.wkv
+        kept = wkv.weight
+        wkv.weight = torch.nn.Parameter(torch.zeros(kept.shape[0] + 1, kept.shape[1]), requires_grad=False)
+        assert not any(v.guard_check(*args) for v in step._variants)
+        wkv.weight = kept
+        assert any(v.guard_check(*args) for v in step._variants)
