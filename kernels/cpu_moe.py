@@ -11,7 +11,8 @@ with, within the kernel's row range), each summing a token's choices in choice o
   expert's weight rows; any expert size, up to ``MAX_ROWS`` tokens.
 - ``routed_experts_transposed``: each pair as rows times the experts' transposed weights, one
   vector FMA over the output columns per input element (no horizontal sums), blocks of output
-  columns accumulated in registers; experts up to ``SMALL_EXPERT_BYTES`` per matrix (kept
+  columns accumulated in registers, the pairs grouped by expert so each weight load serves
+  up to eight tokens; experts up to ``SMALL_EXPERT_BYTES`` per matrix (kept
   as transposed copies), up to a token count that falls as the matrices grow
   (``transposed_rows``).
 
@@ -52,6 +53,7 @@ _SOURCE = r"""
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 using Vec = at::vec::Vectorized<float>;
@@ -110,28 +112,120 @@ static inline void swiglu(const float* gu, int64_t inter, float limit, float* h)
   }
 }
 
+// y[t][j] = sum_c x[t][c] * w[c * ld + j] for TB rows x[t] (row stride xs) and the NV vectors of
+// columns at y[t] (row stride ys): each weight vector is loaded once for the TB rows, and every
+// (row, column) sum is the same single FMA chain over ascending c as rows_times_block's.
+template <int NV, int TB>
+static inline void block_times_block(const float* x, int64_t xs, const float* w, int64_t rows, int64_t ld,
+                                     float* y, int64_t ys) {
+  Vec acc[TB][NV];
+  for (int t = 0; t < TB; ++t)
+    for (int v = 0; v < NV; ++v) acc[t][v] = Vec(0.f);
+  for (int64_t c = 0; c < rows; ++c) {
+    const float* wr = w + c * ld;
+    Vec wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = Vec::loadu(wr + v * Vec::size());
+    for (int t = 0; t < TB; ++t) {
+      const Vec xv(x[t * xs + c]);
+      for (int v = 0; v < NV; ++v) acc[t][v] = at::vec::fmadd(xv, wv[v], acc[t][v]);
+    }
+  }
+  for (int t = 0; t < TB; ++t)
+    for (int v = 0; v < NV; ++v) acc[t][v].store(y + t * ys + v * Vec::size());
+}
+
+// rows_times_matrix for TB rows at once (row strides xs, ys): the same sums, bit for bit. Column
+// blocks of 4 vectors, of 2 above 4 rows (TB * NV accumulators stay within the 32 vector registers).
+template <int TB>
+static inline void block_times_matrix(const float* x, int64_t xs, const float* w, int64_t rows, int64_t cols,
+                                      float* y, int64_t ys) {
+  constexpr int NW = TB > 4 ? 2 : 4;
+  constexpr int64_t wide = NW * Vec::size();
+  int64_t j = 0;
+  for (; j + wide <= cols; j += wide) block_times_block<NW, TB>(x, xs, w + j, rows, cols, y + j, ys);
+  for (; j + Vec::size() <= cols; j += Vec::size()) block_times_block<1, TB>(x, xs, w + j, rows, cols, y + j, ys);
+  for (; j < cols; ++j)
+    for (int t = 0; t < TB; ++t) {
+      float acc = 0.f;
+      for (int64_t c = 0; c < rows; ++c) acc = std::fma(x[t * xs + c], w[c * cols + j], acc);
+      y[t * ys + j] = acc;
+    }
+}
+
+// One expert's SwiGLU on TB of its pairs: their token rows gathered into xb [TB, d], results
+// into ys [TB, d] (gu [TB, 2I] and h [TB, I] scratch).
+template <int TB>
+static void expert_block(const float* xb, const float* w13, const float* w2, int64_t d, int64_t inter, float limit,
+                         float* gu, float* h, float* ys) {
+  block_times_matrix<TB>(xb, d, w13, d, 2 * inter, gu, 2 * inter);
+  for (int t = 0; t < TB; ++t) swiglu(gu + t * 2 * inter, inter, limit, h + t * inter);
+  block_times_matrix<TB>(h, inter, w2, inter, d, ys, d);
+}
+
 // Small experts, any token count: each pair's SwiGLU as rows times the transposed weights
 // (w13t [E, d, 2I] = gate | up columns, w2t [E, I, d]), so every step is a vector FMA over
-// the output columns and no dot product needs a horizontal sum. Tokens split across threads;
-// a token's sums run in a fixed order, so its result does not depend on the batch.
+// the output columns and no dot product needs a horizontal sum. The pairs are grouped by
+// expert and run PAIRS_PER_BLOCK at a time, so each weight vector loaded serves that many
+// tokens (one token's pairs draw random experts, whose weights then come from L2 for every
+// FMA); blocks split across threads. Each (pair, column) sum is one FMA chain over the input
+// in ascending order, and each token's output sums its choices in choice order, so a token's
+// result depends only on its own row, not on the batch or the grouping.
+constexpr int PAIRS_PER_BLOCK = 8;
+
 extern "C" void routed_experts_small_f32(const float* x, const float* weights, const int64_t* ids,
                                          const float* w13t, const float* w2t, float* out, int64_t n_tok,
                                          int64_t k, int64_t d, int64_t inter, float limit, int threads) {
+  const int64_t pairs = n_tok * k;
+  int64_t experts = 0;
+  for (int64_t p = 0; p < pairs; ++p) {
+    if (ids[p] < 0) {  // no router gives one; NaN rows say so instead of writing out of bounds
+      std::fill(out, out + n_tok * d, std::numeric_limits<float>::quiet_NaN());
+      return;
+    }
+    experts = std::max(experts, ids[p] + 1);
+  }
+  std::vector<int64_t> start(experts + 1, 0), order(pairs), blocks;
+  for (int64_t p = 0; p < pairs; ++p) ++start[ids[p] + 1];
+  for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t p = 0; p < pairs; ++p) order[fill[ids[p]]++] = p;  // by expert, then pair order
+  }
+  for (int64_t e = 0; e < experts; ++e)
+    for (int64_t b = start[e]; b < start[e + 1]; b += PAIRS_PER_BLOCK) blocks.push_back(b);
+  std::vector<float> y(pairs * d);  // each pair's expert output
+  const int64_t n_blocks = static_cast<int64_t>(blocks.size());
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> gu(2 * inter), h(inter), y(d);
+    std::vector<float> xb(PAIRS_PER_BLOCK * d), gu(PAIRS_PER_BLOCK * 2 * inter), h(PAIRS_PER_BLOCK * inter),
+        yb(PAIRS_PER_BLOCK * d);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n_blocks; ++i) {
+      const int64_t b = blocks[i], e = ids[order[b]];
+      const int64_t count = std::min<int64_t>(PAIRS_PER_BLOCK, start[e + 1] - b);
+      for (int64_t t = 0; t < count; ++t) std::copy_n(x + (order[b + t] / k) * d, d, xb.data() + t * d);
+      const float* w13 = w13t + e * d * 2 * inter;
+      const float* w2 = w2t + e * inter * d;
+      switch (count) {
+        case 8: expert_block<8>(xb.data(), w13, w2, d, inter, limit, gu.data(), h.data(), yb.data()); break;
+        case 7: expert_block<7>(xb.data(), w13, w2, d, inter, limit, gu.data(), h.data(), yb.data()); break;
+        case 6: expert_block<6>(xb.data(), w13, w2, d, inter, limit, gu.data(), h.data(), yb.data()); break;
+        case 5: expert_block<5>(xb.data(), w13, w2, d, inter, limit, gu.data(), h.data(), yb.data()); break;
+        case 4: expert_block<4>(xb.data(), w13, w2, d, inter, limit, gu.data(), h.data(), yb.data()); break;
+        case 3: expert_block<3>(xb.data(), w13, w2, d, inter, limit, gu.data(), h.data(), yb.data()); break;
+        case 2: expert_block<2>(xb.data(), w13, w2, d, inter, limit, gu.data(), h.data(), yb.data()); break;
+        default: expert_block<1>(xb.data(), w13, w2, d, inter, limit, gu.data(), h.data(), yb.data()); break;
+      }
+      for (int64_t t = 0; t < count; ++t) std::copy_n(yb.data() + t * d, d, y.data() + order[b + t] * d);
+    }
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < n_tok; ++n) {
-      const float* xr = x + n * d;
       float* o = out + n * d;
       for (int64_t c = 0; c < d; ++c) o[c] = 0.f;
       for (int64_t j = 0; j < k; ++j) {
-        const int64_t e = ids[n * k + j];
-        rows_times_matrix(xr, w13t + e * d * 2 * inter, d, 2 * inter, gu.data());
-        swiglu(gu.data(), inter, limit, h.data());
-        rows_times_matrix(h.data(), w2t + e * inter * d, inter, d, y.data());
         const float wt = weights[n * k + j];
-        for (int64_t c = 0; c < d; ++c) o[c] += wt * y[c];
+        const float* yr = y.data() + (n * k + j) * d;
+        for (int64_t c = 0; c < d; ++c) o[c] += wt * yr[c];
       }
     }
   }

@@ -239,3 +239,14 @@ def test_compiled_stable_topk_takes_the_rounds_and_keeps_the_tie_rule():
     names = {getattr(n.target, "__name__", n.target) for g in graphs for n in g.graph.nodes}
     assert "sort" not in names and "amax" in names
     assert torch.equal(stable_topk(scores, 4)[1], indices)
+
+
+def test_the_transposed_expert_kernel_answers_nan_for_a_negative_expert_id():
+    """Its pairs are grouped by expert id; an id below 0 (no router gives one) must not index
+    out of bounds: the whole output is NaN instead."""
+    from deepinfer.kernels import cpu_moe
+
+    w = torch.randn(4, 8, 8)
+    ids = torch.tensor([[0], [-1], [2]])
+    out = cpu_moe.routed_experts_transposed(torch.randn(3, 8), torch.rand(3, 1), ids, w, w, w, 3.0)
+    assert out.isnan().all()
