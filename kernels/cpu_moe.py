@@ -54,6 +54,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <vector>
 
 using Vec = at::vec::Vectorized<float>;
@@ -193,7 +194,7 @@ extern "C" void routed_experts_small_f32(const float* x, const float* weights, c
   }
   for (int64_t e = 0; e < experts; ++e)
     for (int64_t b = start[e]; b < start[e + 1]; b += PAIRS_PER_BLOCK) blocks.push_back(b);
-  std::vector<float> y(pairs * d);  // each pair's expert output
+  std::unique_ptr<float[]> y(new float[pairs * d]);  // each pair's expert output (all written)
   const int64_t n_blocks = static_cast<int64_t>(blocks.size());
 #pragma omp parallel num_threads(threads)
   {
@@ -216,7 +217,7 @@ extern "C" void routed_experts_small_f32(const float* x, const float* weights, c
         case 2: expert_block<2>(xb.data(), w13, w2, d, inter, limit, gu.data(), h.data(), yb.data()); break;
         default: expert_block<1>(xb.data(), w13, w2, d, inter, limit, gu.data(), h.data(), yb.data()); break;
       }
-      for (int64_t t = 0; t < count; ++t) std::copy_n(yb.data() + t * d, d, y.data() + order[b + t] * d);
+      for (int64_t t = 0; t < count; ++t) std::copy_n(yb.data() + t * d, d, y.get() + order[b + t] * d);
     }
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < n_tok; ++n) {
@@ -224,7 +225,7 @@ extern "C" void routed_experts_small_f32(const float* x, const float* weights, c
       for (int64_t c = 0; c < d; ++c) o[c] = 0.f;
       for (int64_t j = 0; j < k; ++j) {
         const float wt = weights[n * k + j];
-        const float* yr = y.data() + (n * k + j) * d;
+        const float* yr = y.get() + (n * k + j) * d;
         for (int64_t c = 0; c < d; ++c) o[c] += wt * yr[c];
       }
     }
