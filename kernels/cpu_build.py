@@ -2,7 +2,7 @@
 (``CppCodeCache``): the flags, vector-ISA pick and on-disk cache Inductor uses for its own
 generated kernels, so a kernel is compiled once per machine and loaded from the cache
 afterwards. ``load_op_library``: ops registered with PyTorch's dispatcher (a compiled step's
-C++ wrapper calls them without the GIL), built by ``torch.utils.cpp_extension`` for the vector
+C++ wrapper calls them without going through Python), built by ``torch.utils.cpp_extension`` for the vector
 ISA Inductor picks. Sources use ATen's portable ``at::vec::Vectorized`` (AVX2, AVX-512, NEON or
 scalar)."""
 

@@ -19,8 +19,8 @@ whatever was registered; only the speed differs. Each output is the packed kerne
 row count (batch-invariant), another summation order than MKL's.
 
 Built once per machine by ``cpu_build.load_op_library`` (PyTorch's extension builder) for the
-vector ISA Inductor picks; ``available()`` is false
-where no compiler works, and the compile pass that inserts the op then leaves ``mm`` alone."""
+vector ISA Inductor picks; ``available()`` is false where no compiler works, and the compile
+pass that inserts the op then leaves ``mm`` alone."""
 
 from __future__ import annotations
 

@@ -71,35 +71,6 @@ static inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// y[j] = sum_c x[c] * w[c * ld + j] for the NV vectors of columns at y, the sum run as one FMA
-// per c in ascending c (what repeated y += x[c] * w[c] does), with the NV accumulators in
-// registers: one weight load per FMA instead of a load and a store of y as well.
-template <int NV>
-static inline void rows_times_block(const float* x, const float* w, int64_t rows, int64_t ld, float* y) {
-  Vec acc[NV];
-  for (int v = 0; v < NV; ++v) acc[v] = Vec(0.f);
-  for (int64_t c = 0; c < rows; ++c) {
-    const Vec xv(x[c]);
-    const float* wr = w + c * ld;
-    for (int v = 0; v < NV; ++v) acc[v] = at::vec::fmadd(xv, Vec::loadu(wr + v * Vec::size()), acc[v]);
-  }
-  for (int v = 0; v < NV; ++v) acc[v].store(y + v * Vec::size());
-}
-
-// y[0..cols) = x[0..rows) times the row-major rows x cols matrix w, each column summed in
-// ascending row order with FMAs (vector blocks of 8, then of 1, then scalar columns).
-static inline void rows_times_matrix(const float* x, const float* w, int64_t rows, int64_t cols, float* y) {
-  constexpr int64_t wide = 8 * Vec::size();
-  int64_t j = 0;
-  for (; j + wide <= cols; j += wide) rows_times_block<8>(x, w + j, rows, cols, y + j);
-  for (; j + Vec::size() <= cols; j += Vec::size()) rows_times_block<1>(x, w + j, rows, cols, y + j);
-  for (; j < cols; ++j) {
-    float acc = 0.f;
-    for (int64_t c = 0; c < rows; ++c) acc = std::fma(x[c], w[c * cols + j], acc);
-    y[j] = acc;
-  }
-}
-
 // h[i] = silu(min(g, limit)) * clamp(u, -limit, limit) for gate g = gu[i], up u = gu[inter + i],
 // in vectors (the exponential is at::vec's, as eager PyTorch's silu uses); a lane's result
 // depends only on its own inputs, so not on the batch.
@@ -114,8 +85,9 @@ static inline void swiglu(const float* gu, int64_t inter, float limit, float* h)
 }
 
 // y[t][j] = sum_c x[t][c] * w[c * ld + j] for TB rows x[t] (row stride xs) and the NV vectors of
-// columns at y[t] (row stride ys): each weight vector is loaded once for the TB rows, and every
-// (row, column) sum is the same single FMA chain over ascending c as rows_times_block's.
+// columns at y[t] (row stride ys), the NV * TB accumulators in registers: each weight vector is
+// loaded once for the TB rows, and every (row, column) sum is one FMA chain over ascending c
+// (what repeated y += x[c] * w[c] does), whatever TB and NV are.
 template <int NV, int TB>
 static inline void block_times_block(const float* x, int64_t xs, const float* w, int64_t rows, int64_t ld,
                                      float* y, int64_t ys) {
@@ -135,8 +107,9 @@ static inline void block_times_block(const float* x, int64_t xs, const float* w,
     for (int v = 0; v < NV; ++v) acc[t][v].store(y + t * ys + v * Vec::size());
 }
 
-// rows_times_matrix for TB rows at once (row strides xs, ys): the same sums, bit for bit. Column
-// blocks of 4 vectors, of 2 above 4 rows (TB * NV accumulators stay within the 32 vector registers).
+// y [TB, cols] = x [TB, rows] times the row-major rows x cols matrix w (row strides xs, ys): column
+// blocks of 4 vectors (of 2 above 4 rows: TB * NV accumulators within the 32 vector registers),
+// then of 1, then scalar columns, each column summed in ascending row order with FMAs.
 template <int TB>
 static inline void block_times_matrix(const float* x, int64_t xs, const float* w, int64_t rows, int64_t cols,
                                       float* y, int64_t ys) {

@@ -3,8 +3,7 @@ and ``deepinfer::sinkhorn_cpu``.
 
 ``deepinfer::routed_experts`` and ``deepinfer::sinkhorn`` are Python custom ops: inside a
 compiled step's C++ wrapper each call goes back into Python (the custom-op machinery, dynamo's
-disable wrapper, the kernel choice in ``cpu_moe``, a ``ctypes`` call), ~10-20 us a call, 15
-calls a tiny-V4 step. These two ops run the same C++ kernels (``cpu_moe``'s and ``sinkhorn``'s
+disable wrapper, the kernel choice in ``cpu_moe``, a ``ctypes`` call), 15 calls a tiny-V4 step. These two ops run the same C++ kernels (``cpu_moe``'s and ``sinkhorn``'s
 sources, compiled into this extension) with the same choice of kernel and thread count, from
 C++, so the wrapper reaches them without Python. They are built with Inductor's floating-point
 flags, so they return the bits the Python ops' ``ctypes`` builds return. Inputs the kernels do not take (another

@@ -66,8 +66,8 @@ def default_passes(device: torch.device | None = None) -> list[GraphPass]:
     experts). On the CPU: the verification fusion, memory-bound ``bmm``s as reductions
     (``reduce_small_bmm``), weight projections on packed copies (``use_packed_linear``,
     where its C++ op built), and the routed experts and Sinkhorn as C++ ops
-    (``use_native_cpu_ops``, where they built); the attention and MoE fusions stay off there, because Inductor's
-    own C++ fusion of the plain attention and MoE gate measured faster than our ops' reference
+    (``use_native_cpu_ops``, where they built); the attention and MoE fusions stay off
+    there, because Inductor's own C++ fusion of the plain attention and MoE gate measured faster than our ops' reference
     implementations (benchmarks/RESULTS.md). ``compile_step(passes=...)`` overrides the choice."""
     from deepinfer.compile_passes import (
         PASSES,

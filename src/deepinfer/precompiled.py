@@ -12,7 +12,7 @@ parameters' and buffers' dicts) is unchanged since the last check is skipped, so
 parameter tensors of a tiny-V4 step are not re-examined every step. Dynamo treats the
 tensors under such a subtree as immutable: replacing a parameter (``module.weight = ...``)
 changes a dict and is caught, resizing one through ``p.data = t`` is not; the engine does
-neither after loading. A step they reject (a shape specialisation the
+neither after loading. A step the guards reject (a shape specialisation the
 first trace did not cover, e.g. the indexer's ``min(top-k, entries)``) is compiled as a new
 variant and saved beside the others, so a loaded artefact is never wrong, and the next
 process loads every variant its predecessors needed.
