@@ -14,6 +14,7 @@ import hashlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 STALE_LOCK_S = 600.0
 
 _OP_LIBRARY_LOCK = threading.Lock()
+_OP_LIBRARIES: dict[str, bool] = {}  # prefix -> registered in this process
 
 
 @functools.cache
@@ -51,17 +53,35 @@ def bind(lib: ctypes.CDLL, name: str, argtypes: list) -> ctypes._CFuncPtr:
 INDUCTOR_MATH_FLAGS = ("-fno-trapping-math", "-fno-signed-zeros", "-ffp-contract=off")
 
 
-def load_op_library(prefix: str, source: str, extra_flags: tuple[str, ...] = ()) -> None:
-    """Build (or load from PyTorch's extension cache, ``~/.cache/torch_extensions``) the C++
-    source, whose ``TORCH_LIBRARY`` blocks register its ops when it loads. The extension's
-    name is ``prefix`` and a digest of the source and flags, so an edit builds anew. Raises
-    where no compiler works; callers turn that into their fallback."""
+def load_op_library(
+    prefix: str,
+    source: Callable[[], str],
+    register_fakes: Callable[[], None],
+    unavailable: str,
+    extra_flags: tuple[str, ...] = (),
+) -> bool:
+    """Whether the ops of ``source()`` are registered in this process: built (or loaded from
+    PyTorch's extension cache, ``~/.cache/torch_extensions``) on the first call for ``prefix``,
+    its ``TORCH_LIBRARY`` blocks registering the ops as it loads, then ``register_fakes()`` (their
+    shapes for the compiler). The extension's name is ``prefix`` and a digest of the source and
+    flags, so an edit builds anew. Where the build fails (no compiler) it logs ``unavailable``
+    with the error and answers False, and callers keep their fallback."""
+    found = _OP_LIBRARIES.get(prefix)
+    if found is not None:
+        return found
     with _OP_LIBRARY_LOCK:
-        _load_op_library(prefix, source, extra_flags)
+        if prefix not in _OP_LIBRARIES:
+            try:
+                _build_op_library(prefix, source(), extra_flags)
+                register_fakes()
+                _OP_LIBRARIES[prefix] = True
+            except Exception as exc:
+                logger.warning("%s (%s)", unavailable, exc)
+                _OP_LIBRARIES[prefix] = False
+        return _OP_LIBRARIES[prefix]
 
 
-@functools.cache
-def _load_op_library(prefix: str, source: str, extra_flags: tuple[str, ...]) -> None:
+def _build_op_library(prefix: str, source: str, extra_flags: tuple[str, ...]) -> None:
     from torch._inductor.cpu_vec_isa import pick_vec_isa
     from torch.utils import cpp_extension
 

@@ -24,14 +24,8 @@ pass that inserts the op then leaves ``mm`` alone."""
 
 from __future__ import annotations
 
-import functools
-import logging
-import threading
-
 import torch
 from deepinfer.kernels import cpu_build, cpu_packed_gemm
-
-logger = logging.getLogger(__name__)
 
 _OP_SOURCE = r"""
 #include <ATen/ATen.h>
@@ -142,56 +136,43 @@ def _source() -> str:
     return cpu_packed_gemm._SOURCE + _OP_SOURCE
 
 
-_LOAD_LOCK = threading.Lock()
-
-
-def _load() -> bool:
-    """Build (or load from the extension cache) and register the op, once per process; False
-    where that fails."""
-    with _LOAD_LOCK:
-        return _load_once()
-
-
-@functools.cache
-def _load_once() -> bool:
-    try:
-        cpu_build.load_op_library("deepinfer_packed_linear", _source())
-    except Exception as exc:
-        logger.warning("the packed-linear CPU op is unavailable (%s); compiled steps keep aten::mm", exc)
-        return False
-
+def _register_fakes() -> None:
     @torch.library.register_fake("deepinfer::packed_linear")
     def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty(x.shape[0], weight.shape[0])
 
-    return True
-
 
 def available() -> bool:
-    """Whether the op is registered in this process (built on the first call)."""
-    return _load()
+    """Whether the op is registered in this process (built, or loaded from the extension
+    cache, on the first call; False where that fails)."""
+    return cpu_build.load_op_library(
+        "deepinfer_packed_linear",
+        _source,
+        _register_fakes,
+        "the packed-linear CPU op is unavailable; compiled steps keep aten::mm",
+    )
 
 
 def register(weight: torch.Tensor) -> None:
     """Pack ``weight`` (2-D fp32, CPU) for ``packed_linear``; again after it was written in place."""
-    if not _load():
+    if not available():
         raise RuntimeError("the packed-linear CPU op did not build on this machine")
     torch.ops.deepinfer.register_packed_linear(weight)
 
 
 def registered() -> int:
     """Packed copies the registry holds, after dropping those of freed weights."""
-    return int(torch.ops.deepinfer.packed_linear_count()) if _load() else 0
+    return int(torch.ops.deepinfer.packed_linear_count()) if available() else 0
 
 
 def packed_calls() -> int:
     """Calls of the op so far (this process) that ran on a packed copy."""
-    return int(torch.ops.deepinfer.packed_linear_calls()) if _load() else 0
+    return int(torch.ops.deepinfer.packed_linear_calls()) if available() else 0
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``x`` [M, K]: on ``weight``'s packed copy where one is
     registered and current, else ``aten::mm`` / ``aten::addmm``."""
-    if not _load():
+    if not available():
         return x @ weight.T if bias is None else torch.addmm(bias, x, weight.T)
     return torch.ops.deepinfer.packed_linear(x, weight, bias)

@@ -18,14 +18,9 @@ through PyTorch makes a fresh copy."""
 
 from __future__ import annotations
 
-import functools
-import logging
-import threading
-
 import torch
-from deepinfer.kernels import cpu_build, cpu_moe, moe, sinkhorn
-
-logger = logging.getLogger(__name__)
+from deepinfer.kernels import cpu_build, cpu_moe, sinkhorn
+from deepinfer.kernels import moe as _moe  # noqa: F401  (registers the experts' fallback op)
 
 _OP_SOURCE = r"""
 #include <ATen/ATen.h>
@@ -185,24 +180,7 @@ def _source() -> str:
     return cpu_moe._SOURCE + sinkhorn._SOURCE + op
 
 
-_LOAD_LOCK = threading.Lock()
-
-
-def available() -> bool:
-    """Whether the ops are registered in this process (built on the first call)."""
-    with _LOAD_LOCK:
-        return _load_once()
-
-
-@functools.cache
-def _load_once() -> bool:
-    assert moe.routed_experts is not None and sinkhorn.sinkhorn_op is not None  # fallbacks registered
-    try:
-        cpu_build.load_op_library("deepinfer_cpu_step_ops", _source(), cpu_build.INDUCTOR_MATH_FLAGS)
-    except Exception as exc:
-        logger.warning("the C++ step ops are unavailable (%s); compiled steps keep the Python ops", exc)
-        return False
-
+def _register_fakes() -> None:
     @torch.library.register_fake("deepinfer::routed_experts_cpu")
     def _(x, weights, ids, w1, w2, w3, limit):
         return torch.empty_like(x)
@@ -211,7 +189,17 @@ def _load_once() -> bool:
     def _(comb, iters, eps):
         return torch.empty_like(comb)
 
-    return True
+
+def available() -> bool:
+    """Whether the ops are registered in this process (built on the first call). Their
+    fallbacks, the Python ops, are registered by importing ``moe`` and ``sinkhorn`` (above)."""
+    return cpu_build.load_op_library(
+        "deepinfer_cpu_step_ops",
+        _source,
+        _register_fakes,
+        "the C++ step ops are unavailable; compiled steps keep the Python ops",
+        cpu_build.INDUCTOR_MATH_FLAGS,
+    )
 
 
 def transposed_count() -> int:

@@ -34,15 +34,19 @@ def _experts(gen: torch.Generator, e: int, d: int, inter: int) -> tuple[torch.Te
     inter=st.sampled_from([8, 40, 64]),
     e=st.integers(1, 8),
     k=st.integers(1, 3),
-    big=st.booleans(),
+    size=st.sampled_from(["tiny", "small", "big"]),
     dtype=st.sampled_from([torch.float32, torch.float32, torch.float64]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_routed_experts_cpu_returns_the_python_ops_bits(rows, d, inter, e, k, big, dtype, seed):
-    """Tiny experts (the transposed kernel at any row count), large ones (the dot kernel up to
-    ``MAX_ROWS`` rows, the Python reference above), and float64 (the Python op throughout)."""
+def test_routed_experts_cpu_returns_the_python_ops_bits(rows, d, inter, e, k, size, dtype, seed):
+    """Tiny experts (the transposed kernel at any row count), small ones (the transposed kernel
+    up to ``MAX_ROWS_SMALL_EXPERTS`` rows, the Python reference above), large ones (the dot
+    kernel up to ``MAX_ROWS`` rows, the reference above), and float64 (the Python op
+    throughout): the C++ op's choice of path must be the Python op's at every boundary."""
     gen = torch.Generator().manual_seed(seed)
-    if big:  # matrices over SMALL_EXPERT_BYTES: no transposed kernel
+    if size == "small":  # matrices just over TINY_EXPERT_BYTES
+        inter = cpu_moe.TINY_EXPERT_BYTES // (4 * d) + 1
+    elif size == "big":  # matrices over SMALL_EXPERT_BYTES: no transposed kernel
         inter = cpu_moe.SMALL_EXPERT_BYTES // (4 * d) + 1
     w1, w2, w3 = (w.to(dtype) for w in _experts(gen, e, d, inter))
     x = torch.randn(rows, d, generator=gen, dtype=dtype)
@@ -55,6 +59,30 @@ def test_routed_experts_cpu_returns_the_python_ops_bits(rows, d, inter, e, k, bi
         x.double(), weights.double(), ids, w1.double(), w2.double(), w3.double(), 3.0
     )
     assert torch.allclose(got.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("size", "rows"),
+    [
+        ("small", cpu_moe.MAX_ROWS_SMALL_EXPERTS),
+        ("small", cpu_moe.MAX_ROWS_SMALL_EXPERTS + 1),
+        ("big", cpu_moe.MAX_ROWS),
+        ("big", cpu_moe.MAX_ROWS + 1),
+    ],
+)
+def test_routed_experts_cpu_switches_kernels_where_the_python_op_does(size, rows):
+    """At each row limit and one past it: the same path as the Python op, so the same bits."""
+    gen = torch.Generator().manual_seed(rows)
+    d = 64
+    limit = cpu_moe.TINY_EXPERT_BYTES if size == "small" else cpu_moe.SMALL_EXPERT_BYTES
+    w1, w2, w3 = _experts(gen, 4, d, limit // (4 * d) + 1)
+    x, ids, weights = (
+        torch.randn(rows, d, generator=gen),
+        torch.randint(0, 4, (rows, 2), generator=gen),
+        torch.rand(rows, 2),
+    )
+    got = torch.ops.deepinfer.routed_experts_cpu(x, weights, ids, w1, w2, w3, 3.0)
+    assert torch.equal(got, torch.ops.deepinfer.routed_experts(x, weights, ids, w1, w2, w3, 3.0))
 
 
 @settings(max_examples=30, deadline=None)
