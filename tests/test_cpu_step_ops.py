@@ -174,6 +174,11 @@ def test_a_compiled_v4_step_runs_the_cpp_ops_and_agrees_with_eager(v4_ckpt):
     targets = [n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"]
     assert torch.ops.deepinfer.routed_experts.default not in targets  # none left to Python
     assert torch.ops.deepinfer.sinkhorn.default not in targets
+    # every op of ours the step calls is a C++ one (no Python kernel behind the dispatcher)
+    ours = {t.name() for t in targets if isinstance(t, torch._ops.OpOverload) and t.namespace == "deepinfer"}
+    assert ours <= {"deepinfer::routed_experts_cpu", "deepinfer::sinkhorn_cpu", "deepinfer::packed_linear"}, (
+        ours
+    )
     assert sum(targets.count(t) for t in twins) == step.pass_manager.counts["use_native_cpu_ops"]
     # every layer's experts and both of its Sinkhorns ran compiled, as the C++ ops
     assert targets.count(twins[0]) >= layers and targets.count(twins[1]) >= 2 * layers
