@@ -1,11 +1,12 @@
-"""The compiled step's opaque CPU ops as C++ dispatcher kernels: ``deepinfer::routed_experts_cpu``
-and ``deepinfer::sinkhorn_cpu``.
+"""The compiled step's opaque CPU ops as C++ dispatcher kernels: ``deepinfer::routed_experts_cpu``,
+``deepinfer::sinkhorn_cpu`` and ``deepinfer::indexer_topk_cpu``.
 
-``deepinfer::routed_experts`` and ``deepinfer::sinkhorn`` are Python custom ops: inside a
-compiled step's C++ wrapper each call goes back into Python (the custom-op machinery, dynamo's
-disable wrapper, the kernel choice in ``cpu_moe``, a ``ctypes`` call), 15 calls a tiny-V4 step. These two ops run the same C++ kernels (``cpu_moe``'s and ``sinkhorn``'s
-sources, compiled into this extension) with the same choice of kernel and thread count, from
-C++, so the wrapper reaches them without Python. They are built with Inductor's floating-point
+``deepinfer::routed_experts``, ``deepinfer::sinkhorn`` and ``deepinfer::indexer_topk`` are
+Python custom ops: inside a compiled step's C++ wrapper each call goes back into Python (the
+custom-op machinery, dynamo's disable wrapper, the kernel choice in ``cpu_moe``, a ``ctypes``
+call), 17 calls a tiny-V4 step. These ops run the same C++ kernels (``cpu_moe``'s,
+``sinkhorn``'s and ``indexer_topk``'s sources, compiled into this extension) with the same
+choice of kernel and thread count, from C++, so the wrapper reaches them without Python. They are built with Inductor's floating-point
 flags, so they return the bits the Python ops' ``ctypes`` builds return. Inputs the kernels do not take (another
 dtype or device, autograd, steps too large for the expert kernels) go to the Python op
 through the dispatcher, so a graph that calls these ops is correct for any input; only the
@@ -19,7 +20,7 @@ through PyTorch makes a fresh copy."""
 from __future__ import annotations
 
 import torch
-from deepinfer.kernels import cpu_build, cpu_moe, sinkhorn
+from deepinfer.kernels import cpu_build, cpu_moe, indexer_topk, sinkhorn
 from deepinfer.kernels import moe as _moe  # noqa: F401  (registers the experts' fallback op)
 
 _OP_SOURCE = r"""
@@ -37,6 +38,7 @@ constexpr int64_t kMaxRows = MAX_ROWS_DOT;
 constexpr int64_t kSmallBytes = SMALL_EXPERT_BYTES_, kMaxRowsSmall = MAX_ROWS_SMALL;
 constexpr int64_t kTinyBytes = TINY_EXPERT_BYTES_, kMaxRowsTiny = MAX_ROWS_TINY;
 constexpr int64_t kThreadedWork = int64_t(1) << 17;  // n_tok * k * inter * d from which threads pay
+constexpr int64_t kIndexerThreadedWork = INDEXER_THREADED_WORK;  // t * e * h * d from which threads pay
 
 int64_t transposed_rows(const at::Tensor& w1) {
   const int64_t nbytes = w1.size(1) * w1.size(2) * int64_t(sizeof(float));
@@ -151,18 +153,57 @@ at::Tensor sinkhorn_cpu(const at::Tensor& comb, int64_t iters, double eps) {
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> indexer_topk_cpu(const at::Tensor& q, const at::Tensor& keys,
+                                                    const at::Tensor& entry_idx, const at::Tensor& entry_valid,
+                                                    const at::Tensor& weights, int64_t topk, double scale) {
+  bool native = q.dim() == 3 && keys.dim() == 2 && entry_idx.dim() == 2 && entry_valid.dim() == 2 &&
+                weights.dim() == 2 && entry_idx.sizes() == entry_valid.sizes() &&
+                entry_idx.scalar_type() == at::kLong && entry_valid.scalar_type() == at::kBool &&
+                q.size(0) == entry_idx.size(0) && weights.size(0) == q.size(0) && weights.size(1) == q.size(1) &&
+                keys.size(1) == q.size(2);
+  for (const at::Tensor* t : {&q, &keys, &weights})
+    native = native && t->device().is_cpu() && t->scalar_type() == at::kFloat && !t->requires_grad();
+  native = native && entry_idx.device().is_cpu() && entry_valid.device().is_cpu();
+  if (!native) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("deepinfer::indexer_topk", "")
+                         .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                                   const at::Tensor&, const at::Tensor&, c10::SymInt,
+                                                                   double)>();
+    return op.call(q, keys, entry_idx, entry_valid, weights, c10::SymInt(topk), scale);
+  }
+  const at::Tensor qc = q.contiguous(), kc = keys.contiguous(), wc = weights.contiguous();
+  const at::Tensor idx = entry_idx.contiguous(), valid = entry_valid.contiguous();
+  const int64_t t = q.size(0), h = q.size(1), d = q.size(2), e = idx.size(1);
+  const int64_t k = std::min(topk, e);
+  at::Tensor rows = at::empty({t, k}, idx.options());
+  at::Tensor picked = at::empty({t, k}, valid.options());
+  if (t == 0 || k == 0) return {rows, picked};
+  const int threads = t * e * h * d >= kIndexerThreadedWork ? at::get_num_threads() : 1;
+  const int64_t bad = indexer_topk_f32(qc.data_ptr<float>(), kc.data_ptr<float>(), idx.data_ptr<int64_t>(),
+                                       valid.data_ptr<bool>(), wc.data_ptr<float>(), rows.data_ptr<int64_t>(),
+                                       picked.data_ptr<bool>(), t, h, d, e, kc.size(0), k, float(scale), threads);
+  TORCH_CHECK_INDEX(bad == 0, "indexer_topk: ", bad, " visible entries index outside the key pool of ", kc.size(0),
+                    " rows");
+  return {rows, picked};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
   m.def("routed_experts_cpu(Tensor x, Tensor weights, Tensor ids, Tensor w1, Tensor w2, Tensor w3, float limit) -> Tensor");
   m.def("sinkhorn_cpu(Tensor comb, int iters, float eps) -> Tensor");
   m.def("routed_experts_transposed_count() -> int");
+  m.def(
+      "indexer_topk_cpu(Tensor q, Tensor keys, Tensor entry_idx, Tensor entry_valid, Tensor weights, int topk, "
+      "float scale) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer, CompositeExplicitAutograd, m) {
   m.impl("routed_experts_cpu", &routed_experts_cpu);
   m.impl("sinkhorn_cpu", &sinkhorn_cpu);
   m.impl("routed_experts_transposed_count", &transposed_count);
+  m.impl("indexer_topk_cpu", &indexer_topk_cpu);
 }
 """
 
@@ -176,8 +217,9 @@ def _source() -> str:
         .replace("MAX_ROWS_SMALL", str(cpu_moe.MAX_ROWS_SMALL_EXPERTS))
         .replace("TINY_EXPERT_BYTES_", str(cpu_moe.TINY_EXPERT_BYTES))
         .replace("MAX_ROWS_TINY", str(cpu_moe.MAX_ROWS_TINY_EXPERTS))
+        .replace("INDEXER_THREADED_WORK", str(indexer_topk.THREADED_WORK))
     )
-    return cpu_moe._SOURCE + sinkhorn._SOURCE + op
+    return cpu_moe._SOURCE + sinkhorn._SOURCE + indexer_topk._SOURCE + op
 
 
 def _register_fakes() -> None:
@@ -188,6 +230,11 @@ def _register_fakes() -> None:
     @torch.library.register_fake("deepinfer::sinkhorn_cpu")
     def _(comb, iters, eps):
         return torch.empty_like(comb)
+
+    @torch.library.register_fake("deepinfer::indexer_topk_cpu")
+    def _(q, keys, entry_idx, entry_valid, weights, topk, scale):
+        shape = (entry_idx.shape[0], min(topk, entry_idx.shape[1]))
+        return entry_idx.new_empty(shape, dtype=torch.long), entry_valid.new_empty(shape, dtype=torch.bool)
 
 
 def available() -> bool:

@@ -154,8 +154,8 @@ def test_the_pass_leaves_graphs_alone_where_the_ops_did_not_build(monkeypatch):
 
 
 def test_a_compiled_v4_step_runs_the_cpp_ops_and_agrees_with_eager(v4_ckpt):
-    """With the CPU's default passes, every routed-experts and Sinkhorn call of the tiny V4's
-    compiled step is retargeted (none left to Python), and its tokens are eager's."""
+    """With the CPU's default passes, every routed-experts, Sinkhorn and indexer call of the
+    tiny V4's compiled step is retargeted (none left to Python), and its tokens are eager's."""
     from deepinfer import LLM, SamplingParams
 
     torch._dynamo.reset()  # earlier tests' traces of the same step code must not stand in
@@ -170,15 +170,28 @@ def test_a_compiled_v4_step_runs_the_cpp_ops_and_agrees_with_eager(v4_ckpt):
     step = llm.engine.runner.forward
     layers = len(llm.engine.runner.model.layers)
     graphs = step.post_grad.graphs
-    twins = (torch.ops.deepinfer.routed_experts_cpu.default, torch.ops.deepinfer.sinkhorn_cpu.default)
+    twins = (
+        torch.ops.deepinfer.routed_experts_cpu.default,
+        torch.ops.deepinfer.sinkhorn_cpu.default,
+        torch.ops.deepinfer.indexer_topk_cpu.default,
+    )
     targets = [n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"]
     assert torch.ops.deepinfer.routed_experts.default not in targets  # none left to Python
     assert torch.ops.deepinfer.sinkhorn.default not in targets
+    assert torch.ops.deepinfer.indexer_topk.default not in targets
     # every op of ours the step calls is a C++ one (no Python kernel behind the dispatcher)
     ours = {t.name() for t in targets if isinstance(t, torch._ops.OpOverload) and t.namespace == "deepinfer"}
-    assert ours <= {"deepinfer::routed_experts_cpu", "deepinfer::sinkhorn_cpu", "deepinfer::packed_linear"}, (
-        ours
-    )
+    cpp_ops = {
+        "deepinfer::routed_experts_cpu",
+        "deepinfer::sinkhorn_cpu",
+        "deepinfer::indexer_topk_cpu",
+        "deepinfer::packed_linear",
+    }
+    assert ours <= cpp_ops, ours
     assert sum(targets.count(t) for t in twins) == step.pass_manager.counts["use_native_cpu_ops"]
-    # every layer's experts and both of its Sinkhorns ran compiled, as the C++ ops
+    # every layer's experts and both of its Sinkhorns ran compiled, as the C++ ops; so did the
+    # indexer of every layer that has one
+    cfg = llm.engine.runner.model.config
+    indexed = sum(1 for kind in cfg.layer_kinds[:layers] if kind == "csa")
     assert targets.count(twins[0]) >= layers and targets.count(twins[1]) >= 2 * layers
+    assert indexed and targets.count(twins[2]) >= indexed

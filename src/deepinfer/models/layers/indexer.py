@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from deepinfer.cache.forward_batch import ForwardBatch, GroupMeta, LayerPools
+from deepinfer.kernels import indexer_topk
 from deepinfer.models.layers.compressor import Compressor
 from deepinfer.models.layers.fake_quant import fake_quant_fp4_pow2
 from deepinfer.models.layers.gather import gather_rows
@@ -56,13 +57,18 @@ class Indexer(nn.Module):
         t, e = meta.entry_idx.shape
         if e == 0:
             return meta.entry_idx, meta.entry_valid
-        keys = gather_rows(index_keys, meta.entry_idx)  # [T, E, head_dim]
         q = self.wq_b(q_residual).view(t, self.n_heads, self.head_dim)
         q = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
         if self.quantize is not None:
             q = self.quantize(q)
-        scores = torch.einsum("thd,ted->the", q.float(), keys.float()).relu() * self.head_dim**-0.5
         weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        if isinstance(index_keys, torch.Tensor) and indexer_topk.takes(q, index_keys, weights):
+            # one C++ kernel on the CPU: reads only the entries each row may see
+            return indexer_topk.indexer_topk(
+                q, index_keys, meta.entry_idx, meta.entry_valid, weights, self.topk, self.head_dim**-0.5
+            )
+        keys = gather_rows(index_keys, meta.entry_idx)  # [T, E, head_dim]
+        scores = torch.einsum("thd,ted->the", q.float(), keys.float()).relu() * self.head_dim**-0.5
         index_scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [T, E]
         index_scores = index_scores.masked_fill(~meta.entry_valid, float("-inf"))
         _, picks = stable_topk(index_scores, self.topk)  # ties: the older entry wins
