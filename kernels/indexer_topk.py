@@ -55,12 +55,37 @@ static inline at::vec::Vectorized<float> add_heads(at::vec::Vectorized<float> to
   return total;
 }
 
+// The key rows of one block of V entries, transposed into kt[d * V + lane]: a lane whose
+// index is outside the pool (or past the row's E entries) holds zeros. rows: [V, D] scratch.
+static void transpose_block(const float* keys, const int64_t* idx, int64_t n, int64_t D, int64_t N, float* rows,
+                            float* kt) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int64_t V = Vec::size();
+  const int64_t whole = D - D % V;
+  for (int64_t l = 0; l < V; ++l) {
+    const bool in_pool = l < n && idx[l] >= 0 && idx[l] < N;
+    const float* src = keys + (in_pool ? idx[l] : 0) * D;
+    float* dst = rows + l * D;
+    if (in_pool) {
+      int64_t d = 0;
+      for (; d < whole; d += V) Vec::loadu(src + d).store(dst + d);
+      for (; d < D; ++d) dst[d] = src[d];
+    } else {
+      for (int64_t d = 0; d < D; ++d) dst[d] = 0.f;
+    }
+  }
+  at::vec::transpose_mxn<float>(rows, D, kt, V, static_cast<int>(V), static_cast<int>(D));
+}
+
 // One row t: scores of its E entries into s (-inf where not visible), then the k best (score
 // descending, column ascending) into out_rows / out_valid. Returns how many visible entries
-// point outside the pool (their scores are -inf). rows: [V, D] scratch, kt: [D, V] scratch.
+// point outside the pool (their scores are -inf). kts [E / V blocks, D, V] holds the previous
+// row's transposed blocks and cached [E] their indices: the rows of one sequence's prefill
+// chunk see the same entries, so a block is transposed once per run of such rows.
 static int64_t indexer_row(const float* q, const float* keys, const int64_t* idx, const bool* valid,
                            const float* w, int64_t H, int64_t D, int64_t E, int64_t N, int64_t k, float scale,
-                           float* s, float* rows, float* kt, int64_t* order, int64_t* out_rows, bool* out_valid) {
+                           float* s, float* rows, float* kts, int64_t* cached, int64_t* order, int64_t* out_rows,
+                           bool* out_valid) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int64_t V = Vec::size();
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -68,22 +93,22 @@ static int64_t indexer_row(const float* q, const float* keys, const int64_t* idx
   bool live[V];
   for (int64_t e0 = 0; e0 < E; e0 += V) {
     const int64_t n = std::min<int64_t>(V, E - e0);
-    bool any = false;
-    for (int64_t l = 0; l < V; ++l) {  // the block's key rows (zeros for dead lanes), then transposed
-      live[l] = l < n && valid[e0 + l] && idx[e0 + l] >= 0 && idx[e0 + l] < N;
-      bad += l < n && valid[e0 + l] && !live[l];
+    bool any = false, same = true;
+    for (int64_t l = 0; l < n; ++l) {
+      live[l] = valid[e0 + l] && idx[e0 + l] >= 0 && idx[e0 + l] < N;
+      bad += valid[e0 + l] && !live[l];
       any |= live[l];
-      if (live[l]) {
-        std::copy(keys + idx[e0 + l] * D, keys + (idx[e0 + l] + 1) * D, rows + l * D);
-      } else {
-        std::fill(rows + l * D, rows + (l + 1) * D, 0.f);
-      }
+      same &= cached[e0 + l] == idx[e0 + l];
     }
     if (!any) {
       for (int64_t l = 0; l < n; ++l) s[e0 + l] = neg_inf;
       continue;
     }
-    at::vec::transpose_mxn<float>(rows, D, kt, V, static_cast<int>(V), static_cast<int>(D));
+    float* kt = kts + e0 * D;
+    if (!same) {
+      transpose_block(keys, idx + e0, n, D, N, rows, kt);
+      for (int64_t l = 0; l < n; ++l) cached[e0 + l] = idx[e0 + l];
+    }
     Vec total(0.f);
     int64_t h = 0;
     for (; h + 8 <= H; h += 8) total = add_heads<8>(total, q + h * D, kt, w + h, D, scale);
@@ -122,12 +147,14 @@ extern "C" int64_t indexer_topk_f32(const float* q, const float* keys, const int
   int64_t bad = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : bad)
   {
-    std::vector<float> s(E), rows(V * D), kt(D * V);
-    std::vector<int64_t> order(E);
+    const int64_t blocks = (E + V - 1) / V;
+    std::vector<float> s(E), rows(V * D), kts(blocks * V * D);
+    std::vector<int64_t> order(E), cached(E, -1);  // -1: no block transposed yet (nor any index)
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t)
       bad += indexer_row(q + t * H * D, keys, entry_idx + t * E, entry_valid + t * E, weights + t * H, H, D, E,
-                         N, k, scale, s.data(), rows.data(), kt.data(), order.data(), out_rows + t * k, out_valid + t * k);
+                         N, k, scale, s.data(), rows.data(), kts.data(), cached.data(), order.data(),
+                         out_rows + t * k, out_valid + t * k);
   }
   return bad;
 }

@@ -27,7 +27,7 @@ def _inputs(seed: int, t: int, h: int, d: int, e: int, n: int, exact: bool, visi
         q, keys, weights = (
             torch.randn(t, h, d, generator=gen),
             torch.randn(n, d, generator=gen),
-            torch.rand(t, h),
+            torch.rand(t, h, generator=gen),
         )
     idx = torch.randint(0, n, (t, e), generator=gen)
     valid = torch.rand(t, e, generator=gen) < visible
