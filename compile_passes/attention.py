@@ -17,6 +17,18 @@ from deepinfer.kernels.sink_attention import sink_attention  # noqa: F401  (regi
 from torch.fx import Node
 
 
+def _is_negative_infinity(node: Node) -> bool:
+    """A scalar -inf: ``scalar_tensor(-inf)``, or ``full([], -inf)`` as Inductor's own
+    compile (not the post-grad backend) leaves it."""
+    if is_op(node, aten.scalar_tensor.default):
+        value = node.args[0]
+    elif is_op(node, aten.full.default) and list(node.args[0]) == []:
+        value = node.args[1]
+    else:
+        return False
+    return isinstance(value, float) and math.isinf(value) and value < 0
+
+
 def _score_part(node: Node) -> tuple[Node, Node, Node, float] | None:
     """(q, kv, visible, scale) of ``where(unsqueeze(visible, 1), bmm(q, permute(kv)) * s, -inf)``."""
     if not is_op(node, aten.where.self):
@@ -24,7 +36,7 @@ def _score_part(node: Node) -> tuple[Node, Node, Node, float] | None:
     cond, scores, fill = node.args
     if not (is_op(cond, aten.unsqueeze.default) and cond.args[1] == 1):
         return None
-    if not (is_op(fill, aten.scalar_tensor.default) and math.isinf(fill.args[0]) and fill.args[0] < 0):
+    if not _is_negative_infinity(fill):
         return None
     if not (is_op(scores, aten.mul.Tensor) and isinstance(scores.args[1], float)):
         return None
@@ -50,6 +62,22 @@ def _softmax_of(cat: Node) -> Node | None:
     return None
 
 
+_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _same_value(a: object, b: object) -> bool:
+    """``a`` is ``b``, or both reshape one node to the same sizes (Inductor's own compile
+    leaves such twins uneliminated where the model reads one gathered tensor twice)."""
+    if a is b:
+        return True
+    return (
+        is_op(a, *_RESHAPES)
+        and is_op(b, *_RESHAPES)
+        and a.args[0] is b.args[0]
+        and list(a.args[1]) == list(b.args[1])
+    )
+
+
 def _output_of(probs: Node, kvs: list[Node]) -> Node | None:
     """The node summing ``bmm(slice(probs, 2, start_i, end_i), kv_i)`` over the parts."""
     terms: list[Node] = []
@@ -60,7 +88,7 @@ def _output_of(probs: Node, kvs: list[Node]) -> Node | None:
                 bmm = user if is_op(user, aten.bmm.default) else None
                 if bmm is None and is_op(user, torch.ops.prims.convert_element_type.default):
                     bmm = next(iter(users_of(user, aten.bmm.default)), None)
-                if bmm is not None and bmm.args[1] is kv and strip(bmm.args[0]) is sl:
+                if bmm is not None and _same_value(bmm.args[1], kv) and strip(bmm.args[0]) is sl:
                     found = bmm
         if found is None:
             return None
@@ -81,7 +109,7 @@ def fuse_sink_attention(graph: torch.fx.Graph) -> int:
         if not (is_op(cat, aten.cat.default) and arg(cat, 1, "dim", 0) in (-1, 2)):
             continue
         *score_nodes, sink_node = cat.args[0]
-        if not (is_op(sink_node, aten.expand.default) and is_op(sink_node.args[0], aten.view.default)):
+        if not (is_op(sink_node, aten.expand.default) and is_op(sink_node.args[0], *_RESHAPES)):
             continue
         parts = [_score_part(n) for n in score_nodes]
         if not parts or any(p is None for p in parts):

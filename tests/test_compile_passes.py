@@ -282,3 +282,40 @@ def test_small_bmm_intensity_bound_is_the_limit_over_symbolic_sizes():
         big = intensity_bound(m, k, 10**9)  # the limit is approached from below
         assert big <= intensity_bound(m, k, "L") + 1e-6
         assert big == pytest.approx(intensity_bound(m, k, "L"), rel=1e-6)
+
+
+def test_attention_pass_matches_the_form_inductors_own_compile_leaves():
+    """Inductor's own compile (unlike ``PostGradBackend``) leaves the mask's fill as
+    ``full([], -inf)``, the sink's view as a reshape, and the gathered keys read by two
+    separate reshapes of one node; the pass must still find the core, and the fused op must
+    give the plain form's output."""
+    from deepinfer.compile_passes import fuse_sink_attention
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    t, h, length, d = 5, 4, 6, 16
+
+    def core(q, flat_kv, visible, sink):
+        keys = flat_kv.reshape(t, length, d)
+        values = flat_kv.reshape(t, length, d)  # a second node for the same tensor
+        fill = torch.full((), float("-inf"))
+        scores = torch.where(visible.unsqueeze(1), torch.bmm(q, keys.permute(0, 2, 1)) * 0.25, fill)
+        logits = torch.cat([scores, sink.reshape(1, -1, 1).expand(t, h, 1)], dim=-1)
+        shifted = (logits - logits.amax(dim=-1, keepdim=True)).exp()
+        probs = shifted / shifted.sum(dim=-1, keepdim=True)
+        return torch.bmm(probs[:, :, :length], values)
+
+    gen = torch.Generator().manual_seed(0)
+    args = (
+        torch.randn(t, h, d, generator=gen),
+        torch.randn(t * length * d, generator=gen),
+        torch.rand(t, length, generator=gen) < 0.7,
+        torch.randn(h, generator=gen),
+    )
+    gm = make_fx(core)(*args)
+    targets = {n.target for n in gm.graph.nodes}
+    assert torch.ops.aten.full.default in targets and torch.ops.aten.scalar_tensor.default not in targets
+    assert fuse_sink_attention(gm.graph) == 1
+    gm.recompile()
+    assert torch.ops.deepinfer.sink_attention.default in {n.target for n in gm.graph.nodes}
+    assert torch.ops.aten.bmm.default not in {n.target for n in gm.graph.nodes}
+    torch.testing.assert_close(gm(*args), core(*args), rtol=1e-5, atol=1e-5)
