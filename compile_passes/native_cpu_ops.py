@@ -1,9 +1,10 @@
 """The step's Python custom ops -> their C++ dispatcher twins (CPU only).
 
 ``deepinfer::routed_experts``, ``deepinfer::sinkhorn`` and ``deepinfer::indexer_topk`` run
-Python for every call a compiled step's C++ wrapper makes (17 a tiny-V4 step). ``kernels/cpu_step_ops.py`` registers C++ ops
-with the same schemas and kernels, which hand any input their kernels do not take back to the
-Python op; this pass points each fp32 CPU call at them. Installed only where they built."""
+Python for every call a compiled step's C++ wrapper makes (17 a tiny-V4 step).
+``kernels/cpu_step_ops.py`` registers C++ ops with the same schemas and kernels, which hand
+any input their kernels do not take back to the Python op; this pass points each fp32 CPU
+call at them. Installed only where they built."""
 
 from __future__ import annotations
 

@@ -6,11 +6,12 @@ Python custom ops: inside a compiled step's C++ wrapper each call goes back into
 custom-op machinery, dynamo's disable wrapper, the kernel choice in ``cpu_moe``, a ``ctypes``
 call), 17 calls a tiny-V4 step. These ops run the same C++ kernels (``cpu_moe``'s,
 ``sinkhorn``'s and ``indexer_topk``'s sources, compiled into this extension) with the same
-choice of kernel and thread count, from C++, so the wrapper reaches them without Python. They are built with Inductor's floating-point
-flags, so they return the bits the Python ops' ``ctypes`` builds return. Inputs the kernels do not take (another
-dtype or device, autograd, steps too large for the expert kernels) go to the Python op
-through the dispatcher, so a graph that calls these ops is correct for any input; only the
-speed differs. ``compile_passes.native_cpu_ops`` puts them into compiled CPU steps.
+choice of kernel and thread count, from C++, so the wrapper reaches them without Python.
+They are built with Inductor's floating-point flags, so they return the bits the Python
+ops' ``ctypes`` builds return. Inputs the kernels do not take (another dtype or device,
+autograd, steps too large for the expert kernels) go to the Python op through the
+dispatcher, so a graph that calls these ops is correct for any input; only the speed
+differs. ``compile_passes.native_cpu_ops`` puts them into compiled CPU steps.
 
 The transposed expert copies the small-expert kernel reads are made once per stacked weight
 and kept in a registry like ``cpu_linear_op``'s: keyed by ``w1``'s tensor and checked at every
