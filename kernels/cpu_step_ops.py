@@ -176,14 +176,13 @@ std::tuple<at::Tensor, at::Tensor> indexer_topk_cpu(const at::Tensor& q, const a
   const at::Tensor qc = q.contiguous(), kc = keys.contiguous(), wc = weights.contiguous();
   const at::Tensor idx = entry_idx.contiguous(), valid = entry_valid.contiguous();
   const int64_t t = q.size(0), h = q.size(1), d = q.size(2), e = idx.size(1);
-  const int64_t k = std::min(topk, e);
-  at::Tensor rows = at::empty({t, k}, idx.options());
-  at::Tensor picked = at::empty({t, k}, valid.options());
-  if (t == 0 || k == 0) return {rows, picked};
+  at::Tensor rows = at::empty({t, topk}, idx.options());
+  at::Tensor picked = at::empty({t, topk}, valid.options());
+  if (t == 0 || topk == 0) return {rows, picked};
   const int threads = t * e * h * d >= kIndexerThreadedWork ? at::get_num_threads() : 1;
   const int64_t bad = indexer_topk_f32(qc.data_ptr<float>(), kc.data_ptr<float>(), idx.data_ptr<int64_t>(),
                                        valid.data_ptr<bool>(), wc.data_ptr<float>(), rows.data_ptr<int64_t>(),
-                                       picked.data_ptr<bool>(), t, h, d, e, kc.size(0), k, float(scale), threads);
+                                       picked.data_ptr<bool>(), t, h, d, e, kc.size(0), topk, float(scale), threads);
   TORCH_CHECK_INDEX(bad == 0, "indexer_topk: ", bad, " visible entries index outside the key pool of ", kc.size(0),
                     " rows");
   return {rows, picked};
@@ -234,7 +233,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("deepinfer::indexer_topk_cpu")
     def _(q, keys, entry_idx, entry_valid, weights, topk, scale):
-        shape = (entry_idx.shape[0], min(topk, entry_idx.shape[1]))
+        shape = (entry_idx.shape[0], topk)
         return entry_idx.new_empty(shape, dtype=torch.long), entry_valid.new_empty(shape, dtype=torch.bool)
 
 

@@ -80,13 +80,14 @@ static void transpose_block(const float* keys, const int64_t* idx, int64_t n, in
   at::vec::transpose_mxn<float>(rows, D, kt, V, static_cast<int>(V), static_cast<int>(D));
 }
 
-// One row t: scores of its E entries into s (-inf where not visible), then the k best (score
-// descending, column ascending) into out_rows / out_valid. Returns how many visible entries
+// One row t: scores of its E entries into s (-inf where not visible), then the min(K, E) best
+// (score descending, column ascending) into out_rows / out_valid, and K - E padding columns
+// where E < K (the row's first entry, or pool row 0 without any, never visible). Returns how many visible entries
 // point outside the pool (their scores are -inf). kts [E / V blocks, D, V] holds the previous
 // row's transposed blocks and cached [E] their indices: the rows of one sequence's prefill
 // chunk see the same entries, so a block is transposed once per run of such rows.
 static int64_t indexer_row(const float* q, const float* keys, const int64_t* idx, const bool* valid,
-                           const float* w, int64_t H, int64_t D, int64_t E, int64_t N, int64_t k, float scale,
+                           const float* w, int64_t H, int64_t D, int64_t E, int64_t N, int64_t K, float scale,
                            float* s, float* rows, float* kts, int64_t* cached, int64_t* order, int64_t* out_rows,
                            bool* out_valid) {
   using Vec = at::vec::Vectorized<float>;
@@ -129,6 +130,7 @@ static int64_t indexer_row(const float* q, const float* keys, const int64_t* idx
     total.store(lanes);
     for (int64_t l = 0; l < n; ++l) s[e0 + l] = live[l] ? lanes[l] : neg_inf;
   }
+  const int64_t k = std::min(K, E);
   for (int64_t e = 0; e < E; ++e) order[e] = e;
   std::partial_sort(order, order + k, order + E, [s](int64_t a, int64_t b) {
     return s[a] > s[b] || (s[a] == s[b] && a < b);
@@ -137,15 +139,19 @@ static int64_t indexer_row(const float* q, const float* keys, const int64_t* idx
     out_rows[j] = idx[order[j]];
     out_valid[j] = valid[order[j]];
   }
+  for (int64_t j = k; j < K; ++j) {
+    out_rows[j] = E > 0 ? idx[0] : 0;
+    out_valid[j] = false;
+  }
   return bad;
 }
 
-// q [T, H, D], keys [N, D], entry_idx / entry_valid [T, E], weights [T, H]; out [T, k] with
-// k <= E. Returns the count of visible entries outside the pool.
+// q [T, H, D], keys [N, D], entry_idx / entry_valid [T, E], weights [T, H]; out [T, K].
+// Returns the count of visible entries outside the pool.
 extern "C" int64_t indexer_topk_f32(const float* q, const float* keys, const int64_t* entry_idx,
                                     const bool* entry_valid, const float* weights, int64_t* out_rows,
                                     bool* out_valid, int64_t T, int64_t H, int64_t D, int64_t E, int64_t N,
-                                    int64_t k, float scale, int threads) {
+                                    int64_t K, float scale, int threads) {
   constexpr int64_t V = at::vec::Vectorized<float>::size();
   int64_t bad = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : bad)
@@ -156,8 +162,8 @@ extern "C" int64_t indexer_topk_f32(const float* q, const float* keys, const int
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t)
       bad += indexer_row(q + t * H * D, keys, entry_idx + t * E, entry_valid + t * E, weights + t * H, H, D, E,
-                         N, k, scale, s.data(), rows.data(), kts.data(), cached.data(), order.data(),
-                         out_rows + t * k, out_valid + t * k);
+                         N, K, scale, s.data(), rows.data(), kts.data(), cached.data(), order.data(),
+                         out_rows + t * K, out_valid + t * K);
   }
   return bad;
 }
@@ -176,8 +182,9 @@ def reference(
     topk: int,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chosen entries' pool rows and visibility, [T, min(topk, E)], in plain PyTorch: the
-    model's formula, then a stable descending sort (ties: the lower column)."""
+    """The chosen entries' pool rows and visibility, [T, topk], in plain PyTorch: the model's
+    formula, then a stable descending sort (ties: the lower column); a row of fewer than
+    ``topk`` entries is padded with its first entry (pool row 0 without any), not visible."""
     t, e = entry_idx.shape
     keys_e = keys.index_select(0, entry_idx.reshape(-1)).view(t, e, keys.shape[-1])  # [T, E, D]
     scores = torch.einsum("thd,ted->the", q.float(), keys_e.float()).relu() * scale
@@ -185,7 +192,12 @@ def reference(
     index_scores = index_scores.masked_fill(~entry_valid, float("-inf"))
     _, order = torch.sort(index_scores, dim=-1, descending=True, stable=True)
     picks = order[:, : min(topk, e)]
-    return entry_idx.gather(1, picks), entry_valid.gather(1, picks)
+    rows, valid = entry_idx.gather(1, picks), entry_valid.gather(1, picks)
+    if e < topk:  # the same columns, then padding no row sees
+        pad = entry_idx[:, :1] if e else entry_idx.new_zeros(t, 1)
+        rows = torch.cat([rows, pad.expand(t, topk - e)], dim=1)
+        valid = torch.cat([valid, valid.new_zeros(t, topk - e)], dim=1)
+    return rows, valid
 
 
 @functools.cache
@@ -221,12 +233,11 @@ def _cpp(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     t, h, d = q.shape
     e = entry_idx.shape[1]
-    k = min(topk, e)
     q, keys, weights = q.contiguous(), keys.contiguous(), weights.contiguous()
     entry_idx, entry_valid = entry_idx.long().contiguous(), entry_valid.bool().contiguous()
-    rows = torch.empty(t, k, dtype=torch.long)
-    valid = torch.empty(t, k, dtype=torch.bool)
-    if t == 0 or k == 0:
+    rows = torch.empty(t, topk, dtype=torch.long)
+    valid = torch.empty(t, topk, dtype=torch.bool)
+    if t == 0 or topk == 0:
         return rows, valid
     threads = torch.get_num_threads() if t * e * h * d >= THREADED_WORK else 1
     bad = lib.indexer_topk_f32(
@@ -242,7 +253,7 @@ def _cpp(
         d,
         e,
         keys.shape[0],
-        k,
+        topk,
         scale,
         threads,
     )
@@ -272,8 +283,7 @@ def indexer_topk_op(
 
 @indexer_topk_op.register_fake
 def _(q, keys, entry_idx, entry_valid, weights, topk, scale):
-    k = min(topk, entry_idx.shape[1])
-    shape = (entry_idx.shape[0], k)
+    shape = (entry_idx.shape[0], topk)  # no min(topk, E): a step's width never specialises
     return entry_idx.new_empty(shape, dtype=torch.long), entry_valid.new_empty(shape, dtype=torch.bool)
 
 
@@ -287,7 +297,9 @@ def indexer_topk(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D] (roped), keys [N, D] (the index-key pool), entry_idx / entry_valid [T, E],
-    weights [T, H] (per-head, already scaled) -> the ``min(topk, E)`` chosen entries' pool rows
-    and visibility. A row with fewer visible entries than ``topk`` fills up with its first
-    invisible columns (visibility False), as a stable sort of -inf scores would."""
+    weights [T, H] (per-head, already scaled) -> the chosen entries' pool rows and visibility,
+    [T, topk]. A row with fewer visible entries than ``topk`` fills up with its first invisible
+    columns (visibility False), as a stable sort of -inf scores would; with fewer than ``topk``
+    entries (E < topk) the last columns repeat its first entry, not visible. So the width is
+    ``topk`` whatever E is, and a compiled step traced at E >= topk also serves E < topk."""
     return indexer_topk_op(q, keys, entry_idx, entry_valid, weights, topk, scale)

@@ -195,3 +195,23 @@ def test_a_compiled_v4_step_runs_the_cpp_ops_and_agrees_with_eager(v4_ckpt):
     indexed = sum(1 for kind in cfg.layer_kinds[:layers] if kind == "csa")
     assert targets.count(twins[0]) >= layers and targets.count(twins[1]) >= 2 * layers
     assert indexed and targets.count(twins[2]) >= indexed
+
+
+def test_a_compiled_v4_step_serves_rows_with_fewer_entries_than_topk(v4_ckpt):
+    """The indexer op's width is ``topk`` whatever the number of entries, so a step traced on
+    long sequences also serves a prompt shorter than ``topk`` compressed entries: no new graph
+    (with Inductor, a second compile of about a minute on two cores)."""
+    from deepinfer import LLM, SamplingParams
+
+    torch._dynamo.reset()
+    llm = LLM(v4_ckpt, compile=True, compile_backend="post_grad")
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    cfg = llm.engine.runner.model.config
+    long_prompt = [2 + i % 50 for i in range(4 * cfg.index_topk * 3)]
+    llm.generate([long_prompt], params, use_tqdm=False)
+    graphs = llm.engine.runner.forward.post_grad.graphs
+    traced = len(graphs)
+    short = [o.outputs[0].token_ids for o in llm.generate([[5, 9, 14]], params, use_tqdm=False)]
+    assert len(graphs) == traced
+    eager = LLM(v4_ckpt, compile=False).generate([[5, 9, 14]], params, use_tqdm=False)
+    assert short == [o.outputs[0].token_ids for o in eager]

@@ -50,7 +50,9 @@ class Indexer(nn.Module):
         batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The chosen entries: their entry-pool rows and visibility, both [T, min(topk, E)]
-        (a row may pick fewer visible entries than ``topk``). Attention then reads only these
+        (a row may pick fewer visible entries than ``topk``; the C++ kernel's are [T, topk],
+        padded with invisible columns, so compiled steps do not specialise on E against
+        ``topk``). Attention then reads only these
         rows, not every entry a token can see: a masked softmax over all E visible entries
         gives the same result at E / topk times the gathers and products."""
         _, index_keys = self.compressor(x, pools.indexer, meta, pools.index_keys, batch)
