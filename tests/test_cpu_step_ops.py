@@ -207,7 +207,7 @@ def test_a_compiled_v4_step_serves_rows_with_fewer_entries_than_topk(v4_ckpt):
     llm = LLM(v4_ckpt, compile=True, compile_backend="post_grad")
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     cfg = llm.engine.runner.model.config
-    long_prompt = [2 + i % 50 for i in range(4 * cfg.index_topk * 3)]
+    long_prompt = [2 + i % 50 for i in range(cfg.csa_ratio * cfg.index_topk * 3)]  # 3 x topk entries
     llm.generate([long_prompt], params, use_tqdm=False)
     graphs = llm.engine.runner.forward.post_grad.graphs
     traced = len(graphs)
