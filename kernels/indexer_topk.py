@@ -265,28 +265,6 @@ def _cpp(
 
 
 @torch.library.custom_op("deepinfer::indexer_topk", mutates_args=())
-def indexer_topk_op(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    entry_idx: torch.Tensor,
-    entry_valid: torch.Tensor,
-    weights: torch.Tensor,
-    topk: int,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Opaque to ``torch.compile``: the C++ kernel on fp32 CPU tensors, else ``reference``."""
-    lib = _library() if takes(q, keys, weights) else None
-    if lib is not None:
-        return _cpp(lib, q, keys, entry_idx, entry_valid, weights, topk, scale)
-    return reference(q, keys, entry_idx, entry_valid, weights, topk, scale)
-
-
-@indexer_topk_op.register_fake
-def _(q, keys, entry_idx, entry_valid, weights, topk, scale):
-    shape = (entry_idx.shape[0], topk)  # no min(topk, E): a step's width never specialises
-    return entry_idx.new_empty(shape, dtype=torch.long), entry_valid.new_empty(shape, dtype=torch.bool)
-
-
 def indexer_topk(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -302,4 +280,14 @@ def indexer_topk(
     columns (visibility False), as a stable sort of -inf scores would; with fewer than ``topk``
     entries (E < topk) the last columns repeat its first entry, not visible. So the width is
     ``topk`` whatever E is, and a compiled step traced at E >= topk also serves E < topk."""
-    return indexer_topk_op(q, keys, entry_idx, entry_valid, weights, topk, scale)
+    # opaque to torch.compile: the C++ kernel on fp32 CPU tensors, else the reference
+    lib = _library() if takes(q, keys, weights) else None
+    if lib is not None:
+        return _cpp(lib, q, keys, entry_idx, entry_valid, weights, topk, scale)
+    return reference(q, keys, entry_idx, entry_valid, weights, topk, scale)
+
+
+@indexer_topk.register_fake
+def _(q, keys, entry_idx, entry_valid, weights, topk, scale):
+    shape = (entry_idx.shape[0], topk)  # no min(topk, E): a step's width never specialises
+    return entry_idx.new_empty(shape, dtype=torch.long), entry_valid.new_empty(shape, dtype=torch.bool)

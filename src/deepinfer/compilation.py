@@ -65,10 +65,10 @@ def default_passes(device: torch.device | None = None) -> list[GraphPass]:
     pipeline where the fused ops have fast kernels (CUDA: Triton attention, grouped-GEMM
     experts). On the CPU: the verification fusion, memory-bound ``bmm``s as reductions
     (``reduce_small_bmm``), weight projections on packed copies (``use_packed_linear``,
-    where its C++ op built), and the routed experts and Sinkhorn as C++ ops
+    where its C++ op built), and the routed experts, Sinkhorn and CSA indexer as C++ ops
     (``use_native_cpu_ops``, where they built); the attention and MoE fusions stay off
-    there, because Inductor's own C++ fusion of the plain attention and MoE gate measured faster than our ops' reference
-    implementations (benchmarks/RESULTS.md). ``compile_step(passes=...)`` overrides the choice."""
+    there, because Inductor's own C++ fusion of the plain attention and MoE gate measured
+    faster than our ops' reference implementations (benchmarks/RESULTS.md). ``compile_step(passes=...)`` overrides the choice."""
     from deepinfer.compile_passes import (
         PASSES,
         fuse_rejection_sampling,

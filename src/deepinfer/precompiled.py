@@ -57,8 +57,10 @@ from deepinfer.platforms import cpu_blas
 logger = logging.getLogger(__name__)
 
 FORMAT = b"deepinfer-precompiled-step-v1"
-# guard trees built with nn.Module subtrees skipped while their dicts are unchanged (measured
-# on the tiny V4's step: 61 -> 42 us a check, warm; RESULTS.md, nineteenth session)
+# guard trees built with nn.Module subtrees skipped while their dicts are unchanged (the tiny
+# V4's benchmark steps, whose checks run cache-cold after the step before: 426 -> 272 us a
+# check, medians of 6 rounds; the same arguments checked again warm: 61 -> 42 us; RESULTS.md,
+# nineteenth and twentieth sessions)
 _TAGGED_GUARDS = {"use_recursive_dict_tags_for_guards": True}
 _SOURCE_ROOTS = ("deepinfer", "deepinfer.kernels", "deepinfer.compile_passes")
 
