@@ -75,6 +75,11 @@ class EngineConfig:
     # enable_expert_parallel the routed experts are split over the D ranks and reached by
     # all-to-all, else each rank holds the whole model. tensor_parallel_size must then be 1
     data_parallel_size: int = 1
+    # Whole engines over one machine's CPU threads (SGLang's dp_size, not vLLM's
+    # data-parallel attention above): LLM.generate splits a call's requests over N engines,
+    # N - 1 of them in worker processes, each on 1/N of torch.get_num_threads()
+    # (replicas.py). CPU only; tensor_parallel_size and data_parallel_size must be 1
+    data_parallel_replicas: int = 1
     # with tensor_parallel_size > 1 on a MoE model: split the routed experts over the ranks
     # (vLLM's option name); attention and the shared expert run whole on every rank so far
     enable_expert_parallel: bool = False
@@ -154,6 +159,7 @@ class EngineConfig:
             "block_size",
             "tensor_parallel_size",
             "data_parallel_size",
+            "data_parallel_replicas",
             "max_num_seqs",
             "max_num_batched_tokens",
             "max_graph_batch_size",
@@ -204,6 +210,17 @@ class EngineConfig:
                 "data_parallel_size > 1 with tensor_parallel_size > 1 is not built yet: "
                 "use one of them (data-parallel attention runs whole attention per rank)"
             )
+        if self.data_parallel_replicas > 1:
+            if self.device != "cpu":
+                raise ValueError(
+                    f"data_parallel_replicas > 1 splits the CPU's threads; device={self.device!r} "
+                    "is not built yet (one replica per device)"
+                )
+            if self.world_size > 1:
+                raise ValueError(
+                    "data_parallel_replicas > 1 with tensor_parallel_size or data_parallel_size > 1 "
+                    "is not built yet: use one of them"
+                )
         if self.enable_eplb and not (self.enable_expert_parallel and self.world_size > 1):
             raise ValueError(
                 "enable_eplb needs enable_expert_parallel=True and tensor_parallel_size or "

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
-from collections.abc import Iterator, Sequence
+import multiprocessing.connection
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +21,7 @@ from deepinfer.engine.request import Request
 from deepinfer.memory import weight_bytes
 from deepinfer.models.loading import load_model
 from deepinfer.outputs import RequestOutput
+from deepinfer.replicas import ReplicaPool, RequestSpec, balanced_shares, serve
 from deepinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -69,6 +73,22 @@ class LLM:
         from deepinfer.weights.catalog import resolve_model
 
         self.path = resolve_model(model)
+        # data_parallel_replicas: the workers load while this process does
+        self._replicas: ReplicaPool | None = None
+        self._replica_threads = torch.get_num_threads()
+        replicas = self.config.data_parallel_replicas
+        if replicas > 1:
+            self._replica_threads = torch.get_num_threads() // replicas
+            if self._replica_threads < 1:
+                raise ValueError(
+                    f"data_parallel_replicas={replicas} needs at least {replicas} CPU threads; "
+                    f"torch.get_num_threads() is {torch.get_num_threads()}"
+                )
+            worker_kwargs = {**engine_kwargs, "data_parallel_replicas": 1}
+            self._replicas = ReplicaPool(
+                replicas - 1, _replica_worker, (str(self.path), worker_kwargs, self._replica_threads)
+            )
+            weakref.finalize(self, self._replicas.close)
         quantization = self.config.quantization
         self.model = load_model(
             self.path,
@@ -90,9 +110,15 @@ class LLM:
             ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(by_dtype.items())),
         )
         self._counter = itertools.count()
+        if self._replicas is not None:
+            self._replicas.wait_ready()
 
     def close(self) -> None:
-        """Release what outlives this object otherwise: tensor-parallel worker processes."""
+        """Release what outlives this object otherwise: tensor-parallel worker processes and
+        replica processes."""
+        if self._replicas is not None:
+            self._replicas.close()
+            self._replicas = None
         self.engine.close()
 
     def memory_report(self) -> dict[str, Any]:
@@ -222,6 +248,24 @@ class LLM:
             from tqdm import tqdm
 
             progress = tqdm(total=sum(len(g) for g in groups), desc="generate", unit="req")
+        on_finished = progress.update if progress is not None else None
+        try:
+            if self._replicas is not None and len(groups) > 1:
+                return self._run_on_replicas(groups, self._replicas, on_finished)
+            return self._run(groups, on_finished)
+        finally:
+            if progress is not None:
+                progress.close()
+
+    def _run(
+        self,
+        groups: list[list[Request]],
+        on_finished: Callable[[int], Any] | None = None,
+        each_step: Callable[[], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Step the engine until every queued request of ``groups`` has finished; one output
+        per group. ``on_finished(count)`` hears of finished requests, ``each_step`` runs
+        after every step."""
         pending = {req.request_id for group in groups for req in group}
         spec = self.engine.spec
         if spec is not None:  # nothing else arrives until the call returns: a closed batch
@@ -231,14 +275,67 @@ class LLM:
                 for req in self.engine.step():
                     if req.finished and req.request_id in pending:
                         pending.discard(req.request_id)
-                        if progress is not None:
-                            progress.update(1)
+                        if on_finished is not None:
+                            on_finished(1)
+                if each_step is not None:
+                    each_step()
         finally:
             if spec is not None:
                 spec.closed_batch = False
-        if progress is not None:
-            progress.close()
         return [self._merge([self.engine.pop_finished(r.request_id) for r in group]) for group in groups]
+
+    def _run_on_replicas(
+        self, groups: list[list[Request]], pool: ReplicaPool, on_finished: Callable[[int], Any] | None
+    ) -> list[RequestOutput]:
+        """Split the queued groups over the replicas by their token count (prompt plus the
+        most it may generate), the lightest share here: the others' requests leave this engine
+        for the workers, this share runs on this replica's threads, then the workers' outputs
+        are read back. Outputs in the order of ``groups``."""
+        costs = [sum(len(r.prompt_token_ids) + r.params.max_tokens for r in g) for g in groups]
+        shares = balanced_shares(costs, pool.size + 1)
+        for k, share in enumerate(shares[1:]):
+            specs = [
+                [
+                    RequestSpec(r.request_id, r.prompt_token_ids, r.params, r.prompt, i)
+                    for i, r in enumerate(groups[g])
+                ]
+                for g in share
+            ]
+            for g in share:  # validated here; computed there
+                for req in groups[g]:
+                    self.engine.abort(req.request_id)
+                    self.engine.pop_finished(req.request_id)
+            pool.submit(k, specs, report_progress=on_finished is not None)
+        outputs: list[RequestOutput | None] = [None] * len(groups)
+        drain = (lambda: pool.drain_progress(on_finished)) if on_finished is not None else None
+        with _torch_threads(self._replica_threads):
+            local = self._run([groups[g] for g in shares[0]], on_finished, drain)
+        for g, out in zip(shares[0], local, strict=True):
+            outputs[g] = out
+        for k, share in enumerate(shares[1:]):
+            for g, out in zip(share, pool.collect(k, on_finished), strict=True):
+                outputs[g] = out
+        assert all(out is not None for out in outputs)
+        return outputs  # type: ignore[return-value]
+
+    def _run_specs(
+        self, specs: list[list[RequestSpec]], on_finished: Callable[[int], Any] | None
+    ) -> list[RequestOutput]:
+        """A replica worker's share: queue the caller's requests under their ids, run them."""
+        groups = [
+            [
+                self.engine.add_request(
+                    s.request_id,
+                    s.prompt_token_ids,
+                    s.params,
+                    prompt=s.prompt,
+                    generator_offset=s.generator_offset,
+                )
+                for s in group
+            ]
+            for group in specs
+        ]
+        return self._run(groups, on_finished)
 
     def _merge(self, siblings: list[Request]) -> RequestOutput:
         out = self.engine.make_output(siblings[0])
@@ -316,3 +413,26 @@ class LLM:
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
+
+
+@contextlib.contextmanager
+def _torch_threads(count: int) -> Iterator[None]:
+    """This process's torch threads set to ``count`` for the body, restored afterwards."""
+    previous = torch.get_num_threads()
+    if count == previous:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _replica_worker(
+    conn: multiprocessing.connection.Connection, model: str, engine_kwargs: dict[str, Any], threads: int
+) -> None:
+    """Entry point of a ``data_parallel_replicas`` worker process: an engine of its own on
+    ``threads`` threads, serving the shares its caller sends (``replicas.serve``)."""
+    torch.set_num_threads(threads)
+    serve(conn, lambda: LLM(model, **engine_kwargs)._run_specs)

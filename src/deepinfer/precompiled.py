@@ -289,7 +289,11 @@ class PrecompiledStep:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
             number = 1 + max((int(p.stem.rsplit("-", 1)[1]) for p in self.variant_paths()), default=-1)
             path = self.cache_dir / f"{self.key}-{number}.step"
-            compiled.save_compiled_function(str(path), external_data={"model": model})
+            # written whole under another name first: replica processes may compile the same
+            # variant at once, and a reader must never load half a file
+            partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+            compiled.save_compiled_function(str(partial), external_data={"model": model})
+            os.replace(partial, path)
             logger.info("compiled step variant saved to %s", path)
         except Exception as exc:
             logger.warning("compiled step variant not saved in %s (%s)", self.cache_dir, exc)
