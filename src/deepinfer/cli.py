@@ -100,6 +100,7 @@ def _generate(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         data_parallel_size=args.data_parallel_size,
+        data_parallel_replicas=args.data_parallel_replicas,
         batch_invariant=args.batch_invariant,
     )
     params = SamplingParams(
@@ -181,6 +182,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
             tensor_parallel_size=args.tensor_parallel_size,
             enable_expert_parallel=args.enable_expert_parallel,
             data_parallel_size=args.data_parallel_size,
+            data_parallel_replicas=args.data_parallel_replicas,
         )
         if llm.engine.runner.padding is not None:  # compiled: graphs built before the clock starts
             warm = random_workload(
@@ -220,6 +222,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
             f"bs=1 decode: {bs1['decode_tok_s']:.1f} tok/s; bandwidth bound {bs1['bound_tok_s']:.0f} tok/s "
             f"({100 * bs1['fraction_of_bound']:.2f}% of it)"
         )
+        llm.close()
     return 0
 
 
@@ -444,6 +447,10 @@ _TP_HELP = (
 )
 _EP_HELP = "split a MoE model's routed experts over the tensor- or data-parallel ranks"
 _BI_HELP = "a request's logits independent of the batch it runs in (each sequence its own forward)"
+_REPLICAS_HELP = (
+    "whole engines splitting the requests, N - 1 of them in worker processes, each on 1/N of "
+    "the CPU threads (SGLang's dp_size; CPU only)"
+)
 _DP_HELP = (
     "data-parallel attention: ranks with their own requests and KV cache "
     "(experts split and reached by all-to-all with --enable-expert-parallel)"
@@ -535,6 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tensor-parallel-size", type=int, default=1, help=_TP_HELP)
     gen.add_argument("--enable-expert-parallel", action="store_true", help=_EP_HELP)
     gen.add_argument("--data-parallel-size", type=int, default=1, help=_DP_HELP)
+    gen.add_argument("--data-parallel-replicas", type=int, default=1, help=_REPLICAS_HELP)
     gen.add_argument("--batch-invariant", action="store_true", help=_BI_HELP)
     gen.add_argument(
         "--speculative-config",
@@ -598,6 +606,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--tensor-parallel-size", type=int, default=1, help=_TP_HELP)
     tp.add_argument("--enable-expert-parallel", action="store_true", help=_EP_HELP)
     tp.add_argument("--data-parallel-size", type=int, default=1, help=_DP_HELP)
+    tp.add_argument("--data-parallel-replicas", type=int, default=1, help=_REPLICAS_HELP)
     tp.add_argument(
         "--compile",
         choices=["auto", "on", "off"],

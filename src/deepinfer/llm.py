@@ -237,10 +237,7 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(items, params, strict=True)):
                 groups.append(self._add(prompt, i, p))
         except ValueError:
-            for group in groups:
-                for req in group:
-                    self.engine.abort(req.request_id)
-                    self.engine.pop_finished(req.request_id)
+            self._drop(groups)
             raise
         show = len(items) >= 8 if use_tqdm is None else use_tqdm
         progress = None
@@ -293,23 +290,24 @@ class LLM:
         are read back. Outputs in the order of ``groups``."""
         costs = [sum(len(r.prompt_token_ids) + r.params.max_tokens for r in g) for g in groups]
         shares = balanced_shares(costs, pool.size + 1)
-        for k, share in enumerate(shares[1:]):
-            specs = [
-                [
-                    RequestSpec(r.request_id, r.prompt_token_ids, r.params, r.prompt, i)
-                    for i, r in enumerate(groups[g])
-                ]
-                for g in share
-            ]
-            for g in share:  # validated here; computed there
-                for req in groups[g]:
-                    self.engine.abort(req.request_id)
-                    self.engine.pop_finished(req.request_id)
-            pool.submit(k, specs, report_progress=on_finished is not None)
         outputs: list[RequestOutput | None] = [None] * len(groups)
-        drain = (lambda: pool.drain_progress(on_finished)) if on_finished is not None else None
-        with _torch_threads(self._replica_threads):
-            local = self._run([groups[g] for g in shares[0]], on_finished, drain)
+        try:
+            for k, share in enumerate(shares[1:]):
+                specs = [
+                    [
+                        RequestSpec(r.request_id, r.prompt_token_ids, r.params, r.prompt, i)
+                        for i, r in enumerate(groups[g])
+                    ]
+                    for g in share
+                ]
+                self._drop([groups[g] for g in share])  # validated here; computed there
+                pool.submit(k, specs, report_progress=on_finished is not None)
+            drain = (lambda: pool.drain_progress(on_finished)) if on_finished is not None else None
+            with _torch_threads(self._replica_threads):
+                local = self._run([groups[g] for g in shares[0]], on_finished, drain)
+        except BaseException:
+            self._drop(groups)  # a failed call leaves nothing queued here
+            raise
         for g, out in zip(shares[0], local, strict=True):
             outputs[g] = out
         for k, share in enumerate(shares[1:]):
@@ -317,6 +315,14 @@ class LLM:
                 outputs[g] = out
         assert all(out is not None for out in outputs)
         return outputs  # type: ignore[return-value]
+
+    def _drop(self, groups: list[list[Request]]) -> None:
+        """Abort and forget the requests of ``groups`` this engine still holds."""
+        for group in groups:
+            for req in group:
+                if req.request_id in self.engine.requests:
+                    self.engine.abort(req.request_id)
+                    self.engine.pop_finished(req.request_id)
 
     def _run_specs(
         self, specs: list[list[RequestSpec]], on_finished: Callable[[int], Any] | None

@@ -146,7 +146,11 @@ class ReplicaPool:
                 self._ready[k] = kind == "ready"
 
     def submit(self, k: int, groups: list[list[RequestSpec]], report_progress: bool) -> None:
-        self.conns[k].send(("generate", groups, report_progress))
+        try:
+            self.conns[k].send(("generate", groups, report_progress))
+        except (ConnectionError, OSError):
+            self._receive(k)  # raises, naming the dead worker
+            raise
 
     def drain_progress(self, on_progress: Callable[[int], None]) -> None:
         """Count the progress messages already waiting (never blocks). Only progress is read
