@@ -97,6 +97,8 @@ def compiled(checkpoint) -> tuple[list[list[int]], list[Path]]:
     saved = step.variant_paths()
     assert step.loaded == 0 and step.compiled == len(saved) >= 1
     assert all(p.parent == checkpoint / ".deepinfer-compiled" for p in saved)
+    # written under a temporary name, then renamed: nothing half-written is left beside them
+    assert sorted((checkpoint / ".deepinfer-compiled").iterdir()) == sorted(saved)
     return eager, saved
 
 

@@ -152,7 +152,11 @@ def test_a_bad_prompt_fails_the_call_before_any_replica_runs(replicated):
 
 
 def test_options_are_checked(replicated):
-    path, _, _ = replicated
+    path, two, _ = replicated
+    from deepinfer.server.async_llm import AsyncLLM
+
+    with pytest.raises(ValueError, match="the server runs one engine"):
+        AsyncLLM(two)
     with pytest.raises(ValueError, match="data_parallel_replicas"):
         LLM(path, data_parallel_replicas=0)
     with pytest.raises(ValueError, match="device"):

@@ -40,6 +40,11 @@ class AsyncLLM:
     """Runs ``llm.engine`` on a background thread for asyncio callers."""
 
     def __init__(self, llm: LLM, max_queued_requests: int = 256) -> None:
+        if llm.config.data_parallel_replicas > 1:
+            raise ValueError(
+                "data_parallel_replicas > 1 splits LLM.generate's calls; the server runs one engine "
+                "(start it with data_parallel_replicas=1)"
+            )
         self.llm = llm
         self.engine = llm.engine
         self.max_queued_requests = max_queued_requests
