@@ -151,6 +151,28 @@ def test_a_bad_prompt_fails_the_call_before_any_replica_runs(replicated):
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
 
 
+def test_a_call_failing_here_leaves_no_result_for_the_next(replicated, monkeypatch):
+    """The caller's share fails while a worker computes its own: the call raises, nothing stays
+    queued, and the worker's result is not read as the next call's (whose outputs must be that
+    call's own)."""
+    _, two, one = replicated
+    first = [[11, 12, 13], [14, 15, 16]]
+    second = [[21, 22], [23, 24, 25, 26]]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=1)
+
+    def failing_step():
+        raise RuntimeError("a step failed")
+
+    monkeypatch.setattr(two.engine, "step", failing_step)
+    with pytest.raises(RuntimeError, match="a step failed"):
+        two.generate(first, params, use_tqdm=False)
+    monkeypatch.undo()
+    assert not two.engine.requests
+    got = two.generate(second, params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in got] == second
+    assert_same(tokens_and_logprobs(got), tokens_and_logprobs(one.generate(second, params, use_tqdm=False)))
+
+
 def test_options_are_checked(replicated):
     path, two, _ = replicated
     from deepinfer.server.async_llm import AsyncLLM

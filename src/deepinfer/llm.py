@@ -306,13 +306,18 @@ class LLM:
             with _torch_threads(self._replica_threads):
                 local = self._run([groups[g] for g in shares[0]], on_finished, drain)
         except BaseException:
-            self._drop(groups)  # a failed call leaves nothing queued here
+            self._drop(groups)  # a failed call leaves nothing queued here ...
+            pool.discard_results()  # ... nor a worker's result for the next call to read
             raise
         for g, out in zip(shares[0], local, strict=True):
             outputs[g] = out
-        for k, share in enumerate(shares[1:]):
-            for g, out in zip(share, pool.collect(k, on_finished), strict=True):
-                outputs[g] = out
+        try:
+            for k, share in enumerate(shares[1:]):
+                for g, out in zip(share, pool.collect(k, on_finished), strict=True):
+                    outputs[g] = out
+        except BaseException:
+            pool.discard_results()
+            raise
         assert all(out is not None for out in outputs)
         return outputs  # type: ignore[return-value]
 
@@ -327,21 +332,26 @@ class LLM:
     def _run_specs(
         self, specs: list[list[RequestSpec]], on_finished: Callable[[int], Any] | None
     ) -> list[RequestOutput]:
-        """A replica worker's share: queue the caller's requests under their ids, run them."""
-        groups = [
-            [
-                self.engine.add_request(
-                    s.request_id,
-                    s.prompt_token_ids,
-                    s.params,
-                    prompt=s.prompt,
-                    generator_offset=s.generator_offset,
-                )
-                for s in group
-            ]
-            for group in specs
-        ]
-        return self._run(groups, on_finished)
+        """A replica worker's share: queue the caller's requests under their ids, run them (a
+        failure leaves nothing queued for the next share)."""
+        groups: list[list[Request]] = []
+        try:
+            for group in specs:
+                groups.append([])
+                for s in group:
+                    groups[-1].append(
+                        self.engine.add_request(
+                            s.request_id,
+                            s.prompt_token_ids,
+                            s.params,
+                            prompt=s.prompt,
+                            generator_offset=s.generator_offset,
+                        )
+                    )
+            return self._run(groups, on_finished)
+        except BaseException:
+            self._drop(groups)
+            raise
 
     def _merge(self, siblings: list[Request]) -> RequestOutput:
         out = self.engine.make_output(siblings[0])

@@ -18,7 +18,6 @@ worker's entry point is passed in), so the package keeps importing downward."""
 from __future__ import annotations
 
 import heapq
-import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -31,7 +30,6 @@ from typing import Any
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 
-logger = logging.getLogger("deepinfer")
 JOIN_S = 10.0  # a closing worker gets this long before it is terminated
 _FD_ENV = "DEEPINFER_REPLICA_FD"  # the worker's end of its socket pair
 _CHILD = "from deepinfer.replicas import child_main; child_main()"
@@ -112,6 +110,7 @@ class ReplicaPool:
         self.procs: list[subprocess.Popen] = []
         self._ready = [False] * count
         self._pending: dict[int, tuple[str, Any]] = {}  # a result read early by drain_progress
+        self._outstanding: set[int] = set()  # workers with a share whose result is unread
         for _ in range(count):
             mine, theirs = multiprocessing.Pipe()
             fd = theirs.fileno()
@@ -151,6 +150,7 @@ class ReplicaPool:
         except (ConnectionError, OSError):
             self._receive(k)  # raises, naming the dead worker
             raise
+        self._outstanding.add(k)
 
     def drain_progress(self, on_progress: Callable[[int], None]) -> None:
         """Count the progress messages already waiting (never blocks). Only progress is read
@@ -171,9 +171,20 @@ class ReplicaPool:
                 if on_progress is not None:
                     on_progress(payload)
                 continue
+            self._outstanding.discard(k)
             if kind == "error":
                 raise RuntimeError(f"replica {k + 1} failed: {payload}")
             return payload
+
+    def discard_results(self) -> None:
+        """Wait for every share still out and drop its result or error (a call that failed
+        here must not leave a result for the next call to read); dead workers are skipped."""
+        for k in sorted(self._outstanding):
+            try:
+                self.collect(k, None)
+            except RuntimeError:
+                pass
+        self._outstanding.clear()
 
     def close(self) -> None:
         """Tell every worker to stop, then wait for it (terminated after ``JOIN_S``)."""
