@@ -9,11 +9,13 @@ import sys
 from pathlib import Path
 
 from deepinfer.benchmarking import (
+    PeerProcesses,
     Workload,
     latency_workload,
     random_workload,
     transformers_throughput,
 )
+from deepinfer.tiny import make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,3 +108,24 @@ def test_sorted_batches_compute_fewer_wasted_tokens():
 def test_latency_levels_use_distinct_prompts():
     a, b = latency_workload(1, 16, 4, 258), latency_workload(4, 16, 4, 258)
     assert isinstance(a, Workload) and not any(p[:8] == a.prompts[0][:8] for p in b.prompts)
+
+
+def test_the_peer_split_over_processes_computes_the_same_batches(tmp_path):
+    """With replicas on our side the peer runs as as many processes: the same length-sorted
+    batches (the same computed tokens as in one process, the partial batch included), dealt
+    to the processes, every requested token credited."""
+
+    class Stub:
+        def generate(self, ids, **kw):
+            return ids
+
+    path = make_tiny_checkpoint(tmp_path / "v4", arch="deepseek_v4", seed=6)
+    work = random_workload(21, (4, 30), (1, 12), 258, seed=7)
+    peer = PeerProcesses(path, 2, 1)
+    try:
+        run = peer.run(work, 4)
+    finally:
+        peer.close()
+    one = transformers_throughput(Stub(), work, 4, sort=True)
+    assert run.computed_tokens == one.computed_tokens
+    assert run.credited_tokens == work.output_tokens and run.tok_s > 0

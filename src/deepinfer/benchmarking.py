@@ -141,6 +141,70 @@ def transformers_throughput_runs(model: nn.Module, work: Workload, batch_sizes: 
     ]
 
 
+def sorted_batches(work: Workload, batch_size: int) -> list[list[int]]:
+    """Request indices in batches of ``batch_size`` formed from the requests sorted by
+    (output, prompt) length, as ``transformers_throughput(sort=True)`` forms them."""
+    order = sorted(range(len(work.prompts)), key=lambda i: (work.output_lens[i], len(work.prompts[i])))
+    return [order[k : k + batch_size] for k in range(0, len(order), batch_size)]
+
+
+class PeerProcesses:
+    """The peer as data-parallel replicas, as fair as ours (``data_parallel_replicas``):
+    ``processes`` worker processes, each loading the checkpoint into ``transformers`` on
+    ``threads`` threads. A workload's length-sorted batches are dealt to them by the tokens
+    each batch computes (LPT) and run at once; the wall time is until the last one ends. On a
+    small model a single process leaves a core idle as ours does (RESULTS.md, twenty-first
+    session), so a comparison that splits our engine must split the peer too."""
+
+    def __init__(self, path: Path, processes: int, threads: int) -> None:
+        from deepinfer.replicas import ReplicaPool
+
+        self.processes = processes
+        self.pool = ReplicaPool(processes, _peer_worker, (str(path), threads))
+        self.pool.wait_ready()
+
+    def run(self, work: Workload, batch_size: int) -> PeerRun:
+        from deepinfer.replicas import balanced_shares
+
+        batches = sorted_batches(work, batch_size)
+        costs = [len(b) * max(work.output_lens[i] for i in b) for b in batches]
+        shares = balanced_shares(costs, self.processes)
+        start = time.perf_counter()
+        for k, share in enumerate(shares):
+            part = [i for b in share for i in batches[b]]
+            self.pool.submit(
+                k, ([work.prompts[i] for i in part], [work.output_lens[i] for i in part], batch_size), False
+            )
+        computed = sum(self.pool.collect(k, None) for k in range(self.processes))
+        elapsed = time.perf_counter() - start
+        return PeerRun(batch_size, True, work.output_tokens / elapsed, computed, work.output_tokens)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def _peer_worker(conn, path: str, threads: int) -> None:
+    """A ``PeerProcesses`` worker: ``transformers`` on ``threads`` threads, warmed up with one
+    small batch, then the batches it is sent (already sorted, so kept in order)."""
+    from deepinfer.replicas import serve
+
+    torch.set_num_threads(threads)
+
+    def start():
+        model = load_transformers_peer(Path(path))
+        transformers_throughput(model, Workload([[2, 3, 4, 5]] * 2, [4, 4]), 2)
+
+        def run(share, _progress) -> int:
+            prompts, output_lens, batch_size = share
+            return transformers_throughput(
+                model, Workload(prompts, output_lens), batch_size, sort=False
+            ).computed_tokens
+
+        return run
+
+    serve(conn, start)
+
+
 def decode_bs1(llm, prompt_len: int = 32, new_tokens: int = 128) -> dict[str, float]:
     """Batch-1 decode tokens/s (prefill excluded) against the bandwidth bound of this machine."""
     prompt = random_workload(1, (prompt_len, prompt_len), (1, 1), llm.vocab_size, seed=1).prompts[0]

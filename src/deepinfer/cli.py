@@ -161,6 +161,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
 
     from deepinfer import LLM
     from deepinfer.benchmarking import (
+        PeerProcesses,
         decode_bs1,
         deepinfer_throughput,
         load_transformers_peer,
@@ -190,6 +191,13 @@ def _bench_throughput(args: argparse.Namespace) -> int:
             )
             deepinfer_throughput(llm, warm)
         peer = load_transformers_peer(llm.path) if args.peer_batch_sizes else None
+        # replicas on our side: the peer also runs as that many processes (the fair split)
+        replicas = args.data_parallel_replicas
+        peer_processes = (
+            PeerProcesses(llm.path, replicas, max(1, args.threads // replicas))
+            if args.peer_batch_sizes and replicas > 1
+            else None
+        )
         ratios = []
         for round_ in range(args.rounds):  # rounds alternate the two sides on a noisy machine
             if args.rounds > 1:
@@ -209,6 +217,15 @@ def _bench_throughput(args: argparse.Namespace) -> int:
                     f"{run.tok_s:.1f} output tok/s ({run.computed_tokens} tokens computed for "
                     f"{run.credited_tokens} requested)"
                 )
+            if peer_processes is not None:
+                for bs in args.peer_batch_sizes:
+                    run = peer_processes.run(work, bs)
+                    runs.append(run)
+                    print(
+                        f"transformers.generate batch {bs}, length-sorted, {replicas} processes x "
+                        f"{max(1, args.threads // replicas)} thread(s): {run.tok_s:.1f} output tok/s "
+                        f"({run.computed_tokens} tokens computed for {run.credited_tokens} requested)"
+                    )
             best = max(runs, key=lambda r: r.tok_s)
             ratios.append(ours / best.tok_s)
             print(f"ratio deepinfer / best transformers: {ratios[-1]:.2f}x")
@@ -223,6 +240,8 @@ def _bench_throughput(args: argparse.Namespace) -> int:
             f"({100 * bs1['fraction_of_bound']:.2f}% of it)"
         )
         llm.close()
+        if peer_processes is not None:
+            peer_processes.close()
     return 0
 
 

@@ -27,7 +27,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 
 JOIN_S = 10.0  # a closing worker gets this long before it is terminated
@@ -64,7 +63,10 @@ def balanced_shares(costs: Sequence[float], parts: int) -> list[list[int]]:
     return [sorted(shares[k]) for k in order]
 
 
-Runner = Callable[[list[list[RequestSpec]], Callable[[int], None] | None], list[RequestOutput]]
+# a worker's task: (its share, a progress callback or None) -> its result. ``LLM``'s shares
+# are ``RequestSpec`` groups and its results ``RequestOutput`` lists; the benchmark's peer
+# replicas send batches of token ids (benchmarking.PeerProcesses)
+Runner = Callable[[Any, Callable[[int], None] | None], Any]
 
 
 def serve(conn: multiprocessing.connection.Connection, start: Callable[[], Runner]) -> None:
@@ -144,9 +146,9 @@ class ReplicaPool:
                     raise RuntimeError(f"replica {k + 1} failed to start: {payload}")
                 self._ready[k] = kind == "ready"
 
-    def submit(self, k: int, groups: list[list[RequestSpec]], report_progress: bool) -> None:
+    def submit(self, k: int, share: Any, report_progress: bool) -> None:
         try:
-            self.conns[k].send(("generate", groups, report_progress))
+            self.conns[k].send(("generate", share, report_progress))
         except (ConnectionError, OSError):
             self._receive(k)  # raises, naming the dead worker
             raise
@@ -163,8 +165,8 @@ class ReplicaPool:
                     break
                 on_progress(payload)
 
-    def collect(self, k: int, on_progress: Callable[[int], None] | None) -> list[RequestOutput]:
-        """Worker ``k``'s outputs for its share (blocking), counting its progress meanwhile."""
+    def collect(self, k: int, on_progress: Callable[[int], None] | None) -> Any:
+        """Worker ``k``'s result for its share (blocking), counting its progress meanwhile."""
         while True:
             kind, payload = self._pending.pop(k, None) or self._receive(k)
             if kind == "progress":
