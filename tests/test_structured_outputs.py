@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 
 import httpx
 import jsonschema
@@ -246,7 +247,17 @@ def test_with_ngram_speculation(smol_ngram, schemas, regexes):
         SamplingParams(max_tokens=64, temperature=0.0, structured_outputs={"regex": r}) for r in regexes
     ]
     prompts = [PROMPT * 3] * len(schemas) + ["abab cat dog 12-34 " * 3] * len(regexes)
-    outs = smol_ngram.generate(prompts, params, use_tqdm=False)
+    # through the engine's API, not LLM.generate: a generate call is a closed batch, where only
+    # requests that could be the last to finish verify drafts, and which those are depends on
+    # when each grammar finished compiling (a thread's timing), so the drafted path might not
+    # run at all; here every request may verify its drafts
+    engine = smol_ngram.engine
+    ids = [f"ngram-{uuid.uuid4().hex}" for _ in prompts]
+    for rid, prompt, p in zip(ids, prompts, params, strict=True):
+        engine.add_request(rid, smol_ngram.tokenizer(prompt).input_ids, p)
+    while engine.has_unfinished():
+        engine.step()
+    outs = [engine.make_output(engine.pop_finished(rid)) for rid in ids]
     _check_json(outs[: len(schemas)], schemas)
     _check_regex(outs[len(schemas) :], regexes)
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0
