@@ -60,6 +60,19 @@ def test_generate_with_weight_only_quantization(tmp_path, capsys):
     assert main([*args, "--quantization", "int8"]) == 0
 
 
+def test_generate_on_two_replicas_gives_one_engines_tokens(tmp_path, capsys, two_threads):
+    """``--data-parallel-replicas 2``: the prompts split over two engines, the same tokens."""
+    assert main(["make-tiny", str(tmp_path / "ck")]) == 0
+    args = ["generate", "--model", str(tmp_path / "ck"), "--prompt", "hi", "--prompt", "there"]
+    args += ["--max-tokens", "4", "--ignore-eos", "--compile", "off"]
+    assert main(args) == 0
+    one = capsys.readouterr().out
+    assert main([*args, "--data-parallel-replicas", "2"]) == 0
+    two = capsys.readouterr().out
+    tokens = [line for line in one.splitlines() if "tokens:" in line]
+    assert len(tokens) == 2 and tokens == [line for line in two.splitlines() if "tokens:" in line]
+
+
 def test_generate_reports_bad_input(tmp_path, capsys):
     main(["make-tiny", str(tmp_path / "ck")])
     assert main(["generate", "--model", str(tmp_path / "ck"), "--prompt", "x", "--top-p", "2"]) == 2
