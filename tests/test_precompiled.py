@@ -39,6 +39,7 @@ _FRESH_PROCESS = textwrap.dedent(
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     step = llm.engine.runner.forward
     print(json.dumps({"tokens": tokens, "loaded": step.loaded, "compiled": step.compiled,
+                      "scalar_args_cached": step.scalar_args_cached,
                       "seconds": time.perf_counter() - start}))
     """
 )
@@ -96,6 +97,8 @@ def compiled(checkpoint) -> tuple[list[list[int]], list[Path]]:
     assert first == eager
     saved = step.variant_paths()
     assert step.loaded == 0 and step.compiled == len(saved) >= 1
+    # the C++ wrapper's entry of every variant takes its scalar arguments from a cache
+    assert step.scalar_args_cached == step.compiled
     assert all(p.parent == checkpoint / ".deepinfer-compiled" for p in saved)
     # written under a temporary name, then renamed: nothing half-written is left beside them
     assert sorted((checkpoint / ".deepinfer-compiled").iterdir()) == sorted(saved)
@@ -123,6 +126,7 @@ def test_a_fresh_process_loads_the_saved_variants_and_compiles_nothing(checkpoin
     fresh = json.loads(run.stdout.strip().splitlines()[-1])
     assert fresh["tokens"] == eager
     assert fresh["loaded"] == len(saved) and fresh["compiled"] == 0
+    assert fresh["scalar_args_cached"] == len(saved)  # loaded variants too; tokens as eager
 
 
 def test_the_cpu_default_runs_a_saved_step_and_never_compiles(checkpoint, compiled, tmp_path):

@@ -50,6 +50,7 @@ from deepinfer.compilation import (
     mark_step_dynamic,
     prepare_model,
 )
+from deepinfer.cpp_wrapper_args import cache_scalar_args
 from deepinfer.gc_heap import freeze_long_lived
 from deepinfer.models.base import CausalLM
 from deepinfer.platforms import cpu_blas
@@ -176,6 +177,8 @@ class PrecompiledStep:
         self.key = artefact_key(model, self.pass_manager)
         self.loaded = 0
         self.compiled = 0
+        # C++-wrapper entry functions given cached scalar arguments (cpp_wrapper_args.py)
+        self.scalar_args_cached = 0
         self._variants: list[Any] | None = None  # AOTCompiledFunction, guards checked here
         self._last = 0  # the variant the previous step ran: tried first
 
@@ -266,6 +269,7 @@ class PrecompiledStep:
                 logger.warning("compiled step %s unusable (%s); skipped", path, exc)
                 continue
             compiled.disable_guard_check()  # __call__ checks them itself
+            self.scalar_args_cached += cache_scalar_args(compiled)
             variants.append(compiled)
         self.loaded = len(variants)
         if variants:
@@ -298,4 +302,5 @@ class PrecompiledStep:
         except Exception as exc:
             logger.warning("compiled step variant not saved in %s (%s)", self.cache_dir, exc)
         compiled.disable_guard_check()
+        self.scalar_args_cached += cache_scalar_args(compiled)
         return compiled
