@@ -68,8 +68,8 @@ def _attributes(obj: Any) -> list[Any]:
         return [obj.__self__, obj.__func__]
     if kind is functools.partial:
         return [obj.func, obj.args, obj.keywords]
-    if kind is dict:
-        return list(obj.values())
+    if issubclass(kind, dict):
+        return list(dict.values(obj))
     if kind in (list, tuple, set, frozenset):
         return list(obj)
     found = []
@@ -117,9 +117,9 @@ def _compiled_graphs(root: Any) -> list[Any]:
 
 def _entry_of_plain_wrapper(fn: Any) -> Callable[[Any], Any] | None:
     """The C++ entry point a generated ``g`` calls, when ``g`` has exactly the plain form."""
-    code = getattr(fn, "__code__", None)
-    if code is None or getattr(fn, "__qualname__", "") != "_wrap_func.<locals>.g":
+    if type(fn) is not types.FunctionType or fn.__qualname__ != "_wrap_func.<locals>.g":
         return None
+    code = fn.__code__
     if set(code.co_names) != _PLAIN_NAMES or fn.__closure__ is None or len(fn.__closure__) != 1:
         return None
     inner = [c for c in code.co_consts if isinstance(c, types.CodeType)]
