@@ -108,13 +108,26 @@ def transformers_throughput(
     for are credited, and the tokens it computed are reported beside them. ``sort`` forms the
     batches from requests sorted by (output, prompt) length, the fair way to batch a static
     engine (little padding, little decoding past a request's end)."""
+    start = time.perf_counter()
+    computed = generate_batches(model, work, peer_batches(work, batch_size, sort), pad_id)
+    elapsed = time.perf_counter() - start
+    return PeerRun(batch_size, sort, work.output_tokens / elapsed, computed, work.output_tokens)
+
+
+def peer_batches(work: Workload, batch_size: int, sort: bool = True) -> list[list[int]]:
+    """Request indices in batches of ``batch_size``, in arrival order or formed from the
+    requests sorted by (output, prompt) length."""
     order = list(range(len(work.prompts)))
     if sort:
         order.sort(key=lambda i: (work.output_lens[i], len(work.prompts[i])))
+    return [order[k : k + batch_size] for k in range(0, len(order), batch_size)]
+
+
+def generate_batches(model: nn.Module, work: Workload, batches: list[list[int]], pad_id: int = 0) -> int:
+    """``transformers.generate`` on each batch of ``work``'s requests (indices), left-padded,
+    each decoding to its longest request; returns the tokens it computed."""
     computed = 0
-    start = time.perf_counter()
-    for k in range(0, len(order), batch_size):
-        batch = order[k : k + batch_size]
+    for batch in batches:
         prompts = [work.prompts[i] for i in batch]
         longest = max(len(p) for p in prompts)
         ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts])
@@ -130,8 +143,7 @@ def transformers_throughput(
                 min_new_tokens=new,
                 pad_token_id=pad_id,
             )
-    elapsed = time.perf_counter() - start
-    return PeerRun(batch_size, sort, work.output_tokens / elapsed, computed, work.output_tokens)
+    return computed
 
 
 def transformers_throughput_runs(model: nn.Module, work: Workload, batch_sizes: list[int]) -> list[PeerRun]:
@@ -139,13 +151,6 @@ def transformers_throughput_runs(model: nn.Module, work: Workload, batch_sizes: 
     return [
         transformers_throughput(model, work, bs, sort=sort) for bs in batch_sizes for sort in (True, False)
     ]
-
-
-def sorted_batches(work: Workload, batch_size: int) -> list[list[int]]:
-    """Request indices in batches of ``batch_size`` formed from the requests sorted by
-    (output, prompt) length, as ``transformers_throughput(sort=True)`` forms them."""
-    order = sorted(range(len(work.prompts)), key=lambda i: (work.output_lens[i], len(work.prompts[i])))
-    return [order[k : k + batch_size] for k in range(0, len(order), batch_size)]
 
 
 class PeerProcesses:
@@ -166,15 +171,12 @@ class PeerProcesses:
     def run(self, work: Workload, batch_size: int) -> PeerRun:
         from deepinfer.replicas import balanced_shares
 
-        batches = sorted_batches(work, batch_size)
+        batches = peer_batches(work, batch_size)
         costs = [len(b) * max(work.output_lens[i] for i in b) for b in batches]
         shares = balanced_shares(costs, self.processes)
         start = time.perf_counter()
         for k, share in enumerate(shares):
-            part = [i for b in share for i in batches[b]]
-            self.pool.submit(
-                k, ([work.prompts[i] for i in part], [work.output_lens[i] for i in part], batch_size), False
-            )
+            self.pool.submit(k, (work, [batches[b] for b in share]), False)
         computed = sum(self.pool.collect(k, None) for k in range(self.processes))
         elapsed = time.perf_counter() - start
         return PeerRun(batch_size, True, work.output_tokens / elapsed, computed, work.output_tokens)
@@ -185,7 +187,7 @@ class PeerProcesses:
 
 def _peer_worker(conn, path: str, threads: int) -> None:
     """A ``PeerProcesses`` worker: ``transformers`` on ``threads`` threads, warmed up with one
-    small batch, then the batches it is sent (already sorted, so kept in order)."""
+    small batch, then the batches it is sent (a workload and its batches' request indices)."""
     from deepinfer.replicas import serve
 
     torch.set_num_threads(threads)
@@ -195,10 +197,8 @@ def _peer_worker(conn, path: str, threads: int) -> None:
         transformers_throughput(model, Workload([[2, 3, 4, 5]] * 2, [4, 4]), 2)
 
         def run(share, _progress) -> int:
-            prompts, output_lens, batch_size = share
-            return transformers_throughput(
-                model, Workload(prompts, output_lens), batch_size, sort=False
-            ).computed_tokens
+            work, batches = share
+            return generate_batches(model, work, batches)
 
         return run
 

@@ -193,8 +193,9 @@ def _bench_throughput(args: argparse.Namespace) -> int:
         peer = load_transformers_peer(llm.path) if args.peer_batch_sizes else None
         # replicas on our side: the peer also runs as that many processes (the fair split)
         replicas = args.data_parallel_replicas
+        peer_threads = max(1, args.threads // replicas)
         peer_processes = (
-            PeerProcesses(llm.path, replicas, max(1, args.threads // replicas))
+            PeerProcesses(llm.path, replicas, peer_threads)
             if args.peer_batch_sizes and replicas > 1
             else None
         )
@@ -223,7 +224,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
                     runs.append(run)
                     print(
                         f"transformers.generate batch {bs}, length-sorted, {replicas} processes x "
-                        f"{max(1, args.threads // replicas)} thread(s): {run.tok_s:.1f} output tok/s "
+                        f"{peer_threads} thread(s): {run.tok_s:.1f} output tok/s "
                         f"({run.computed_tokens} tokens computed for {run.credited_tokens} requested)"
                     )
             best = max(runs, key=lambda r: r.tok_s)

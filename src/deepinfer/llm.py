@@ -214,9 +214,7 @@ class LLM:
                 rid = base if params.n == 1 else f"{base}-{i}"
                 added.append(self.engine.add_request(rid, ids, child, prompt=text, generator_offset=i))
         except ValueError as exc:
-            for req in added:
-                self.engine.abort(req.request_id)
-                self.engine.pop_finished(req.request_id)
+            self._drop([added])
             raise ValueError(f"prompts[{index}]: {exc}") from exc
         return added
 

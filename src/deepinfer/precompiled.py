@@ -289,6 +289,7 @@ class PrecompiledStep:
         with torch._dynamo.config.patch(_TAGGED_GUARDS):
             compiled = compiled_fn.aot_compile(((input_ids, positions, batch), {}))
         self.compiled += 1
+        partial: Path | None = None
         try:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
             number = 1 + max((int(p.stem.rsplit("-", 1)[1]) for p in self.variant_paths()), default=-1)
@@ -301,6 +302,8 @@ class PrecompiledStep:
             logger.info("compiled step variant saved to %s", path)
         except Exception as exc:
             logger.warning("compiled step variant not saved in %s (%s)", self.cache_dir, exc)
+            if partial is not None:
+                partial.unlink(missing_ok=True)  # nothing half-written left behind
         compiled.disable_guard_check()
         self.scalar_args_cached += cache_scalar_args(compiled)
         return compiled
