@@ -150,7 +150,8 @@ at::Tensor sinkhorn_cpu(const at::Tensor& comb, int64_t iters, double eps) {
   const at::Tensor c = comb.contiguous();
   at::Tensor out = at::empty_like(c);
   const int64_t n = c.size(-1);
-  if (c.numel() > 0) sinkhorn_f32(c.data_ptr<float>(), out.data_ptr<float>(), c.numel() / (n * n), n, iters, float(eps));
+  if (c.numel() > 0) sinkhorn_f32(c.data_ptr<float>(), out.data_ptr<float>(), c.numel() / (n * n), n, iters, float(eps),
+                 at::get_num_threads());
   return out;
 }
 

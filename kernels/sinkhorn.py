@@ -29,7 +29,12 @@ def reference(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
-_SOURCE = r"""
+# Matrices per vector block (a multiple of every vector width), and the count from which the
+# blocks split over the step's threads (measured below, RESULTS.md twenty-second session).
+BLOCK = 16
+THREADED_COUNT = 256
+
+_TEMPLATE = r"""
 #include <ATen/cpu/vec/vec.h>
 #include <algorithm>
 #include <cmath>
@@ -84,80 +89,96 @@ static void sinkhorn_any(const float* logits, float* out, int64_t count, int64_t
 }
 
 // n = N known at compile time: B matrices side by side (element (i, j) of matrix b at
-// c[i][j][b]), so the softmax and every sum and division run across the B matrices as
-// vector operations (at::vec, whatever the vector width). A matrix's arithmetic never
-// depends on the lanes beside it, so a row's result does not depend on its batch.
+// c[i][j][b]), so the softmax and every sum and normalisation run across the B matrices as
+// vector operations (at::vec, whatever the vector width). Each normalisation takes one
+// reciprocal per row or column and multiplies by it: a vector division costs several
+// multiplications, and there are N of them per N * N elements (2048 matrices: 244 -> ~90 us
+// on one thread). A matrix's arithmetic never depends on the lanes beside it, so a row's
+// result does not depend on its batch, nor on the thread count.
 template <int N>
-static void sinkhorn_blocked(const float* logits, float* out, int64_t count, int64_t iters, float eps) {
-  constexpr int B = 16;
+static void sinkhorn_block(const float* logits, float* out, int64_t m0, int nb, int64_t iters, float eps) {
+  constexpr int B = SINKHORN_BLOCK;
   constexpr int V = Vec::size();
   static_assert(B % V == 0, "whole vectors of matrices");
   alignas(64) float c[N][N][B];
-  const Vec veps(eps);
-  for (int64_t m0 = 0; m0 < count; m0 += B) {
-    const int nb = static_cast<int>(std::min<int64_t>(B, count - m0));
-    for (int b = 0; b < B; ++b)  // idle lanes: zeros, finite throughout, never stored
-      for (int i = 0; i < N; ++i)
-        for (int j = 0; j < N; ++j) c[i][j][b] = b < nb ? logits[(m0 + b) * N * N + i * N + j] : 0.f;
-    for (int b = 0; b < B; b += V) {
-      for (int i = 0; i < N; ++i) {  // softmax of each row, then + eps
-        Vec mx = Vec::loadu(&c[i][0][b]);
-        for (int j = 1; j < N; ++j) mx = at::vec::maximum(mx, Vec::loadu(&c[i][j][b]));
-        Vec e[N];
-        Vec s(0.f);
-        for (int j = 0; j < N; ++j) {
-          e[j] = (Vec::loadu(&c[i][j][b]) - mx).exp();
-          s = s + e[j];
-        }
-        for (int j = 0; j < N; ++j) (e[j] / s + veps).store(&c[i][j][b]);
+  const Vec veps(eps), one(1.f);
+  for (int b = 0; b < B; ++b)  // idle lanes: zeros, finite throughout, never stored
+    for (int i = 0; i < N; ++i)
+      for (int j = 0; j < N; ++j) c[i][j][b] = b < nb ? logits[(m0 + b) * N * N + i * N + j] : 0.f;
+  for (int b = 0; b < B; b += V) {
+    for (int i = 0; i < N; ++i) {  // softmax of each row, then + eps
+      Vec mx = Vec::loadu(&c[i][0][b]);
+      for (int j = 1; j < N; ++j) mx = at::vec::maximum(mx, Vec::loadu(&c[i][j][b]));
+      Vec e[N];
+      Vec s(0.f);
+      for (int j = 0; j < N; ++j) {
+        e[j] = (Vec::loadu(&c[i][j][b]) - mx).exp();
+        s = s + e[j];
       }
-      for (int64_t it = 0; it < iters || it == 0; ++it) {
-        if (it > 0) {
-          for (int i = 0; i < N; ++i) {  // rows
-            Vec s(0.f);
-            for (int j = 0; j < N; ++j) s = s + Vec::loadu(&c[i][j][b]);
-            const Vec d = s + veps;
-            for (int j = 0; j < N; ++j) (Vec::loadu(&c[i][j][b]) / d).store(&c[i][j][b]);
-          }
-        }
-        Vec s[N];  // columns
-        for (int j = 0; j < N; ++j) s[j] = Vec(0.f);
-        for (int i = 0; i < N; ++i)
-          for (int j = 0; j < N; ++j) s[j] = s[j] + Vec::loadu(&c[i][j][b]);
-        for (int j = 0; j < N; ++j) s[j] = s[j] + veps;
-        for (int i = 0; i < N; ++i)
-          for (int j = 0; j < N; ++j) (Vec::loadu(&c[i][j][b]) / s[j]).store(&c[i][j][b]);
-      }
+      const Vec r = one / s;
+      for (int j = 0; j < N; ++j) (e[j] * r + veps).store(&c[i][j][b]);
     }
-    for (int b = 0; b < nb; ++b)
+    for (int64_t it = 0; it < iters || it == 0; ++it) {
+      if (it > 0) {
+        for (int i = 0; i < N; ++i) {  // rows
+          Vec s(0.f);
+          for (int j = 0; j < N; ++j) s = s + Vec::loadu(&c[i][j][b]);
+          const Vec r = one / (s + veps);
+          for (int j = 0; j < N; ++j) (Vec::loadu(&c[i][j][b]) * r).store(&c[i][j][b]);
+        }
+      }
+      Vec r[N];  // columns
+      for (int j = 0; j < N; ++j) r[j] = Vec(0.f);
       for (int i = 0; i < N; ++i)
-        for (int j = 0; j < N; ++j) out[(m0 + b) * N * N + i * N + j] = c[i][j][b];
+        for (int j = 0; j < N; ++j) r[j] = r[j] + Vec::loadu(&c[i][j][b]);
+      for (int j = 0; j < N; ++j) r[j] = one / (r[j] + veps);
+      for (int i = 0; i < N; ++i)
+        for (int j = 0; j < N; ++j) (Vec::loadu(&c[i][j][b]) * r[j]).store(&c[i][j][b]);
+    }
   }
+  for (int b = 0; b < nb; ++b)
+    for (int i = 0; i < N; ++i)
+      for (int j = 0; j < N; ++j) out[(m0 + b) * N * N + i * N + j] = c[i][j][b];
+}
+
+// Blocks of B matrices, split over ``threads`` OpenMP threads.
+template <int N>
+static void sinkhorn_blocked(const float* logits, float* out, int64_t count, int64_t iters, float eps,
+                             int threads) {
+  constexpr int B = SINKHORN_BLOCK;
+  const int64_t blocks = (count + B - 1) / B;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t k = 0; k < blocks; ++k)
+    sinkhorn_block<N>(logits, out, k * B, static_cast<int>(std::min<int64_t>(B, count - k * B)), iters, eps);
 }
 
 extern "C" void sinkhorn_f32(const float* logits, float* out, int64_t count, int64_t n, int64_t iters,
-                             float eps) {
+                             float eps, int threads) {
   if (n == 4) {
-    sinkhorn_blocked<4>(logits, out, count, iters, eps);
+    sinkhorn_blocked<4>(logits, out, count, iters, eps, count >= SINKHORN_THREADED_COUNT ? threads : 1);
   } else {
     sinkhorn_any(logits, out, count, n, iters, eps);
   }
 }
 """
+_SOURCE = _TEMPLATE.replace("SINKHORN_BLOCK", str(BLOCK)).replace("SINKHORN_THREADED_COUNT", str(THREADED_COUNT))
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     lib = cpu_build.load(_SOURCE)
     if lib is not None:
-        cpu_build.bind(lib, "sinkhorn_f32", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_float])
+        cpu_build.bind(
+            lib, "sinkhorn_f32", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int]
+        )
     return lib
 
 
 def _cpp(comb: torch.Tensor, iters: int, eps: float, lib: ctypes.CDLL) -> torch.Tensor:
     n = comb.shape[-1]
     out = torch.empty_like(comb)
-    lib.sinkhorn_f32(comb.data_ptr(), out.data_ptr(), comb.numel() // (n * n), n, iters, eps)
+    count = comb.numel() // (n * n)
+    lib.sinkhorn_f32(comb.data_ptr(), out.data_ptr(), count, n, iters, eps, torch.get_num_threads())
     return out
 
 

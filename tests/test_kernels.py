@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
-from deepinfer.kernels.sinkhorn import _cpp, _library, _numpy, reference, sinkhorn
+from deepinfer.kernels.sinkhorn import BLOCK, THREADED_COUNT, _cpp, _library, _numpy, reference, sinkhorn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytestmark = pytest.mark.usefixtures("two_threads")  # the kernels' threaded paths, at any -n
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 @settings(max_examples=40, deadline=None)
@@ -42,6 +54,21 @@ def test_sinkhorn_mutation_is_caught():
 def test_sinkhorn_rows_do_not_depend_on_the_batch():
     logits = torch.randn(64, 4, 4, generator=torch.Generator().manual_seed(1))
     assert torch.equal(sinkhorn(logits, 20, 1e-6)[5:6], sinkhorn(logits[5:6], 20, 1e-6))
+
+
+@settings(max_examples=6, deadline=None)
+@given(extra=st.integers(0, 2 * BLOCK + 3), seed=st.integers(0, 2**16))
+def test_sinkhorn_threaded_blocks_match_one_thread(extra, seed):
+    """From ``THREADED_COUNT`` matrices the blocks split over the threads: every matrix,
+    the partial last block's included, keeps the one-thread bits and the definition's values."""
+    logits = torch.randn(THREADED_COUNT + extra, 4, 4, generator=torch.Generator().manual_seed(seed)) * 3
+    lib = _library()
+    threaded = _cpp(logits, 20, 1e-6, lib)
+    with torch_threads(1):
+        alone = _cpp(logits, 20, 1e-6, lib)
+    assert torch.equal(threaded, alone)
+    assert torch.equal(threaded[-1:], _cpp(logits[-1:], 20, 1e-6, lib))
+    assert torch.allclose(threaded, reference(logits, 20, 1e-6), atol=2e-6)
 
 
 def _naive_routed_experts(x, weights, ids, w1, w2, w3, limit):
