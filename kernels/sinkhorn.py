@@ -161,7 +161,9 @@ extern "C" void sinkhorn_f32(const float* logits, float* out, int64_t count, int
   }
 }
 """
-_SOURCE = _TEMPLATE.replace("SINKHORN_BLOCK", str(BLOCK)).replace("SINKHORN_THREADED_COUNT", str(THREADED_COUNT))
+_SOURCE = _TEMPLATE.replace("SINKHORN_BLOCK", str(BLOCK)).replace(
+    "SINKHORN_THREADED_COUNT", str(THREADED_COUNT)
+)
 
 
 @functools.cache
