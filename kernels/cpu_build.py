@@ -12,6 +12,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -64,8 +65,11 @@ def load_op_library(
     PyTorch's extension cache, ``~/.cache/torch_extensions``) on the first call for ``prefix``,
     its ``TORCH_LIBRARY`` blocks registering the ops as it loads, then ``register_fakes()`` (their
     shapes for the compiler). The extension's name is ``prefix`` and a digest of the source and
-    flags, so an edit builds anew. Where the build fails (no compiler) it logs ``unavailable``
-    with the error and answers False, and callers keep their fallback."""
+    flags, so an edit builds anew. Its symbols are then made global: a compiled step's C++
+    wrapper calls the ops' C shims (``extern "C" aoti_torch_cpu_<op>``) by name, and the
+    dynamic loader resolves them when the step's library loads. Where the build fails (no
+    compiler) it logs ``unavailable`` with the error and answers False, and callers keep their
+    fallback."""
     found = _OP_LIBRARIES.get(prefix)
     if found is not None:
         return found
@@ -82,6 +86,14 @@ def load_op_library(
 
 
 def _build_op_library(prefix: str, source: str, extra_flags: tuple[str, ...]) -> None:
+    path = _build_and_load(prefix, source, extra_flags)
+    # torch.ops.load_library opened it RTLD_LOCAL; reopening it RTLD_GLOBAL | RTLD_NOLOAD
+    # promotes the loaded copy (no second copy, no second registration of its ops)
+    ctypes.CDLL(path, mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+
+
+def _build_and_load(prefix: str, source: str, extra_flags: tuple[str, ...]) -> str:
+    """Build (or find built) and load the extension; its path."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
     from torch.utils import cpp_extension
 
@@ -94,7 +106,7 @@ def _build_op_library(prefix: str, source: str, extra_flags: tuple[str, ...]) ->
     build_dir = Path(cpp_extension.get_default_build_root()) / name
     build_dir.mkdir(parents=True, exist_ok=True)
     drop_stale_lock(build_dir / "lock")
-    cpp_extension.load_inline(
+    return cpp_extension.load_inline(
         name=name,
         cpp_sources=[source],
         extra_cflags=flags,

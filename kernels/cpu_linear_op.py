@@ -30,6 +30,7 @@ from deepinfer.kernels import cpu_build, cpu_packed_gemm
 _OP_SOURCE = r"""
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 #include <atomic>
 #include <mutex>
@@ -112,6 +113,17 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const st
 
 }  // namespace
 
+// The op's C shim: a compiled step's C++ wrapper calls it by name (Inductor's
+// ``custom_ops_to_c_shims``), the kernel without the dispatcher's schema lookup and boxing.
+extern "C" PACKED_LINEAR_SHIM {
+  using namespace torch::aot_inductor;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = new_tensor_handle(packed_linear(*tensor_handle_to_tensor_pointer(x),
+                                            *tensor_handle_to_tensor_pointer(weight),
+                                            pointer_to_optional<at::Tensor>(bias)));
+  });
+}
+
 TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
   m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("register_packed_linear(Tensor weight) -> ()");
@@ -131,9 +143,18 @@ TORCH_LIBRARY_IMPL(deepinfer, CompositeExplicitAutograd, m) {
 """
 
 
+# The C shim's signature (Inductor's calling convention: tensors as handles, an optional one
+# as a pointer to its handle or null, the result through ``ret0``), written into the source
+# and declared to the compiled step's wrapper by ``c_shims``.
+_SHIM = (
+    "AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenTensorHandle weight, "
+    "AtenTensorHandle* bias, AtenTensorHandle* ret0)"
+)
+
+
 def _source() -> str:
     # the packed kernel's own source first: the op calls its packed_gemm_f32 and width V
-    return cpu_packed_gemm._SOURCE + _OP_SOURCE
+    return cpu_packed_gemm._SOURCE + _OP_SOURCE.replace("PACKED_LINEAR_SHIM", _SHIM)
 
 
 def _register_fakes() -> None:
@@ -151,6 +172,12 @@ def available() -> bool:
         _register_fakes,
         "the packed-linear CPU op is unavailable; compiled steps keep aten::mm",
     )
+
+
+def c_shims() -> dict:
+    """``aot_inductor.custom_ops_to_c_shims`` for this op where it is registered (its C shim's
+    symbol is then global), else empty: a compiled step's wrapper then calls the shim directly."""
+    return {torch.ops.deepinfer.packed_linear.default: [_SHIM]} if available() else {}
 
 
 def register(weight: torch.Tensor) -> None:

@@ -28,6 +28,7 @@ _OP_SOURCE = r"""
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 #include <array>
 #include <mutex>
@@ -191,6 +192,37 @@ std::tuple<at::Tensor, at::Tensor> indexer_topk_cpu(const at::Tensor& q, const a
 
 }  // namespace
 
+// The ops' C shims: a compiled step's C++ wrapper calls them by name (Inductor's
+// ``custom_ops_to_c_shims``), the kernels without the dispatcher's schema lookup and boxing.
+extern "C" ROUTED_EXPERTS_SHIM {
+  using namespace torch::aot_inductor;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = new_tensor_handle(routed_experts_cpu(
+        *tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(weights),
+        *tensor_handle_to_tensor_pointer(ids), *tensor_handle_to_tensor_pointer(w1),
+        *tensor_handle_to_tensor_pointer(w2), *tensor_handle_to_tensor_pointer(w3), limit));
+  });
+}
+
+extern "C" SINKHORN_SHIM {
+  using namespace torch::aot_inductor;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = new_tensor_handle(sinkhorn_cpu(*tensor_handle_to_tensor_pointer(comb), iters, eps));
+  });
+}
+
+extern "C" INDEXER_TOPK_SHIM {
+  using namespace torch::aot_inductor;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    auto [rows, picked] = indexer_topk_cpu(
+        *tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(keys),
+        *tensor_handle_to_tensor_pointer(entry_idx), *tensor_handle_to_tensor_pointer(entry_valid),
+        *tensor_handle_to_tensor_pointer(weights), topk, scale);
+    *ret0 = new_tensor_handle(std::move(rows));
+    *ret1 = new_tensor_handle(std::move(picked));
+  });
+}
+
 TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
   m.def("routed_experts_cpu(Tensor x, Tensor weights, Tensor ids, Tensor w1, Tensor w2, Tensor w3, float limit) -> Tensor");
   m.def("sinkhorn_cpu(Tensor comb, int iters, float eps) -> Tensor");
@@ -209,6 +241,30 @@ TORCH_LIBRARY_IMPL(deepinfer, CompositeExplicitAutograd, m) {
 """
 
 
+# The C shims' signatures (Inductor's calling convention: tensors as handles, ints as int64_t,
+# floats as double, each result through a ``ret`` pointer), keyed by op name: written into the
+# source and declared to the compiled step's wrapper by ``c_shims``.
+_SHIMS = {
+    "routed_experts": "AOTITorchError aoti_torch_cpu_routed_experts_cpu(AtenTensorHandle x, "
+    "AtenTensorHandle weights, AtenTensorHandle ids, AtenTensorHandle w1, AtenTensorHandle w2, "
+    "AtenTensorHandle w3, double limit, AtenTensorHandle* ret0)",
+    "sinkhorn": "AOTITorchError aoti_torch_cpu_sinkhorn_cpu(AtenTensorHandle comb, int64_t iters, "
+    "double eps, AtenTensorHandle* ret0)",
+    "indexer_topk": "AOTITorchError aoti_torch_cpu_indexer_topk_cpu(AtenTensorHandle q, "
+    "AtenTensorHandle keys, AtenTensorHandle entry_idx, AtenTensorHandle entry_valid, "
+    "AtenTensorHandle weights, int64_t topk, double scale, AtenTensorHandle* ret0, AtenTensorHandle* ret1)",
+}
+
+
+def c_shims() -> dict:
+    """``aot_inductor.custom_ops_to_c_shims`` for these ops where they are registered (their C
+    shims' symbols are then global), else empty: a compiled step's wrapper then calls the
+    shims directly."""
+    if not available():
+        return {}
+    return {getattr(torch.ops.deepinfer, f"{name}_cpu").default: [sig] for name, sig in _SHIMS.items()}
+
+
 def _source() -> str:
     """The kernels' own sources first (the ops call their C functions), then the ops, with
     ``cpu_moe``'s size limits written in."""
@@ -220,6 +276,8 @@ def _source() -> str:
         .replace("MAX_ROWS_TINY", str(cpu_moe.MAX_ROWS_TINY_EXPERTS))
         .replace("INDEXER_THREADED_WORK", str(indexer_topk.THREADED_WORK))
     )
+    for name, signature in _SHIMS.items():
+        op = op.replace(f"{name.upper()}_SHIM", signature)
     return cpu_moe._SOURCE + sinkhorn._SOURCE + indexer_topk._SOURCE + op
 
 

@@ -32,14 +32,21 @@ _FRESH_PROCESS = textwrap.dedent(
     start = time.perf_counter()
     import torch
     torch.set_num_threads(int(sys.argv[3]))  # dynamo's global-state guard holds the count
+    from torch.profiler import profile
     from deepinfer import LLM, SamplingParams
+    from deepinfer.kernels import cpu_linear_op
     prompts = json.loads(sys.argv[2])
     llm = LLM(sys.argv[1], compile=True, max_num_batched_tokens=64)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    packed = cpu_linear_op.packed_calls()
+    with profile() as prof:  # the dispatcher records every op it calls; C shims bypass it
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    ours = ("packed_linear", "routed_experts_cpu", "sinkhorn_cpu", "indexer_topk_cpu")
+    dispatched = sum(e.count for e in prof.key_averages() if e.key in [f"deepinfer::{o}" for o in ours])
     step = llm.engine.runner.forward
     print(json.dumps({"tokens": tokens, "loaded": step.loaded, "compiled": step.compiled,
                       "scalar_args_cached": step.scalar_args_cached,
+                      "packed_calls": cpu_linear_op.packed_calls() - packed, "dispatched": dispatched,
                       "seconds": time.perf_counter() - start}))
     """
 )
@@ -127,6 +134,8 @@ def test_a_fresh_process_loads_the_saved_variants_and_compiles_nothing(checkpoin
     assert fresh["tokens"] == eager
     assert fresh["loaded"] == len(saved) and fresh["compiled"] == 0
     assert fresh["scalar_args_cached"] == len(saved)  # loaded variants too; tokens as eager
+    # the loaded C++ wrappers found our ops' C shims and called them, never the dispatcher
+    assert fresh["packed_calls"] > 0 and fresh["dispatched"] == 0
 
 
 def test_the_cpu_default_runs_a_saved_step_and_never_compiles(checkpoint, compiled, tmp_path):
@@ -228,10 +237,18 @@ def test_the_cpp_wrapper_switch_reaches_the_options_and_the_key(checkpoint, monk
     cpu = torch.device("cpu")
     assert inductor_options(manager, cpu)["cpp_wrapper"] is True
     assert inductor_options(manager, cpu)["cpp.min_chunk_size"] == CPU_MIN_CHUNK_SIZE
+    shims = inductor_options(manager, cpu)["aot_inductor.custom_ops_to_c_shims"]
+    assert set(shims) == {
+        torch.ops.deepinfer.packed_linear.default,
+        torch.ops.deepinfer.routed_experts_cpu.default,
+        torch.ops.deepinfer.sinkhorn_cpu.default,
+        torch.ops.deepinfer.indexer_topk_cpu.default,
+    }
     assert "cpp.min_chunk_size" not in inductor_options(manager, torch.device("meta"))
     with_wrapper = artefact_key(model, manager)
     monkeypatch.setenv(CPP_WRAPPER_ENV, "0")
     assert "cpp_wrapper" not in inductor_options(manager, cpu)
+    assert "aot_inductor.custom_ops_to_c_shims" not in inductor_options(manager, cpu)
     assert artefact_key(model, manager) != with_wrapper
     monkeypatch.setenv(CPP_WRAPPER_ENV, "maybe")
     with pytest.raises(ValueError, match=CPP_WRAPPER_ENV):

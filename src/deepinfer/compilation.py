@@ -144,14 +144,29 @@ def inductor_options(manager: PassManager, device: torch.device | None = None) -
     On the CPU the step's wrapper is C++ (``cpp_wrapper``): the Python wrapper spent ~2.7 ms
     of a 19.5 ms tiny-V4 decode step of 256 rows allocating buffers, checking strides and
     calling ~100 kernels; in C++ the decode steps of the throughput benchmark took 16% less
-    forward time (benchmarks/RESULTS.md, thirteenth session). CPU loops go parallel from
+    forward time (benchmarks/RESULTS.md, thirteenth session). That wrapper calls our CPU ops
+    through their C shims (``cpu_c_shims``). CPU loops go parallel from
     ``CPU_MIN_CHUNK_SIZE`` elements a thread."""
     options: dict[str, object] = {"post_grad_custom_post_pass": manager, "reorder_for_locality": False}
     if device is not None and device.type == "cpu":
         options["cpp.min_chunk_size"] = CPU_MIN_CHUNK_SIZE
         if cpu_cpp_wrapper():
             options["cpp_wrapper"] = True
+            shims = cpu_c_shims()
+            if shims:
+                options["aot_inductor.custom_ops_to_c_shims"] = shims
     return options
+
+
+def cpu_c_shims() -> dict:
+    """Our C++ CPU ops' C shims (Inductor's ``aot_inductor.custom_ops_to_c_shims``), their
+    libraries loaded first, which makes the shims' symbols global. A C++ wrapper then calls each
+    op's kernel directly, without the dispatcher's per-call schema lookup and argument boxing:
+    a 16-row tiny-V4 decode step 1.20 -> 1.11 ms, 256 rows 3.80 -> 3.73 ms (alternated in one
+    process, RESULTS.md, twenty-second session). Empty where the ops did not build."""
+    from deepinfer.kernels import cpu_linear_op, cpu_step_ops
+
+    return {**cpu_linear_op.c_shims(), **cpu_step_ops.c_shims()}
 
 
 # Inductor runs a CPU loop nest in parallel only when it holds at least this many elements per

@@ -44,6 +44,7 @@ from deepinfer.compilation import (
     GraphPass,
     PassManager,
     configure_dynamo,
+    cpu_c_shims,
     cpu_cpp_wrapper,
     inductor_options,
     mark_pools_static,
@@ -261,6 +262,8 @@ class PrecompiledStep:
         paths = self.variant_paths() if self.cache_dir.is_dir() else []
         if paths:
             prepare_model(self.model, mark_static=False)
+            if next(self.model.parameters()).device.type == "cpu":
+                cpu_c_shims()  # a C++ wrapper's library resolves our ops' shims as it loads
         for path in paths:
             try:
                 with path.open("rb") as f, torch._dynamo.config.patch(_TAGGED_GUARDS):
