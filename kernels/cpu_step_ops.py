@@ -111,7 +111,7 @@ at::Tensor routed_experts_cpu(const at::Tensor& x_in, const at::Tensor& weights_
                          .findSchemaOrThrow("deepinfer::routed_experts", "")
                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                            const at::Tensor&, const at::Tensor&, double)>();
-    return op.call(x_in, weights_in, ids_in, w1, w2, w3, limit);
+    return op.call(x_in, weights_in, ids_in, w1, w2, w3, limit).contiguous();  // the layout of the fake
   }
   const at::Tensor x = x_in.contiguous();
   const at::Tensor weights = weights_in.to(at::kFloat).contiguous();
@@ -146,7 +146,7 @@ at::Tensor sinkhorn_cpu(const at::Tensor& comb, int64_t iters, double eps) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("deepinfer::sinkhorn", "")
                          .typed<at::Tensor(const at::Tensor&, int64_t, double)>();
-    return op.call(comb, iters, eps);
+    return op.call(comb, iters, eps).contiguous();  // the layout of the fake
   }
   const at::Tensor c = comb.contiguous();
   at::Tensor out = at::empty_like(c);
@@ -173,7 +173,8 @@ std::tuple<at::Tensor, at::Tensor> indexer_topk_cpu(const at::Tensor& q, const a
                          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                                    const at::Tensor&, const at::Tensor&, c10::SymInt,
                                                                    double)>();
-    return op.call(q, keys, entry_idx, entry_valid, weights, c10::SymInt(topk), scale);
+    auto [rows, picked] = op.call(q, keys, entry_idx, entry_valid, weights, c10::SymInt(topk), scale);
+    return {rows.contiguous(), picked.contiguous()};  // the layout of the fake
   }
   const at::Tensor qc = q.contiguous(), kc = keys.contiguous(), wc = weights.contiguous();
   const at::Tensor idx = entry_idx.contiguous(), valid = entry_valid.contiguous();
@@ -282,13 +283,15 @@ def _source() -> str:
 
 
 def _register_fakes() -> None:
+    # every output contiguous, as the kernels (and the fallbacks, made so) return it: a compiled
+    # step's C++ wrapper runs without Inductor's size asserts (``compilation.inductor_options``)
     @torch.library.register_fake("deepinfer::routed_experts_cpu")
     def _(x, weights, ids, w1, w2, w3, limit):
-        return torch.empty_like(x)
+        return x.new_empty(x.shape)
 
     @torch.library.register_fake("deepinfer::sinkhorn_cpu")
     def _(comb, iters, eps):
-        return torch.empty_like(comb)
+        return comb.new_empty(comb.shape)
 
     @torch.library.register_fake("deepinfer::indexer_topk_cpu")
     def _(q, keys, entry_idx, entry_valid, weights, topk, scale):

@@ -215,3 +215,39 @@ def test_a_compiled_v4_step_serves_rows_with_fewer_entries_than_topk(v4_ckpt):
     assert len(graphs) == traced
     eager = LLM(v4_ckpt, compile=False).generate([[5, 9, 14]], params, use_tqdm=False)
     assert short == [o.outputs[0].token_ids for o in eager]
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    rows=st.integers(1, 20),
+    dtype=st.sampled_from([torch.float32, torch.float64]),  # float64: the Python-op fallbacks
+    transposed=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_outputs_have_their_fakes_layout_on_every_path(rows, dtype, transposed, seed):
+    """A compiled CPU step's C++ wrapper runs without Inductor's size asserts, so each op's
+    real output must have the sizes and strides its fake promises, whatever the input layout
+    and whichever path (kernel or fallback) runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def strided(*shape: int) -> torch.Tensor:  # the layout under test: a transposed view
+        t = torch.randn(*shape, generator=gen, dtype=dtype)
+        return t.transpose(0, 1).contiguous().transpose(0, 1) if transposed else t
+
+    w1, w2, w3 = (w.to(dtype) for w in _experts(gen, 4, 16, 16))
+    ids, weights = torch.randint(0, 4, (rows, 2), generator=gen), torch.rand(rows, 2)
+    q, keys = strided(rows, 3, 8), torch.randn(10, 8, generator=gen, dtype=dtype)
+    idx, valid = torch.randint(0, 10, (rows, 6), generator=gen), torch.rand(rows, 6, generator=gen) < 0.7
+    calls = [
+        (torch.ops.deepinfer.routed_experts_cpu, (strided(rows, 16), weights, ids, w1, w2, w3, 3.0)),
+        (torch.ops.deepinfer.sinkhorn_cpu, (strided(rows, 4, 4), 20, 1e-6)),
+        (torch.ops.deepinfer.indexer_topk_cpu, (q, keys, idx, valid, torch.rand(rows, 3).to(dtype), 4, 0.5)),
+    ]
+    for op, args in calls:
+        real = op(*args)
+        with FakeTensorMode() as mode:
+            fake = op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+        for r, f in zip(*((x,) if isinstance(x, torch.Tensor) else x for x in (real, fake)), strict=True):
+            assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype), op
