@@ -11,7 +11,9 @@ They are built with Inductor's floating-point flags, so they return the bits the
 ops' ``ctypes`` builds return. Inputs the kernels do not take (another dtype or device,
 autograd, steps too large for the expert kernels) go to the Python op through the
 dispatcher, so a graph that calls these ops is correct for any input; only the speed
-differs. ``compile_passes.native_cpu_ops`` puts them into compiled CPU steps.
+differs. ``compile_passes.native_cpu_ops`` puts them into compiled CPU steps, whose C++
+wrapper calls each through its C shim (``c_shims``) rather than the dispatcher. Every output
+is contiguous, as the fakes say: those wrappers do not assert layouts.
 
 The transposed expert copies the small-expert kernel reads are made once per stacked weight
 and kept in a registry like ``cpu_linear_op``'s: keyed by ``w1``'s tensor and checked at every
