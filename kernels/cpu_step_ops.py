@@ -13,7 +13,7 @@ autograd, steps too large for the expert kernels) go to the Python op through th
 dispatcher, so a graph that calls these ops is correct for any input; only the speed
 differs. ``compile_passes.native_cpu_ops`` puts them into compiled CPU steps, whose C++
 wrapper calls each through its C shim (``c_shims``) rather than the dispatcher. Every output
-is contiguous, as the fakes say: those wrappers do not assert layouts.
+is contiguous, as the fakes say (the Python ops' too): those wrappers do not assert layouts.
 
 The transposed expert copies the small-expert kernel reads are made once per stacked weight
 and kept in a registry like ``cpu_linear_op``'s: keyed by ``w1``'s tensor and checked at every
@@ -113,7 +113,7 @@ at::Tensor routed_experts_cpu(const at::Tensor& x_in, const at::Tensor& weights_
                          .findSchemaOrThrow("deepinfer::routed_experts", "")
                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                            const at::Tensor&, const at::Tensor&, double)>();
-    return op.call(x_in, weights_in, ids_in, w1, w2, w3, limit).contiguous();  // the layout of the fake
+    return op.call(x_in, weights_in, ids_in, w1, w2, w3, limit);
   }
   const at::Tensor x = x_in.contiguous();
   const at::Tensor weights = weights_in.to(at::kFloat).contiguous();
@@ -148,7 +148,7 @@ at::Tensor sinkhorn_cpu(const at::Tensor& comb, int64_t iters, double eps) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("deepinfer::sinkhorn", "")
                          .typed<at::Tensor(const at::Tensor&, int64_t, double)>();
-    return op.call(comb, iters, eps).contiguous();  // the layout of the fake
+    return op.call(comb, iters, eps);
   }
   const at::Tensor c = comb.contiguous();
   at::Tensor out = at::empty_like(c);
@@ -175,8 +175,7 @@ std::tuple<at::Tensor, at::Tensor> indexer_topk_cpu(const at::Tensor& q, const a
                          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                                    const at::Tensor&, const at::Tensor&, c10::SymInt,
                                                                    double)>();
-    auto [rows, picked] = op.call(q, keys, entry_idx, entry_valid, weights, c10::SymInt(topk), scale);
-    return {rows.contiguous(), picked.contiguous()};  // the layout of the fake
+    return op.call(q, keys, entry_idx, entry_valid, weights, c10::SymInt(topk), scale);
   }
   const at::Tensor qc = q.contiguous(), kc = keys.contiguous(), wc = weights.contiguous();
   const at::Tensor idx = entry_idx.contiguous(), valid = entry_valid.contiguous();
@@ -285,8 +284,9 @@ def _source() -> str:
 
 
 def _register_fakes() -> None:
-    # every output contiguous, as the kernels (and the fallbacks, made so) return it: a compiled
-    # step's C++ wrapper runs without Inductor's size asserts (``compilation.inductor_options``)
+    # every output contiguous, as the kernels and the Python ops they fall back to return it:
+    # a compiled step's C++ wrapper runs without Inductor's size asserts
+    # (``compilation.inductor_options``)
     @torch.library.register_fake("deepinfer::routed_experts_cpu")
     def _(x, weights, ids, w1, w2, w3, limit):
         return x.new_empty(x.shape)

@@ -284,7 +284,8 @@ def indexer_topk(
     lib = _library() if takes(q, keys, weights) else None
     if lib is not None:
         return _cpp(lib, q, keys, entry_idx, entry_valid, weights, topk, scale)
-    return reference(q, keys, entry_idx, entry_valid, weights, topk, scale)
+    rows, picked = reference(q, keys, entry_idx, entry_valid, weights, topk, scale)
+    return rows.contiguous(), picked.contiguous()  # the fake's layout
 
 
 @indexer_topk.register_fake

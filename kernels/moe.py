@@ -82,13 +82,15 @@ def routed_experts(
     kernels.
     """
     if cpu_moe.supports(x, w1, w2, w3):
-        return cpu_moe.routed_experts(x, weights, ids, w1, w2, w3, limit)
-    return routed_experts_reference(x, weights, ids, w1, w2, w3, limit)
+        return cpu_moe.routed_experts(x, weights, ids, w1, w2, w3, limit).contiguous()
+    return routed_experts_reference(x, weights, ids, w1, w2, w3, limit).contiguous()
 
 
 @routed_experts.register_fake
 def _(x, weights, ids, w1, w2, w3, limit):
-    return torch.empty_like(x)
+    # contiguous whatever x's layout, as every path returns it: compiled CPU steps' C++
+    # wrappers do not assert output layouts (``compilation.inductor_options``)
+    return x.new_empty(x.shape)
 
 
 def routed_experts_grouped(

@@ -205,12 +205,14 @@ def sinkhorn_op(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
         if lib is not None:
             return _cpp(comb, iters, eps, lib)
         return _numpy(comb, iters, eps)
-    return reference(comb, iters, eps)
+    return reference(comb, iters, eps).contiguous()
 
 
 @sinkhorn_op.register_fake
 def _(comb, iters, eps):
-    return torch.empty_like(comb)
+    # contiguous whatever comb's layout, as every path returns it: compiled CPU steps' C++
+    # wrappers do not assert output layouts (``compilation.inductor_options``)
+    return comb.new_empty(comb.shape)
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:

@@ -227,7 +227,7 @@ def test_a_compiled_v4_step_serves_rows_with_fewer_entries_than_topk(v4_ckpt):
 def test_outputs_have_their_fakes_layout_on_every_path(rows, dtype, transposed, seed):
     """A compiled CPU step's C++ wrapper runs without Inductor's size asserts, so each op's
     real output must have the sizes and strides its fake promises, whatever the input layout
-    and whichever path (kernel or fallback) runs."""
+    and whichever path (kernel or fallback) runs: the C++ twins and the Python ops alike."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     gen = torch.Generator().manual_seed(seed)
@@ -240,10 +240,14 @@ def test_outputs_have_their_fakes_layout_on_every_path(rows, dtype, transposed, 
     ids, weights = torch.randint(0, 4, (rows, 2), generator=gen), torch.rand(rows, 2)
     q, keys = strided(rows, 3, 8), torch.randn(10, 8, generator=gen, dtype=dtype)
     idx, valid = torch.randint(0, 10, (rows, 6), generator=gen), torch.rand(rows, 6, generator=gen) < 0.7
-    calls = [
-        (torch.ops.deepinfer.routed_experts_cpu, (strided(rows, 16), weights, ids, w1, w2, w3, 3.0)),
-        (torch.ops.deepinfer.sinkhorn_cpu, (strided(rows, 4, 4), 20, 1e-6)),
-        (torch.ops.deepinfer.indexer_topk_cpu, (q, keys, idx, valid, torch.rand(rows, 3).to(dtype), 4, 0.5)),
+    experts = (strided(rows, 16), weights, ids, w1, w2, w3, 3.0)
+    comb = (strided(rows, 4, 4), 20, 1e-6)
+    index = (q, keys, idx, valid, torch.rand(rows, 3).to(dtype), 4, 0.5)
+    ops = torch.ops.deepinfer
+    calls = [  # the C++ twins and the Python ops they stand in for (and fall back to)
+        *[(op, experts) for op in (ops.routed_experts_cpu, ops.routed_experts)],
+        *[(op, comb) for op in (ops.sinkhorn_cpu, ops.sinkhorn)],
+        *[(op, index) for op in (ops.indexer_topk_cpu, ops.indexer_topk)],
     ]
     for op, args in calls:
         real = op(*args)
