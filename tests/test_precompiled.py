@@ -45,7 +45,7 @@ _FRESH_PROCESS = textwrap.dedent(
     dispatched = sum(e.count for e in prof.key_averages() if e.key in [f"deepinfer::{o}" for o in ours])
     step = llm.engine.runner.forward
     print(json.dumps({"tokens": tokens, "loaded": step.loaded, "compiled": step.compiled,
-                      "scalar_args_cached": step.scalar_args_cached,
+                      "scalar_args_cached": step.scalar_args_cached, "plain_helpers": step.plain_helpers,
                       "packed_calls": cpu_linear_op.packed_calls() - packed, "dispatched": dispatched,
                       "seconds": time.perf_counter() - start}))
     """
@@ -106,6 +106,8 @@ def compiled(checkpoint) -> tuple[list[list[int]], list[Path]]:
     assert step.loaded == 0 and step.compiled == len(saved) >= 1
     # the C++ wrapper's entry of every variant takes its scalar arguments from a cache
     assert step.scalar_args_cached == step.compiled
+    # and its pregraph bytecode reads sizes through the helpers' bodies (pregraph_calls.py)
+    assert step.plain_helpers == step.compiled
     assert all(p.parent == checkpoint / ".deepinfer-compiled" for p in saved)
     # written under a temporary name, then renamed: nothing half-written is left beside them
     assert sorted((checkpoint / ".deepinfer-compiled").iterdir()) == sorted(saved)
@@ -134,6 +136,7 @@ def test_a_fresh_process_loads_the_saved_variants_and_compiles_nothing(checkpoin
     assert fresh["tokens"] == eager
     assert fresh["loaded"] == len(saved) and fresh["compiled"] == 0
     assert fresh["scalar_args_cached"] == len(saved)  # loaded variants too; tokens as eager
+    assert fresh["plain_helpers"] == len(saved)
     # the loaded C++ wrappers found our ops' C shims and called them, never the dispatcher
     assert fresh["packed_calls"] > 0 and fresh["dispatched"] == 0
 

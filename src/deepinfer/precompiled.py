@@ -55,6 +55,7 @@ from deepinfer.cpp_wrapper_args import cache_scalar_args
 from deepinfer.gc_heap import freeze_long_lived
 from deepinfer.models.base import CausalLM
 from deepinfer.platforms import cpu_blas
+from deepinfer.pregraph_calls import use_plain_helpers
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ _NOT_IN_STEP = (
     "llm.py",
     "outputs.py",
     "platforms/cpu_blas.py",  # sets MKL's and OpenMP's threads around a step, never inside one
+    "pregraph_calls.py",  # the loaded bytecode's size helpers, not the compiled code
     "sampling_params.py",
     "server",
     "speculative",
@@ -180,6 +182,7 @@ class PrecompiledStep:
         self.compiled = 0
         # C++-wrapper entry functions given cached scalar arguments (cpp_wrapper_args.py)
         self.scalar_args_cached = 0
+        self.plain_helpers = 0  # variants whose pregraph helpers run unwrapped (pregraph_calls.py)
         self._variants: list[Any] | None = None  # AOTCompiledFunction, guards checked here
         self._last = 0  # the variant the previous step ran: tried first
 
@@ -273,6 +276,7 @@ class PrecompiledStep:
                 continue
             compiled.disable_guard_check()  # __call__ checks them itself
             self.scalar_args_cached += cache_scalar_args(compiled)
+            self.plain_helpers += use_plain_helpers(compiled)
             variants.append(compiled)
         self.loaded = len(variants)
         if variants:
@@ -309,4 +313,5 @@ class PrecompiledStep:
                 partial.unlink(missing_ok=True)  # nothing half-written left behind
         compiled.disable_guard_check()
         self.scalar_args_cached += cache_scalar_args(compiled)
+        self.plain_helpers += use_plain_helpers(compiled)
         return compiled
