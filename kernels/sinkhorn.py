@@ -30,9 +30,11 @@ def reference(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 # Matrices per vector block (a multiple of every vector width), and the count from which the
-# blocks split over the step's threads (measured below, RESULTS.md twenty-second session).
+# blocks split over the step's threads: with the step's other kernels keeping the team awake,
+# two threads take 3.8 / 5.6 / 8.1 us against one's 4.9 / 8.5 / 13.0 us for 64 / 128 / 200
+# matrices (2.9 against 3.1 at 32; RESULTS.md twenty-third session).
 BLOCK = 16
-THREADED_COUNT = 256
+THREADED_COUNT = 64
 
 _TEMPLATE = r"""
 #include <ATen/cpu/vec/vec.h>

@@ -160,8 +160,35 @@ class ModelRunner:
         seq_chunks, sample_rows, prompt_rows = [], [], []
         feature_rows: list[tuple[int, int]] | None = [] if self.feature_offsets is not None else None
         row = feature_row = 0
+        # the usual chunk (no prompt logprobs, draft, features or CED replay) takes the short
+        # path: at most its last row's logits (~40% of a 256-sequence decode step's loop)
+        plain = feature_rows is None and self.ced_replay is None
+        window_table = self._window_table
         for c in chunks:
             req = c.request
+            if plain and not c.draft and req.params.prompt_logprobs is None:
+                prompt_rows.append((row, 0))
+                if c.samples:
+                    offsets = [c.num_tokens - 1]
+                    sample_rows.append(row)
+                    row += 1
+                else:
+                    offsets = []
+                    sample_rows.append(-1)
+                seq_chunks.append(
+                    SeqChunk(
+                        req.block_ids,
+                        req.slot,
+                        c.start,
+                        c.num_tokens,
+                        c.restore_overlap,
+                        offsets,
+                        0,
+                        None,
+                        window_table(req),
+                    )
+                )
+                continue
             offsets: list[int] = []
             prompt_len = len(req.prompt_token_ids)
             if req.params.prompt_logprobs is not None and c.start < prompt_len - 1:
