@@ -6,7 +6,9 @@ step's contents for compiled steps and captured graphs.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -346,11 +348,19 @@ def build_forward_batch(
     return to_device(positions, device), moved
 
 
+# chunk fields read for every chunk of a step, as C-level getters (``map`` over a step's
+# chunks without a Python frame per chunk)
+_NUM_TOKENS = operator.attrgetter("num_tokens")
+_FEATURE_OFFSETS = operator.attrgetter("feature_offsets")
+_REPLAY_FROM = operator.attrgetter("replay_from")
+_IS_NONE = functools.partial(operator.is_, None)
+
+
 def _padded_chunks(chunks: list[SeqChunk], padding: StepPadding | None) -> list[SeqChunk]:
     """``chunks`` followed by one-token null chunks up to the padded token count."""
     if padding is None:
         return chunks
-    real = sum(c.num_tokens for c in chunks)
+    real = sum(map(_NUM_TOKENS, chunks))
     target = _padded_len(real, padding.num_tokens)
     null_window = None if padding.null_window_block is None else [padding.null_window_block]
     null = SeqChunk([padding.null_block], padding.null_slot, 0, 1, window_table=null_window)
@@ -438,7 +448,7 @@ def _build_on_host(
     logits_idx = [base + k for c, base in zip(chunks, tokens.base, strict=True) for k in c.logits_offsets]
     real_logits = len(logits_idx)
     feature_idx = None
-    if any(c.feature_offsets is not None for c in chunks):
+    if not all(map(_IS_NONE, map(_FEATURE_OFFSETS, chunks))):
         rows = [
             base + k for c, base in zip(chunks, tokens.base, strict=True) for k in c.feature_offsets or ()
         ]
@@ -450,12 +460,12 @@ def _build_on_host(
         window_idx=_tensor(rows_at(window_q)),
         window_valid=_tensor(window_valid),
         window_write=_tensor(rows_at(positions[:, None])[:, 0]),
-        logits_idx=torch.tensor(logits_idx, dtype=torch.long),
+        logits_idx=None,  # set below, padded or not
         feature_idx=feature_idx,
     )
     for ratio in layout.ratios:
         batch.groups[ratio] = _group_meta(layout, ratio, tokens, padding)
-    if any(c.replay_from > 0 for c in chunks):
+    if any(map(_REPLAY_FROM, chunks)):  # replay_from >= 0: some chunk replays
         replay = np.fromiter((c.replay_from for c in chunks), np.int64, len(chunks))[tokens.seq_of_token]
         rows = np.flatnonzero(positions >= replay)
         decoder_valid = window_valid & (window_q >= replay[:, None])
@@ -469,7 +479,8 @@ def _build_on_host(
         if not logits_idx and batch.decoder_rows is not None and batch.decoder_rows.numel():
             pad = int(batch.decoder_rows[0])
         extra = _padded_len(real_logits, fixed) - real_logits
-        batch.logits_idx = torch.tensor(logits_idx + [pad] * extra, dtype=torch.long)
+        logits_idx += [pad] * extra
+    batch.logits_idx = torch.tensor(logits_idx, dtype=torch.long)
     if w == 0:
         batch.full = _full_attention_meta(layout, chunks, tokens, padding)
     return _tensor(positions), batch

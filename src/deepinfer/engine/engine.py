@@ -670,8 +670,9 @@ class Engine:
         of drafted chunks, prefix-cache publishing, then the drafter's turn."""
         chunks = prepared.chunks
         live = [(c, row) for c, row in zip(chunks, prepared.sample_rows, strict=True) if row >= 0]
-        for c, _ in live:
-            c.request.pending_tokens = max(0, c.request.pending_tokens - 1)
+        if self._executor is not None:  # only an asynchronous engine counts in-flight tokens
+            for c, _ in live:
+                c.request.pending_tokens = max(0, c.request.pending_tokens - 1)
         live = [(c, row) for c, row in live if not c.request.finished]
         self._prompt_logprobs(prepared, logits)
         updated = self._sample([(c, row) for c, row in live if not c.draft], logits)
@@ -682,10 +683,8 @@ class Engine:
             for v, (_, raw) in zip(verified, drafted, strict=True):
                 v.logits = raw  # logprobs are reported from the raw distribution
             updated += [self._append_verified(v) for v in verified]
-        for c in chunks:
-            if c.request.status is Status.RUNNING:
-                self.scheduler.publish_full_blocks(c.request)
-                self.scheduler.trim_window(c.request)  # published first: trimmed blocks stay cached
+        # published first, then trimmed: trimmed blocks stay cached
+        self.scheduler.after_step([c.request for c in chunks])
         if self.spec is not None:
             if prepared.forward_s is not None and all(c.num_tokens == 1 + len(c.draft) for c in chunks):
                 self.spec.observe_step(sum(c.num_tokens for c in chunks), prepared.forward_s)

@@ -213,6 +213,29 @@ class Scheduler:
             if self.window_pool is not None and k < len(window) and window[k] >= 0:
                 self.window_pool.cache(window[k], parent)
 
+    def after_step(self, requests: list[Request]) -> None:
+        """After a step, for each of its running requests: publish the blocks it filled, then
+        give back the window blocks it left (``publish_full_blocks``, ``trim_window``). A
+        decode step does either about once a block per request; the quick checks here skip
+        both calls otherwise (~0.5 us a request, a step of 200 sequences is ~1 ms of host)."""
+        bs, window = self.block_size, self.window
+        publish = self.config.enable_prefix_caching
+        trim = self.window_pool is not None
+        running = Status.RUNNING
+        for request in requests:
+            if request.status is not running:
+                continue
+            computed = request.num_computed_tokens
+            if publish and min(
+                computed, len(request.prompt_token_ids) + len(request.output_token_ids)
+            ) // bs > len(request.block_hashes):
+                self.publish_full_blocks(request)
+            if trim:
+                ids = request.window_block_ids
+                j = min(max(0, computed - window + 1) // bs, len(ids)) - 1
+                if j >= 0 and ids[j] >= 0:
+                    self.trim_window(request)
+
     # ---- the policy -----------------------------------------------------------------------
 
     def preempt(self, request: Request) -> None:
@@ -260,14 +283,17 @@ class Scheduler:
             if self.drafter is not None and num_new == todo and self.may_draft(request):
                 draft = self.drafter(request, budget - num_new)  # drafts follow the newest token
             num_new += len(draft)
-            while not self._ensure_blocks(request, request.num_computed_tokens + num_new):
+            ready = self._ensure_blocks(request, request.num_computed_tokens + num_new)
+            while not ready:
                 victim = next((r for r in reversed(self.running) if id(r) not in scheduled), None)
                 if victim is None:
                     break
                 self.preempt(victim)
                 if victim is request:
                     break
-            if request.status is not Status.RUNNING or not self._has_blocks(request, num_new):
+                ready = self._ensure_blocks(request, request.num_computed_tokens + num_new)
+            # blocks that ``_ensure_blocks`` provided cover the chunk; otherwise check
+            if request.status is not Status.RUNNING or (not ready and not self._has_blocks(request, num_new)):
                 break
             chunks.append(self._chunk(request, num_new, draft))
             scheduled.add(id(request))
