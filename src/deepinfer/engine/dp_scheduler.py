@@ -52,6 +52,10 @@ class DataParallelScheduler:
     def trim_window(self, request: Request) -> None:
         self._of(request).trim_window(request)
 
+    def after_step(self, requests: list[Request]) -> None:
+        for request in requests:
+            self._of(request).after_step([request])
+
     def finish(self, request: Request, computed: int | None = None) -> None:
         self._of(request).finish(request, computed)
 

@@ -289,8 +289,16 @@ class ModelRunner:
         launch time so async steps see fresh tokens. Rank 0's are padded to its step's rows
         (another rank pads its own)."""
         ids: list[int] = []
+        chunks = step.chunks
         for i in step.on_rank(rank):
-            c = step.chunks[i]
+            c = chunks[i]
+            if c.num_tokens == 1 and not c.draft:  # a decode: the one token at its start
+                req, start = c.request, c.start
+                prompt = req.prompt_token_ids
+                ids.append(
+                    prompt[start] if start < len(prompt) else req.output_token_ids[start - len(prompt)]
+                )
+                continue
             ids += c.request.token_slice(c.start, c.end - len(c.draft)) + c.draft
         if rank == 0:
             ids += [0] * (step.positions.shape[0] - len(ids))  # padded null tokens
