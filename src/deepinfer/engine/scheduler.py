@@ -267,9 +267,11 @@ class Scheduler:
             self.plan_drafts([r for r in self.running if self.may_draft(r)], self.running, len(self.waiting))
         i = 0
         batch_invariant = self.config.batch_invariant
+        bs, windowed = self.block_size, self.window_pool is not None
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            todo = request.num_tokens - request.num_computed_tokens
+            computed = request.num_computed_tokens
+            todo = request.num_tokens - computed
             if todo <= 0:  # waiting for an in-flight token
                 i += 1
                 continue
@@ -283,7 +285,14 @@ class Scheduler:
             if self.drafter is not None and num_new == todo and self.may_draft(request):
                 draft = self.drafter(request, budget - num_new)  # drafts follow the newest token
             num_new += len(draft)
-            ready = self._ensure_blocks(request, request.num_computed_tokens + num_new)
+            end = computed + num_new
+            # a chunk inside the blocks (and the window block) it holds needs no allocation:
+            # ``_ensure_blocks``' own first checks, without its two calls (most decode steps)
+            first, ids = computed // bs, request.window_block_ids
+            ready = len(request.block_ids) * bs >= end and (
+                not windowed or (first == (end - 1) // bs and first < len(ids) and ids[first] >= 0)
+            )
+            ready = ready or self._ensure_blocks(request, end)
             while not ready:
                 victim = next((r for r in reversed(self.running) if id(r) not in scheduled), None)
                 if victim is None:
