@@ -1,7 +1,7 @@
 """The step's Python custom ops -> their C++ dispatcher twins (CPU only).
 
-``deepinfer::routed_experts``, ``deepinfer::sinkhorn`` and ``deepinfer::indexer_topk`` run
-Python for every call a compiled step's C++ wrapper makes (17 a tiny-V4 step).
+``deepinfer::routed_experts``, ``deepinfer::sinkhorn``, ``deepinfer::indexer_topk`` and
+``deepinfer::rope`` run Python for every call a compiled step's C++ wrapper makes (17 a tiny-V4 step).
 ``kernels/cpu_step_ops.py`` registers C++ ops with the same schemas and kernels, which hand
 any input their kernels do not take back to the Python op; this pass points each fp32 CPU
 call at them. Installed only where they built."""
@@ -13,7 +13,7 @@ from deepinfer.compile_passes.matching import is_op, val
 
 
 def use_native_cpu_ops(graph: torch.fx.Graph) -> int:
-    """Retarget each ``routed_experts`` / ``sinkhorn`` / ``indexer_topk`` call on fp32 CPU
+    """Retarget each ``routed_experts`` / ``sinkhorn`` / ``indexer_topk`` / ``rope`` call on fp32 CPU
     tensors that need no gradient; returns how many."""
     from deepinfer.kernels import cpu_step_ops
 
@@ -23,6 +23,7 @@ def use_native_cpu_ops(graph: torch.fx.Graph) -> int:
         torch.ops.deepinfer.routed_experts.default: torch.ops.deepinfer.routed_experts_cpu.default,
         torch.ops.deepinfer.sinkhorn.default: torch.ops.deepinfer.sinkhorn_cpu.default,
         torch.ops.deepinfer.indexer_topk.default: torch.ops.deepinfer.indexer_topk_cpu.default,
+        torch.ops.deepinfer.rope.default: torch.ops.deepinfer.rope_cpu.default,
     }
     count = 0
     for node in graph.nodes:

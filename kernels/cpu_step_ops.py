@@ -1,5 +1,10 @@
 """The compiled step's opaque CPU ops as C++ dispatcher kernels: ``deepinfer::routed_experts_cpu``,
-``deepinfer::sinkhorn_cpu`` and ``deepinfer::indexer_topk_cpu``.
+``deepinfer::sinkhorn_cpu``, ``deepinfer::indexer_topk_cpu`` and ``deepinfer::rope_cpu``.
+
+``rope_cpu`` is ``deepinfer::rope``'s (``kernels/rope.py``, the interleaved RoPE a compiled
+fp32 CPU step calls as one op) twin: vector lanes hold whole pairs where Inductor's loops read
+and wrote the pairs' strided channels one element at a time (a 2,048-row tiny-V4 prefill
+step 21.2 -> 18.8-19.2 ms, RESULTS.md twenty-third session), with the formula's bits.
 
 ``deepinfer::routed_experts``, ``deepinfer::sinkhorn`` and ``deepinfer::indexer_topk`` are
 Python custom ops: inside a compiled step's C++ wrapper each call goes back into Python (the
@@ -25,6 +30,7 @@ from __future__ import annotations
 import torch
 from deepinfer.kernels import cpu_build, cpu_moe, indexer_topk, sinkhorn
 from deepinfer.kernels import moe as _moe  # noqa: F401  (registers the experts' fallback op)
+from deepinfer.kernels import rope as _rope  # noqa: F401  (registers RoPE's fallback op)
 
 _OP_SOURCE = r"""
 #include <ATen/ATen.h>
@@ -43,6 +49,7 @@ constexpr int64_t kSmallBytes = SMALL_EXPERT_BYTES_, kMaxRowsSmall = MAX_ROWS_SM
 constexpr int64_t kTinyBytes = TINY_EXPERT_BYTES_, kMaxRowsTiny = MAX_ROWS_TINY;
 constexpr int64_t kThreadedWork = int64_t(1) << 17;  // n_tok * k * inter * d from which threads pay
 constexpr int64_t kIndexerThreadedWork = INDEXER_THREADED_WORK;  // t * e * h * d from which threads pay
+constexpr int64_t kRopeThreadedElements = int64_t(1) << 15;  // elements of x from which threads pay
 
 int64_t transposed_rows(const at::Tensor& w1) {
   const int64_t nbytes = w1.size(1) * w1.size(2) * int64_t(sizeof(float));
@@ -192,6 +199,84 @@ std::tuple<at::Tensor, at::Tensor> indexer_topk_cpu(const at::Tensor& q, const a
   return {rows, picked};
 }
 
+// Interleaved RoPE (models/layers/rope.py ``apply_rope``) on fp32 rows: the last 2 * half
+// channels of each row of x rotate in adjacent pairs, out[2i] = e c - o s, out[2i + 1] =
+// o c + e s, the others are copied. cos / sin hold one row of `half` values per token
+// (broadcast over x's middle dims) or per row. Vector lanes hold whole pairs: a pair-swapping
+// permute gives (o, e), and x * (c, c) + swapped * (-s, s) rounds each product and the sum as
+// the Python formula does (no contraction: Inductor's flags), so the bits match it.
+at::Tensor rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const bool shaped = x.dim() >= 2 && cos.dim() == x.dim() && cos.sizes() == sin.sizes() &&
+                      2 * cos.size(-1) <= x.size(-1) && cos.size(0) == x.size(0);
+  bool per_token = shaped, per_row = shaped;
+  for (int64_t d = 1; shaped && d + 1 < x.dim(); ++d) {
+    per_token = per_token && cos.size(d) == 1;
+    per_row = per_row && cos.size(d) == x.size(d);
+  }
+  bool native = per_token || per_row;
+  for (const at::Tensor* t : {&x, &cos, &sin})
+    native = native && t->device().is_cpu() && t->scalar_type() == at::kFloat && !t->requires_grad();
+  if (!native) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("deepinfer::rope", "")
+                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+    return op.call(x, cos, sin);
+  }
+  const at::Tensor xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  const int64_t d = x.size(-1), half = cos.size(-1), rd = 2 * half, keep = d - rd;
+  if (xc.numel() == 0) return out;
+  const int64_t rows = xc.numel() / d;
+  const int64_t per = per_row ? 1 : rows / x.size(0);  // rows sharing one token's cos / sin
+  const float *xp = xc.data_ptr<float>(), *cp = cc.data_ptr<float>(), *sp = sc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int threads = rows * d >= kRopeThreadedElements ? at::get_num_threads() : 1;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> c2(rd), s2(rd);  // (c, c) and (-s, s) per pair, for the current token
+    int64_t have = -1;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t = r / per;
+      if (t != have) {
+        for (int64_t i = 0; i < half; ++i) {
+          c2[2 * i] = c2[2 * i + 1] = cp[t * half + i];
+          s2[2 * i] = -sp[t * half + i];
+          s2[2 * i + 1] = sp[t * half + i];
+        }
+        have = t;
+      }
+      const float* xr = xp + r * d;
+      float* yr = op + r * d;
+      std::copy_n(xr, keep, yr);
+      const float* xq = xr + keep;
+      float* yq = yr + keep;
+      int64_t j = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+      for (; j + 16 <= rd; j += 16) {
+        const __m512 v = _mm512_loadu_ps(xq + j);
+        const __m512 swapped = _mm512_permute_ps(v, 0xB1);  // (o, e) in every pair
+        _mm512_storeu_ps(yq + j, _mm512_add_ps(_mm512_mul_ps(v, _mm512_loadu_ps(c2.data() + j)),
+                                               _mm512_mul_ps(swapped, _mm512_loadu_ps(s2.data() + j))));
+      }
+#elif defined(CPU_CAPABILITY_AVX2)
+      for (; j + 8 <= rd; j += 8) {
+        const __m256 v = _mm256_loadu_ps(xq + j);
+        const __m256 swapped = _mm256_permute_ps(v, 0xB1);
+        _mm256_storeu_ps(yq + j, _mm256_add_ps(_mm256_mul_ps(v, _mm256_loadu_ps(c2.data() + j)),
+                                               _mm256_mul_ps(swapped, _mm256_loadu_ps(s2.data() + j))));
+      }
+#endif
+      for (; j < rd; j += 2) {
+        const float e = xq[j], o = xq[j + 1], c = c2[j], s = s2[j + 1];
+        yq[j] = e * c - o * s;
+        yq[j + 1] = o * c + e * s;
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 // The ops' C shims: a compiled step's C++ wrapper calls them by name (Inductor's
@@ -213,6 +298,14 @@ extern "C" SINKHORN_SHIM {
   });
 }
 
+extern "C" ROPE_SHIM {
+  using namespace torch::aot_inductor;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = new_tensor_handle(rope_cpu(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(cos),
+                                       *tensor_handle_to_tensor_pointer(sin)));
+  });
+}
+
 extern "C" INDEXER_TOPK_SHIM {
   using namespace torch::aot_inductor;
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
@@ -228,6 +321,7 @@ extern "C" INDEXER_TOPK_SHIM {
 TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
   m.def("routed_experts_cpu(Tensor x, Tensor weights, Tensor ids, Tensor w1, Tensor w2, Tensor w3, float limit) -> Tensor");
   m.def("sinkhorn_cpu(Tensor comb, int iters, float eps) -> Tensor");
+  m.def("rope_cpu(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("routed_experts_transposed_count() -> int");
   m.def(
       "indexer_topk_cpu(Tensor q, Tensor keys, Tensor entry_idx, Tensor entry_valid, Tensor weights, int topk, "
@@ -237,6 +331,7 @@ TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
 TORCH_LIBRARY_IMPL(deepinfer, CompositeExplicitAutograd, m) {
   m.impl("routed_experts_cpu", &routed_experts_cpu);
   m.impl("sinkhorn_cpu", &sinkhorn_cpu);
+  m.impl("rope_cpu", &rope_cpu);
   m.impl("routed_experts_transposed_count", &transposed_count);
   m.impl("indexer_topk_cpu", &indexer_topk_cpu);
 }
@@ -252,6 +347,8 @@ _SHIMS = {
     "AtenTensorHandle w3, double limit, AtenTensorHandle* ret0)",
     "sinkhorn": "AOTITorchError aoti_torch_cpu_sinkhorn_cpu(AtenTensorHandle comb, int64_t iters, "
     "double eps, AtenTensorHandle* ret0)",
+    "rope": "AOTITorchError aoti_torch_cpu_rope_cpu(AtenTensorHandle x, AtenTensorHandle cos, "
+    "AtenTensorHandle sin, AtenTensorHandle* ret0)",
     "indexer_topk": "AOTITorchError aoti_torch_cpu_indexer_topk_cpu(AtenTensorHandle q, "
     "AtenTensorHandle keys, AtenTensorHandle entry_idx, AtenTensorHandle entry_valid, "
     "AtenTensorHandle weights, int64_t topk, double scale, AtenTensorHandle* ret0, AtenTensorHandle* ret1)",
@@ -294,6 +391,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("deepinfer::sinkhorn_cpu")
     def _(comb, iters, eps):
         return comb.new_empty(comb.shape)
+
+    @torch.library.register_fake("deepinfer::rope_cpu")
+    def _(x, cos, sin):
+        return x.new_empty(x.shape)
 
     @torch.library.register_fake("deepinfer::indexer_topk_cpu")
     def _(q, keys, entry_idx, entry_valid, weights, topk, scale):

@@ -1,5 +1,5 @@
-"""``deepinfer::routed_experts_cpu`` / ``deepinfer::sinkhorn_cpu`` (kernels/cpu_step_ops.py) and
-the pass that puts them into compiled CPU steps.
+"""``deepinfer::routed_experts_cpu`` / ``sinkhorn_cpu`` / ``indexer_topk_cpu`` / ``rope_cpu``
+(kernels/cpu_step_ops.py) and the pass that puts them into compiled CPU steps.
 
 The C++ ops must return exactly what the Python ops they stand in for return, on every input:
 the same kernels where those run (same bits), the Python op itself where they do not. The
@@ -106,6 +106,56 @@ def test_sinkhorn_cpu_returns_the_python_ops_bits(lead, n, iters, dtype, seed):
     )
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    tokens=st.integers(0, 300),
+    heads=st.sampled_from([None, 1, 3, 8]),  # None: rows [T, D] with one table row each
+    half=st.sampled_from([1, 3, 8, 12, 32]),  # pairs: scalar tails, one or several vectors
+    keep=st.sampled_from([0, 5, 48]),  # channels before the rotated ones
+    per_row=st.booleans(),  # tables per (token, head) row rather than per token
+    inverse=st.booleans(),  # -sin: the output's de-rotation
+    transposed=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_rope_cpu_returns_the_python_formulas_bits(
+    tokens, heads, half, keep, per_row, inverse, transposed, seed
+):
+    """The C++ RoPE gives the bits of ``apply_rope``'s formula (which eager steps run) for
+    every layout the model passes: per-token tables broadcast over heads, per-row tables, 2-D
+    rows, the inverse rotation, odd pair counts, non-contiguous input, threaded sizes."""
+    from deepinfer.models.layers.rope import apply_rope
+
+    gen = torch.Generator().manual_seed(seed)
+    d = keep + 2 * half
+    shape = (tokens, d) if heads is None else (tokens, heads, d)
+    x = torch.randn(*shape, generator=gen) * 3
+    if transposed and heads is not None:
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)
+    table = (tokens, half) if heads is None else (tokens, heads if per_row else 1, half)
+    angles = torch.rand(*table, generator=gen) * 50
+    cos, sin = angles.cos(), angles.sin()
+    if inverse:
+        sin = -sin
+    out = torch.ops.deepinfer.rope_cpu(x, cos, sin)
+    ref = apply_rope(x, cos, sin)
+    assert out.is_contiguous() and out.shape == ref.shape
+    assert torch.equal(out, ref)
+
+
+def test_rope_cpu_falls_back_to_the_formula_where_its_kernel_does_not_apply():
+    """Other dtypes, autograd and tables that broadcast over tokens take ATen's formula."""
+    from deepinfer.models.layers.rope import apply_rope
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 4, 40, generator=gen)
+    cos, sin = torch.rand(6, 1, 8, generator=gen), torch.rand(6, 1, 8, generator=gen)
+    shared = (cos[:1], sin[:1])  # one table row for every token
+    for args in [(x.double(), cos.double(), sin.double()), (x.bfloat16(), cos, sin), (x, *shared)]:
+        assert torch.equal(torch.ops.deepinfer.rope_cpu(*args), apply_rope(*args))
+    grad = x.clone().requires_grad_()
+    torch.testing.assert_close(torch.ops.deepinfer.rope_cpu(grad, cos, sin), apply_rope(x, cos, sin))
+
+
 def test_experts_written_in_place_are_never_read_from_a_stale_copy():
     gen = torch.Generator().manual_seed(1)
     w1, w2, w3 = _experts(gen, 4, 16, 16)
@@ -154,8 +204,8 @@ def test_the_pass_leaves_graphs_alone_where_the_ops_did_not_build(monkeypatch):
 
 
 def test_a_compiled_v4_step_runs_the_cpp_ops_and_agrees_with_eager(v4_ckpt):
-    """With the CPU's default passes, every routed-experts, Sinkhorn and indexer call of the
-    tiny V4's compiled step is retargeted (none left to Python), and its tokens are eager's."""
+    """With the CPU's default passes, every routed-experts, Sinkhorn, indexer and RoPE call of
+    the tiny V4's compiled step is retargeted (none left to Python), and its tokens are eager's."""
     from deepinfer import LLM, SamplingParams
 
     torch._dynamo.reset()  # earlier tests' traces of the same step code must not stand in
@@ -174,11 +224,13 @@ def test_a_compiled_v4_step_runs_the_cpp_ops_and_agrees_with_eager(v4_ckpt):
         torch.ops.deepinfer.routed_experts_cpu.default,
         torch.ops.deepinfer.sinkhorn_cpu.default,
         torch.ops.deepinfer.indexer_topk_cpu.default,
+        torch.ops.deepinfer.rope_cpu.default,
     )
     targets = [n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"]
     assert torch.ops.deepinfer.routed_experts.default not in targets  # none left to Python
     assert torch.ops.deepinfer.sinkhorn.default not in targets
     assert torch.ops.deepinfer.indexer_topk.default not in targets
+    assert torch.ops.deepinfer.rope.default not in targets
     # every op of ours the step calls is a C++ one (no Python kernel behind the dispatcher)
     ours = {t.name() for t in targets if isinstance(t, torch._ops.OpOverload) and t.namespace == "deepinfer"}
     cpp_ops = {
@@ -186,8 +238,11 @@ def test_a_compiled_v4_step_runs_the_cpp_ops_and_agrees_with_eager(v4_ckpt):
         "deepinfer::sinkhorn_cpu",
         "deepinfer::indexer_topk_cpu",
         "deepinfer::packed_linear",
+        "deepinfer::rope_cpu",
     }
     assert ours <= cpp_ops, ours
+    # every layer's queries, latent and output de-rotation ran through the C++ RoPE
+    assert targets.count(twins[3]) >= 3 * layers
     assert sum(targets.count(t) for t in twins) == step.pass_manager.counts["use_native_cpu_ops"]
     # every layer's experts and both of its Sinkhorns ran compiled, as the C++ ops; so did the
     # indexer of every layer that has one
@@ -243,11 +298,13 @@ def test_outputs_have_their_fakes_layout_on_every_path(rows, dtype, transposed, 
     experts = (strided(rows, 16), weights, ids, w1, w2, w3, 3.0)
     comb = (strided(rows, 4, 4), 20, 1e-6)
     index = (q, keys, idx, valid, torch.rand(rows, 3).to(dtype), 4, 0.5)
+    rope = (strided(rows, 2, 24), torch.randn(rows, 1, 8).to(dtype), torch.randn(rows, 1, 8).to(dtype))
     ops = torch.ops.deepinfer
     calls = [  # the C++ twins and the Python ops they stand in for (and fall back to)
         *[(op, experts) for op in (ops.routed_experts_cpu, ops.routed_experts)],
         *[(op, comb) for op in (ops.sinkhorn_cpu, ops.sinkhorn)],
         *[(op, index) for op in (ops.indexer_topk_cpu, ops.indexer_topk)],
+        *[(op, rope) for op in (ops.rope_cpu, ops.rope)],
     ]
     for op, args in calls:
         real = op(*args)

@@ -246,6 +246,7 @@ def test_the_cpp_wrapper_switch_reaches_the_options_and_the_key(checkpoint, monk
         torch.ops.deepinfer.routed_experts_cpu.default,
         torch.ops.deepinfer.sinkhorn_cpu.default,
         torch.ops.deepinfer.indexer_topk_cpu.default,
+        torch.ops.deepinfer.rope_cpu.default,
     }
     assert "cpp.min_chunk_size" not in inductor_options(manager, torch.device("meta"))
     with_wrapper = artefact_key(model, manager)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.kernels.rope import interleaved_rope
+
 
 @dataclass
 class YarnParams:
@@ -69,10 +71,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate adjacent pairs of the last ``2 * cos.shape[-1]`` channels of ``x`` in fp32.
 
     ``cos``/``sin`` are ``[..., S, rope_dim/2]`` and broadcast against ``x``'s leading dims;
-    pass ``-sin`` to undo the rotation (the output de-rotation of §2.3 step 6).
+    pass ``-sin`` to undo the rotation (the output de-rotation of §2.3 step 6). A compiled fp32
+    CPU step calls it as one op (``deepinfer::rope``, the same formula; its C++ twin rotates
+    whole pairs in vector lanes where Inductor's loops went element by element).
     """
-    rd = cos.shape[-1] * 2
-    nope, rope = x[..., :-rd], x[..., -rd:].float()
-    even, odd = rope[..., 0::2], rope[..., 1::2]
-    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
-    return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+    if x.device.type == "cpu" and x.dtype == torch.float32 and torch.compiler.is_compiling():
+        return torch.ops.deepinfer.rope(x, cos, sin)
+    return interleaved_rope(x, cos, sin)
