@@ -58,8 +58,13 @@ def test_cached_scalars_give_what_the_generated_function_gives():
     and bools and floats that compare equal kept apart, and the argument list cleared."""
     generated, cached = _generated(_echo), _cached_call(_echo)
     x = torch.arange(6.0)
-    for scalars in ([3, 7, 3], [True, 1, 1.0], [3, 7, 3], [False, 0, 0.0], [2048, 5, 7]):
-        args_a, args_b = [x, *scalars], [x, *scalars]
+    y = torch.ones(2, dtype=torch.long)
+    # the scalars' positions learned on the first call; lists laid out otherwise (a tensor
+    # where a scalar was, another length) are taken apart again
+    calls = [[x, 3, 7, 3], [x, True, 1, 1.0], [x, 3, 7, 3], [x, False, 0, 0.0], [x, 2048, 5, 7]]
+    calls += [[x, y, 7, 3], [x, 4, y, 3], [5, x], [x, 9, 8, 7, 6], [x, 1, 2, 3]]
+    for args in calls:
+        args_a, args_b = list(args), list(args)
         want, got = generated(args_a), cached(args_b)
         assert args_a == [] and args_b == []
         assert len(want) == len(got)

@@ -135,19 +135,28 @@ def _cached_call(entry: Callable[[Any], Any]) -> Callable[[list[Any]], Any]:
     to_handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors
     from_handles = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
 
+    # where the scalars sit in the argument list (a graph's signature fixes it), learned on
+    # the first call: later calls replace just those instead of testing all ~280 arguments
+    layout: list[Any] = [None, ()]  # [argument count, scalar positions]
+
+    def scalar_tensor(arg: Any) -> torch.Tensor:
+        key = (type(arg), arg)
+        scalar = cache.get(key)
+        if scalar is None:
+            scalar = torch.tensor(arg, device="cpu")
+            if len(cache) < MAX_CACHED:
+                cache[key] = scalar
+        return scalar
+
     def call(args: list[Any]) -> Any:
-        tensors = []
-        for arg in args:
-            if isinstance(arg, torch.Tensor):
-                tensors.append(arg)
-                continue
-            key = (type(arg), arg)
-            scalar = cache.get(key)
-            if scalar is None:
-                scalar = torch.tensor(arg, device="cpu")
-                if len(cache) < MAX_CACHED:
-                    cache[key] = scalar
-            tensors.append(scalar)
+        count, positions = layout
+        if len(args) == count and all(not isinstance(args[i], torch.Tensor) for i in positions):
+            tensors = list(args)
+            for i in positions:
+                tensors[i] = scalar_tensor(args[i])
+        else:
+            layout[:] = len(args), tuple(i for i, a in enumerate(args) if not isinstance(a, torch.Tensor))
+            tensors = [a if isinstance(a, torch.Tensor) else scalar_tensor(a) for a in args]
         handles = to_handles(tensors)
         args.clear()  # the inputs are released as the generated function releases them
         del tensors
