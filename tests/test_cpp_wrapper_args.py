@@ -68,5 +68,7 @@ def test_cached_scalars_give_what_the_generated_function_gives():
         want, got = generated(args_a), cached(args_b)
         assert args_a == [] and args_b == []
         assert len(want) == len(got)
-        for w, g in zip(want, got, strict=True):
+        for w, g, arg in zip(want, got, args, strict=True):
             assert w.dtype == g.dtype and torch.equal(w, g)
+            if isinstance(arg, torch.Tensor):  # a tensor argument reaches the entry itself
+                assert g.data_ptr() == arg.data_ptr() == w.data_ptr()
