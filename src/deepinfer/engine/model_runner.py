@@ -16,7 +16,7 @@ import torch
 
 from deepinfer.cache.forward_batch import ForwardBatch
 from deepinfer.cache.pools import CacheLayout, allocate_pools
-from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch
+from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch, long_tensor
 from deepinfer.engine.graph_runner import DecodeGraphRunner
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import ScheduledChunk
@@ -302,6 +302,8 @@ class ModelRunner:
             ids += c.request.token_slice(c.start, c.end - len(c.draft)) + c.draft
         if rank == 0:
             ids += [0] * (step.positions.shape[0] - len(ids))  # padded null tokens
+        if self.device.type == "cpu":
+            return long_tensor(ids)
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def steps_per_second(self, max_tokens: int, repeats: int = 3) -> SpsTable:
