@@ -217,7 +217,7 @@ class Scheduler:
         """After a step, for each of its running requests: publish the blocks it filled, then
         give back the window blocks it left (``publish_full_blocks``, ``trim_window``). A
         decode step does either about once a block per request; the quick checks here skip
-        both calls otherwise (~0.5 us a request, a step of 200 sequences is ~1 ms of host)."""
+        both calls otherwise (processing a tiny-V4 round of ~37k request steps 120 -> 97 ms)."""
         bs, window = self.block_size, self.window
         publish = self.config.enable_prefix_caching
         trim = self.window_pool is not None
