@@ -163,57 +163,38 @@ class ModelRunner:
         # the usual chunk (no prompt logprobs, draft, features or CED replay) takes the short
         # path: at most its last row's logits (~40% of a 256-sequence decode step's loop)
         plain = feature_rows is None and self.ced_replay is None
-        window_table = self._window_table
         for c in chunks:
             req = c.request
+            replay_from, features = 0, None
             if plain and not c.draft and req.params.prompt_logprobs is None:
                 prompt_rows.append((row, 0))
-                if c.samples:
-                    offsets = [c.num_tokens - 1]
-                    sample_rows.append(row)
-                    row += 1
-                else:
-                    offsets = []
-                    sample_rows.append(-1)
-                seq_chunks.append(
-                    SeqChunk(
-                        req.block_ids,
-                        req.slot,
-                        c.start,
-                        c.num_tokens,
-                        c.restore_overlap,
-                        offsets,
-                        0,
-                        None,
-                        window_table(req),
-                    )
-                )
-                continue
-            offsets: list[int] = []
-            prompt_len = len(req.prompt_token_ids)
-            if req.params.prompt_logprobs is not None and c.start < prompt_len - 1:
-                # logits at positions p predict token p + 1 of the prompt
-                offsets = list(range(min(c.num_tokens, prompt_len - 1 - c.start)))
-            prompt_rows.append((row, len(offsets)))
-            if c.samples and c.draft:  # verification needs the logits of every drafted position
-                first = c.num_tokens - len(c.draft) - 1
-                sample_rows.append(row + len(offsets))
-                offsets += list(range(first, c.num_tokens))
-            elif c.samples:
-                if not offsets or offsets[-1] != c.num_tokens - 1:
-                    offsets.append(c.num_tokens - 1)
-                sample_rows.append(row + len(offsets) - 1)
+                offsets = [c.num_tokens - 1] if c.samples else []
+                sample_rows.append(row if c.samples else -1)
+                row += len(offsets)
             else:
-                sample_rows.append(-1)
-            row += len(offsets)
-            replay_from = 0
-            if self.ced_replay is not None and req.params.prompt_logprobs is None:
-                replay_from = max(0, prompt_len - self.ced_replay)  # prompt logprobs need every row
-            features = None
-            if self.feature_offsets is not None and feature_rows is not None:
-                features = self.feature_offsets(c.num_tokens, len(c.draft))
-                feature_rows.append((feature_row, features[0] if features else c.num_tokens))
-                feature_row += len(features)
+                offsets = []
+                prompt_len = len(req.prompt_token_ids)
+                if req.params.prompt_logprobs is not None and c.start < prompt_len - 1:
+                    # logits at positions p predict token p + 1 of the prompt
+                    offsets = list(range(min(c.num_tokens, prompt_len - 1 - c.start)))
+                prompt_rows.append((row, len(offsets)))
+                if c.samples and c.draft:  # verification needs the logits of every drafted position
+                    first = c.num_tokens - len(c.draft) - 1
+                    sample_rows.append(row + len(offsets))
+                    offsets += list(range(first, c.num_tokens))
+                elif c.samples:
+                    if not offsets or offsets[-1] != c.num_tokens - 1:
+                        offsets.append(c.num_tokens - 1)
+                    sample_rows.append(row + len(offsets) - 1)
+                else:
+                    sample_rows.append(-1)
+                row += len(offsets)
+                if self.ced_replay is not None and req.params.prompt_logprobs is None:
+                    replay_from = max(0, prompt_len - self.ced_replay)  # prompt logprobs need every row
+                if self.feature_offsets is not None and feature_rows is not None:
+                    features = self.feature_offsets(c.num_tokens, len(c.draft))
+                    feature_rows.append((feature_row, features[0] if features else c.num_tokens))
+                    feature_row += len(features)
             seq_chunks.append(
                 SeqChunk(
                     req.block_ids,
