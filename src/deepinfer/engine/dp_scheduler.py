@@ -46,12 +46,6 @@ class DataParallelScheduler:
     def _of(self, request: Request) -> Scheduler:
         return self.ranks[request.dp_rank]
 
-    def publish_full_blocks(self, request: Request, computed: int | None = None) -> None:
-        self._of(request).publish_full_blocks(request, computed)
-
-    def trim_window(self, request: Request) -> None:
-        self._of(request).trim_window(request)
-
     def after_step(self, requests: list[Request]) -> None:
         for request in requests:
             self._of(request).after_step([request])
