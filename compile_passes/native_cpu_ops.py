@@ -1,7 +1,8 @@
 """The step's Python custom ops -> their C++ dispatcher twins (CPU only).
 
 ``deepinfer::routed_experts``, ``deepinfer::sinkhorn``, ``deepinfer::indexer_topk`` and
-``deepinfer::rope`` run Python for every call a compiled step's C++ wrapper makes (17 a tiny-V4 step).
+``deepinfer::rope`` run Python for every call a compiled step's C++ wrapper makes (39 a tiny-V4
+step, 22 of them RoPE).
 ``kernels/cpu_step_ops.py`` registers C++ ops with the same schemas and kernels, which hand
 any input their kernels do not take back to the Python op; this pass points each fp32 CPU
 call at them. Installed only where they built."""

@@ -41,7 +41,7 @@ _FRESH_PROCESS = textwrap.dedent(
     packed = cpu_linear_op.packed_calls()
     with profile() as prof:  # the dispatcher records every op it calls; C shims bypass it
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    ours = ("packed_linear", "routed_experts_cpu", "sinkhorn_cpu", "indexer_topk_cpu")
+    ours = ("packed_linear", "routed_experts_cpu", "sinkhorn_cpu", "indexer_topk_cpu", "rope_cpu")
     dispatched = sum(e.count for e in prof.key_averages() if e.key in [f"deepinfer::{o}" for o in ours])
     step = llm.engine.runner.forward
     print(json.dumps({"tokens": tokens, "loaded": step.loaded, "compiled": step.compiled,
