@@ -107,3 +107,31 @@ def test_native_builder_leaves_out_of_table_steps_to_numpy():
         assert torch.equal(getattr(got, f.name), getattr(want, f.name)), f.name
     with pytest.raises(IndexError):
         step_metadata._group_meta(layout, 2, step_metadata._token_layout(short_table, None), None)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_window_tables_align_held_blocks_with_the_block_table(data):
+    """Each chunk's window table as its request holds it (given-back or missing blocks < 0,
+    shorter or longer than its block table) reads, column for column of the step's block
+    tables, its held block where one is held and its null block elsewhere."""
+    n = data.draw(st.integers(1, 5))
+    chunks = []
+    for i in range(n):
+        blocks = data.draw(st.integers(1, 6))
+        held = data.draw(st.lists(st.one_of(st.just(-1), st.integers(0, 50)), max_size=blocks + 2))
+        null = data.draw(st.sampled_from([99, 100 + i]))
+        chunks.append(SeqChunk(list(range(blocks)), i, 0, 1, window_table=held, window_null=null))
+    tables, sizes = step_metadata._padded_table([c.block_table for c in chunks])
+    got = step_metadata._window_tables(chunks, [c.window_table for c in chunks], tables.shape[1], sizes)
+    for row, c in zip(got.tolist(), chunks, strict=True):
+        held = c.window_table[: len(c.block_table)]
+        aligned = [b if b >= 0 else c.window_null for b in held]
+        aligned += [c.window_null] * (len(row) - len(aligned))
+        assert row == aligned
+
+
+def test_window_tables_need_the_null_block():
+    chunk = SeqChunk([0, 1], 0, 0, 1, window_table=[3, -1])
+    with pytest.raises(ValueError, match="window_null"):
+        step_metadata._token_layout([chunk], None)

@@ -18,7 +18,6 @@ from deepinfer.cache.forward_batch import ForwardBatch
 from deepinfer.cache.pools import CacheLayout, allocate_pools
 from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch, long_tensor
 from deepinfer.engine.graph_runner import DecodeGraphRunner
-from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import ScheduledChunk
 from deepinfer.models.base import CausalLM
 from deepinfer.platforms import GraphCapture, cpu_blas
@@ -163,6 +162,7 @@ class ModelRunner:
         # the usual chunk (no prompt logprobs, draft, features or CED replay) takes the short
         # path: at most its last row's logits (~40% of a 256-sequence decode step's loop)
         plain = feature_rows is None and self.ced_replay is None
+        window_null = self.null_window_block  # a bounded window's tables are aligned in the builder
         for c in chunks:
             req = c.request
             replay_from, features = 0, None
@@ -205,7 +205,10 @@ class ModelRunner:
                     offsets,
                     replay_from,
                     features,
-                    self._window_table(req),
+                    # a copy: a step sent on (tensor parallel) is built after the scheduler
+                    # gives blocks back
+                    None if window_null is None else req.window_block_ids.copy(),
+                    window_null,
                 )
             )
         if data_parallel:
@@ -233,16 +236,6 @@ class ModelRunner:
             return None
         needs_padding = getattr(self.forward, "needs_padding", None)
         return self.padding if needs_padding is None or needs_padding() else None
-
-    def _window_table(self, request: Request) -> list[int] | None:
-        """The request's window blocks aligned with its block table (blocks given back, or
-        not yet taken, point at the window pool's null block); None without a bounded
-        window."""
-        null = self.null_window_block
-        if null is None:
-            return None
-        ids = request.window_block_ids[: len(request.block_ids)]
-        return [b if b >= 0 else null for b in ids] + [null] * (len(request.block_ids) - len(ids))
 
     def _slot_rows(self) -> list[tuple[torch.Tensor, int]]:
         """Every per-slot compressor tensor (partial-group buffers, live overlap) and its
