@@ -80,6 +80,17 @@ static void transpose_block(const float* keys, const int64_t* idx, int64_t n, in
   at::vec::transpose_mxn<float>(rows, D, kt, V, static_cast<int>(V), static_cast<int>(D));
 }
 
+// Asks for the key rows of the n entries at idx (those inside the pool) to be brought into
+// the cache: the rows are scattered over the pool, so each block's copy otherwise waits on
+// its loads (a 200-row decode step spent most of the kernel on them).
+static inline void prefetch_rows(const float* keys, const int64_t* idx, int64_t n, int64_t D, int64_t N) {
+  for (int64_t l = 0; l < n; ++l) {
+    if (idx[l] < 0 || idx[l] >= N) continue;
+    const char* row = reinterpret_cast<const char*>(keys + idx[l] * D);
+    for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(float)); b += 64) __builtin_prefetch(row + b);
+  }
+}
+
 // One row t: scores of its E entries into s (-inf where not visible), then the min(K, E) best
 // (score descending, column ascending) into out_rows / out_valid, and K - E padding columns
 // where E < K (the row's first entry, or pool row 0 without any, never visible). Returns how many visible entries
@@ -110,6 +121,7 @@ static int64_t indexer_row(const float* q, const float* keys, const int64_t* idx
     }
     float* kt = kts + e0 * D;
     if (!same) {
+      if (e0 + V < E) prefetch_rows(keys, idx + e0 + V, std::min<int64_t>(V, E - e0 - V), D, N);
       transpose_block(keys, idx + e0, n, D, N, rows, kt);
       for (int64_t l = 0; l < n; ++l) cached[e0 + l] = idx[e0 + l];
     }
@@ -160,10 +172,12 @@ extern "C" int64_t indexer_topk_f32(const float* q, const float* keys, const int
     std::vector<float> s(E), rows(V * D), kts(blocks * V * D);
     std::vector<int64_t> order(E), cached(E, -1);  // -1: no block transposed yet (nor any index)
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t)
+    for (int64_t t = 0; t < T; ++t) {
+      if (t + 1 < T) prefetch_rows(keys, entry_idx + (t + 1) * E, std::min<int64_t>(V, E), D, N);
       bad += indexer_row(q + t * H * D, keys, entry_idx + t * E, entry_valid + t * E, weights + t * H, H, D, E,
                          N, K, scale, s.data(), rows.data(), kts.data(), cached.data(), order.data(),
                          out_rows + t * K, out_valid + t * K);
+    }
   }
   return bad;
 }
