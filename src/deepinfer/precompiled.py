@@ -95,6 +95,7 @@ _NOT_IN_STEP = (
     "outputs.py",
     "platforms/cpu_blas.py",  # sets MKL's and OpenMP's threads around a step, never inside one
     "pregraph_calls.py",  # the loaded bytecode's size helpers, not the compiled code
+    "sampling/sampler.py",  # samples a step's logits on the host, after the step
     "sampling_params.py",
     "server",
     "speculative",

@@ -7,7 +7,8 @@ numbers it consumes depend only on its own generator, never on the batch composi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,13 +17,32 @@ from deepinfer.sampling_params import SamplingParams
 
 @dataclass
 class SamplingRow:
-    """What the sampler needs to know about one request at this step."""
+    """What the sampler needs to know about one request at this step. ``greedy`` and ``plain``
+    are read from ``params`` once, as the engine reads a request's params once (its generator
+    is made at submission): per row and step they were most of a greedy batch's sampling."""
 
     params: SamplingParams
     generator: torch.Generator | None
     prompt_ids: list[int]
     output_ids: list[int]
     eos_ids: list[int]
+    greedy: bool = field(init=False)
+    plain: bool = field(init=False)  # no logits processor can apply, whatever the history
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.greedy = p.greedy
+        self.plain = not (
+            p.logit_bias
+            or p.min_tokens > 0
+            or p.repetition_penalty != 1.0
+            or p.presence_penalty
+            or p.frequency_penalty
+        )
+
+
+_PLAIN = operator.attrgetter("plain")
+_GREEDY = operator.attrgetter("greedy")
 
 
 def make_generator(params: SamplingParams, device: torch.device, offset: int = 0) -> torch.Generator:
@@ -38,7 +58,9 @@ def make_generator(params: SamplingParams, device: torch.device, offset: int = 0
 def apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """logit_bias, min_tokens blocking and the three penalties, row by row (fp32 copy, made
     only when some row needs one: the common greedy step keeps the logits as they are)."""
-    if not any(needs_history(row.params, row.output_ids) for row in rows):
+    if all(map(_PLAIN, rows)) or not any(
+        needs_history(row.params, row.output_ids) for row in rows if not row.plain
+    ):
         return logits.float()
     out = logits.float().clone()
     for i, row in enumerate(rows):
@@ -121,7 +143,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], rowwise: bool = False)
         return [sample(logits[i : i + 1], [row])[0] for i, row in enumerate(rows)]
     processed = apply_processors(logits, rows)
     tokens = greedy_tokens(processed).tolist()
-    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if all(map(_GREEDY, rows)):
+        return tokens
+    random_rows = [i for i, r in enumerate(rows) if not r.greedy]
     if random_rows:
         idx = torch.tensor(random_rows)
         params = [rows[i].params for i in random_rows]
