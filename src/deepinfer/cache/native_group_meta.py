@@ -65,9 +65,18 @@ inline bool pad(std::vector<int64_t>& v, int64_t units, int64_t width, int64_t f
   return true;
 }
 
-inline int64_t index_of(const std::vector<int64_t>& sorted, int64_t value) {
-  return std::lower_bound(sorted.begin(), sorted.end(), value) - sorted.begin();
-}
+// Position of each value of `sorted` (unique, >= 0) in it, looked up directly: a binary
+// search per row was most of a step's build (768 rows of a closing 128-group: 116 us).
+// Only the entries of this call's values are written, and only those are read.
+struct RowIndex {
+  std::vector<int64_t> at;
+  void fill(const std::vector<int64_t>& sorted) {
+    if (!sorted.empty() && at.size() <= static_cast<size_t>(sorted.back())) at.resize(sorted.back() + 1);
+    for (size_t i = 0; i < sorted.size(); ++i) at[sorted[i]] = static_cast<int64_t>(i);
+  }
+  int64_t operator()(int64_t value) const { return at[value]; }
+};
+thread_local RowIndex buffer_index, overlap_index;
 
 }  // namespace
 
@@ -165,10 +174,12 @@ extern "C" int64_t group_meta_build(
     if (!ok) return -1;
   }
   const int64_t t_total = T, num_buffer = static_cast<int64_t>(s.buffer_rows.size());
+  buffer_index.fill(read_buffer);
+  overlap_index.fill(read_overlap);
   auto numbered = [&](int64_t row) -> int64_t {
     if (row >= 0) return row;
-    if (row % 2 != 0) return t_total + index_of(read_buffer, (-row - 1) / 2);
-    return t_total + num_buffer + index_of(read_overlap, (-row - 2) / 2);
+    if (row % 2 != 0) return t_total + buffer_index((-row - 1) / 2);
+    return t_total + num_buffer + overlap_index((-row - 2) / 2);
   };
   for (auto& row : s.group_rows) row = numbered(row);
   for (size_t i = 0; i < s.prev_rows.size(); ++i) {
