@@ -266,7 +266,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             computed = request.num_computed_tokens
-            todo = request.num_tokens - computed
+            known = len(request.prompt_token_ids) + len(request.output_token_ids) + request.pending_tokens
+            todo = known - computed  # ``request.num_tokens`` inline, as ``_chunk`` below
             if todo <= 0:  # waiting for an in-flight token
                 i += 1
                 continue
@@ -299,7 +300,19 @@ class Scheduler:
             # blocks that ``_ensure_blocks`` provided cover the chunk; otherwise check
             if request.status is not Status.RUNNING or (not ready and not self._has_blocks(request, num_new)):
                 break
-            chunks.append(self._chunk(request, num_new, draft))
+            # ``_chunk`` inline (a decode step makes one per running request)
+            chunks.append(
+                ScheduledChunk(
+                    request,
+                    computed,
+                    num_new,
+                    request.restore_overlap,
+                    computed + num_new - len(draft) == known,
+                    draft,
+                )
+            )
+            request.restore_overlap = False
+            request.num_computed_tokens = computed + num_new
             scheduled.add(id(request))
             budget -= num_new
             i += 1
