@@ -40,6 +40,21 @@ class ScheduledChunk:
         return self.start + self.num_tokens
 
 
+def _take_chunk(
+    request: Request, computed: int, num_new: int, known: int, draft: list[int]
+) -> ScheduledChunk:
+    """The chunk of ``num_new`` positions from ``computed`` (the request's computed count) of a
+    request with ``known`` tokens, counted as computed; a drafted chunk is rolled back to its
+    accepted part after verification (``Engine._process``). The caller passes the counts it
+    read already: a decode step makes one chunk per running request."""
+    chunk = ScheduledChunk(
+        request, computed, num_new, request.restore_overlap, computed + num_new - len(draft) == known, draft
+    )
+    request.restore_overlap = False
+    request.num_computed_tokens = computed + num_new
+    return chunk
+
+
 class Scheduler:
     """Decides each step's chunks from requests, a token budget and free blocks, never
     tensors: running requests first (decodes, the rest of chunked prefills, drafts within the
@@ -267,7 +282,7 @@ class Scheduler:
             request = self.running[i]
             computed = request.num_computed_tokens
             known = len(request.prompt_token_ids) + len(request.output_token_ids) + request.pending_tokens
-            todo = known - computed  # ``request.num_tokens`` inline, as ``_chunk`` below
+            todo = known - computed  # ``request.num_tokens`` inline (one read per request)
             if todo <= 0:  # waiting for an in-flight token
                 i += 1
                 continue
@@ -300,19 +315,7 @@ class Scheduler:
             # blocks that ``_ensure_blocks`` provided cover the chunk; otherwise check
             if request.status is not Status.RUNNING or (not ready and not self._has_blocks(request, num_new)):
                 break
-            # ``_chunk`` inline (a decode step makes one per running request)
-            chunks.append(
-                ScheduledChunk(
-                    request,
-                    computed,
-                    num_new,
-                    request.restore_overlap,
-                    computed + num_new - len(draft) == known,
-                    draft,
-                )
-            )
-            request.restore_overlap = False
-            request.num_computed_tokens = computed + num_new
+            chunks.append(_take_chunk(request, computed, num_new, known, draft))
             scheduled.add(id(request))
             budget -= num_new
             i += 1
@@ -334,7 +337,7 @@ class Scheduler:
             request.slot = self.free_slots.pop()
             request.status = Status.RUNNING
             self.running.append(request)
-            chunks.append(self._chunk(request, num_new))
+            chunks.append(_take_chunk(request, request.num_computed_tokens, num_new, request.num_tokens, []))
             budget -= num_new
         return chunks
 
@@ -361,19 +364,3 @@ class Scheduler:
 
     def _has_blocks(self, request: Request, num_new: int) -> bool:
         return len(request.block_ids) * self.block_size >= request.num_computed_tokens + num_new
-
-    def _chunk(self, request: Request, num_new: int, draft: list[int] | None = None) -> ScheduledChunk:
-        """The chunk, counted as computed; a drafted chunk is rolled back to its accepted part
-        after verification (``Engine._process``)."""
-        draft = draft or []
-        chunk = ScheduledChunk(
-            request,
-            request.num_computed_tokens,
-            num_new,
-            request.restore_overlap,
-            samples=request.num_computed_tokens + num_new - len(draft) == request.num_tokens,
-            draft=draft,
-        )
-        request.restore_overlap = False
-        request.num_computed_tokens += num_new
-        return chunk
