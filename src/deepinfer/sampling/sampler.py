@@ -30,15 +30,8 @@ class SamplingRow:
     plain: bool = field(init=False)  # no logits processor can apply, whatever the history
 
     def __post_init__(self) -> None:
-        p = self.params
-        self.greedy = p.greedy
-        self.plain = not (
-            p.logit_bias
-            or p.min_tokens > 0
-            or p.repetition_penalty != 1.0
-            or p.presence_penalty
-            or p.frequency_penalty
-        )
+        self.greedy = self.params.greedy
+        self.plain = not may_need_history(self.params)
 
 
 _PLAIN = operator.attrgetter("plain")
@@ -82,6 +75,18 @@ def apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
             counts = out.new_zeros(out.shape[1]).index_add_(0, ids, out.new_ones(ids.shape[0]))
             out[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
     return out
+
+
+def may_need_history(p: SamplingParams) -> bool:
+    """Whether ``needs_history`` can be true for these params at some point of the request
+    (False: no logits processor ever applies to it)."""
+    return bool(
+        p.logit_bias
+        or p.min_tokens > 0
+        or p.repetition_penalty != 1.0
+        or p.presence_penalty
+        or p.frequency_penalty
+    )
 
 
 def needs_history(p: SamplingParams, output_ids: list[int]) -> bool:
