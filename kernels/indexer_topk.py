@@ -187,6 +187,23 @@ extern "C" int64_t indexer_topk_f32(const float* q, const float* keys, const int
 THREADED_WORK = 1 << 16
 
 
+def scores(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    entry_idx: torch.Tensor,
+    entry_valid: torch.Tensor,
+    weights: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """[T, E]: each row's score of each of its entries (the model's formula), -inf where the
+    entry is not visible; what ``reference`` and the kernel rank."""
+    t, e = entry_idx.shape
+    keys_e = keys.index_select(0, entry_idx.reshape(-1)).view(t, e, keys.shape[-1])  # [T, E, D]
+    per_head = torch.einsum("thd,ted->the", q.float(), keys_e.float()).relu() * scale
+    index_scores = (per_head * weights.float().unsqueeze(-1)).sum(dim=1)  # [T, E]
+    return index_scores.masked_fill(~entry_valid, float("-inf"))
+
+
 def reference(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -200,10 +217,7 @@ def reference(
     formula, then a stable descending sort (ties: the lower column); a row of fewer than
     ``topk`` entries is padded with its first entry (pool row 0 without any), not visible."""
     t, e = entry_idx.shape
-    keys_e = keys.index_select(0, entry_idx.reshape(-1)).view(t, e, keys.shape[-1])  # [T, E, D]
-    scores = torch.einsum("thd,ted->the", q.float(), keys_e.float()).relu() * scale
-    index_scores = (scores * weights.float().unsqueeze(-1)).sum(dim=1)  # [T, E]
-    index_scores = index_scores.masked_fill(~entry_valid, float("-inf"))
+    index_scores = scores(q, keys, entry_idx, entry_valid, weights, scale)
     _, order = torch.sort(index_scores, dim=-1, descending=True, stable=True)
     picks = order[:, : min(topk, e)]
     rows, valid = entry_idx.gather(1, picks), entry_valid.gather(1, picks)

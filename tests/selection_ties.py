@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import pytest
 import torch
 from deepinfer.kernels import indexer_topk as indexer_topk_module
 from torch.overrides import TorchFunctionMode
@@ -37,15 +38,6 @@ def boundary_gap(scores: torch.Tensor, k: int) -> float:
         nan=float("inf"), posinf=float("inf")
     )
     return gap.min().item()
-
-
-def _indexer_scores(q, keys, entry_idx, entry_valid, weights, scale) -> torch.Tensor:
-    """The scores the C++ indexer kernel ranks (kernels/indexer_topk.py's formula)."""
-    t, e = entry_idx.shape
-    keys_e = keys.index_select(0, entry_idx.reshape(-1)).view(t, e, keys.shape[-1])
-    scores = torch.einsum("thd,ted->the", q.float(), keys_e.float()).relu() * scale
-    index_scores = (scores * weights.float().unsqueeze(-1)).sum(dim=1)
-    return index_scores.masked_fill(~entry_valid, float("-inf"))
 
 
 class _TopkGaps(TorchFunctionMode):
@@ -77,29 +69,13 @@ def selection_margins() -> Iterator[list[float]]:
         return stable_topk(scores, k)
 
     def recorded_kernel(q, keys, entry_idx, entry_valid, weights, topk, scale):
-        gaps.append(boundary_gap(_indexer_scores(q, keys, entry_idx, entry_valid, weights, scale), topk))
+        gaps.append(
+            boundary_gap(indexer_topk_module.scores(q, keys, entry_idx, entry_valid, weights, scale), topk)
+        )
         return kernel(q, keys, entry_idx, entry_valid, weights, topk, scale)
 
-    with contextlib.ExitStack() as stack:
-        mp = stack.enter_context(_patched())
-        mp(shared_indexer_module, "stable_topk", recorded_stable_topk)
-        mp(indexer_module, "stable_topk", recorded_stable_topk)
-        mp(indexer_topk_module, "indexer_topk", recorded_kernel)
-        stack.enter_context(_TopkGaps(gaps))
+    with pytest.MonkeyPatch.context() as mp, _TopkGaps(gaps):
+        mp.setattr(shared_indexer_module, "stable_topk", recorded_stable_topk)
+        mp.setattr(indexer_module, "stable_topk", recorded_stable_topk)
+        mp.setattr(indexer_topk_module, "indexer_topk", recorded_kernel)
         yield gaps
-
-
-@contextlib.contextmanager
-def _patched() -> Iterator:
-    """setattr with undo on exit (pytest's monkeypatch without its fixture scope)."""
-    undo: list[tuple[object, str, object]] = []
-
-    def setattr_(owner: object, name: str, value: object) -> None:
-        undo.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, value)
-
-    try:
-        yield setattr_
-    finally:
-        for owner, name, value in reversed(undo):
-            setattr(owner, name, value)
