@@ -135,3 +135,8 @@ def test_window_tables_need_the_null_block():
     chunk = SeqChunk([0, 1], 0, 0, 1, window_table=[3, -1])
     with pytest.raises(ValueError, match="window_null"):
         step_metadata._token_layout([chunk], None)
+    with_null = SeqChunk([0, 1], 0, 0, 1, window_table=[3, -1], window_null=9)
+    for table in ([9], None):  # a chunk without its table, with or without a null block
+        other = SeqChunk([2], 1, 0, 1, window_table=None, window_null=table and table[0])
+        with pytest.raises(ValueError, match="window table"):
+            step_metadata._token_layout([with_null, other], None)

@@ -392,10 +392,11 @@ def _window_tables(
     """[len(chunks), width]: each chunk's window table aligned with its block table, entries
     < 0 and columns past its block table's end at its ``window_null``. Here, not per request
     on the host: ~0.5 us a sequence as a Python list, a few array operations for the step."""
-    if any(row is None for row in rows) or any(c.window_null is None for c in chunks):
-        raise ValueError("a bounded window needs every chunk's window table and window_null")
-    nulls = np.fromiter((c.window_null for c in chunks), np.int64, len(chunks))  # type: ignore[misc]
-    held, _ = _padded_table(rows, fill=-1)  # type: ignore[arg-type]
+    try:  # a None among them fails the conversions (no separate pass over the chunks)
+        nulls = np.fromiter((c.window_null for c in chunks), np.int64, len(chunks))  # type: ignore[misc]
+        held, _ = _padded_table(rows, fill=-1)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError("a bounded window needs every chunk's window table and window_null") from None
     if held.shape[1] < width:
         held = np.pad(held, ((0, 0), (0, width - held.shape[1])), constant_values=-1)
     held = held[:, :width]
