@@ -181,12 +181,14 @@ def test_seeded_rows_ignore_their_neighbours():
     levels=st.integers(1, 4),
     nans=st.integers(0, 3),
     seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
 )
-def test_greedy_tokens_are_argmax_with_ties_and_nans(rows, vocab, levels, nans, seed):
+def test_greedy_tokens_are_argmax_with_ties_and_nans(rows, vocab, levels, nans, seed, dtype):
     """``greedy_tokens`` is the engine's argmax: the first maximum on ties (few distinct values
-    make many), a NaN taken as the maximum, at any row count and vocabulary size."""
+    make many), a NaN taken as the maximum, at any row count and vocabulary size, on NumPy's
+    path (fp32, fp64) and ATen's (bf16)."""
     g = torch.Generator().manual_seed(seed)
-    logits = torch.randint(0, levels, (rows, vocab), generator=g).float()
+    logits = torch.randint(0, levels, (rows, vocab), generator=g).to(dtype)
     logits[torch.randint(0, rows, (nans,), generator=g), torch.randint(0, vocab, (nans,), generator=g)] = (
         math.nan
     )
