@@ -10,6 +10,8 @@ stay in the graph for Inductor to fuse."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from deepinfer.compile_passes.matching import arg, aten, is_op, replace_output, strip, users_of
@@ -102,9 +104,22 @@ def _output_of(probs: Node, kvs: list[Node]) -> Node | None:
     return out
 
 
-def fuse_sink_attention(graph: torch.fx.Graph) -> int:
-    """Replace each attention core with ``sink_attention``; returns the number replaced."""
-    count = 0
+@dataclass
+class AttentionCore:
+    """One matched attention core: ``out`` = softmax over the parts' scores and the sink,
+    applied to the parts' values (``attention_with_sink``'s result node)."""
+
+    out: Node
+    q: Node
+    kvs: list[Node]
+    visibles: list[Node]
+    sink: Node
+    scale: float
+
+
+def attention_cores(graph: torch.fx.Graph) -> Iterator[AttentionCore]:
+    """Each attention core of ``graph`` in order; the caller may replace a core's output
+    before taking the next."""
     for cat in list(graph.nodes):
         if not (is_op(cat, aten.cat.default) and arg(cat, 1, "dim", 0) in (-1, 2)):
             continue
@@ -123,9 +138,18 @@ def fuse_sink_attention(graph: torch.fx.Graph) -> int:
         if out is None:
             continue
         sink = strip(sink_node.args[0].args[0])
-        kvs, visibles = [p[1] for p in parts], [p[2] for p in parts]
+        yield AttentionCore(out, q, [p[1] for p in parts], [p[2] for p in parts], sink, scale)
+
+
+def fuse_sink_attention(graph: torch.fx.Graph) -> int:
+    """Replace each attention core with ``sink_attention``; returns the number replaced."""
+    count = 0
+    for core in attention_cores(graph):
         replace_output(
-            graph, out, torch.ops.deepinfer.sink_attention.default, (q, kvs, visibles, sink, scale)
+            graph,
+            core.out,
+            torch.ops.deepinfer.sink_attention.default,
+            (core.q, core.kvs, core.visibles, core.sink, core.scale),
         )
         count += 1
     return count

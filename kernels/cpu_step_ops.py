@@ -28,7 +28,7 @@ through PyTorch makes a fresh copy."""
 from __future__ import annotations
 
 import torch
-from deepinfer.kernels import cpu_build, cpu_moe, indexer_topk, sinkhorn
+from deepinfer.kernels import cpu_build, cpu_moe, indexer_topk, sink_attention_rows, sinkhorn
 from deepinfer.kernels import moe as _moe  # noqa: F401  (registers the experts' fallback op)
 from deepinfer.kernels import rope as _rope  # noqa: F401  (registers RoPE's fallback op)
 
@@ -49,6 +49,7 @@ constexpr int64_t kSmallBytes = SMALL_EXPERT_BYTES_, kMaxRowsSmall = MAX_ROWS_SM
 constexpr int64_t kTinyBytes = TINY_EXPERT_BYTES_, kMaxRowsTiny = MAX_ROWS_TINY;
 constexpr int64_t kThreadedWork = int64_t(1) << 17;  // n_tok * k * inter * d from which threads pay
 constexpr int64_t kIndexerThreadedWork = INDEXER_THREADED_WORK;  // t * e * h * d from which threads pay
+constexpr int64_t kSinkAttentionThreadedWork = SINK_ATTENTION_THREADED_WORK;  // t * l * h * d
 constexpr int64_t kRopeThreadedElements = int64_t(1) << 15;  // elements of x from which threads pay
 
 int64_t transposed_rows(const at::Tensor& w1) {
@@ -277,6 +278,46 @@ at::Tensor rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor
   return out;
 }
 
+at::Tensor sink_attention_rows_cpu(const at::Tensor& q, const at::Tensor& pool0, const at::Tensor& idx0,
+                                   const at::Tensor& visible0, const std::optional<at::Tensor>& pool1,
+                                   const std::optional<at::Tensor>& idx1, const std::optional<at::Tensor>& visible1,
+                                   const at::Tensor& sink, double scale) {
+  const bool two = pool1.has_value();
+  const auto part_ok = [&q](const at::Tensor& pool, const at::Tensor& idx, const at::Tensor& vis) {
+    return pool.dim() == 2 && pool.size(1) == q.size(2) && pool.scalar_type() == at::kFloat &&
+           pool.device().is_cpu() && !pool.requires_grad() && idx.dim() == 2 && idx.size(0) == q.size(0) &&
+           idx.scalar_type() == at::kLong && idx.device().is_cpu() && vis.sizes() == idx.sizes() &&
+           vis.scalar_type() == at::kBool && vis.device().is_cpu();
+  };
+  bool native = q.dim() == 3 && sink.dim() == 1 && sink.size(0) == q.size(1) && two == idx1.has_value() &&
+                two == visible1.has_value();
+  for (const at::Tensor* t : {&q, &sink})
+    native = native && t->device().is_cpu() && t->scalar_type() == at::kFloat && !t->requires_grad();
+  native = native && part_ok(pool0, idx0, visible0) && (!two || part_ok(*pool1, *idx1, *visible1));
+  if (!native) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("deepinfer::sink_attention_rows", "")
+                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                           const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                                           const std::optional<at::Tensor>&, const at::Tensor&, double)>();
+    return op.call(q, pool0, idx0, visible0, pool1, idx1, visible1, sink, scale);
+  }
+  const at::Tensor qc = q.contiguous(), sc = sink.contiguous();
+  const at::Tensor p0 = pool0.contiguous(), i0 = idx0.contiguous(), v0 = visible0.contiguous();
+  at::Tensor p1, i1, v1;
+  if (two) p1 = pool1->contiguous(), i1 = idx1->contiguous(), v1 = visible1->contiguous();
+  const int64_t t = q.size(0), h = q.size(1), d = q.size(2), l0 = i0.size(1), l1 = two ? i1.size(1) : 0;
+  at::Tensor out = at::empty({t, h, d}, qc.options());
+  if (t == 0 || h == 0 || d == 0) return out;
+  const int threads = t * (l0 + l1) * h * d >= kSinkAttentionThreadedWork ? at::get_num_threads() : 1;
+  const int64_t bad = sink_attention_rows_f32(
+      qc.data_ptr<float>(), p0.data_ptr<float>(), i0.data_ptr<int64_t>(), v0.data_ptr<bool>(), p0.size(0), l0,
+      two ? p1.data_ptr<float>() : nullptr, two ? i1.data_ptr<int64_t>() : nullptr, two ? v1.data_ptr<bool>() : nullptr,
+      two ? p1.size(0) : 0, l1, sc.data_ptr<float>(), out.data_ptr<float>(), t, h, d, float(scale), threads);
+  TORCH_CHECK_INDEX(bad == 0, "sink_attention_rows: ", bad, " visible keys index outside their pool");
+  return out;
+}
+
 }  // namespace
 
 // The ops' C shims: a compiled step's C++ wrapper calls them by name (Inductor's
@@ -306,6 +347,17 @@ extern "C" ROPE_SHIM {
   });
 }
 
+extern "C" SINK_ATTENTION_ROWS_SHIM {
+  using namespace torch::aot_inductor;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = new_tensor_handle(sink_attention_rows_cpu(
+        *tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(pool0),
+        *tensor_handle_to_tensor_pointer(idx0), *tensor_handle_to_tensor_pointer(visible0),
+        pointer_to_optional<at::Tensor>(pool1), pointer_to_optional<at::Tensor>(idx1),
+        pointer_to_optional<at::Tensor>(visible1), *tensor_handle_to_tensor_pointer(sink), scale));
+  });
+}
+
 extern "C" INDEXER_TOPK_SHIM {
   using namespace torch::aot_inductor;
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
@@ -326,6 +378,9 @@ TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
   m.def(
       "indexer_topk_cpu(Tensor q, Tensor keys, Tensor entry_idx, Tensor entry_valid, Tensor weights, int topk, "
       "float scale) -> (Tensor, Tensor)");
+  m.def(
+      "sink_attention_rows_cpu(Tensor q, Tensor pool0, Tensor idx0, Tensor visible0, Tensor? pool1, Tensor? idx1, "
+      "Tensor? visible1, Tensor sink, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer, CompositeExplicitAutograd, m) {
@@ -334,6 +389,7 @@ TORCH_LIBRARY_IMPL(deepinfer, CompositeExplicitAutograd, m) {
   m.impl("rope_cpu", &rope_cpu);
   m.impl("routed_experts_transposed_count", &transposed_count);
   m.impl("indexer_topk_cpu", &indexer_topk_cpu);
+  m.impl("sink_attention_rows_cpu", &sink_attention_rows_cpu);
 }
 """
 
@@ -352,6 +408,10 @@ _SHIMS = {
     "indexer_topk": "AOTITorchError aoti_torch_cpu_indexer_topk_cpu(AtenTensorHandle q, "
     "AtenTensorHandle keys, AtenTensorHandle entry_idx, AtenTensorHandle entry_valid, "
     "AtenTensorHandle weights, int64_t topk, double scale, AtenTensorHandle* ret0, AtenTensorHandle* ret1)",
+    "sink_attention_rows": "AOTITorchError aoti_torch_cpu_sink_attention_rows_cpu(AtenTensorHandle q, "
+    "AtenTensorHandle pool0, AtenTensorHandle idx0, AtenTensorHandle visible0, AtenTensorHandle* pool1, "
+    "AtenTensorHandle* idx1, AtenTensorHandle* visible1, AtenTensorHandle sink, double scale, "
+    "AtenTensorHandle* ret0)",
 }
 
 
@@ -374,10 +434,11 @@ def _source() -> str:
         .replace("TINY_EXPERT_BYTES_", str(cpu_moe.TINY_EXPERT_BYTES))
         .replace("MAX_ROWS_TINY", str(cpu_moe.MAX_ROWS_TINY_EXPERTS))
         .replace("INDEXER_THREADED_WORK", str(indexer_topk.THREADED_WORK))
+        .replace("SINK_ATTENTION_THREADED_WORK", str(sink_attention_rows.THREADED_WORK))
     )
     for name, signature in _SHIMS.items():
         op = op.replace(f"{name.upper()}_SHIM", signature)
-    return cpu_moe._SOURCE + sinkhorn._SOURCE + indexer_topk._SOURCE + op
+    return cpu_moe._SOURCE + sinkhorn._SOURCE + indexer_topk._SOURCE + sink_attention_rows._SOURCE + op
 
 
 def _register_fakes() -> None:
@@ -400,6 +461,10 @@ def _register_fakes() -> None:
     def _(q, keys, entry_idx, entry_valid, weights, topk, scale):
         shape = (entry_idx.shape[0], topk)
         return entry_idx.new_empty(shape, dtype=torch.long), entry_valid.new_empty(shape, dtype=torch.bool)
+
+    @torch.library.register_fake("deepinfer::sink_attention_rows_cpu")
+    def _(q, pool0, idx0, visible0, pool1, idx1, visible1, sink, scale):
+        return q.new_empty(q.shape)
 
 
 def available() -> bool:

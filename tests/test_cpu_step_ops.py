@@ -1,5 +1,5 @@
 """``deepinfer::routed_experts_cpu`` / ``sinkhorn_cpu`` / ``indexer_topk_cpu`` / ``rope_cpu``
-(kernels/cpu_step_ops.py) and the pass that puts them into compiled CPU steps.
+(kernels/cpu_step_ops.py; ``sink_attention_rows_cpu`` in test_sink_attention_rows.py) and the pass that puts them into compiled CPU steps.
 
 The C++ ops must return exactly what the Python ops they stand in for return, on every input:
 the same kernels where those run (same bits), the Python op itself where they do not. The
@@ -205,7 +205,8 @@ def test_the_pass_leaves_graphs_alone_where_the_ops_did_not_build(monkeypatch):
 
 def test_a_compiled_v4_step_runs_the_cpp_ops_and_agrees_with_eager(v4_ckpt):
     """With the CPU's default passes, every routed-experts, Sinkhorn, indexer and RoPE call of
-    the tiny V4's compiled step is retargeted (none left to Python), and its tokens are eager's."""
+    the tiny V4's compiled step is retargeted (none left to Python), every layer's attention
+    core reads its pools through ``sink_attention_rows_cpu``, and its tokens are eager's."""
     from deepinfer import LLM, SamplingParams
 
     torch._dynamo.reset()  # earlier tests' traces of the same step code must not stand in
@@ -239,8 +240,11 @@ def test_a_compiled_v4_step_runs_the_cpp_ops_and_agrees_with_eager(v4_ckpt):
         "deepinfer::indexer_topk_cpu",
         "deepinfer::packed_linear",
         "deepinfer::rope_cpu",
+        "deepinfer::sink_attention_rows_cpu",
     }
     assert ours <= cpp_ops, ours
+    rows_attention = targets.count(torch.ops.deepinfer.sink_attention_rows_cpu.default)
+    assert rows_attention == layers == step.pass_manager.counts["use_row_sink_attention"]
     # every layer's queries, latent and output de-rotation ran through the C++ RoPE
     assert targets.count(twins[3]) >= 3 * layers
     assert sum(targets.count(t) for t in twins) == step.pass_manager.counts["use_native_cpu_ops"]
@@ -299,12 +303,15 @@ def test_outputs_have_their_fakes_layout_on_every_path(rows, dtype, transposed, 
     comb = (strided(rows, 4, 4), 20, 1e-6)
     index = (q, keys, idx, valid, torch.rand(rows, 3).to(dtype), 4, 0.5)
     rope = (strided(rows, 2, 24), torch.randn(rows, 1, 8).to(dtype), torch.randn(rows, 1, 8).to(dtype))
+    pool, sink = torch.randn(12, 8, generator=gen, dtype=dtype), torch.randn(3, generator=gen, dtype=dtype)
+    attention = (q, pool, idx.clamp(max=11), valid, pool, idx[:, :2], valid[:, :2], sink, 0.5)
     ops = torch.ops.deepinfer
     calls = [  # the C++ twins and the Python ops they stand in for (and fall back to)
         *[(op, experts) for op in (ops.routed_experts_cpu, ops.routed_experts)],
         *[(op, comb) for op in (ops.sinkhorn_cpu, ops.sinkhorn)],
         *[(op, index) for op in (ops.indexer_topk_cpu, ops.indexer_topk)],
         *[(op, rope) for op in (ops.rope_cpu, ops.rope)],
+        *[(op, attention) for op in (ops.sink_attention_rows_cpu, ops.sink_attention_rows)],
     ]
     for op, args in calls:
         real = op(*args)

@@ -41,7 +41,8 @@ _FRESH_PROCESS = textwrap.dedent(
     packed = cpu_linear_op.packed_calls()
     with profile() as prof:  # the dispatcher records every op it calls; C shims bypass it
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    ours = ("packed_linear", "routed_experts_cpu", "sinkhorn_cpu", "indexer_topk_cpu", "rope_cpu")
+    ours = ("packed_linear", "routed_experts_cpu", "sinkhorn_cpu", "indexer_topk_cpu", "rope_cpu",
+            "sink_attention_rows_cpu")
     dispatched = sum(e.count for e in prof.key_averages() if e.key in [f"deepinfer::{o}" for o in ours])
     step = llm.engine.runner.forward
     print(json.dumps({"tokens": tokens, "loaded": step.loaded, "compiled": step.compiled,
@@ -247,6 +248,7 @@ def test_the_cpp_wrapper_switch_reaches_the_options_and_the_key(checkpoint, monk
         torch.ops.deepinfer.sinkhorn_cpu.default,
         torch.ops.deepinfer.indexer_topk_cpu.default,
         torch.ops.deepinfer.rope_cpu.default,
+        torch.ops.deepinfer.sink_attention_rows_cpu.default,
     }
     assert "cpp.min_chunk_size" not in inductor_options(manager, torch.device("meta"))
     with_wrapper = artefact_key(model, manager)

@@ -65,24 +65,31 @@ def default_passes(device: torch.device | None = None) -> list[GraphPass]:
     pipeline where the fused ops have fast kernels (CUDA: Triton attention, grouped-GEMM
     experts). On the CPU: the verification fusion, memory-bound ``bmm``s as reductions
     (``reduce_small_bmm``), weight projections on packed copies (``use_packed_linear``,
-    where its C++ op built), and the routed experts, Sinkhorn and CSA indexer as C++ ops
-    (``use_native_cpu_ops``, where they built); the attention and MoE fusions stay off
-    there, because Inductor's own C++ fusion of the plain attention and MoE gate measured
-    faster than our ops' reference implementations (benchmarks/RESULTS.md). ``compile_step(passes=...)`` overrides the choice."""
+    where its C++ op built), the attention cores over pool gathers as a C++ op reading the
+    pool rows itself (``use_row_sink_attention``) and the routed experts, Sinkhorn and CSA
+    indexer as C++ ops (``use_native_cpu_ops``), where those ops built; the MoE fusion and
+    ``deepinfer::sink_attention`` (after the gathers) stay off there, because Inductor's own
+    C++ fusion of the plain MoE gate and of gathers into attention measured faster than those
+    (benchmarks/RESULTS.md). ``compile_step(passes=...)`` overrides the choice."""
     from deepinfer.compile_passes import (
         PASSES,
         fuse_rejection_sampling,
         reduce_small_bmm,
         use_native_cpu_ops,
         use_packed_linear,
+        use_row_sink_attention,
     )
     from deepinfer.kernels import cpu_linear_op, cpu_step_ops
 
     if device is not None and device.type == "cpu":
-        passes: list[GraphPass] = [fuse_rejection_sampling, reduce_small_bmm]
+        native = cpu_step_ops.available()  # the ops those rewrites insert are registered
+        passes: list[GraphPass] = [fuse_rejection_sampling]
+        if native:  # before reduce_small_bmm, which rewrites the attention cores' bmms
+            passes.append(use_row_sink_attention)
+        passes.append(reduce_small_bmm)
         if cpu_linear_op.available():  # the op the rewrite inserts is registered
             passes.append(use_packed_linear)
-        if cpu_step_ops.available():  # the ops the rewrite inserts are registered
+        if native:
             passes.append(use_native_cpu_ops)
         return passes
     return list(PASSES)
