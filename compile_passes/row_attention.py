@@ -70,6 +70,52 @@ def use_row_sink_attention(graph: torch.fx.Graph) -> int:
             args += [pool, idx, visible]
         args += [None] * (3 * (2 - len(parts)))
         args += [core.sink, core.scale]
-        replace_output(graph, core.out, torch.ops.deepinfer.sink_attention_rows_cpu.default, tuple(args))
+        op = replace_output(graph, core.out, torch.ops.deepinfer.sink_attention_rows_cpu.default, tuple(args))
+        _fuse_rope(graph, op)
         count += 1
     return count
+
+
+_ROPES = (torch.ops.deepinfer.rope.default,)
+
+
+def _rope_tables(node: Node) -> tuple[Node, Node] | None:
+    """(cos, sin) of a RoPE call whose tables are one row per token, [T, 1, half] (broadcast
+    over the heads, as the kernel takes them; their T is the positions' symbol, equal to the
+    rows' at run time, which the kernel checks, handing any other shape to the formula);
+    else None."""
+    if not is_op(node, *_ROPES):
+        return None
+    cos, sin = node.args[1:3]
+    x, c, s = val(node.args[0]), val(cos), val(sin)
+    if x is None or c is None or s is None or c.dim() != 3 or x.dim() != 3 or c.shape != s.shape:
+        return None
+    if not statically_known_true(c.shape[1] == 1):
+        return None
+    if c.dtype != torch.float32 or s.dtype != torch.float32:
+        return None
+    return cos, sin
+
+
+def _fuse_rope(graph: torch.fx.Graph, op: Node) -> None:
+    """Fold the queries' RoPE (when nothing else reads the rotated queries) and the output's
+    de-rotation (when it is the op's only reader) into ``op``: each was a call copying the
+    whole [T, H, D] tensor to rotate its last channels (22 calls a tiny-V4 step)."""
+    args = list(op.args) + [None] * 4
+    q = op.args[0]
+    tables = _rope_tables(q)
+    if tables is not None and len(q.users) == 1:
+        args[0] = q.args[0]
+        args[9:11] = tables
+    users = list(op.users)
+    out_rope = users[0] if len(users) == 1 and users[0].args[0] is op else None
+    tables = _rope_tables(out_rope) if out_rope is not None else None
+    if tables is not None:
+        args[11:13] = tables
+    if args[9] is None and args[11] is None:
+        return
+    op.args = tuple(args)
+    if tables is not None:
+        out_rope.prepend(op)  # after the de-rotation's tables (its inputs all come earlier)
+        out_rope.replace_all_uses_with(op)
+    graph.eliminate_dead_code()

@@ -278,10 +278,24 @@ at::Tensor rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor
   return out;
 }
 
+// A RoPE table the kernel takes: fp32 CPU [T, 1, half] (one row per token, broadcast over the
+// heads) with 2 * half <= d, its sin the same shape; or neither given.
+bool per_token_rope(const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin, int64_t t, int64_t d) {
+  if (!cos.has_value() && !sin.has_value()) return true;
+  if (!cos.has_value() || !sin.has_value() || cos->sizes() != sin->sizes()) return false;
+  const at::Tensor& c = *cos;
+  bool ok = c.dim() == 3 && c.size(1) == 1 && c.size(0) == t && 2 * c.size(2) <= d;
+  for (const at::Tensor* x : {&*cos, &*sin})
+    ok = ok && x->device().is_cpu() && x->scalar_type() == at::kFloat && !x->requires_grad();
+  return ok;
+}
+
 at::Tensor sink_attention_rows_cpu(const at::Tensor& q, const at::Tensor& pool0, const at::Tensor& idx0,
                                    const at::Tensor& visible0, const std::optional<at::Tensor>& pool1,
                                    const std::optional<at::Tensor>& idx1, const std::optional<at::Tensor>& visible1,
-                                   const at::Tensor& sink, double scale) {
+                                   const at::Tensor& sink, double scale, const std::optional<at::Tensor>& q_cos,
+                                   const std::optional<at::Tensor>& q_sin, const std::optional<at::Tensor>& out_cos,
+                                   const std::optional<at::Tensor>& out_sin) {
   const bool two = pool1.has_value();
   const auto part_ok = [&q](const at::Tensor& pool, const at::Tensor& idx, const at::Tensor& vis) {
     return pool.dim() == 2 && pool.size(1) == q.size(2) && pool.scalar_type() == at::kFloat &&
@@ -293,19 +307,26 @@ at::Tensor sink_attention_rows_cpu(const at::Tensor& q, const at::Tensor& pool0,
                 two == visible1.has_value();
   for (const at::Tensor* t : {&q, &sink})
     native = native && t->device().is_cpu() && t->scalar_type() == at::kFloat && !t->requires_grad();
-  native = native && part_ok(pool0, idx0, visible0) && (!two || part_ok(*pool1, *idx1, *visible1));
+  native = native && part_ok(pool0, idx0, visible0) && (!two || part_ok(*pool1, *idx1, *visible1)) &&
+           per_token_rope(q_cos, q_sin, q.size(0), q.size(2)) && per_token_rope(out_cos, out_sin, q.size(0), q.size(2));
   if (!native) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("deepinfer::sink_attention_rows", "")
-                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                           const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                                           const std::optional<at::Tensor>&, const at::Tensor&, double)>();
-    return op.call(q, pool0, idx0, visible0, pool1, idx1, visible1, sink, scale);
+    static auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("deepinfer::sink_attention_rows", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                              const std::optional<at::Tensor>&, const at::Tensor&, double,
+                              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
+    return op.call(q, pool0, idx0, visible0, pool1, idx1, visible1, sink, scale, q_cos, q_sin, out_cos, out_sin);
   }
   const at::Tensor qc = q.contiguous(), sc = sink.contiguous();
   const at::Tensor p0 = pool0.contiguous(), i0 = idx0.contiguous(), v0 = visible0.contiguous();
   at::Tensor p1, i1, v1;
   if (two) p1 = pool1->contiguous(), i1 = idx1->contiguous(), v1 = visible1->contiguous();
+  at::Tensor qcos, qsin, ocos, osin;  // [T, half] contiguous where given
+  if (q_cos.has_value()) qcos = q_cos->contiguous(), qsin = q_sin->contiguous();
+  if (out_cos.has_value()) ocos = out_cos->contiguous(), osin = out_sin->contiguous();
   const int64_t t = q.size(0), h = q.size(1), d = q.size(2), l0 = i0.size(1), l1 = two ? i1.size(1) : 0;
   at::Tensor out = at::empty({t, h, d}, qc.options());
   if (t == 0 || h == 0 || d == 0) return out;
@@ -313,7 +334,10 @@ at::Tensor sink_attention_rows_cpu(const at::Tensor& q, const at::Tensor& pool0,
   const int64_t bad = sink_attention_rows_f32(
       qc.data_ptr<float>(), p0.data_ptr<float>(), i0.data_ptr<int64_t>(), v0.data_ptr<bool>(), p0.size(0), l0,
       two ? p1.data_ptr<float>() : nullptr, two ? i1.data_ptr<int64_t>() : nullptr, two ? v1.data_ptr<bool>() : nullptr,
-      two ? p1.size(0) : 0, l1, sc.data_ptr<float>(), out.data_ptr<float>(), t, h, d, float(scale), threads);
+      two ? p1.size(0) : 0, l1, sc.data_ptr<float>(), out.data_ptr<float>(), t, h, d, float(scale),
+      qcos.defined() ? qcos.data_ptr<float>() : nullptr, qsin.defined() ? qsin.data_ptr<float>() : nullptr,
+      qcos.defined() ? qcos.size(-1) : 0, ocos.defined() ? ocos.data_ptr<float>() : nullptr,
+      osin.defined() ? osin.data_ptr<float>() : nullptr, ocos.defined() ? ocos.size(-1) : 0, threads);
   TORCH_CHECK_INDEX(bad == 0, "sink_attention_rows: ", bad, " visible keys index outside their pool");
   return out;
 }
@@ -354,7 +378,9 @@ extern "C" SINK_ATTENTION_ROWS_SHIM {
         *tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(pool0),
         *tensor_handle_to_tensor_pointer(idx0), *tensor_handle_to_tensor_pointer(visible0),
         pointer_to_optional<at::Tensor>(pool1), pointer_to_optional<at::Tensor>(idx1),
-        pointer_to_optional<at::Tensor>(visible1), *tensor_handle_to_tensor_pointer(sink), scale));
+        pointer_to_optional<at::Tensor>(visible1), *tensor_handle_to_tensor_pointer(sink), scale,
+        pointer_to_optional<at::Tensor>(q_cos), pointer_to_optional<at::Tensor>(q_sin),
+        pointer_to_optional<at::Tensor>(out_cos), pointer_to_optional<at::Tensor>(out_sin)));
   });
 }
 
@@ -380,7 +406,8 @@ TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
       "float scale) -> (Tensor, Tensor)");
   m.def(
       "sink_attention_rows_cpu(Tensor q, Tensor pool0, Tensor idx0, Tensor visible0, Tensor? pool1, Tensor? idx1, "
-      "Tensor? visible1, Tensor sink, float scale) -> Tensor");
+      "Tensor? visible1, Tensor sink, float scale, Tensor? q_cos=None, Tensor? q_sin=None, Tensor? out_cos=None, "
+      "Tensor? out_sin=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer, CompositeExplicitAutograd, m) {
@@ -411,6 +438,7 @@ _SHIMS = {
     "sink_attention_rows": "AOTITorchError aoti_torch_cpu_sink_attention_rows_cpu(AtenTensorHandle q, "
     "AtenTensorHandle pool0, AtenTensorHandle idx0, AtenTensorHandle visible0, AtenTensorHandle* pool1, "
     "AtenTensorHandle* idx1, AtenTensorHandle* visible1, AtenTensorHandle sink, double scale, "
+    "AtenTensorHandle* q_cos, AtenTensorHandle* q_sin, AtenTensorHandle* out_cos, AtenTensorHandle* out_sin, "
     "AtenTensorHandle* ret0)",
 }
 
@@ -463,7 +491,21 @@ def _register_fakes() -> None:
         return entry_idx.new_empty(shape, dtype=torch.long), entry_valid.new_empty(shape, dtype=torch.bool)
 
     @torch.library.register_fake("deepinfer::sink_attention_rows_cpu")
-    def _(q, pool0, idx0, visible0, pool1, idx1, visible1, sink, scale):
+    def _(
+        q,
+        pool0,
+        idx0,
+        visible0,
+        pool1,
+        idx1,
+        visible1,
+        sink,
+        scale,
+        q_cos=None,
+        q_sin=None,
+        out_cos=None,
+        out_sin=None,
+    ):
         return q.new_empty(q.shape)
 
 

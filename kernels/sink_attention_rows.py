@@ -25,6 +25,7 @@ thread count. Sums run in another order than the reference's, so results differ 
 from __future__ import annotations
 
 import torch
+from deepinfer.kernels.rope import interleaved_rope
 from deepinfer.kernels.sink_attention import sink_attention
 
 
@@ -39,21 +40,48 @@ def sink_attention_rows(
     visible1: torch.Tensor | None,
     sink: torch.Tensor,
     scale: float,
+    q_cos: torch.Tensor | None = None,
+    q_sin: torch.Tensor | None = None,
+    out_cos: torch.Tensor | None = None,
+    out_sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, D]; pool_i [N_i, D]; idx_i, visible_i [T, L_i] (row ``idx_i[t, j]`` of
     ``pool_i`` is row t's j-th key = value); part 1 optional; sink [H]. Returns [T, H, D]:
-    the softmax over every visible key and the sink, applied to the values (contiguous)."""
+    the softmax over every visible key and the sink, applied to the values (contiguous).
+    ``q_cos``/``q_sin``: RoPE the queries first, ``out_cos``/``out_sin``: RoPE the result
+    (``interleaved_rope``'s tables, e.g. [T, 1, rd / 2]; the model's de-rotation passes -sin)."""
+    if q_cos is not None:
+        assert q_sin is not None
+        q = interleaved_rope(q, q_cos, q_sin)
     kvs = [pool0.index_select(0, idx0.reshape(-1)).view(*idx0.shape, pool0.shape[-1])]
     visibles = [visible0]
     if pool1 is not None:
         assert idx1 is not None and visible1 is not None
         kvs.append(pool1.index_select(0, idx1.reshape(-1)).view(*idx1.shape, pool1.shape[-1]))
         visibles.append(visible1)
-    return sink_attention(q, kvs, visibles, sink, scale).contiguous()
+    out = sink_attention(q, kvs, visibles, sink, scale)
+    if out_cos is not None:
+        assert out_sin is not None
+        out = interleaved_rope(out, out_cos, out_sin)
+    return out.contiguous()
 
 
 @sink_attention_rows.register_fake
-def _(q, pool0, idx0, visible0, pool1, idx1, visible1, sink, scale):
+def _(
+    q,
+    pool0,
+    idx0,
+    visible0,
+    pool1,
+    idx1,
+    visible1,
+    sink,
+    scale,
+    q_cos=None,
+    q_sin=None,
+    out_cos=None,
+    out_sin=None,
+):
     return q.new_empty(q.shape)
 
 
@@ -137,6 +165,20 @@ inline void score_key(const float* qt, const float* kv, int64_t H, int64_t D, in
   }
 }
 
+// Interleaved RoPE of the last 2 * half channels of each of h rows of d (in place): out[2i] =
+// e c - o s, out[2i + 1] = o c + e s, each product rounded as written (the build has no FP
+// contraction), so the bits are ``rope_cpu``'s and the Python formula's.
+inline void rope_rows(float* x, int64_t h, int64_t d, const float* c, const float* s, int64_t half) {
+  for (int64_t r = 0; r < h; ++r) {
+    float* p = x + r * d + (d - 2 * half);
+    for (int64_t i = 0; i < half; ++i) {
+      const float e = p[2 * i], o = p[2 * i + 1];
+      p[2 * i] = e * c[i] - o * s[i];
+      p[2 * i + 1] = o * c[i] + e * s[i];
+    }
+  }
+}
+
 // out[0, D) = inv * sum_j p[j] * rows[j] over the rows present, in register blocks of four
 // vectors across all rows, then single vectors, then the scalar tail.
 inline void weighted_sum(const float* const* rows, const float* p, int64_t L, int64_t D, float inv, float* out) {
@@ -176,12 +218,15 @@ inline void weighted_sum(const float* const* rows, const float* p, int64_t L, in
 }  // namespace
 
 // q [T, H, D]; part p: pool_p [N_p, D], idx_p / vis_p [T, L_p] (l1 = 0: one part); sink [H];
-// out [T, H, D]. Returns the count of visible keys whose row lies outside their pool (those
-// keys are skipped).
+// out [T, H, D]. qcos / qsin [T, qhalf] (qhalf = 0: none) rotate each row's queries first,
+// ocos / osin [T, ohalf] its output. Returns the count of visible keys whose row lies outside
+// their pool (those keys are skipped).
 extern "C" int64_t sink_attention_rows_f32(const float* q, const float* pool0, const int64_t* idx0, const bool* vis0,
                                            int64_t n0, int64_t l0, const float* pool1, const int64_t* idx1,
                                            const bool* vis1, int64_t n1, int64_t l1, const float* sink, float* out,
-                                           int64_t T, int64_t H, int64_t D, float scale, int threads) {
+                                           int64_t T, int64_t H, int64_t D, float scale, const float* qcos,
+                                           const float* qsin, int64_t qhalf, const float* ocos, const float* osin,
+                                           int64_t ohalf, int threads) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int64_t V = Vec::size();
   const int64_t L = l0 + l1, LP = (L + V - 1) / V * V;  // a head's scores, padded to whole vectors
@@ -193,7 +238,7 @@ extern "C" int64_t sink_attention_rows_f32(const float* q, const float* pool0, c
   int64_t bad = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : bad)
   {
-    std::vector<float> s(H * LP);
+    std::vector<float> s(H * LP), qbuf(qhalf ? H * D : 0);
     std::vector<const float*> rows(L);
     bool first = true;
 #pragma omp for schedule(static)
@@ -216,6 +261,11 @@ extern "C" int64_t sink_attention_rows_f32(const float* q, const float* pool0, c
         rows[j] = (in0 ? pool0 : pool1) + r * D;
       }
       const float* qt = q + t * H * D;
+      if (qhalf) {  // this row's queries rotated into a buffer
+        std::copy_n(qt, H * D, qbuf.data());
+        rope_rows(qbuf.data(), H, D, qcos + t * qhalf, qsin + t * qhalf, qhalf);
+        qt = qbuf.data();
+      }
       std::fill(s.begin(), s.end(), neg_inf);
       for (int64_t j = 0; j < L; ++j)  // scores: each key row loaded once for four heads
         if (rows[j] != nullptr) score_key(qt, rows[j], H, D, LP, j, scale, s.data());
@@ -236,6 +286,7 @@ extern "C" int64_t sink_attention_rows_f32(const float* q, const float* pool0, c
                             at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, vsum);
         weighted_sum(rows.data(), sh, L, D, 1.f / denom, ot + h * D);
       }
+      if (ohalf) rope_rows(ot, H, D, ocos + t * ohalf, osin + t * ohalf, ohalf);
     }
   }
   return bad;

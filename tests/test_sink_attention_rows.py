@@ -65,6 +65,38 @@ def test_the_kernel_computes_the_formula(t, h, d, lens, seed):
     torch.testing.assert_close(attention_with_sink(q, parts, sink, scale), want, rtol=1e-5, atol=1e-5)
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    t=st.integers(1, 30),
+    h=st.integers(1, 5),
+    d=st.sampled_from([8, 40, 64]),
+    half=st.integers(1, 4),
+    lens=st.lists(st.integers(1, 12), min_size=1, max_size=2),
+    rotate=st.sampled_from(["q", "out", "both"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_folded_rope_gives_the_bits_of_the_rope_calls_around_the_kernel(t, h, d, half, lens, rotate, seed):
+    """The queries' RoPE and the output's de-rotation folded into the kernel give exactly
+    ``rope_cpu`` before and after the kernel (bitwise), and the formula's result within
+    rounding: RoPE tables of one row per token, [T, 1, half]."""
+    gen = torch.Generator().manual_seed(seed)
+    args = _case(gen, t, h, d, lens)
+    cos, sin = torch.randn(t, 1, half, generator=gen), torch.randn(t, 1, half, generator=gen)
+    tables = [cos, sin, cos, -sin]
+    if rotate == "q":
+        tables[2:] = [None, None]
+    elif rotate == "out":
+        tables[:2] = [None, None]
+    ops = torch.ops.deepinfer
+    q = args[0] if tables[0] is None else ops.rope_cpu(args[0], cos, sin)
+    want = ops.sink_attention_rows_cpu(q, *args[1:], 0.3)
+    if tables[2] is not None:
+        want = ops.rope_cpu(want, cos, -sin)
+    got = ops.sink_attention_rows_cpu(*args, 0.3, *tables)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got, sink_attention_rows(*args, 0.3, *tables), rtol=1e-5, atol=1e-5)
+
+
 def test_a_wrong_kernel_fails_the_comparison():
     """The mutation check of the comparison above: the formula without its sink, or with one
     key's visibility flipped, is outside its tolerance on a generated case."""
@@ -128,7 +160,7 @@ def test_a_visible_key_outside_its_pool_is_an_index_error_and_a_hidden_one_is_ig
     torch.testing.assert_close(out, sink_attention_rows(q, p0, i0, v0, p1, i1, v1, sink, 0.5))
 
 
-def _compiled_core(lens: list[int], pool_dtype: torch.dtype = torch.float32):
+def _compiled_core(lens: list[int], pool_dtype: torch.dtype = torch.float32, raw_out: bool = False):
     """The model's gathers and ``attention_with_sink`` compiled through ``PostGradBackend``
     with only this pass (real post-grad graphs, run without code generation), its
     arguments and the backend."""
@@ -136,38 +168,61 @@ def _compiled_core(lens: list[int], pool_dtype: torch.dtype = torch.float32):
 
     from deepinfer.compilation import PassManager, PostGradBackend
     from deepinfer.models.layers.gather import gather_rows
+    from deepinfer.models.layers.rope import apply_rope
 
-    def core(q, sink, *parts):
+    def core(q, sink, cos, sin, *parts):  # as LatentAttention.project / attend write it
+        q = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
         gathered = [
             (gather_rows(pool, idx).to(q.dtype), visible)
             for pool, idx, visible in zip(parts[0::3], parts[1::3], parts[2::3], strict=True)
         ]
-        return attention_with_sink(q, gathered, sink, 0.125)
+        out = attention_with_sink(q, gathered, sink, 0.125)
+        rotated = apply_rope(out, cos.unsqueeze(1), -sin.unsqueeze(1))
+        return (rotated, out * 2) if raw_out else rotated
 
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(0)
     q, *parts, sink = _case(gen, 6, 4, 64, lens)
     parts = [p.to(pool_dtype) if i % 3 == 0 else p for i, p in enumerate(parts) if p is not None]
-    for x in (q, *parts[1::3], *parts[2::3]):  # rows symbolic, as in a model step
+    cos, sin = torch.randn(6, 8, generator=gen), torch.randn(6, 8, generator=gen)
+    for x in (q, cos, sin, *parts[1::3], *parts[2::3]):  # rows symbolic, as in a model step
         torch._dynamo.mark_dynamic(x, 0)
     backend = PostGradBackend(PassManager([use_row_sink_attention]))
-    return torch.compile(core, backend=backend), core, (q, sink, *parts), backend
+    return torch.compile(core, backend=backend), core, (q, sink, cos, sin, *parts), backend
 
 
 @pytest.mark.parametrize("lens", [[8], [8, 4]])
 def test_the_pass_puts_the_kernel_in_place_of_gather_and_attention(lens):
     """Each core over gathered fp32 parts becomes one ``sink_attention_rows_cpu`` call reading
-    the pools and indices (no gather, no ``bmm`` left), with the result unchanged."""
+    the pools and indices (no gather, no ``bmm`` left) with the queries' RoPE and the output's
+    de-rotation folded in (no RoPE call left), with the result unchanged."""
     compiled, core, args, backend = _compiled_core(lens)
     torch.testing.assert_close(compiled(*args), core(*args), rtol=1e-5, atol=1e-5)
     assert backend.manager.counts["use_row_sink_attention"] == 1
     targets = {n.target for g in backend.graphs for n in g.graph.nodes}
     assert torch.ops.deepinfer.sink_attention_rows_cpu.default in targets
+    assert torch.ops.deepinfer.rope.default not in targets
     assert not targets & {
         torch.ops.aten.index.Tensor,
         torch.ops.aten.index_select.default,
         torch.ops.aten.bmm.default,
     }
+
+
+def test_an_output_read_before_its_de_rotation_keeps_the_rope_call():
+    """Where something else reads the attention output unrotated, the de-rotation stays a
+    call of its own (folding it would hand that reader rotated values); the queries' RoPE is
+    still folded."""
+    compiled, core, args, backend = _compiled_core([8, 4], raw_out=True)
+    for got, want in zip(compiled(*args), core(*args), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    (op,) = [
+        n
+        for g in backend.graphs
+        for n in g.graph.nodes
+        if n.target == torch.ops.deepinfer.sink_attention_rows_cpu.default
+    ]
+    assert op.args[9] is not None and op.args[11] is None
 
 
 def test_the_pass_leaves_cores_over_other_parts_alone(monkeypatch):
