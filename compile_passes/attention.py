@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from deepinfer.compile_passes.matching import arg, aten, is_op, replace_output, strip, users_of
+from deepinfer.compile_passes.matching import RESHAPES, arg, aten, is_op, replace_output, strip, users_of
 from deepinfer.kernels.sink_attention import sink_attention  # noqa: F401  (registers the op)
 from torch.fx import Node
 
@@ -64,17 +64,14 @@ def _softmax_of(cat: Node) -> Node | None:
     return None
 
 
-_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-
-
 def _same_value(a: object, b: object) -> bool:
     """``a`` is ``b``, or both reshape one node to the same sizes (Inductor's own compile
     leaves such twins uneliminated where the model reads one gathered tensor twice)."""
     if a is b:
         return True
     return (
-        is_op(a, *_RESHAPES)
-        and is_op(b, *_RESHAPES)
+        is_op(a, *RESHAPES)
+        and is_op(b, *RESHAPES)
         and a.args[0] is b.args[0]
         and list(a.args[1]) == list(b.args[1])
     )
@@ -124,7 +121,7 @@ def attention_cores(graph: torch.fx.Graph) -> Iterator[AttentionCore]:
         if not (is_op(cat, aten.cat.default) and arg(cat, 1, "dim", 0) in (-1, 2)):
             continue
         *score_nodes, sink_node = cat.args[0]
-        if not (is_op(sink_node, aten.expand.default) and is_op(sink_node.args[0], *_RESHAPES)):
+        if not (is_op(sink_node, aten.expand.default) and is_op(sink_node.args[0], *RESHAPES)):
             continue
         parts = [_score_part(n) for n in score_nodes]
         if not parts or any(p is None for p in parts):

@@ -17,6 +17,10 @@ prims = torch.ops.prims
 _TRANSPARENT = {prims.convert_element_type.default}
 
 
+# the reshaping ops a post-grad graph holds for one view of a tensor
+RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
 def is_op(node: Any, *targets) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target in targets
 

@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import torch
 from deepinfer.compile_passes.attention import attention_cores
-from deepinfer.compile_passes.matching import aten, is_op, replace_output, val
+from deepinfer.compile_passes.matching import RESHAPES, aten, is_op, replace_output, val
+from deepinfer.kernels import rope as _rope  # noqa: F401  (registers deepinfer::rope)
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_ROPES = (torch.ops.deepinfer.rope.default,)  # the RoPE calls folded into the op
 
 
 def _pool_rows(kv: Node) -> tuple[Node, Node] | None:
     """(pool [N, D], idx [T, L]) where ``kv`` is ``view(pool[view(idx, [-1])], [T, L, D])``
     (the gather as ``index.Tensor`` or ``index_select``) of an fp32 CPU pool; else None."""
-    if not is_op(kv, *_RESHAPES):
+    if not is_op(kv, *RESHAPES):
         return None
     gathered = kv.args[0]
     if is_op(gathered, aten.index.Tensor):
@@ -34,7 +35,7 @@ def _pool_rows(kv: Node) -> tuple[Node, Node] | None:
         pool, flat = gathered.args[0], gathered.args[2]
     else:
         return None
-    if not (is_op(flat, *_RESHAPES) and list(flat.args[1]) == [-1]):
+    if not (is_op(flat, *RESHAPES) and list(flat.args[1]) == [-1]):
         return None
     idx = flat.args[0]
     pool_val, idx_val, kv_val = val(pool), val(idx), val(kv)
@@ -74,9 +75,6 @@ def use_row_sink_attention(graph: torch.fx.Graph) -> int:
         _fuse_rope(graph, op)
         count += 1
     return count
-
-
-_ROPES = (torch.ops.deepinfer.rope.default,)
 
 
 def _rope_tables(node: Node) -> tuple[Node, Node] | None:
