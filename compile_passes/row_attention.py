@@ -18,6 +18,8 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 _ROPES = (torch.ops.deepinfer.rope.default,)  # the RoPE calls folded into the op
+# sink_attention_rows_cpu's argument positions of the queries' and the output's RoPE tables
+_Q_TABLES, _OUT_TABLES = slice(9, 11), slice(11, 13)
 
 
 def _pool_rows(kv: Node) -> tuple[Node, Node] | None:
@@ -104,13 +106,13 @@ def _fuse_rope(graph: torch.fx.Graph, op: Node) -> None:
     tables = _rope_tables(q)
     if tables is not None and len(q.users) == 1:
         args[0] = q.args[0]
-        args[9:11] = tables
+        args[_Q_TABLES] = tables
     users = list(op.users)
     out_rope = users[0] if len(users) == 1 and users[0].args[0] is op else None
     tables = _rope_tables(out_rope) if out_rope is not None else None
     if tables is not None:
-        args[11:13] = tables
-    if args[9] is None and args[11] is None:
+        args[_OUT_TABLES] = tables
+    if args[_Q_TABLES.start] is None and args[_OUT_TABLES.start] is None:
         return
     op.args = tuple(args)
     if tables is not None:

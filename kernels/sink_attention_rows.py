@@ -29,6 +29,12 @@ from deepinfer.kernels.rope import interleaved_rope
 from deepinfer.kernels.sink_attention import sink_attention
 
 
+def _gather(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``pool[idx]`` [*idx.shape, D] (``models/layers/gather.py``'s plain-pool gather; kept here,
+    as the kernels do not import the model)."""
+    return pool.index_select(0, idx.reshape(-1)).view(*idx.shape, pool.shape[-1])
+
+
 @torch.library.custom_op("deepinfer::sink_attention_rows", mutates_args=())
 def sink_attention_rows(
     q: torch.Tensor,
@@ -53,11 +59,10 @@ def sink_attention_rows(
     if q_cos is not None:
         assert q_sin is not None
         q = interleaved_rope(q, q_cos, q_sin)
-    kvs = [pool0.index_select(0, idx0.reshape(-1)).view(*idx0.shape, pool0.shape[-1])]
-    visibles = [visible0]
+    kvs, visibles = [_gather(pool0, idx0)], [visible0]
     if pool1 is not None:
         assert idx1 is not None and visible1 is not None
-        kvs.append(pool1.index_select(0, idx1.reshape(-1)).view(*idx1.shape, pool1.shape[-1]))
+        kvs.append(_gather(pool1, idx1))
         visibles.append(visible1)
     out = sink_attention(q, kvs, visibles, sink, scale)
     if out_cos is not None:
@@ -67,21 +72,7 @@ def sink_attention_rows(
 
 
 @sink_attention_rows.register_fake
-def _(
-    q,
-    pool0,
-    idx0,
-    visible0,
-    pool1,
-    idx1,
-    visible1,
-    sink,
-    scale,
-    q_cos=None,
-    q_sin=None,
-    out_cos=None,
-    out_sin=None,
-):
+def _(q, *_, **__):
     return q.new_empty(q.shape)
 
 

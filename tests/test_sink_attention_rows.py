@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepinfer.models.layers.attention import attention_with_sink
+from deepinfer.models.layers.gather import gather_rows
 
 pytestmark = pytest.mark.skipif(not cpu_step_ops.available(), reason="no C++ compiler for the ops")
 
@@ -58,7 +59,7 @@ def test_the_kernel_computes_the_formula(t, h, d, lens, seed):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     q, sink = args[0], args[-1]
     parts = [
-        (pool.index_select(0, idx.reshape(-1)).view(*idx.shape, d), visible)
+        (gather_rows(pool, idx), visible)
         for pool, idx, visible in zip(args[1:-1:3], args[2:-1:3], args[3:-1:3], strict=True)
         if pool is not None
     ]
@@ -160,14 +161,15 @@ def test_a_visible_key_outside_its_pool_is_an_index_error_and_a_hidden_one_is_ig
     torch.testing.assert_close(out, sink_attention_rows(q, p0, i0, v0, p1, i1, v1, sink, 0.5))
 
 
-def _compiled_core(lens: list[int], pool_dtype: torch.dtype = torch.float32, raw_out: bool = False):
+def _compiled_core(
+    lens: list[int], pool_dtype: torch.dtype = torch.float32, raw_out: bool = False, run_pass: bool = True
+):
     """The model's gathers and ``attention_with_sink`` compiled through ``PostGradBackend``
     with only this pass (real post-grad graphs, run without code generation), its
     arguments and the backend."""
     from deepinfer.compile_passes import use_row_sink_attention
 
     from deepinfer.compilation import PassManager, PostGradBackend
-    from deepinfer.models.layers.gather import gather_rows
     from deepinfer.models.layers.rope import apply_rope
 
     def core(q, sink, cos, sin, *parts):  # as LatentAttention.project / attend write it
@@ -187,7 +189,7 @@ def _compiled_core(lens: list[int], pool_dtype: torch.dtype = torch.float32, raw
     cos, sin = torch.randn(6, 8, generator=gen), torch.randn(6, 8, generator=gen)
     for x in (q, cos, sin, *parts[1::3], *parts[2::3]):  # rows symbolic, as in a model step
         torch._dynamo.mark_dynamic(x, 0)
-    backend = PostGradBackend(PassManager([use_row_sink_attention]))
+    backend = PostGradBackend(PassManager([use_row_sink_attention] if run_pass else []))
     return torch.compile(core, backend=backend), core, (q, sink, cos, sin, *parts), backend
 
 
@@ -233,6 +235,10 @@ def test_the_pass_leaves_cores_over_other_parts_alone(monkeypatch):
     compiled, core, args, backend = _compiled_core([8, 4], pool_dtype=torch.bfloat16)
     torch.testing.assert_close(compiled(*args), core(*args), rtol=1e-5, atol=1e-5)
     assert backend.manager.counts["use_row_sink_attention"] == 0
-    (graph,) = backend.graphs
-    monkeypatch.setattr(cpu_step_ops, "available", lambda: False)
-    assert use_row_sink_attention(graph.graph) == 0
+    compiled, core, args, backend = _compiled_core([8, 4], run_pass=False)
+    compiled(*args)
+    (graph,) = backend.graphs  # an fp32 core the pass would take
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_step_ops, "available", lambda: False)
+        assert use_row_sink_attention(graph.graph) == 0
+    assert use_row_sink_attention(graph.graph) == 1
