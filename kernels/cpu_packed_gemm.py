@@ -14,7 +14,10 @@ loop:
   vectors and broadcasts ``MR`` activations: 24 FMAs for two loads;
 - one pass (up to ``MR`` rows) prefetches 8 KiB ahead along its own stream; more passes re-read
   the tile (K x 32 floats, 72 KiB at K = 576) from L2 while prefetching the next tile, so the
-  memory stream runs under the compute.
+  memory stream runs under the compute;
+- many rows (``8 MR`` or more) against a packed weight of at most 128 KiB (the tiny V4's
+  projections at prefill sizes) run rows first: each block of ``MR`` rows meets every tile
+  while its activations are in L1, the blocks split over the threads.
 On the machine in RESULTS.md it runs SmolLM2's projection stack 1.2-2.2x faster than oneDNN at
 1-64 rows and 1.03-1.16x at 256-1,024; against the fp32 loop it replaced (``cpu_gemv``'s, which
 read the unpacked weights) 0.87-1.08x at one row, where both stream at the memory bound, and
@@ -186,6 +189,33 @@ inline void passes(const float* x, const W* w, const W* next, const float* scale
   tail<W, MR - 1, PF_WHOLE>(M - m, x + m * K, w, whole, scale, bias, y + m * N, N, K, n0);
 }
 
+// Rows first (every tile for one block of MR rows, then the next block) where the packed weight
+// fits in L2 and the rows are many: the block's activations stay in L1 across the tiles and
+// its outputs are written whole, where tiles first re-read all rows from L2 once per tile. The
+// tiny V4's projections (K = 32-256, N = 8-258) at 2,048 rows: 1.2-1.4x faster (RESULTS.md,
+// twenty-sixth session). The tiles keep PF_OWN's prefetches, although the weights sit in cache:
+// the same loop without them ran 2x slower (measured, not explained).
+constexpr int64_t ROWS_FIRST_MAX_BYTES = 128 * 1024;
+constexpr int64_t ROWS_FIRST_MIN_ROWS = 8 * MR;
+
+template <typename W>
+void rows_first(const float* x, const W* p, const float* scale, const float* bias, float* y, int64_t M,
+                int64_t N, int64_t K, int64_t tiles, int threads) {
+  const int64_t blocks = (M + MR - 1) / MR;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t m0 = b * MR, r = std::min<int64_t>(MR, M - m0);
+    if (r == MR) {
+      for (int64_t t = 0; t < tiles; ++t)
+        tile<W, MR, PF_OWN>(x + m0 * K, p + t * K * 2 * V, Prefetch{}, scale, bias, y + m0 * N, N, K, t * 2 * V);
+    } else {
+      for (int64_t t = 0; t < tiles; ++t)
+        tail<W, MR - 1, PF_OWN>(r, x + m0 * K, p + t * K * 2 * V, Prefetch{}, scale, bias, y + m0 * N, N, K,
+                                 t * 2 * V);
+    }
+  }
+}
+
 // y [M, N] = x [M, K] @ W.T (* scale [N]) (+ bias [N]), W packed as [ceil(N / 2V)][K][2V]. Work
 // items are tiles, and also row ranges (multiples of MR) when there are few tiles per thread.
 template <typename W>
@@ -193,6 +223,10 @@ void packed_gemm(const float* x, const W* p, const float* scale, const float* bi
                  int64_t N, int64_t K, int threads) {
   if (M <= 0 || N <= 0) return;
   const int64_t tiles = (N + 2 * V - 1) / (2 * V);
+  if (M >= ROWS_FIRST_MIN_ROWS && tiles * K * 2 * V * static_cast<int64_t>(sizeof(W)) <= ROWS_FIRST_MAX_BYTES) {
+    rows_first<W>(x, p, scale, bias, y, M, N, K, tiles, threads);
+    return;
+  }
   int64_t chunks = 1;
   if (tiles < 4 * threads) chunks = std::min<int64_t>((M + MR - 1) / MR, (4 * threads + tiles - 1) / tiles);
   const int64_t rows = ((M + chunks - 1) / chunks + MR - 1) / MR * MR;

@@ -56,7 +56,7 @@ def _gemm_case(seed: int, rows: int, n: int, k: int, bias: bool):
 
 @settings(max_examples=30, deadline=None)
 @given(
-    rows=st.integers(1, 40),
+    rows=st.integers(1, 40) | st.integers(90, 200),  # and the rows-first order (8 MR = 96 rows up)
     n=st.integers(1, 70),
     k=st.integers(1, 200),
     bias=st.booleans(),
@@ -95,7 +95,12 @@ def test_packed_gemm_matches_fp64(rows, n, k, bias, weights, threads, seed):
 
 
 @settings(max_examples=10, deadline=None)
-@given(n=st.integers(1, 70), k=st.integers(1, 100), rows=st.integers(2, 80), seed=st.integers(0, 10_000))
+@given(
+    n=st.integers(1, 70),
+    k=st.integers(1, 100),
+    rows=st.integers(2, 80) | st.integers(90, 200),  # both loop orders (rows first from 96 rows)
+    seed=st.integers(0, 10_000),
+)
 def test_packed_gemm_rows_do_not_depend_on_their_batch(n, k, rows, seed):
     """A row's result is bitwise the same alone, in any slice of the batch, or in the whole
     batch (one FMA chain per output whatever the row count): batch-invariant at every M."""
@@ -120,6 +125,21 @@ def test_a_broken_packed_gemm_fails_the_reference_check():
     y = torch.zeros(5, 9)
     fn(x.data_ptr(), cpu_packed_gemm.pack(w).data_ptr(), None, y.data_ptr(), 5, 9, 37, 1)
     assert not ((y.double() - expected).abs() <= bound).all()  # a NaN fails the check too
+
+
+def test_a_broken_rows_first_order_fails_the_reference_check():
+    """Mutation check of the rows-first order (many rows, a small weight): the same source
+    with each full block's last tile skipped leaves outputs the fp64 check rejects."""
+    full_blocks = "for (int64_t t = 0; t < tiles; ++t)\n        tile<W, MR, PF_OWN>"
+    source = cpu_packed_gemm._SOURCE.replace(full_blocks, full_blocks.replace("t < tiles", "t + 1 < tiles"))
+    assert source != cpu_packed_gemm._SOURCE
+    broken = cpu_build.load(source)
+    assert broken is not None
+    fn = cpu_build.bind(broken, "packed_gemm_f32", cpu_packed_gemm.ARGTYPES)
+    x, w, _, expected, bound = _gemm_case(4, 120, 70, 37, False)
+    y = torch.zeros(120, 70)
+    fn(x.data_ptr(), cpu_packed_gemm.pack(w).data_ptr(), None, y.data_ptr(), 120, 70, 37, 2)
+    assert not ((y.double() - expected).abs() <= bound).all()
 
 
 def test_a_broken_bf16_widening_fails_the_reference_check():
