@@ -204,3 +204,61 @@ def reference_group_meta(
         entry_idx=entry_idx,
         entry_valid=entry_valid,
     )
+
+
+def reference_full_attention_meta(
+    block_size: int, chunks: list[SeqChunk], padding: StepPadding | None
+) -> dict[str, list]:
+    """A dense (Llama) step's attention metadata (``FullAttentionMeta``) as nested lists, one
+    row and one position at a time, from the step's chunks (padding chunks included).
+
+    Decode rows: a one-token chunk's row; with padding, rows of -1 up to the padded count.
+    Each reads positions 0 .. its position through its block table; positions past it are
+    invalid and point at the chunk's first pool row (the null block's with padding). Spans:
+    [first row, tokens, start, offset of its pool rows], and the pool rows of positions
+    0 .. end - 1 of each, concatenated; padded with empty spans and null rows."""
+    bs = block_size
+    fixed = padding.max_model_len if padding is not None else None
+    decode, spans, span_rows, row, offset = [], [], [], 0, 0
+    for c in chunks:
+        if c.num_tokens == 1:
+            decode.append((row, c))
+        else:
+            end = c.start + c.num_tokens
+            spans.append([row, c.num_tokens, c.start, offset])
+            span_rows += [c.block_table[p // bs] * bs + p % bs for p in range(end)]
+            offset += end
+        row += c.num_tokens
+    rows = [r for r, _ in decode]
+    if padding is not None:
+        want = _padded_len(len(rows), len(chunks) if fixed is not None else None)
+        rows += [-1] * (want - len(rows))
+        spans += [[0, 0, 0, 0]] * (_padded_len(len(spans), None) - len(spans))
+        span_rows += [padding.null_block * bs] * (_padded_len(len(span_rows), None) - len(span_rows))
+    length = max((c.start + 1 for _, c in decode), default=0)
+    if fixed is not None:
+        length = fixed
+    elif padding is not None:
+        length = max(length, MIN_ROWS)
+    kv, valid = [], []
+    for i in range(len(rows)):
+        c = decode[i][1] if i < len(decode) else None
+        kv_row, valid_row = [], []
+        for q in range(length):
+            seen = c is not None and q <= c.start
+            valid_row.append(seen)
+            if seen:
+                kv_row.append(c.block_table[q // bs] * bs + q % bs)
+            elif padding is not None:
+                kv_row.append(padding.null_block * bs)
+            else:
+                kv_row.append(c.block_table[0] * bs)
+        kv.append(kv_row)
+        valid.append(valid_row)
+    return {
+        "decode_rows": rows,
+        "decode_kv": kv,
+        "decode_valid": valid,
+        "span_meta": spans,
+        "span_kv_rows": span_rows,
+    }

@@ -1,7 +1,7 @@
 """Both builders of the compressor bookkeeping (the compiled one, ``native_group_meta``, and
 the NumPy one) equal the plain Python walk they replaced (``step_metadata_reference``), field
 for field, on generated steps: decodes and prefill chunks mixed, groups closing anywhere in a
-chunk, prefix-hit restores, every padding mode."""
+chunk, prefix-hit restores, every padding mode. So does a dense step's attention metadata."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from deepinfer.cache import native_group_meta, step_metadata
 from deepinfer.cache.step_metadata import SeqChunk, StepPadding
-from tests.step_metadata_reference import reference_group_meta
+from tests.step_metadata_reference import reference_full_attention_meta, reference_group_meta
 
 
 @st.composite
@@ -86,6 +86,27 @@ def _check_step(builder, step) -> None:
     for f in dataclasses.fields(want):
         a, b = getattr(got, f.name), getattr(want, f.name)
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f.name
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps())
+def test_full_attention_meta_equals_the_row_walk(step):
+    """A dense (Llama) step's decode rows, their pool rows and masks, and its prefill spans
+    equal a walk over each row and position, in every padding mode."""
+    bs, _, chunks, padding = step
+    chunks = step_metadata._padded_chunks(chunks, padding)
+    tokens = step_metadata._token_layout(chunks, padding)
+    got = step_metadata._full_attention_meta(SimpleNamespace(block_size=bs), chunks, tokens, padding)
+    want = reference_full_attention_meta(bs, chunks, padding)
+    dtypes = {"decode_valid": torch.bool}
+    for name, values in want.items():
+        tensor = getattr(got, name)
+        assert tensor.dtype == dtypes.get(name, torch.long), name
+        if name == "span_meta":
+            assert tensor.shape == (len(values), 4)
+        elif name.startswith("decode_") and name != "decode_rows":
+            assert tensor.shape == (len(values), len(values[0]) if values else tensor.shape[1]), name
+        assert tensor.tolist() == values, name
 
 
 def test_native_builder_leaves_out_of_table_steps_to_numpy():

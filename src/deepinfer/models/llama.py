@@ -465,7 +465,11 @@ class LlamaForCausalLM(CausalLM):
         h = batch.to_flat(h)
         if batch.logits_idx is not None:
             h = h[batch.logits_idx]
-        h = self.model.norm(h)
+        norm = self.model.norm
+        if not batch.functional and not torch.compiler.is_compiling() and cpu_norm_act.supports(h):
+            _, h = cpu_norm_act.add_rms_norm(h, None, norm.weight, norm.eps)  # one call, as the layers' norms
+        else:
+            h = norm(h)
         if self.head is not None and not batch.functional:
             logits = self.head(h).float()
         else:
