@@ -1,6 +1,7 @@
 """The step-metadata builder's compressor bookkeeping as it was first written: a plain
 Python walk over every closed group, kept as the reference that the vectorised builder
-(``deepinfer.cache.step_metadata``) must equal field for field."""
+(``deepinfer.cache.step_metadata``) must equal field for field; and a dense step's attention
+metadata as a walk over every decode row and position."""
 
 from __future__ import annotations
 
