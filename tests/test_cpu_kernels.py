@@ -113,49 +113,46 @@ def test_packed_gemm_rows_do_not_depend_on_their_batch(n, k, rows, seed):
         assert torch.equal(cpu_packed_gemm.gemm(x[i : i + 1], packed, n, b)[0], together[i])
 
 
-def test_a_broken_packed_gemm_fails_the_reference_check():
-    """Mutation check: the same source with the rows after the full register passes dropped
-    gives results the fp64 check rejects."""
-    source = cpu_packed_gemm._SOURCE.replace("if (r == R) tile<W, R, PF>", "if (r == R + 1) tile<W, R, PF>")
+def _broken_packed_gemm(old: str, new: str, symbol: str, x: torch.Tensor, w: torch.Tensor, threads: int):
+    """``x @ w.T`` through the packed GEMM built from its source with ``old`` replaced by ``new``
+    (a mutation check's kernel); asserts that the source changed."""
+    source = cpu_packed_gemm._SOURCE.replace(old, new)
     assert source != cpu_packed_gemm._SOURCE
     broken = cpu_build.load(source)
     assert broken is not None
-    fn = cpu_build.bind(broken, "packed_gemm_f32", cpu_packed_gemm.ARGTYPES)
+    fn = cpu_build.bind(broken, symbol, cpu_packed_gemm.ARGTYPES)
+    (rows, k), n = x.shape, w.shape[0]
+    y = torch.zeros(rows, n)
+    fn(x.data_ptr(), cpu_packed_gemm.pack(w).data_ptr(), None, y.data_ptr(), rows, n, k, threads)
+    return y
+
+
+def test_a_broken_packed_gemm_fails_the_reference_check():
+    """Mutation check: the same source with the rows after the full register passes dropped
+    gives results the fp64 check rejects."""
     x, w, _, expected, bound = _gemm_case(3, 5, 9, 37, False)
-    y = torch.zeros(5, 9)
-    fn(x.data_ptr(), cpu_packed_gemm.pack(w).data_ptr(), None, y.data_ptr(), 5, 9, 37, 1)
+    old, new = "if (r == R) tile<W, R, PF>", "if (r == R + 1) tile<W, R, PF>"
+    y = _broken_packed_gemm(old, new, "packed_gemm_f32", x, w, 1)
     assert not ((y.double() - expected).abs() <= bound).all()  # a NaN fails the check too
 
 
 def test_a_broken_rows_first_order_fails_the_reference_check():
     """Mutation check of the rows-first order (many rows, a small weight): the same source
     with each full block's last tile skipped leaves outputs the fp64 check rejects."""
-    full_blocks = "for (int64_t t = 0; t < tiles; ++t)\n        tile<W, MR, PF_OWN>"
-    source = cpu_packed_gemm._SOURCE.replace(full_blocks, full_blocks.replace("t < tiles", "t + 1 < tiles"))
-    assert source != cpu_packed_gemm._SOURCE
-    broken = cpu_build.load(source)
-    assert broken is not None
-    fn = cpu_build.bind(broken, "packed_gemm_f32", cpu_packed_gemm.ARGTYPES)
     x, w, _, expected, bound = _gemm_case(4, 120, 70, 37, False)
-    y = torch.zeros(120, 70)
-    fn(x.data_ptr(), cpu_packed_gemm.pack(w).data_ptr(), None, y.data_ptr(), 120, 70, 37, 2)
+    old = "for (int64_t t = 0; t < tiles; ++t)\n        tile<W, MR, PF_OWN>"
+    y = _broken_packed_gemm(old, old.replace("t < tiles", "t + 1 < tiles"), "packed_gemm_f32", x, w, 2)
     assert not ((y.double() - expected).abs() <= bound).all()
 
 
 def test_a_broken_bf16_widening_fails_the_reference_check():
     """Mutation check for bf16 weights: widening with the bits one place off (a shift of 15)
     gives results the fp64 check rejects."""
-    source = cpu_packed_gemm._SOURCE.replace("), 16)));", "), 15)));")  # the widening shift
-    assert source != cpu_packed_gemm._SOURCE
-    broken = cpu_build.load(source)
-    assert broken is not None
-    fn = cpu_build.bind(broken, "packed_gemm_bf16", cpu_packed_gemm.ARGTYPES)
     x, w, _, _, _ = _gemm_case(4, 3, 40, 37, False)
     w = w.bfloat16()
     expected = x.double() @ w.double().T
     bound = 1e-5 * (x.double().abs() @ w.double().abs().T).max().item() + 1e-5
-    y = torch.zeros(3, 40)
-    fn(x.data_ptr(), cpu_packed_gemm.pack(w).data_ptr(), None, y.data_ptr(), 3, 40, 37, 1)
+    y = _broken_packed_gemm("), 16)));", "), 15)));", "packed_gemm_bf16", x, w, 1)  # the widening shift
     # garbage bits may widen to NaN, which fails the check as well (``max`` would hide it)
     assert not ((y.double() - expected).abs() <= bound).all()
 
