@@ -32,6 +32,12 @@ from deepinfer.models.layers.norms import RMSNorm
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
 
+def _cpu_norms(batch: ForwardBatch, x: torch.Tensor) -> bool:
+    """Whether an RMSNorm of ``x`` runs the C++ kernel (``cpu_norm_act``): an eager engine
+    step (not a research call, not under compile) on an activation the kernel takes."""
+    return not batch.functional and not torch.compiler.is_compiling() and cpu_norm_act.supports(x)
+
+
 @dataclass
 class LlamaConfig:
     vocab_size: int = 32000
@@ -269,7 +275,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """h [T, d] -> [T, d] (on the research grid: [B, S, d])."""
         x = batch.to_flat(h)
-        if not batch.functional and not torch.compiler.is_compiling() and cpu_norm_act.supports(x):
+        if _cpu_norms(batch, x):
             # eager CPU decode: each norm (the second with its residual add) in one call
             norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
             _, normed = cpu_norm_act.add_rms_norm(x, None, norm1.weight, norm1.eps)
@@ -466,7 +472,7 @@ class LlamaForCausalLM(CausalLM):
         if batch.logits_idx is not None:
             h = h[batch.logits_idx]
         norm = self.model.norm
-        if not batch.functional and not torch.compiler.is_compiling() and cpu_norm_act.supports(h):
+        if _cpu_norms(batch, h):
             _, h = cpu_norm_act.add_rms_norm(h, None, norm.weight, norm.eps)  # one call, as the layers' norms
         else:
             h = norm(h)
