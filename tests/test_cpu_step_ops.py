@@ -1,5 +1,6 @@
 """``deepinfer::routed_experts_cpu`` / ``sinkhorn_cpu`` / ``indexer_topk_cpu`` / ``rope_cpu``
-(kernels/cpu_step_ops.py; ``sink_attention_rows_cpu`` in test_sink_attention_rows.py) and the pass that puts them into compiled CPU steps.
+(kernels/cpu_step_ops.py; ``sink_attention_rows_cpu`` in test_sink_attention_rows.py) and the
+pass that puts them into compiled CPU steps.
 
 The C++ ops must return exactly what the Python ops they stand in for return, on every input:
 the same kernels where those run (same bits), the Python op itself where they do not. The
