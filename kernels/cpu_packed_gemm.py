@@ -192,7 +192,7 @@ inline void passes(const float* x, const W* w, const W* next, const float* scale
 // Rows first (every tile for one block of MR rows, then the next block) where the packed weight
 // fits in L2 and the rows are many: the block's activations stay in L1 across the tiles and
 // its outputs are written whole, where tiles first re-read all rows from L2 once per tile. The
-// tiny V4's projections (K = 32-256, N = 8-258) at 2,048 rows: 1.2-1.4x faster (RESULTS.md,
+// tiny V4's projections (K = 32-256, N = 8-258) at 2,048 rows: 1.0-1.4x faster (RESULTS.md,
 // twenty-sixth session). The tiles keep PF_OWN's prefetches, although the weights sit in cache:
 // the same loop without them ran 2x slower (measured, not explained).
 constexpr int64_t ROWS_FIRST_MAX_BYTES = 128 * 1024;
