@@ -528,19 +528,19 @@ def _full_attention_meta(
     bases = tokens.base
     decode = [base for c, base in zip(chunks, bases, strict=True) if c.num_tokens == 1]
     real = len(decode)
-    spans, span_rows, offset = [], [], 0
+    spans, span_rows, offset = [], [], 0  # offset: the span pool rows so far
     for c, base in zip(chunks, bases, strict=True):
         if c.num_tokens > 1:
             end = c.start + c.num_tokens
             spans.append([base, c.num_tokens, c.start, offset])
-            span_rows += _kv_rows(c.block_table, end, bs).tolist()
+            span_rows.append(_kv_rows(c.block_table, end, bs))
             offset += end
     if padding is not None:
         null_row = padding.null_block * bs
         n_decode = _padded_len(len(decode), len(chunks) if fixed_len is not None else None)
         decode += [-1] * (n_decode - len(decode))
         spans += [[0, 0, 0, 0]] * (_padded_len(len(spans), None) - len(spans))
-        span_rows += [null_row] * (_padded_len(len(span_rows), None) - len(span_rows))
+        span_rows.append(np.full(_padded_len(offset, None) - offset, null_row, dtype=np.int64))
     rows = np.fromiter(decode, np.int64, len(decode))
     safe = np.maximum(rows, 0)
     pos = tokens.positions[safe]  # each decode token reads positions 0 .. pos
@@ -560,5 +560,5 @@ def _full_attention_meta(
         _tensor(kv),
         _tensor(valid),
         _tensor(np.asarray(spans, dtype=np.int64).reshape(-1, 4)),  # stays on the CPU: read by the host
-        _tensor(np.asarray(span_rows, dtype=np.int64)),
+        _tensor(np.concatenate(span_rows) if span_rows else np.zeros(0, dtype=np.int64)),
     )
