@@ -11,7 +11,8 @@ times the per-head loop it replaced at 8-32 decode rows (RESULTS.md). A sequence
 in blocks scattered over the pool, which the hardware's prefetchers do not follow, so the score
 pass fetches the K and V rows ``AHEAD`` keys ahead (a SmolLM2-shaped step of 32 rows over 176
 positions: 19.1 -> 17.2 ms fp32, 12.3 -> 10.0 ms fp16 pools, interleaved medians on a Zen 3,
-RESULTS.md). Built once per machine by ``cpu_build``; fp32, bf16 and fp16 pools.
+RESULTS.md). Built once per machine by ``cpu_build``; fp32, bf16, fp16 and fp8 pools
+(``cpu_fp8``).
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ import functools
 import math
 
 import torch
-from deepinfer.kernels import cpu_build
+from deepinfer.kernels import cpu_build, cpu_fp8
 
-_SOURCE = r"""
+_SOURCE = (
+    cpu_fp8.SOURCE
+    + r"""
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/functional_bfloat16.h>
 #include <ATen/cpu/vec/vec.h>
@@ -40,9 +43,11 @@ constexpr float NINF = -std::numeric_limits<float>::infinity();
 constexpr int64_t AHEAD = 8;  // cached rows a score pass prefetches ahead (K and V)
 
 template <typename T>
-inline Vec load_f(const T* p) {  // V pool values as fp32 (bf16 / fp16 widened)
+inline Vec load_f(const T* p) {  // V pool values as fp32 (bf16 / fp16 / fp8 widened)
   if constexpr (std::is_same_v<T, float>) {
     return Vec::loadu(p);
+  } else if constexpr (is_fp8_v<T>) {
+    return fp8_load<T>(p);
   } else {
     Vec out;
     at::vec::load_to_float<T>(p, out);
@@ -214,31 +219,21 @@ void decode_attention(const float* q, const T* k, const T* v, const int64_t* row
   }
 }
 
-extern "C" {
-void decode_attention_f32(const float* q, const float* k, const float* v, const int64_t* rows,
-                          const int64_t* kv, const bool* valid, float* out, int64_t n, int64_t L,
-                          int64_t H, int64_t n_kv, int64_t d, float scale, int threads) {
-  decode_attention<float>(q, k, v, rows, kv, valid, out, n, L, H, n_kv, d, scale, threads);
-}
-void decode_attention_bf16(const float* q, const at::BFloat16* k, const at::BFloat16* v,
-                           const int64_t* rows, const int64_t* kv, const bool* valid, float* out,
-                           int64_t n, int64_t L, int64_t H, int64_t n_kv, int64_t d, float scale,
-                           int threads) {
-  decode_attention<at::BFloat16>(q, k, v, rows, kv, valid, out, n, L, H, n_kv, d, scale, threads);
-}
-void decode_attention_f16(const float* q, const at::Half* k, const at::Half* v, const int64_t* rows,
-                          const int64_t* kv, const bool* valid, float* out, int64_t n, int64_t L, int64_t H,
-                          int64_t n_kv, int64_t d, float scale, int threads) {
-  decode_attention<at::Half>(q, k, v, rows, kv, valid, out, n, L, H, n_kv, d, scale, threads);
-}
-}
+#define ENTRY(NAME, T)                                                                                \
+  extern "C" void NAME(const float* q, const T* k, const T* v, const int64_t* rows, const int64_t* kv,  \
+                       const bool* valid, float* out, int64_t n, int64_t L, int64_t H, int64_t n_kv,      \
+                       int64_t d, float scale, int threads) {                                             \
+    decode_attention<T>(q, k, v, rows, kv, valid, out, n, L, H, n_kv, d, scale, threads);                \
+  }
+ENTRY(decode_attention_f32, float)
+ENTRY(decode_attention_bf16, at::BFloat16)
+ENTRY(decode_attention_f16, at::Half)
+ENTRY(decode_attention_e4m3, c10::Float8_e4m3fn)
+ENTRY(decode_attention_e5m2, c10::Float8_e5m2)
 """
+)
 
-_ENTRY = {
-    torch.float32: "decode_attention_f32",
-    torch.bfloat16: "decode_attention_bf16",
-    torch.float16: "decode_attention_f16",
-}
+_ENTRY = {dtype: f"decode_attention_{name}" for dtype, name in cpu_fp8.POOL_NAMES.items()}
 
 
 @functools.cache

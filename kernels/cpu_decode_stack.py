@@ -15,7 +15,7 @@ projection, residual add; a step's prefill spans (short prompts) attend through
 the packed copies ``PackedLinear`` / ``WeightOnlyLinear`` run, through ``cpu_packed_gemm``, at
 up to ``MAX_ROWS`` (64) rows (at 32 rows the layer path's Python was ~4 ms of a ~55 ms SmolLM2
 step); int4 through ``cpu_int4_vnni`` up to 64 rows, or ``cpu_gemv``'s widening loop up to 4;
-fp32, bf16 or fp16 pools.
+fp32, bf16, fp16 or fp8 pools.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 from deepinfer.kernels import (
     cpu_attention,
     cpu_build,
+    cpu_fp8,
     cpu_gemv,
     cpu_int4_vnni,
     cpu_norm_act,
@@ -146,7 +147,7 @@ _ARGS = (
     + [ctypes.c_void_p] * 3
     + [ctypes.c_int64, ctypes.c_int]
 )
-_POOL_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+_POOL_NAMES = cpu_fp8.POOL_NAMES
 # rows up to which int4 projections run in the stack's widening loop (CPUs without VNNI): above,
 # PyTorch's kernel (bf16 activations) beats it (RESULTS.md)
 QUANTIZED_MAX_ROWS = weight_only.QUANTIZED_SMALL_ROWS

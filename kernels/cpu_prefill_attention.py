@@ -10,7 +10,7 @@ over K transposed into blocks of one vector of keys once per span and head), the
 max-subtracted fp32 softmax (ATen's vectorised exp, as the decode kernel uses) and the weighted
 sum of values from register tiles of rows x (up to four vectors of) the head. Keys past a
 block's last position are never computed (causal), and the pool rows are read in place while
-packing (fp32, bf16, fp16).
+packing (fp32, bf16, fp16, fp8: ``cpu_fp8``).
 
 Head sizes that are a multiple of the vector width up to eight vectors (16-128 on AVX-512) take
 this path; others keep SDPA. Built once per machine by ``cpu_build``.
@@ -23,9 +23,11 @@ import functools
 import math
 
 import torch
-from deepinfer.kernels import cpu_build
+from deepinfer.kernels import cpu_build, cpu_fp8
 
-_SOURCE = r"""
+_SOURCE = (
+    cpu_fp8.SOURCE
+    + r"""
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/functional_bfloat16.h>
 #include <ATen/cpu/vec/vec.h>
@@ -233,30 +235,20 @@ void prefill_attention(const float* q, const T* kp, const T* vp, const int64_t* 
   }
 }
 
-extern "C" {
-void prefill_attention_f32(const float* q, const float* k, const float* v, const int64_t* spans,
-                           const int64_t* kv_rows, float* out, int64_t S, int64_t H, int64_t n_kv, int64_t d,
-                           float scale, int threads) {
-  prefill_attention<float>(q, k, v, spans, kv_rows, out, S, H, n_kv, d, scale, threads);
-}
-void prefill_attention_bf16(const float* q, const at::BFloat16* k, const at::BFloat16* v, const int64_t* spans,
-                            const int64_t* kv_rows, float* out, int64_t S, int64_t H, int64_t n_kv, int64_t d,
-                            float scale, int threads) {
-  prefill_attention<at::BFloat16>(q, k, v, spans, kv_rows, out, S, H, n_kv, d, scale, threads);
-}
-void prefill_attention_f16(const float* q, const at::Half* k, const at::Half* v, const int64_t* spans,
-                           const int64_t* kv_rows, float* out, int64_t S, int64_t H, int64_t n_kv, int64_t d,
-                           float scale, int threads) {
-  prefill_attention<at::Half>(q, k, v, spans, kv_rows, out, S, H, n_kv, d, scale, threads);
-}
-}
+#define ENTRY(NAME, T)                                                                              \
+  extern "C" void NAME(const float* q, const T* k, const T* v, const int64_t* spans, const int64_t* kv_rows, \
+                       float* out, int64_t S, int64_t H, int64_t n_kv, int64_t d, float scale, int threads) { \
+    prefill_attention<T>(q, k, v, spans, kv_rows, out, S, H, n_kv, d, scale, threads);                     \
+  }
+ENTRY(prefill_attention_f32, float)
+ENTRY(prefill_attention_bf16, at::BFloat16)
+ENTRY(prefill_attention_f16, at::Half)
+ENTRY(prefill_attention_e4m3, c10::Float8_e4m3fn)
+ENTRY(prefill_attention_e5m2, c10::Float8_e5m2)
 """
+)
 
-_ENTRY = {
-    torch.float32: "prefill_attention_f32",
-    torch.bfloat16: "prefill_attention_bf16",
-    torch.float16: "prefill_attention_f16",
-}
+_ENTRY = {dtype: f"prefill_attention_{name}" for dtype, name in cpu_fp8.POOL_NAMES.items()}
 ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
 
 

@@ -5,8 +5,8 @@ two cache writes are about fifteen small ATen calls per layer, each costing more
 than in arithmetic. This kernel does the same arithmetic in one pass: each head's halves are
 rotated in fp32 exactly as ``rotate_half_rope`` does (a product, a product, a sum: no fused
 multiply-add, as Inductor's flags forbid contraction), rounded to the activations' dtype, and
-k and v are stored at the step's pool rows in the pool's dtype. Results are bitwise the
-reference's. A prefill's tokens (64 or more) split over ATen's threads; decode runs on the
+k and v are stored at the step's pool rows in the pool's dtype (fp8 saturated, as
+``kv_dtypes.store`` does). Results are bitwise the reference's. A prefill's tokens (64 or more) split over ATen's threads; decode runs on the
 calling one. Built once per machine by ``cpu_build``.
 """
 
@@ -16,9 +16,11 @@ import ctypes
 import functools
 
 import torch
-from deepinfer.kernels import cpu_build
+from deepinfer.kernels import cpu_build, cpu_fp8
 
-_SOURCE = r"""
+_SOURCE = (
+    cpu_fp8.SOURCE
+    + r"""
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <ATen/Parallel.h>
@@ -49,13 +51,13 @@ void rope_store(const A* qkv, const float* cos, const float* sin, const int64_t*
           q_out[(t * H + h) * d + i] = a;
           q_out[(t * H + h) * d + i + half] = b;
         } else {
-          kr[(h - H) * d + i] = static_cast<P>(a);
-          kr[(h - H) * d + i + half] = static_cast<P>(b);
+          kr[(h - H) * d + i] = to_pool<P>(static_cast<float>(a));
+          kr[(h - H) * d + i + half] = to_pool<P>(static_cast<float>(b));
         }
       }
     }
     const A* v = x + (H + KV) * d;
-    for (int64_t i = 0; i < KV * d; ++i) vr[i] = static_cast<P>(v[i]);
+    for (int64_t i = 0; i < KV * d; ++i) vr[i] = to_pool<P>(static_cast<float>(v[i]));
   }
   });
 }
@@ -71,10 +73,15 @@ ENTRY(rope_store_bf16_f32, c10::BFloat16, float)
 ENTRY(rope_store_bf16_bf16, c10::BFloat16, c10::BFloat16)
 ENTRY(rope_store_f32_f16, float, c10::Half)
 ENTRY(rope_store_bf16_f16, c10::BFloat16, c10::Half)
+ENTRY(rope_store_f32_e4m3, float, c10::Float8_e4m3fn)
+ENTRY(rope_store_bf16_e4m3, c10::BFloat16, c10::Float8_e4m3fn)
+ENTRY(rope_store_f32_e5m2, float, c10::Float8_e5m2)
+ENTRY(rope_store_bf16_e5m2, c10::BFloat16, c10::Float8_e5m2)
 """
+)
 
 _NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # activations
-_POOLS = {**_NAMES, torch.float16: "f16"}  # cache pools
+_POOLS = cpu_fp8.POOL_NAMES  # cache pools
 
 
 @functools.cache

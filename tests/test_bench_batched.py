@@ -16,6 +16,7 @@ from deepinfer.kernels import weight_only
 from deepinfer import bench_llama_cpp
 from deepinfer.bench_llama_cpp import (
     NO_REPACK,
+    PEER_CACHE_TYPES,
     VARIANTS,
     cpu_description,
     llama_cpp_rows,
@@ -80,6 +81,18 @@ def test_the_peer_runs_on_the_same_weights_and_shape(tmp_path, outtype, quantize
     assert flags["-npp"] == "144" and flags["-ntg"] == "64" and flags["-npl"] == "1,8"
     assert flags["-t"] == flags["-tb"] == "3"
     assert int(flags["-c"]) >= 8 * (144 + 64)
+
+
+def test_an_8_bit_cache_peer_runs_with_its_8_bit_kv_cache(tmp_path):
+    """The fp32-kv8 variant's peer: llama.cpp's q8_0 K and V cache (with the flash attention
+    its quantized V cache needs); other variants keep llama.cpp's default cache."""
+    root, calls, run = _fake_llama_cpp(tmp_path)
+    llama_cpp_rows(root, tmp_path, "F32", [1], 144, 64, threads=2, run=run, cache_type="q8_0")
+    flags = dict(zip(calls[-1][1::2], calls[-1][2::2], strict=False))
+    assert flags["-ctk"] == flags["-ctv"] == "q8_0" and flags["-fa"] == "on"
+    assert PEER_CACHE_TYPES == {"fp32-kv8": "q8_0"} and VARIANTS["fp32-kv8"][0] == {"kv_cache_dtype": "fp8"}
+    llama_cpp_rows(root, tmp_path, "F32", [1], 144, 64, threads=2, run=run)
+    assert "-ctk" not in calls[-1] and "-fa" not in calls[-1]
 
 
 def test_a_missing_llama_cpp_build_is_named(tmp_path):

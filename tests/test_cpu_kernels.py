@@ -28,9 +28,14 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.cache import kv_dtypes
+from deepinfer.cache.kv_dtypes import is_fp8
 from deepinfer.models.layers.norms import RMSNorm
 from deepinfer.models.llama import rotate_half_rope
 from deepinfer.tiny import make_tiny_checkpoint
+
+# every cache pool element type the CPU attention and cache-write kernels read
+POOL_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
 
 pytestmark = pytest.mark.usefixtures("two_threads")  # the kernels' threaded paths, at any -n
 
@@ -212,7 +217,7 @@ def test_cpu_linear_traces_as_one_op():
 def _attention_case(seed, heads, kv_heads, d, n, length, pool_rows, dtype):
     gen = torch.Generator().manual_seed(seed)
     t = n + 2
-    q = torch.randn(t, heads, d, generator=gen).to(dtype)
+    q = torch.randn(t, heads, d, generator=gen).to(torch.float32 if is_fp8(dtype) else dtype)
     k = torch.randn(pool_rows, kv_heads * d, generator=gen).to(dtype)
     v = torch.randn(pool_rows, kv_heads * d, generator=gen).to(dtype)
     rows = torch.randperm(t, generator=gen)[:n]
@@ -230,12 +235,13 @@ def _attention_case(seed, heads, kv_heads, d, n, length, pool_rows, dtype):
     d=st.sampled_from([8, 16, 32, 33, 64, 128]),
     n=st.integers(1, 5),
     length=st.integers(1, 40),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    dtype=st.sampled_from(POOL_DTYPES),
     seed=st.integers(0, 10_000),
 )
 def test_decode_attention_in_place_matches_the_gather_path(kv_heads, group, d, n, length, dtype, seed):
     """The in-place kernel equals the gather + SDPA reference (run on the same inputs with
-    autograd on, which keeps the reference path), GQA, padding rows and masks included."""
+    autograd on, which keeps the reference path), GQA, padding rows and masks included; fp8
+    pools widened exactly (fp32 queries: the fp32 tolerance)."""
     case = _attention_case(seed, kv_heads * group, kv_heads, d, n, length, 64, dtype)
     q = case[0]
     assert cpu_attention.supports(q, case[1], case[2])
@@ -243,7 +249,7 @@ def test_decode_attention_in_place_matches_the_gather_path(kv_heads, group, d, n
     ref = paged_attention_reference(
         q.float().requires_grad_(), *(c.float() if c.is_floating_point() else c for c in case[1:])
     )
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    tol = 1e-5 if q.dtype == torch.float32 else 1e-2
     torch.testing.assert_close(fast.float(), ref.detach(), rtol=tol, atol=tol)
 
 
@@ -273,7 +279,7 @@ def _span_case(seed, heads, kv_heads, d, spans, dtype):
     group=st.integers(1, 14),
     d=st.sampled_from([16, 32, 48, 64, 128]),
     spans=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 70)), min_size=1, max_size=4),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    dtype=st.sampled_from(POOL_DTYPES),
     seed=st.integers(0, 10_000),
 )
 def test_prefill_attention_in_place_matches_the_reference(kv_heads, group, d, spans, dtype, seed):
@@ -365,16 +371,19 @@ def test_a_broken_attention_kernel_fails_the_reference_check():
     group=st.integers(1, 3),
     half=st.integers(1, 20),
     act=st.sampled_from([torch.float32, torch.bfloat16]),
-    pool=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    pool=st.sampled_from(POOL_DTYPES),
     seed=st.integers(0, 10_000),
 )
 def test_rope_store_is_bitwise_the_reference(tokens, kv_heads, group, half, act, pool, seed):
-    """Rotated q, and k and v in the pools, equal ``rotate_half_rope`` plus the two
-    ``index_copy_`` writes bit for bit, for every activation/pool dtype pair, one thread or
-    (from 64 tokens) several."""
+    """Rotated q, and k and v in the pools, equal ``rotate_half_rope`` plus the two cache
+    writes (``kv_dtypes.store``) bit for bit, for every activation/pool dtype pair, one thread
+    or (from 64 tokens) several; fp8 pools saturate values past their range (a few scaled up
+    to reach it)."""
     gen = torch.Generator().manual_seed(seed)
     heads, d = kv_heads * group, 2 * half
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen).to(act)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen)
+    qkv[torch.rand(qkv.shape, generator=gen) < 0.05] *= 1e5
+    qkv = qkv.to(act)
     angles = torch.rand(tokens, half, generator=gen) * 100
     cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
     rows = torch.randperm(120, generator=gen)[:tokens]
@@ -382,10 +391,13 @@ def test_rope_store_is_bitwise_the_reference(tokens, kv_heads, group, half, act,
     k_ref, v_ref = k_pool.clone(), v_pool.clone()
     q = cpu_rope_store.rope_store(qkv, cos, sin, rows, k_pool, v_pool, heads, kv_heads, d)
     qk = rotate_half_rope(qkv[:, : (heads + kv_heads) * d].reshape(tokens, -1, d), cos, sin)
-    k_ref.index_copy_(0, rows, qk[:, heads:].reshape(tokens, -1).to(pool))
-    v_ref.index_copy_(0, rows, qkv[:, (heads + kv_heads) * d :].to(pool))
+    kv_dtypes.store(k_ref, rows, qk[:, heads:].reshape(tokens, -1))
+    kv_dtypes.store(v_ref, rows, qkv[:, (heads + kv_heads) * d :])
     assert torch.equal(q, qk[:, :heads])
-    assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
+    bits = torch.uint8 if is_fp8(pool) else pool  # ATen has no fp8 equal
+    assert torch.equal(k_pool.view(bits), k_ref.view(bits)) and torch.equal(
+        v_pool.view(bits), v_ref.view(bits)
+    )
 
 
 @settings(max_examples=15, deadline=None)
@@ -462,7 +474,7 @@ def _greedy(llm, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]
     head_dim=st.sampled_from([16, 32, 64]),
     layers=st.integers(1, 3),
     rows=st.integers(1, cpu_decode_stack.MAX_ROWS),
-    kv_dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
+    kv_dtype=st.sampled_from(["float32", "bfloat16", "float16", "fp8", "fp8_e5m2"]),
     quantization=st.sampled_from([None, "int8", "int4"]),
     seed=st.integers(0, 1000),
 )

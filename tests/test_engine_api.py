@@ -184,7 +184,7 @@ def test_kv_cache_dtype_halves_the_cache_and_keeps_the_logits(arch, tmp_path):
         max(diffs),
     )
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        LLM(path, kv_cache_dtype="fp8")
+        LLM(path, kv_cache_dtype="fp4")
 
 
 def test_prefix_cache_is_shared_only_under_the_same_salt(llm):

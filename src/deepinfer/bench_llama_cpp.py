@@ -5,7 +5,8 @@ B sequences of P-token prompts, N output tokens each; per B: prefill tok/s (``S_
 tok/s (``S_TG``) and the whole shape's output tok/s (B x N / wall), as llama-batched-bench
 reports them. Variants pair a deepinfer setting with the llama.cpp type converted from the same
 checkpoint: our exact fp32 and fp32 with an fp16 KV cache (llama.cpp's own default KV
-precision) against F32, bf16 weights against BF16, weight-only int8 against Q8_0, int4 against
+precision) against F32, fp32 with an fp8 KV cache against F32 with llama.cpp's 8-bit (q8_0) KV
+cache, bf16 weights against BF16, weight-only int8 against Q8_0, int4 against
 Q4_0. The prefix cache is off: llama-batched-bench prefills every prompt, so a cache hit would
 be work the peer pays for. The CPU's ISA (and the oneDNN kernel our bf16 projections run above
 a few rows: AMX or not) is printed with the table, so figures from different machines are never
@@ -38,10 +39,13 @@ from deepinfer.sampling_params import SamplingParams
 VARIANTS: dict[str, tuple[dict, str | None]] = {
     "fp32": ({}, "F32"),
     "fp32-kv16": ({"kv_cache_dtype": "float16"}, "F32"),
+    "fp32-kv8": ({"kv_cache_dtype": "fp8"}, "F32"),
     "bf16": ({"dtype": "bfloat16"}, "BF16"),
     "int8": ({"quantization": "int8"}, "Q8_0"),
     "int4": ({"quantization": "int4"}, "Q4_0"),
 }
+# llama.cpp's K/V cache type for a variant (else its default, f16): an 8-bit cache against ours
+PEER_CACHE_TYPES = {"fp32-kv8": "q8_0"}
 # (prefill tok/s, decode tok/s, output tok/s of the whole shape)
 Row = tuple[float, float, float]
 # llama.cpp's own converter writes these types; the rest come from llama-quantize
@@ -151,11 +155,14 @@ def llama_cpp_rows(
     output_len: int,
     threads: int,
     run: Callable[..., subprocess.CompletedProcess] = subprocess.run,
+    cache_type: str | None = None,
 ) -> PeerRows:
     """llama-batched-bench on ``checkpoint`` converted to ``outtype`` (F32, BF16, Q8_0 or Q4_0) by
     the checkout's own converter (and ``llama-quantize`` for Q4_0). Run with llama.cpp's
     defaults; only when that run dies of a signal is it rerun once with ``--no-repack`` (and the
-    result says so), so a crash in one of its kernels costs the table a weaker peer, not the run."""
+    result says so), so a crash in one of its kernels costs the table a weaker peer, not the run.
+    ``cache_type``: its K and V cache type (``-ctk``/``-ctv``; a quantized V cache needs its
+    flash attention, turned on with it)."""
     bench = root / "build" / "bin" / "llama-batched-bench"
     if not bench.exists():
         raise FileNotFoundError(f"--llama-cpp: no {bench} (build llama.cpp there first)")
@@ -176,6 +183,8 @@ def llama_cpp_rows(
         args = [str(bench), "-m", str(gguf), "-c", str(context), "-b", "2048", "-ub", "512"]
         args += ["-npp", str(prompt_len), "-ntg", str(output_len), "-npl", ",".join(map(str, batches))]
         args += ["-t", str(threads), "-tb", str(threads)]
+        if cache_type is not None:
+            args += ["-ctk", cache_type, "-ctv", cache_type, "-fa", "on"]
         try:
             out, fallback = run(args, check=True, capture_output=True, text=True).stdout, None
         except subprocess.CalledProcessError as error:
@@ -238,12 +247,23 @@ def _run_table(
         llm = LLM(checkpoint, max_num_seqs=max(batches), enable_prefix_caching=False, **options)
         batched_bench(llm, 1, prompt_len, output_len)  # warm-up
         peer_run = (
-            llama_cpp_rows(llama_cpp, checkpoint, peer, batches, prompt_len, output_len, threads)
+            llama_cpp_rows(
+                llama_cpp,
+                checkpoint,
+                peer,
+                batches,
+                prompt_len,
+                output_len,
+                threads,
+                cache_type=PEER_CACHE_TYPES.get(name),
+            )
             if llama_cpp is not None and peer is not None
             else PeerRows({}, None)
         )
-        peer_label = f"llama.cpp {peer}" + (
-            f" ({peer_run.fallback}: its default crashed)" if peer_run.fallback else ""
+        peer_label = (
+            f"llama.cpp {peer}"
+            + (f" KV {PEER_CACHE_TYPES[name]}" if name in PEER_CACHE_TYPES else "")
+            + (f" ({peer_run.fallback}: its default crashed)" if peer_run.fallback else "")
         )
         for b in batches:
             ours = batched_bench(llm, b, prompt_len, output_len)

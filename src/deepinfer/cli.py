@@ -16,6 +16,7 @@ from typing import NoReturn
 
 import torch
 
+from deepinfer.cache import kv_dtypes
 from deepinfer.tiny import TINY_CONFIGS
 
 
@@ -57,7 +58,7 @@ def _plan(args: argparse.Namespace) -> int:
         memory_bytes=None if args.memory_gib is None else int(args.memory_gib * GIB),
         utilization=args.memory_utilization,
         block_size=args.block_size,
-        kv_dtype=torch.bfloat16 if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype),
+        kv_dtype=kv_dtypes.pool_dtype(args.kv_cache_dtype, torch.bfloat16),
         packed_kv=args.kv_cache_dtype == "auto",
     )
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))
@@ -84,7 +85,7 @@ def _positive_int(text: str) -> int:
 
 _COMPILE_CHOICES = {"auto": None, "on": True, "off": False}
 # bench_llama_cpp.VARIANTS' names (kept here so the parser builds without importing the engine)
-_BATCHED_VARIANTS = ("fp32", "fp32-kv16", "bf16", "int8", "int4")
+_BATCHED_VARIANTS = ("fp32", "fp32-kv16", "fp32-kv8", "bf16", "int8", "int4")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -95,6 +96,7 @@ def _generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         speculative_config=args.speculative_config,
         compile=_COMPILE_CHOICES[args.compile],
         tensor_parallel_size=args.tensor_parallel_size,
@@ -382,6 +384,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "dtype": args.dtype,
         "device": args.device,
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "speculative_config": args.speculative_config,
         "compile": _COMPILE_CHOICES[args.compile],
         "tensor_parallel_size": args.tensor_parallel_size,
@@ -477,6 +480,16 @@ _DP_HELP = (
 )
 
 
+def _add_kv_cache_dtype(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", *kv_dtypes.KV_CACHE_DTYPES],
+        default="auto",
+        help="paged K/V cache element type (vLLM's option): auto = the model's trained format or "
+        "its dtype; fp8 (= fp8_e4m3) / fp8_e5m2 store values with a scale of 1, saturated",
+    )
+
+
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument(
@@ -487,6 +500,7 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "linears to fp8 blocks; int8/int4: weight-only, dense models on CPU",
     )
     parser.add_argument("--device", default="cpu")
+    _add_kv_cache_dtype(parser)
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help=_TP_HELP)
     parser.add_argument("--enable-expert-parallel", action="store_true", help=_EP_HELP)
     parser.add_argument("--data-parallel-size", type=int, default=1, help=_DP_HELP)
@@ -533,7 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--block-size", type=int, default=16)
     pl.add_argument(
         "--kv-cache-dtype",
-        choices=["auto", "bfloat16", "float16", "float32"],
+        choices=["auto", *kv_dtypes.KV_CACHE_DTYPES],
         default="auto",
         help="auto: the trained precision where the model has one (fake-quant on), else bfloat16",
     )
@@ -559,6 +573,7 @@ def build_parser() -> argparse.ArgumentParser:
         "linears to fp8 blocks; int8/int4: weight-only, dense models on CPU",
     )
     gen.add_argument("--device", default="cpu")
+    _add_kv_cache_dtype(gen)
     gen.add_argument("--tensor-parallel-size", type=int, default=1, help=_TP_HELP)
     gen.add_argument("--enable-expert-parallel", action="store_true", help=_EP_HELP)
     gen.add_argument("--data-parallel-size", type=int, default=1, help=_DP_HELP)

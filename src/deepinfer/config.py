@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deepinfer.cache import kv_dtypes
 from deepinfer.speculative.config import SpeculativeConfig
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", *kv_dtypes.KV_CACHE_DTYPES)
 QUANTIZATIONS = (None, "none", "fp8", "int8", "int4")
 COMPILE_AFTER_ENV = "DEEPINFER_CPU_COMPILE_AFTER_S"
 
@@ -65,7 +66,8 @@ class EngineConfig:
     # trained for where it has one (QAT fake-quant on: window K=V in fp8, compressed entries
     # and indexer keys in fp4, with their scales; cache/kv_formats.py), else its compute
     # dtype; "float32" / "bfloat16" / "float16" force that dtype everywhere (compressor
-    # state stays fp32)
+    # state stays fp32); "fp8" (= "fp8_e4m3") / "fp8_e5m2" store K/V rows in fp8 with a scale
+    # of 1, saturated (cache/kv_dtypes.py)
     kv_cache_dtype: str = "auto"
     # Tensor parallelism (vLLM's option name): ranks 1 .. T-1 run in worker processes the
     # engine starts (distributed/workers.py); Llama and DeepSeek models, eager steps so far

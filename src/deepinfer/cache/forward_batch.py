@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.cache import kv_dtypes
 from deepinfer.cache.kv_formats import PackedRows, encode
 
 
@@ -147,10 +148,7 @@ class ForwardBatch:
                 return dataclasses.replace(pool, data=pool.data.index_copy(0, rows, data))
             pool.data.index_copy_(0, rows, data)
             return pool
-        values = values.to(pool.dtype)
-        if self.functional:
-            return pool.index_copy(0, rows, values)
-        return pool.index_copy_(0, rows, values)
+        return kv_dtypes.store(pool, rows, values, functional=self.functional)
 
     def to_grid(self, x: torch.Tensor) -> torch.Tensor:
         """A flat ``[T, ...]`` tensor on the ``[B, S, ...]`` grid (pad cells zero); unchanged

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from deepinfer.cache import kv_dtypes
 from deepinfer.cache.pools import CacheLayout
 from deepinfer.config import EngineConfig
 from deepinfer.distributed.eplb import (
@@ -93,9 +94,7 @@ class Engine:
         self.eos_token_ids = list(mcfg.eos_token_id)
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
         self.device = next(model.parameters()).device
-        dtype = (
-            model.compute_dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
-        )
+        dtype = kv_dtypes.pool_dtype(config.kv_cache_dtype, model.compute_dtype)
         # tensor or expert parallel: start the worker ranks and keep rank 0's share, before
         # anything reads the model's (now local) shapes
         self.tp: TensorParallelGroup | None = None

@@ -1,0 +1,189 @@
+"""fp8 K/V cache (``kv_cache_dtype="fp8"`` / ``"fp8_e5m2"``): the stored bits and the values
+read back, in the CPU kernels and in the engine."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import pytest
+import torch
+from deepinfer.kernels import cpu_build, cpu_fp8, cpu_rope_store
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.cache import kv_dtypes
+from deepinfer.tiny import make_tiny_checkpoint
+
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+# test entry points over the kernels' fp8 helpers: n codes widened a vector at a time, n
+# values narrowed one at a time
+_PROBE = r"""
+#define PROBE(NAME, T)                                                                   \
+  extern "C" void widen_##NAME(const T* codes, float* out, int64_t n) {                  \
+    for (int64_t i = 0; i < n; i += at::vec::Vectorized<float>::size())                  \
+      fp8_load<T>(codes + i).store(out + i);                                             \
+  }                                                                                      \
+  extern "C" void narrow_##NAME(const float* x, T* out, int64_t n) {                     \
+    for (int64_t i = 0; i < n; ++i) out[i] = to_pool<T>(x[i]);                           \
+  }
+PROBE(e4m3, c10::Float8_e4m3fn)
+PROBE(e5m2, c10::Float8_e5m2)
+"""
+
+
+def _probe(source: str = cpu_fp8.SOURCE) -> ctypes.CDLL:
+    lib = cpu_build.load(source + _PROBE)
+    assert lib is not None
+    for name in FP8:
+        cpu_build.bind(lib, f"widen_{name}", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64])
+        cpu_build.bind(lib, f"narrow_{name}", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64])
+    return lib
+
+
+def _widened(lib: ctypes.CDLL, name: str) -> torch.Tensor:
+    codes = torch.arange(256, dtype=torch.uint8)
+    out = torch.empty(256)
+    getattr(lib, f"widen_{name}")(codes.data_ptr(), out.data_ptr(), 256)
+    return out
+
+
+def _narrowed(lib: ctypes.CDLL, name: str, x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(x.numel(), dtype=torch.uint8)
+    getattr(lib, f"narrow_{name}")(x.data_ptr(), out.data_ptr(), x.numel())
+    return out
+
+
+@pytest.fixture(scope="module")
+def probe() -> ctypes.CDLL:
+    return _probe()
+
+
+@pytest.mark.parametrize("name", sorted(FP8))
+def test_the_kernels_widen_every_fp8_code_exactly(probe, name):
+    """All 256 codes (subnormals, zeros of both signs, the largest values, NaN codes and, in
+    e5m2, infinities) widen in the kernels' vector loads to what ATen's conversion gives."""
+    want = torch.arange(256, dtype=torch.uint8).view(FP8[name]).float()
+    got = _widened(probe, name)
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = ~want.isnan()
+    assert torch.equal(got[finite].view(torch.int32), want[finite].view(torch.int32))  # -0.0 too
+
+
+def _values_to_narrow(dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Every code's value, the midpoints between neighbouring codes (round-to-even ties) and
+    values just beside them, values past the range, infinities, NaN and random ones."""
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    grid = codes[codes.isfinite()].unique()
+    mid = (grid[1:] + grid[:-1]) / 2
+    gen = torch.Generator().manual_seed(seed)
+    top = kv_dtypes.FP8_MAX[dtype]
+    return torch.cat(
+        [
+            grid,
+            mid,
+            torch.nextafter(mid, torch.full_like(mid, math.inf)),
+            torch.nextafter(mid, torch.full_like(mid, -math.inf)),
+            torch.tensor([top * 1.03, -top * 1.07, 1e30, -1e30, math.inf, -math.inf, math.nan, -0.0]),
+            torch.randn(2000, generator=gen) * torch.rand(2000, generator=gen).mul(20).sub(12).exp2(),
+        ]
+    )
+
+
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 10_000), name=st.sampled_from(sorted(FP8)))
+def test_the_kernels_store_the_bits_the_python_writes_store(probe, seed, name):
+    """The kernels' fp8 stores (saturating, then round to nearest even) equal ``kv_dtypes``'
+    on every code's value, the ties between neighbouring codes and values beside them,
+    values past the range and non-finite ones."""
+    dtype = FP8[name]
+    x = _values_to_narrow(dtype, seed)
+    want = kv_dtypes.to_pool(x, dtype).view(torch.uint8)
+    assert torch.equal(_narrowed(probe, name, x), want)
+    stored = kv_dtypes.to_pool(x, dtype).float()
+    top = kv_dtypes.FP8_MAX[dtype]
+    assert stored[x.isfinite()].abs().max().item() == top  # saturated, never NaN or inf
+    assert torch.equal(stored[x.isinf()], torch.tensor([top, -top]))
+
+
+@pytest.mark.parametrize(
+    "mutation",
+    [
+        ("set1_ps(256.f)", "set1_ps(128.f)"),  # e4m3 exponents rebased wrongly (AVX-512 and AVX2 lines)
+        ("x = x > top ? top : (x < -top ? -top : x);", ""),  # no saturation
+    ],
+)
+def test_broken_fp8_helpers_fail_the_checks(mutation):
+    """Mutation check for the two tests above: a wrong exponent rebase fails the widening
+    check, and stores without saturation fail the narrowing one."""
+    source = cpu_fp8.SOURCE.replace(*mutation)
+    assert source != cpu_fp8.SOURCE
+    broken = _probe(source)
+    if "top" in mutation[0]:  # (c10's e4m3fn conversion saturates by itself; e5m2's does not)
+        x = _values_to_narrow(torch.float8_e5m2, 0)
+        want = kv_dtypes.to_pool(x, torch.float8_e5m2).view(torch.uint8)
+        assert not torch.equal(_narrowed(broken, "e5m2", x), want)
+    else:
+        want = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        finite = ~want.isnan()
+        assert not torch.equal(_widened(broken, "e4m3")[finite], want[finite])
+
+
+def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [
+        (
+            o.outputs[0].token_ids,
+            [e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)],
+        )
+        for o in outs
+    ]
+
+
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v4"])
+def test_an_fp8_cache_computes_with_the_values_it_stores(arch, kv, tmp_path, monkeypatch):
+    """An fp8 cache (its kernels: the one-call Llama stack, RoPE + writes, in-place attention)
+    gives the tokens and logprobs of an fp32 cache whose writes round every value through the
+    same fp8 format, on the Python write path; a quarter of the fp32 cache's bytes for Llama
+    (V4 keeps its compressor state in fp32)."""
+    path = make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=3)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 258, (int(n),), generator=gen).tolist() for n in (5, 17, 30)]
+    fp8 = LLM(path, kv_cache_dtype=kv, enable_prefix_caching=False)
+    dtype = kv_dtypes.KV_CACHE_DTYPES[kv]
+    assert all(p.window.dtype == dtype for p in fp8.engine.runner.pools)
+    got = _run(fp8, prompts)
+    if arch == "llama":
+        layout = fp8.engine.layout
+        assert layout.block_bytes(dtype) * 4 == layout.block_bytes(torch.float32)
+        assert fp8.model.decode_stack is not None
+
+    twin = LLM(path, kv_cache_dtype="float32", enable_prefix_caching=False)
+    if arch == "llama":
+        twin.model.decode_stack = None
+    unrounded = _run(twin, prompts)  # the check can fail: without the rounding, other logprobs
+    assert any(
+        max(abs(a - b) for a, b in zip(x[1], y[1], strict=True)) > 1e-3
+        for x, y in zip(got, unrounded, strict=True)
+    )
+    real = kv_dtypes.to_pool
+
+    def through_fp8(values: torch.Tensor, pool: torch.dtype) -> torch.Tensor:
+        return real(real(values, dtype).float(), pool)
+
+    monkeypatch.setattr(kv_dtypes, "to_pool", through_fp8)
+    monkeypatch.setattr(cpu_rope_store, "supports", lambda *a: False)  # writes through kv_dtypes
+    want = _run(twin, prompts)
+    for (tokens, logprobs), (tokens_ref, logprobs_ref) in zip(got, want, strict=True):
+        assert tokens == tokens_ref
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(logprobs_ref), rtol=0, atol=1e-4)
+
+
+def test_an_unknown_kv_cache_dtype_is_a_clear_error(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "l", arch="llama", seed=1)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(path, kv_cache_dtype="fp4")
