@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from deepinfer.kernels import cpu_build, cpu_fp8, cpu_rope_store
+from equivalence_workloads import alone_runner, together
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -187,3 +188,27 @@ def test_an_unknown_kv_cache_dtype_is_a_clear_error(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "l", arch="llama", seed=1)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(path, kv_cache_dtype="fp4")
+
+
+@pytest.mark.parametrize(("arch", "blocks", "budget"), [("llama", 48, 96), ("deepseek_v4", 8, 256)])
+def test_batching_chunking_preemption_and_prefix_hits_are_invisible_with_an_fp8_cache(
+    arch, blocks, budget, tmp_path
+):
+    """Greedy outputs of a random workload run together (chunked prefill, preemption from a
+    small cache, shared prefixes served from the prefix cache) equal each request alone, on
+    an fp8 cache: its rows are rounded once, when written, whatever step reads them."""
+    path = make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=4)
+    reference = alone_runner(path, num_requests=40, kv_cache_dtype="fp8")(5, True)
+    llm = LLM(
+        path, kv_cache_dtype="fp8", num_cache_blocks=blocks, max_num_batched_tokens=budget, max_num_seqs=16
+    )
+    preempted = []
+    original = llm.engine.scheduler.preempt
+
+    def counting(request):
+        preempted.append(request.request_id)
+        original(request)
+
+    llm.engine.scheduler.preempt = counting
+    assert together(llm, 5, True, num_requests=40) == reference
+    assert preempted and llm.engine.pool.hit_blocks > 0
