@@ -9,7 +9,8 @@ cheapest first, so a stage cut short by its time limit still reports the most:
 - sampling with penalties runs on CUDA logits;
 - speculative decoding with every drafter (eager) gives the plain engine's greedy tokens;
 - CUDA graphs captured from the eager step, then from the compiled step, give the eager
-  engine's greedy tokens on every tiny model, and pure-decode steps really replay graphs.
+  engine's greedy tokens on every tiny model, and pure-decode steps really replay graphs;
+- an fp8 K/V cache on CUDA replays from captured graphs the eager engine's greedy tokens.
 
 Greedy comparisons report each request's first divergent step with the reference's top-2
 logprob gap and fail only at a clear margin (``greedy_compare``): kernels that round
@@ -144,3 +145,27 @@ def test_graphs_equal_eager_on_cuda(arch, compiled, tmp_path):
     assert runner is not None and runner.replays > 0
     assert sorted(runner.graphs) == runner.buckets
     assert_same_up_to_near_ties(eager, graphs)
+
+
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v4"])
+def test_an_fp8_cache_on_cuda_captures_and_replays(arch, kv, tmp_path):
+    """An fp8 K/V cache on CUDA (ATen's conversions; writes through byte views, also inside
+    captured graphs): replayed decode steps give the eager CUDA engine's greedy tokens. (Not
+    compared with the CPU: a last-bit difference before the fp8 rounding can move a value by
+    a whole fp8 step.)"""
+    path = make_tiny_checkpoint(tmp_path / arch, arch=arch)
+    prompts = _prompts(3, 8, 60)
+    params = greedy_params(12)
+
+    def run(graphs: bool) -> tuple[list, LLM]:
+        llm = LLM(
+            path, device="cuda", kv_cache_dtype=kv, max_num_seqs=8, compile=False, capture_graphs=graphs
+        )
+        return llm.generate(prompts, params, use_tqdm=False), llm
+
+    eager, _ = run(False)
+    replayed, llm = run(True)
+    assert llm.engine.runner.pools[0].window.dtype == llm.engine.kv_dtype
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.replays > 0
+    assert_same_up_to_near_ties(eager, replayed)
