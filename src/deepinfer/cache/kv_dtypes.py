@@ -3,9 +3,9 @@ stored in them.
 
 ``"fp8"`` (= ``"fp8_e4m3"``) and ``"fp8_e5m2"`` store each value as it is, with a scale of 1
 (vLLM's default when a checkpoint ships no calibrated K/V scales, and none of ours does),
-rounded to nearest even and saturated at the format's largest finite value (448 / 57,344), as
-vLLM's saturating conversions do: a value past the range is clipped, never turned into NaN or
-infinity. Reads widen the codes exactly. The CPU kernels (``kernels/cpu_fp8.py``) store and
+rounded to nearest even and saturated at the format's largest finite value (448 / 57,344): a
+value past the range is clipped, never turned into NaN or infinity. Reads widen the codes
+exactly. The CPU kernels (``kernels/cpu_fp8.py``) store and
 read the same bits as ``store`` and ``Tensor.float()`` here.
 """
 
