@@ -26,6 +26,7 @@ import torch
 from greedy_compare import assert_same_up_to_near_ties, greedy_params
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.cache import kv_dtypes
 from deepinfer.tiny import make_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -147,25 +148,31 @@ def test_graphs_equal_eager_on_cuda(arch, compiled, tmp_path):
     assert_same_up_to_near_ties(eager, graphs)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager-step", "compiled-step"])
 @pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v4"])
-def test_an_fp8_cache_on_cuda_captures_and_replays(arch, kv, tmp_path):
-    """An fp8 K/V cache on CUDA (ATen's conversions; writes through byte views, also inside
-    captured graphs): replayed decode steps give the eager CUDA engine's greedy tokens. (Not
-    compared with the CPU: a last-bit difference before the fp8 rounding can move a value by
-    a whole fp8 step.)"""
+def test_an_fp8_cache_on_cuda_captures_and_replays(arch, kv, compiled, tmp_path):
+    """An fp8 K/V cache on CUDA (ATen's conversions, or Triton's in a compiled step; writes
+    through byte views, also inside captured graphs): replayed decode steps give the eager
+    CUDA engine's greedy tokens. (Not compared with the CPU: a last-bit difference before the
+    fp8 rounding can move a value by a whole fp8 step.)"""
     path = make_tiny_checkpoint(tmp_path / arch, arch=arch)
     prompts = _prompts(3, 8, 60)
     params = greedy_params(12)
 
-    def run(graphs: bool) -> tuple[list, LLM]:
+    def run(step_compiled: bool, graphs: bool) -> tuple[list, LLM]:
         llm = LLM(
-            path, device="cuda", kv_cache_dtype=kv, max_num_seqs=8, compile=False, capture_graphs=graphs
+            path,
+            device="cuda",
+            kv_cache_dtype=kv,
+            max_num_seqs=8,
+            compile=step_compiled,
+            capture_graphs=graphs,
         )
         return llm.generate(prompts, params, use_tqdm=False), llm
 
-    eager, _ = run(False)
-    replayed, llm = run(True)
-    assert llm.engine.runner.pools[0].window.dtype == llm.engine.kv_dtype
+    eager, _ = run(False, False)
+    replayed, llm = run(compiled, True)
+    assert llm.engine.runner.pools[0].window.dtype == kv_dtypes.KV_CACHE_DTYPES[kv]
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.replays > 0
     assert_same_up_to_near_ties(eager, replayed)

@@ -238,6 +238,8 @@ def _attention_case(seed, heads, kv_heads, d, n, length, pool_rows, dtype):
     dtype=st.sampled_from(POOL_DTYPES),
     seed=st.integers(0, 10_000),
 )
+@example(kv_heads=2, group=3, d=64, n=4, length=30, dtype=torch.float8_e4m3fn, seed=1)
+@example(kv_heads=1, group=2, d=33, n=3, length=17, dtype=torch.float8_e5m2, seed=2)
 def test_decode_attention_in_place_matches_the_gather_path(kv_heads, group, d, n, length, dtype, seed):
     """The in-place kernel equals the gather + SDPA reference (run on the same inputs with
     autograd on, which keeps the reference path), GQA, padding rows and masks included; fp8
@@ -282,6 +284,8 @@ def _span_case(seed, heads, kv_heads, d, spans, dtype):
     dtype=st.sampled_from(POOL_DTYPES),
     seed=st.integers(0, 10_000),
 )
+@example(kv_heads=2, group=3, d=64, spans=[(20, 0), (7, 9)], dtype=torch.float8_e4m3fn, seed=3)
+@example(kv_heads=1, group=4, d=32, spans=[(13, 40)], dtype=torch.float8_e5m2, seed=4)
 def test_prefill_attention_in_place_matches_the_reference(kv_heads, group, d, spans, dtype, seed):
     """Prefill spans through ``cpu_prefill_attention`` (chunks starting past position 0,
     empty spans, GQA groups wider than a register tile, bf16/fp16 pools) equal the reference's
@@ -374,6 +378,8 @@ def test_a_broken_attention_kernel_fails_the_reference_check():
     pool=st.sampled_from(POOL_DTYPES),
     seed=st.integers(0, 10_000),
 )
+@example(tokens=70, kv_heads=2, group=2, half=16, act=torch.float32, pool=torch.float8_e4m3fn, seed=5)
+@example(tokens=9, kv_heads=1, group=3, half=8, act=torch.bfloat16, pool=torch.float8_e5m2, seed=6)
 def test_rope_store_is_bitwise_the_reference(tokens, kv_heads, group, half, act, pool, seed):
     """Rotated q, and k and v in the pools, equal ``rotate_half_rope`` plus the two cache
     writes (``kv_dtypes.store``) bit for bit, for every activation/pool dtype pair, one thread
@@ -488,12 +494,14 @@ def _greedy(llm, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]
 # two prompts: the whole prefill fits one stack call, so its prefill spans run in the stack
 @example(kv_heads=2, group=2, head_dim=32, layers=2, rows=2, kv_dtype="float32", quantization=None, seed=3)
 @example(kv_heads=1, group=3, head_dim=64, layers=1, rows=2, kv_dtype="float16", quantization="int8", seed=7)
+@example(kv_heads=2, group=2, head_dim=32, layers=2, rows=5, kv_dtype="fp8", quantization=None, seed=8)
+@example(kv_heads=1, group=2, head_dim=32, layers=1, rows=3, kv_dtype="fp8_e5m2", quantization="int4", seed=6)
 def test_one_call_decode_stack_equals_the_layer_loop(
     tmp_path_factory, kv_heads, group, head_dim, layers, rows, kv_dtype, quantization, seed
 ):
     """The C++ layer loop calls the same kernels in the same order: greedy tokens and their
     logprobs equal the per-layer path's bitwise, for any Llama shape, 1-64 decode rows, fp32,
-    bf16 and fp16 pools, fp32, int8 or int4 weights (fp32: the packed kernel; int4: the VNNI
+    bf16, fp16 and fp8 pools, fp32, int8 or int4 weights (fp32: the packed kernel; int4: the VNNI
     kernel where the CPU has it; and the stack did run)."""
     if quantization == "int4":  # int4 groups of 32 input channels
         head_dim = max(head_dim, 32)

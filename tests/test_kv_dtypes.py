@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from deepinfer.kernels import cpu_build, cpu_fp8, cpu_rope_store
+from deepinfer.kernels import cpu_attention, cpu_build, cpu_fp8, cpu_rope_store
 from equivalence_workloads import alone_runner, together
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -57,9 +57,17 @@ def _narrowed(lib: ctypes.CDLL, name: str, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.fixture(scope="module")
-def probe() -> ctypes.CDLL:
-    return _probe()
+# the build for this CPU, and (on an AVX-512 CPU) the AVX2 line too: the ISA macro the build
+# defines is overridden, so ATen's vectors and the helpers take their AVX2 branch
+BUILDS = {"native": "", "avx2": "#undef CPU_CAPABILITY_AVX512\n#define CPU_CAPABILITY_AVX2\n"}
+VECTOR_BUILD = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDS))
+def probe(request) -> ctypes.CDLL:
+    if request.param == "avx2" and torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("the native build is the AVX2 one (or this CPU has no AVX2)")
+    return _probe(BUILDS[request.param] + cpu_fp8.SOURCE)
 
 
 @pytest.mark.parametrize("name", sorted(FP8))
@@ -116,6 +124,7 @@ def test_the_kernels_store_the_bits_the_python_writes_store(probe, seed, name):
         ("x = x > top ? top : (x < -top ? -top : x);", ""),  # no saturation
     ],
 )
+@pytest.mark.skipif(not VECTOR_BUILD, reason="the rebase mutated lives in the x86 vector lines")
 def test_broken_fp8_helpers_fail_the_checks(mutation):
     """Mutation check for the two tests above: a wrong exponent rebase fails the widening
     check, and stores without saturation fail the narrowing one."""
@@ -157,11 +166,29 @@ def test_an_fp8_cache_computes_with_the_values_it_stores(arch, kv, tmp_path, mon
     fp8 = LLM(path, kv_cache_dtype=kv, enable_prefix_caching=False)
     dtype = kv_dtypes.KV_CACHE_DTYPES[kv]
     assert all(p.window.dtype == dtype for p in fp8.engine.runner.pools)
+    calls = {"stack": 0, "attention": 0}
+    if arch == "llama":  # the C++ paths must really run on the fp8 pools
+        stack, attention = type(fp8.model.decode_stack), cpu_attention.decode_attention
+
+        def counted_stack(self, *args):
+            calls["stack"] += 1
+            return real_stack(self, *args)
+
+        def counted_attention(*args):
+            calls["attention"] += 1
+            return attention(*args)
+
+        real_stack = stack.__call__
+        monkeypatch.setattr(stack, "__call__", counted_stack)
+        monkeypatch.setattr(cpu_attention, "decode_attention", counted_attention)
     got = _run(fp8, prompts)
     if arch == "llama":
         layout = fp8.engine.layout
         assert layout.block_bytes(dtype) * 4 == layout.block_bytes(torch.float32)
-        assert fp8.model.decode_stack is not None
+        assert calls["stack"] > 0
+        fp8.model.decode_stack = None  # the layer path's kernels too
+        assert _run(fp8, prompts) == got and calls["attention"] > 0
+        monkeypatch.undo()
 
     twin = LLM(path, kv_cache_dtype="float32", enable_prefix_caching=False)
     if arch == "llama":
