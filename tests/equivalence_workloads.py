@@ -55,3 +55,18 @@ def together(llm: LLM, seed: int, shared: bool, num_requests: int = NUM_REQUESTS
     assert engine.pool.num_free == engine.num_blocks, "blocks leaked"
     assert sorted(engine.scheduler.free_slots) == list(range(engine.config.max_num_seqs))
     return [o.outputs[0].token_ids for o in outs]
+
+
+def count_preemptions(llm: LLM) -> list[str]:
+    """Wrap the engine's scheduler so every preemption is recorded: returns the list the
+    preempted request ids are appended to as they happen."""
+    scheduler = llm.engine.scheduler
+    preempted: list[str] = []
+    preempt = scheduler.preempt
+
+    def counting(request) -> None:
+        preempted.append(request.request_id)
+        preempt(request)
+
+    scheduler.preempt = counting
+    return preempted

@@ -37,6 +37,7 @@ from deepinfer.models.loading import load_model
 from deepinfer.tiny import make_tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
+from equivalence_workloads import count_preemptions  # noqa: E402
 from stable_topk_patch import stable_indexer_topk  # noqa: E402
 
 TOL = 1e-4
@@ -211,19 +212,15 @@ def _force_preemptions(llm: LLM, rng: random.Random) -> list[str]:
     sized for the longest request alone, so real preemptions happen as well. Returns the
     preempted request ids as they happen."""
     scheduler = llm.engine.scheduler
-    preemptions: list[str] = []
-    preempt, schedule = scheduler.preempt, scheduler.schedule
-
-    def counting_preempt(request) -> None:
-        preemptions.append(request.request_id)
-        preempt(request)
+    preemptions = count_preemptions(llm)
+    schedule = scheduler.schedule
 
     def schedule_with_preemptions():
         if scheduler.running and rng.random() < 0.3:
-            counting_preempt(rng.choice(scheduler.running))
+            scheduler.preempt(rng.choice(scheduler.running))
         return schedule()
 
-    scheduler.preempt, scheduler.schedule = counting_preempt, schedule_with_preemptions
+    scheduler.schedule = schedule_with_preemptions
     return preemptions
 
 

@@ -4,7 +4,7 @@ equal each request run alone (greedy)."""
 from __future__ import annotations
 
 import pytest
-from equivalence_workloads import alone_runner, together, workload
+from equivalence_workloads import alone_runner, count_preemptions, together, workload
 
 from deepinfer import LLM
 
@@ -29,14 +29,7 @@ def test_preemption_forced_by_a_tiny_cache(v4_ckpt, alone, async_scheduling):
         max_num_batched_tokens=256,
         enable_prefix_caching=False,
     )
-    preemptions = []
-    original = llm.engine.scheduler.preempt
-
-    def counting_preempt(request):
-        preemptions.append(request.request_id)
-        original(request)
-
-    llm.engine.scheduler.preempt = counting_preempt
+    preemptions = count_preemptions(llm)
     assert together(llm, 2, False) == alone(2, False)
     assert len(preemptions) > 10
 

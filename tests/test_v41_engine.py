@@ -9,7 +9,7 @@ prefix-cache hits.
 from __future__ import annotations
 
 import pytest
-from equivalence_workloads import alone_runner, together
+from equivalence_workloads import alone_runner, count_preemptions, together
 
 from deepinfer import LLM
 
@@ -40,14 +40,7 @@ def test_batched_with_chunked_prefill(v41_ckpt, alone):
 
 def test_preemption_forced_by_a_tiny_cache(v41_ckpt, alone):
     llm = LLM(v41_ckpt, num_cache_blocks=20, max_num_batched_tokens=256, enable_prefix_caching=False)
-    preemptions = []
-    original = llm.engine.scheduler.preempt
-
-    def counting_preempt(request):
-        preemptions.append(request.request_id)
-        original(request)
-
-    llm.engine.scheduler.preempt = counting_preempt
+    preemptions = count_preemptions(llm)
     assert together(llm, 2, False, NUM) == alone(2, False)
     assert preemptions, "the tiny cache must force preemption"
 
