@@ -147,7 +147,6 @@ _ARGS = (
     + [ctypes.c_void_p] * 3
     + [ctypes.c_int64, ctypes.c_int]
 )
-_POOL_NAMES = cpu_fp8.POOL_NAMES
 # rows up to which int4 projections run in the stack's widening loop (CPUs without VNNI): above,
 # PyTorch's kernel (bf16 activations) beats it (RESULTS.md)
 QUANTIZED_MAX_ROWS = weight_only.QUANTIZED_SMALL_ROWS
@@ -188,7 +187,7 @@ def _address(lib: ctypes.CDLL, name: str) -> int:
 @functools.cache
 def _functions(pool_dtype: torch.dtype) -> torch.Tensor:
     """The kernels' entry points for pools of ``pool_dtype``, in the driver's order."""
-    p = _POOL_NAMES[pool_dtype]
+    p = cpu_fp8.POOL_NAMES[pool_dtype]
     addresses = [
         _address(cpu_gemv._library(), "gemv_i4"),
         _address(cpu_norm_act._library(), "add_rms_norm_f32"),
@@ -345,7 +344,7 @@ class LlamaDecodeStack:
         key = tuple(p.data_ptr() for kv in pools for p in kv)
         if key != self._pools:
             dtype = pools[0][0].dtype
-            readable = dtype in _POOL_NAMES and all(
+            readable = dtype in cpu_fp8.POOL_NAMES and all(
                 t.dtype == dtype and t.is_contiguous() for kv in pools for t in kv
             )
             addresses = torch.tensor(key, dtype=torch.int64).view(-1, 2)

@@ -82,7 +82,6 @@ ENTRY(rope_store_bf16_e5m2, c10::BFloat16, c10::Float8_e5m2)
 )
 
 _NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # activations
-_POOLS = cpu_fp8.POOL_NAMES  # cache pools
 
 
 @functools.cache
@@ -90,7 +89,7 @@ def _library() -> ctypes.CDLL | None:
     lib = cpu_build.load(_SOURCE)
     if lib is not None:
         for a in _NAMES.values():
-            for p in _POOLS.values():
+            for p in cpu_fp8.POOL_NAMES.values():
                 cpu_build.bind(lib, f"rope_store_{a}_{p}", [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 4)
     return lib
 
@@ -102,7 +101,7 @@ def supports(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> b
         and not qkv.requires_grad
         and qkv.dtype in _NAMES
         and k_pool.dtype == v_pool.dtype
-        and k_pool.dtype in _POOLS
+        and k_pool.dtype in cpu_fp8.POOL_NAMES
         and k_pool.is_contiguous()
         and v_pool.is_contiguous()
         and _library() is not None
@@ -130,7 +129,7 @@ def rope_store(
     c, s = cos.reshape(t, -1).float().contiguous(), sin.reshape(t, -1).float().contiguous()
     r = rows.contiguous()
     q = torch.empty(t, heads, head_dim, dtype=qkv.dtype)
-    getattr(lib, f"rope_store_{_NAMES[qkv.dtype]}_{_POOLS[k_pool.dtype]}")(
+    getattr(lib, f"rope_store_{_NAMES[qkv.dtype]}_{cpu_fp8.POOL_NAMES[k_pool.dtype]}")(
         x.data_ptr(),
         c.data_ptr(),
         s.data_ptr(),

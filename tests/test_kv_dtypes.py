@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 from deepinfer.kernels import cpu_attention, cpu_build, cpu_fp8, cpu_rope_store
-from equivalence_workloads import alone_runner, together
+from equivalence_workloads import alone_runner, count_preemptions, together
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -198,23 +198,17 @@ def test_an_fp8_cache_computes_with_the_values_it_stores(arch, kv, tmp_path, mon
         max(abs(a - b) for a, b in zip(x[1], y[1], strict=True)) > 1e-3
         for x, y in zip(got, unrounded, strict=True)
     )
-    real = kv_dtypes.to_pool
+    real = kv_dtypes.store
 
-    def through_fp8(values: torch.Tensor, pool: torch.dtype) -> torch.Tensor:
-        return real(real(values, dtype).float(), pool)
+    def through_fp8(pool, rows, values, functional=False):
+        return real(pool, rows, kv_dtypes.to_pool(values, dtype).float(), functional)
 
-    monkeypatch.setattr(kv_dtypes, "to_pool", through_fp8)
+    monkeypatch.setattr(kv_dtypes, "store", through_fp8)
     monkeypatch.setattr(cpu_rope_store, "supports", lambda *a: False)  # writes through kv_dtypes
     want = _run(twin, prompts)
     for (tokens, logprobs), (tokens_ref, logprobs_ref) in zip(got, want, strict=True):
         assert tokens == tokens_ref
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(logprobs_ref), rtol=0, atol=1e-4)
-
-
-def test_an_unknown_kv_cache_dtype_is_a_clear_error(tmp_path):
-    path = make_tiny_checkpoint(tmp_path / "l", arch="llama", seed=1)
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
-        LLM(path, kv_cache_dtype="fp4")
 
 
 @pytest.mark.parametrize(("arch", "blocks", "budget"), [("llama", 48, 96), ("deepseek_v4", 8, 256)])
@@ -229,13 +223,6 @@ def test_batching_chunking_preemption_and_prefix_hits_are_invisible_with_an_fp8_
     llm = LLM(
         path, kv_cache_dtype="fp8", num_cache_blocks=blocks, max_num_batched_tokens=budget, max_num_seqs=16
     )
-    preempted = []
-    original = llm.engine.scheduler.preempt
-
-    def counting(request):
-        preempted.append(request.request_id)
-        original(request)
-
-    llm.engine.scheduler.preempt = counting
+    preempted = count_preemptions(llm)
     assert together(llm, 5, True, num_requests=40) == reference
     assert preempted and llm.engine.pool.hit_blocks > 0

@@ -54,10 +54,10 @@ def store(
     them from (the pool, or with ``functional`` a new tensor). fp8 pools are written through
     byte views: ATen's CPU ``index_copy`` has no fp8 kernel, and a byte copy of the codes is
     the same write."""
-    values = to_pool(values, pool.dtype)
     if not is_fp8(pool.dtype):
+        values = values.to(pool.dtype)
         return pool.index_copy(0, rows, values) if functional else pool.index_copy_(0, rows, values)
-    codes, new = pool.view(torch.uint8), values.view(torch.uint8)
+    codes, new = pool.view(torch.uint8), to_pool(values, pool.dtype).view(torch.uint8)
     if functional:
         return codes.index_copy(0, rows, new).view(pool.dtype)
     codes.index_copy_(0, rows, new)
