@@ -24,6 +24,37 @@ reading the paged K/V pools in place; behind ``paged_attention`` on the CPU),
 decode step in one call to them).
 """
 
-from deepinfer.kernels import fused_moe, moe, paged_attention, rejection, sink_attention, sinkhorn
+import importlib.machinery
+import importlib.util
+import sys
+from pathlib import Path
 
-__all__ = ["fused_moe", "moe", "paged_attention", "rejection", "sink_attention", "sinkhorn"]
+
+def _hand_over_to_third_party(name: str, folder: Path) -> None:
+    """Replace this module in ``sys.modules`` with the package the rest of ``sys.path`` has.
+
+    This folder is importable as a top-level ``kernels`` only while the repository root is on
+    ``sys.path`` (``python -m pytest`` or ``python -c`` started in the root). That name belongs
+    to the third-party ``kernels`` package that transformers imports, so the import goes on as
+    if the root were not there: the real package, or ``ModuleNotFoundError`` without one.
+    """
+    root = folder.parent.resolve()
+    rest = [p for p in sys.path if Path(p or ".").resolve() != root]
+    spec = importlib.machinery.PathFinder.find_spec(name, rest)
+    if spec is None or spec.loader is None:
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # the import system returns what sys.modules holds after this body
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+
+
+if __name__ == "kernels":
+    _hand_over_to_third_party(__name__, Path(__file__).parent)
+else:
+    from deepinfer.kernels import fused_moe, moe, paged_attention, rejection, sink_attention, sinkhorn
+
+    __all__ = ["fused_moe", "moe", "paged_attention", "rejection", "sink_attention", "sinkhorn"]

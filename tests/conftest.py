@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from memory_guard import MemoryGuard
 from stable_topk_patch import stable_indexer_topk
 
 from deepinfer.tiny import make_tiny_checkpoint
@@ -20,10 +21,23 @@ torch.set_num_threads(1 if "PYTEST_XDIST_WORKER" in os.environ else 2)
 # reach its compile budget: a 30 s compile partway through a long test would change its
 # timing and kernels; test_precompiled.py tests the budget rule with explicit values
 os.environ.setdefault("DEEPINFER_CPU_COMPILE_AFTER_S", "1e9")
+# Engines in tests size their KV caches explicitly, never as a fraction of the machine's free
+# memory, which both workers (and the servers and CLIs tests start) would claim at once
+os.environ.setdefault("DEEPINFER_KV_CACHE_SPACE_GB", "1")
 # Compiling tests use Inductor's Python wrapper: the C++ one (the CPU default) makes each
 # Inductor compile longer (the tiny V4's 126 -> 160 s), and the suite runs many compiles for a
 # few steps each (RESULTS.md, fourteenth session); test_precompiled.py runs the default end to end
 os.environ.setdefault("DEEPINFER_CPU_CPP_WRAPPER", "0")
+
+# Each test process (an xdist worker, or the one process) has a memory bound: a test that
+# outgrows it fails at once, named, instead of meeting the OOM killer (tests/memory_guard.py)
+_MEMORY_GUARD = MemoryGuard.from_env()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    with _MEMORY_GUARD.watching(item.nodeid):
+        yield
 
 
 @pytest.fixture

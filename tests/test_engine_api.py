@@ -224,3 +224,23 @@ def test_cpu_malloc_tuning_is_applied_once_and_can_be_refused(v4_ckpt, monkeypat
     assert calls == [1]
     with pytest.raises(ValueError, match="tune_cpu_malloc"):
         LLM(str(v4_ckpt), tune_cpu_malloc="yes")
+
+
+@pytest.mark.parametrize("raw", ["0.5", "2", "1e-3"])
+def test_kv_cache_space_env_sizes_the_cache_when_no_budget_is_given(raw, monkeypatch):
+    from deepinfer.config import KV_CACHE_SPACE_ENV, EngineConfig
+
+    monkeypatch.setenv(KV_CACHE_SPACE_ENV, raw)
+    assert EngineConfig().kv_cache_memory_bytes == int(float(raw) * (1 << 30))
+    assert EngineConfig(kv_cache_memory_bytes=4096).kv_cache_memory_bytes == 4096  # explicit wins
+    monkeypatch.delenv(KV_CACHE_SPACE_ENV)
+    assert EngineConfig().kv_cache_memory_bytes is None  # then: a fraction of free memory
+
+
+@pytest.mark.parametrize("raw", ["lots", "0", "-1", "nan", "inf"])
+def test_a_bad_kv_cache_space_env_is_named(raw, monkeypatch):
+    from deepinfer.config import KV_CACHE_SPACE_ENV, EngineConfig
+
+    monkeypatch.setenv(KV_CACHE_SPACE_ENV, raw)
+    with pytest.raises(ValueError, match=f"DEEPINFER_KV_CACHE_SPACE_GB.*{raw}"):
+        EngineConfig()

@@ -45,6 +45,8 @@ def test_gpu_check_goes_on_past_a_failing_stage(tmp_path):
         GPU_CHECK_FAIL="env",
         GPU_CHECK_MODES="eager",
         OUT=str(tmp_path),
+        # the script calls ``python3``: this interpreter's, even where its venv is not activated
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
     )
     run = subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "gpu_check.sh")],

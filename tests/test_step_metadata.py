@@ -12,10 +12,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from step_metadata_reference import reference_full_attention_meta, reference_group_meta
 
 from deepinfer.cache import native_group_meta, step_metadata
 from deepinfer.cache.step_metadata import SeqChunk, StepPadding
-from tests.step_metadata_reference import reference_full_attention_meta, reference_group_meta
 
 
 @st.composite

@@ -14,6 +14,24 @@ from deepinfer.speculative.config import SpeculativeConfig
 KV_CACHE_DTYPES = ("auto", *kv_dtypes.KV_CACHE_DTYPES)
 QUANTIZATIONS = (None, "none", "fp8", "int8", "int4")
 COMPILE_AFTER_ENV = "DEEPINFER_CPU_COMPILE_AFTER_S"
+KV_CACHE_SPACE_ENV = "DEEPINFER_KV_CACHE_SPACE_GB"
+
+
+def _env_kv_cache_bytes() -> int | None:
+    """``kv_cache_memory_bytes``'s default: ``$DEEPINFER_KV_CACHE_SPACE_GB`` GiB when set (as
+    vLLM's CPU backend sizes its cache by ``VLLM_CPU_KVCACHE_SPACE``), else None: a fraction of
+    free memory. Processes that share a machine (test workers, replicas) set it, since each
+    would otherwise claim the same free memory."""
+    raw = os.environ.get(KV_CACHE_SPACE_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        gib = float(raw)
+    except ValueError:
+        raise ValueError(f"${KV_CACHE_SPACE_ENV} must be a number of GiB, got {raw!r}") from None
+    if not gib > 0 or gib == float("inf"):
+        raise ValueError(f"${KV_CACHE_SPACE_ENV} must be a positive number of GiB, got {raw!r}")
+    return int(gib * (1 << 30))
 
 
 def _env_compile_after() -> float | None:
@@ -43,7 +61,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    kv_cache_memory_bytes: int | None = None  # KV budget; default: a fraction of free memory
+    # KV budget; default: $DEEPINFER_KV_CACHE_SPACE_GB GiB when set, else a fraction of free memory
+    kv_cache_memory_bytes: int | None = field(default_factory=_env_kv_cache_bytes)
     cache_memory_fraction: float = 0.25
     num_cache_blocks: int | None = None  # exact block count (overrides the budget); tests
     enable_prefix_caching: bool = True

@@ -1,0 +1,82 @@
+"""The suite's memory bound (tests/memory_guard.py) fails a runaway test fast, by name."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from memory_guard import MemoryBoundExceeded, MemoryGuard, rss_bytes
+
+_MIB = 1 << 20
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def make_guard():
+    """Guards made by the test; their threads stop at its end."""
+    made: list[MemoryGuard] = []
+
+    def make(bound: int, hard_bound: int) -> MemoryGuard:
+        made.append(MemoryGuard(bound, hard_bound))
+        return made[-1]
+
+    yield make
+    for guard in made:
+        guard.close()
+
+
+def grow(chunks: list[bytearray], most: int) -> None:
+    """Allocates (and touches) 16 MiB at a time, up to ``most`` bytes, in Python steps."""
+    while len(chunks) * 16 * _MIB < most:
+        chunks.append(bytearray(b"\x01" * (16 * _MIB)))
+
+
+def test_a_test_past_the_bound_fails_with_its_name(make_guard) -> None:
+    guard = make_guard(rss_bytes() + 128 * _MIB, rss_bytes() + 8192 * _MIB)
+    chunks: list[bytearray] = []
+    with pytest.raises(MemoryBoundExceeded, match="runaway-test grew this process to"):
+        with guard.watching("runaway-test"):
+            grow(chunks, 2048 * _MIB)
+    # raised near the bound, not after the whole 2 GiB
+    assert len(chunks) * 16 * _MIB < 1024 * _MIB
+    chunks.clear()
+
+
+def test_a_test_under_the_bound_runs_to_its_end(make_guard) -> None:
+    # the mutation of the check above: the same growth under a bound it never reaches
+    guard = make_guard(rss_bytes() + 4096 * _MIB, rss_bytes() + 8192 * _MIB)
+    chunks: list[bytearray] = []
+    with guard.watching("bounded-test"):
+        grow(chunks, 256 * _MIB)
+    assert len(chunks) * 16 * _MIB >= 256 * _MIB
+    chunks.clear()
+
+
+def test_between_tests_nothing_is_raised(make_guard) -> None:
+    make_guard(1, 1 << 62)  # every process is past this bound
+    deadline = time.monotonic() + 0.5  # ten of the guard's samples
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_native_call_past_the_hard_bound_ends_the_process_naming_the_test() -> None:
+    code = f"""
+    import sys
+    sys.path.insert(0, {str(HERE)!r})
+    import torch
+    from memory_guard import MemoryGuard, rss_bytes
+    guard = MemoryGuard(bound=rss_bytes() + (64 << 20), hard_bound=rss_bytes() + (256 << 20))
+    with guard.watching("native-runaway"):
+        torch.ones(1 << 30, dtype=torch.float32)  # one native call filling 4 GiB
+    print("survived")
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 70, (done.returncode, done.stdout, done.stderr)
+    assert "native-runaway grew this process to" in done.stderr
+    assert "survived" not in done.stdout
