@@ -25,6 +25,11 @@ from deepinfer import SamplingParams
         ("stop_token_ids", "1,2"),
         ("ignore_eos", "yes"),
         ("logprobs", -1),
+        ("repetition_penalty", 1e-300),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", 1e300),
+        ("seed", 2**70),
+        ("seed", -(2**64)),
     ],
 )
 def test_invalid_field_is_named(field, value):
@@ -36,3 +41,38 @@ def test_valid_values_are_accepted():
     p = SamplingParams(max_tokens=3, temperature=0, top_p=0.5, top_k=0, seed=1, stop_token_ids=(4, 5))
     assert p.greedy and p.stop_token_ids == [4, 5]
     assert SamplingParams(stop_token_ids=None).stop_token_ids == []
+
+
+@pytest.mark.parametrize("low", [1e-300, 1e-39, 1e-20, 0.0099])
+def test_tiny_temperatures_are_raised_to_the_floor(low):
+    """vLLM's rule: a temperature in (0, 0.01) becomes 0.01 (dividing by less overflows)."""
+    assert SamplingParams(temperature=low).temperature == 0.01
+    assert SamplingParams(temperature=0.0).greedy
+    assert SamplingParams(temperature=0.02).temperature == 0.02
+
+
+def test_logit_bias_is_clamped_to_openais_range():
+    p = SamplingParams(logit_bias={1: 1e39, 2: -1e300, 3: 5, 4: -100})
+    assert p.logit_bias == {1: 100.0, 2: -100.0, 3: 5.0, 4: -100.0}
+
+
+def test_no_accepted_extreme_makes_a_distribution_nan():
+    """The extremes each setting accepts, together, on logits of a wide range: finite."""
+    import torch
+
+    from deepinfer.sampling.sampler import INVALID_ROW, SamplingRow, sample
+
+    logits = torch.linspace(-1e4, 1e4, 64).unsqueeze(0)
+    for temperature in (1e-300, 0.01, 1e30):
+        for penalty in (0.01, 100.0):
+            params = SamplingParams(
+                temperature=temperature,
+                repetition_penalty=penalty,
+                logit_bias={0: 1e39, 63: -1e39},
+                frequency_penalty=2.0,
+                presence_penalty=-2.0,
+                seed=0,
+            )
+            gen = torch.Generator().manual_seed(0)
+            row = SamplingRow(params, gen, list(range(64)), [5, 5, 7], [1])
+            assert sample(logits, [row])[0] != INVALID_ROW, (temperature, penalty)

@@ -22,8 +22,11 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     # One dict per generated token: token id -> Logprob (sampled token plus the top-N).
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    # "stop" | "length" | "abort" | "error" (this request alone failed: ``error`` says why) |
+    # None while running
+    finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    error: str | None = None
 
 
 @dataclass

@@ -17,6 +17,18 @@ def _is_number(v: object) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
+# Temperatures in (0, MIN_TEMPERATURE) are raised to it, as vLLM does: dividing logits by a
+# smaller one overflows fp32 to inf, and the row's distribution becomes NaN
+MIN_TEMPERATURE = 0.01
+# OpenAI's range for a logit bias; larger values are clamped to it, as vLLM does (a bias of
+# 1e39 is inf in fp32)
+MAX_LOGIT_BIAS = 100.0
+# repetition_penalty divides or multiplies logits: this range keeps every product finite
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+# seeds are int64 (OpenAI's type); torch.Generator takes them
+SEED_RANGE = (-(2**63), 2**63 - 1)
+
+
 def _check(ok: bool, name: str, rule: str, value: object) -> None:
     if not ok:
         raise ValueError(f"{name} must be {rule}, got {value!r}")
@@ -30,7 +42,9 @@ class SamplingParams:
     Logits are processed in this order: ``logit_bias``, ``min_tokens`` (EOS and stop ids
     blocked), repetition / presence / frequency penalties, temperature, top-k, top-p, min-p.
     Reported logprobs are those of the raw model distribution. Any invalid or unknown field
-    raises ``ValueError`` naming it.
+    raises ``ValueError`` naming it. No accepted value can make a row's distribution NaN:
+    temperatures below ``MIN_TEMPERATURE`` (but above 0) are raised to it and ``logit_bias``
+    values clamped to +-``MAX_LOGIT_BIAS`` (vLLM's rules), ``repetition_penalty`` is bounded.
     """
 
     n: int = 1
@@ -91,6 +105,8 @@ class SamplingParams:
             "a finite number >= 0",
             self.temperature,
         )
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         _check(
             _is_int(self.top_k) and (self.top_k >= 1 or self.top_k in (0, -1)),
@@ -99,10 +115,11 @@ class SamplingParams:
             self.top_k,
         )
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        low, high = REPETITION_PENALTY_RANGE
         _check(
-            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            _is_number(self.repetition_penalty) and low <= self.repetition_penalty <= high,
             "repetition_penalty",
-            "a number > 0",
+            f"a number in [{low}, {high}]",
             self.repetition_penalty,
         )
         for name in ("presence_penalty", "frequency_penalty"):
@@ -117,7 +134,16 @@ class SamplingParams:
             "a dict of token id -> finite number",
             self.logit_bias,
         )
-        _check(self.seed is None or _is_int(self.seed), "seed", "an integer or None", self.seed)
+        self.logit_bias = {
+            k: min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(v))) for k, v in self.logit_bias.items()
+        }
+        low, high = SEED_RANGE
+        _check(
+            self.seed is None or (_is_int(self.seed) and low <= self.seed <= high),
+            "seed",
+            "None or an integer in [-2**63, 2**63 - 1]",
+            self.seed,
+        )
         if self.stop is None:
             self.stop = []
         if isinstance(self.stop, str):

@@ -50,7 +50,7 @@ from deepinfer.models.llama import LlamaForCausalLM
 from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer.platforms import Platform, platform_for
 from deepinfer.platforms.cpu import tune_malloc
-from deepinfer.sampling.sampler import SamplingRow, make_generator, sample
+from deepinfer.sampling.sampler import INVALID_ROW, SamplingRow, make_generator, sample
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.speculative.config import SpeculativeConfig
 from deepinfer.speculative.decoder import SpeculativeDecoder, VerifiedChunk, build_drafter
@@ -216,6 +216,7 @@ class Engine:
         use_async = platform_async and self.spec is None and not config.enable_eplb
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-step") if use_async else None
         self._inflight: tuple[PreparedStep, Future] | None = None
+        self._open_steps: list[list[ScheduledChunk]] = []  # scheduled, not yet processed
         block_mib = self.layout.block_bytes(dtype) / 2**20
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %.3f MiB/block)",
@@ -560,6 +561,17 @@ class Engine:
         self.structured.forget(req)
         self._finish(req)
 
+    def fail(self, request: Request, error: str) -> None:
+        """End one request that went wrong (finish reason "error", ``error`` saying why); its
+        cache is freed unpublished and the other requests go on."""
+        if request.finished:
+            return
+        logger.error("request %s failed: %s", request.request_id, error)
+        request.finish_reason = "error"
+        request.error = error
+        self.structured.forget(request)
+        self._finish(request)
+
     def has_unfinished(self) -> bool:
         return (
             self.scheduler.num_unfinished > 0 or self._inflight is not None or bool(self.structured.compiling)
@@ -571,8 +583,17 @@ class Engine:
     # ---- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """Run one step; return the requests that got new tokens or finished."""
-        updated = self._step()
+        """Run one step; return the requests that got new tokens or finished.
+
+        A request whose own row goes wrong (a NaN distribution, an exception in its own
+        output processing) fails alone. An exception in the step itself fails the requests
+        the step (and, under asynchronous scheduling, the step scheduled after it) held,
+        with finish reason "error"; requests outside them go on."""
+        try:
+            updated = self._step()
+        except Exception as exc:
+            logger.exception("engine step failed")
+            updated = self._fail_open_steps(f"engine step failed: {type(exc).__name__}: {exc}")
         if self._ended:
             updated, self._ended = self._ended + updated, []
         return updated
@@ -601,6 +622,24 @@ class Engine:
             self._launch(upcoming)
         self._count_expert_load()
         return updated
+
+    def _fail_open_steps(self, error: str) -> list[Request]:
+        """After a step raised: fail every request of the steps scheduled and not processed
+        (their computed counts moved ahead of what their caches hold)."""
+        if self._inflight is not None:
+            self._inflight[1].exception()  # the launched step must end before its blocks are freed
+            self._inflight = None
+        reported: dict[str, Request] = {}
+        for chunks in self._open_steps:
+            for chunk in chunks:
+                req = chunk.request
+                if not isinstance(req, Request) or self.requests.get(req.request_id) is not req:
+                    continue  # aborted and collected already
+                req.pending_tokens = 0
+                self.fail(req, error)  # one that finished before the error is reported as it is
+                reported[req.request_id] = req
+        self._open_steps.clear()
+        return list(reported.values())
 
     def _count_expert_load(self) -> None:
         """EPLB: move the step's expert counts into the window; re-place every interval."""
@@ -647,6 +686,7 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return None
+        self._open_steps.append(chunks)
         now = time.perf_counter()
         for c in chunks:
             if c.request.first_scheduled_time is None:
@@ -694,6 +734,7 @@ class Engine:
             ]
             ready = [r for r in self.scheduler.running if self.scheduler.may_draft(r)]
             self.spec.after_step(featured, features, ready)
+        self._open_steps = [c for c in self._open_steps if c is not chunks]
         return updated
 
     def _prompt_logprobs(self, prepared: PreparedStep, logits: torch.Tensor) -> None:
@@ -724,11 +765,19 @@ class Engine:
         updated = []
         for i, ((c, _), token) in enumerate(zip(live, tokens, strict=True)):
             req = c.request
+            updated.append(req)
+            if token == INVALID_ROW:
+                self.fail(req, "the model's distribution for this request was not finite (NaN)")
+                continue
             if req.first_token_time is None:
                 req.first_token_time = now
-            # a row's logits are read only for its logprobs: no view made for the others
-            self._append(req, token, sampled_logits[i] if req.params.logprobs is not None else None)
-            updated.append(req)
+            try:
+                # a row's logits are read only for its logprobs: no view made for the others
+                self._append(req, token, sampled_logits[i] if req.params.logprobs is not None else None)
+            except Exception as exc:  # this request's own post-processing: it fails alone
+                logger.exception("request %s failed after sampling", req.request_id)
+                self.fail(req, f"{type(exc).__name__}: {exc}")
+                continue
             if req.finish_reason is not None:  # the token just sampled has no row yet (an
                 # asynchronous engine may count the next step's row already)
                 self._finish(req, computed=min(req.num_computed_tokens, req.num_tokens - 1))
@@ -790,6 +839,7 @@ class Engine:
             logprobs=req.logprobs,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
+            error=req.error,
         )
         metrics = RequestMetrics(
             arrival_time=req.arrival_time,

@@ -46,6 +46,7 @@ class Request:
     pending_tokens: int = 0  # tokens sampled by a step still in flight (async scheduling)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    error: str | None = None  # why a request finished with "error"
     text: str = ""
     text_tokens: int = 0  # how many output tokens ``text`` reflects (decoded lazily)
     logprobs: list[dict[int, Logprob]] | None = None

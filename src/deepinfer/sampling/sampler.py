@@ -16,6 +16,9 @@ import torch
 from deepinfer.sampling_params import SamplingParams
 
 _NUMPY_ARGMAX_DTYPES = (torch.float32, torch.float64)
+# the token ``sample`` returns for a row whose distribution is not a distribution (NaN, or no
+# token left): the engine fails that request alone instead of the whole step
+INVALID_ROW = -1
 
 
 @dataclass
@@ -150,36 +153,51 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], rowwise: bool = False) -> list[int]:
     """One token per row of ``logits`` [N, V]. ``rowwise`` (batch-invariant mode): each
-    row's filters and draw on that row alone, so no kernel sees how many rows there are."""
+    row's filters and draw on that row alone, so no kernel sees how many rows there are.
+
+    A row whose distribution is invalid gets ``INVALID_ROW``, and only it: a greedy row whose
+    best logit is NaN, a sampled row whose probabilities are not finite (NaN logits, or every
+    token filtered out). Every row is checked before any row draws, so the others consume
+    the same random numbers as without the bad row."""
     if rowwise and len(rows) > 1:
         return [sample(logits[i : i + 1], [row])[0] for i, row in enumerate(rows)]
     processed = apply_processors(logits, rows)
-    tokens = greedy_tokens(processed).tolist()
+    best = greedy_tokens(processed)
+    tokens = best.tolist()
+    # argmax takes a NaN as the maximum, so a row holding one shows it at its argmax
+    nan_rows = torch.isnan(processed.gather(1, best.view(-1, 1).to(processed.device))).view(-1)
+    if nan_rows.any():
+        for i in torch.nonzero(nan_rows).flatten().tolist():
+            if rows[i].greedy:
+                tokens[i] = INVALID_ROW
     if all(map(_GREEDY, rows)):
         return tokens
     random_rows = [i for i, r in enumerate(rows) if not r.greedy]
-    if random_rows:
-        idx = torch.tensor(random_rows)
-        params = [rows[i].params for i in random_rows]
+    idx = torch.tensor(random_rows)
+    params = [rows[i].params for i in random_rows]
 
-        def col(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=logits.device)
+    def col(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=logits.device)
 
-        temperature = col([p.temperature for p in params], torch.float32)
-        if all(p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):
-            # no filter: the same log-distribution without sorting the vocabulary
-            logp = (processed[idx] / temperature.unsqueeze(1)).log_softmax(-1)
-        else:
-            logp = filter_log_probs(
-                processed[idx],
-                temperature,
-                col([p.top_k for p in params], torch.long),
-                col([p.top_p for p in params], torch.float32),
-                col([p.min_p for p in params], torch.float32),
-            )
-        probs = logp.exp()
-        for j, i in enumerate(random_rows):
+    temperature = col([p.temperature for p in params], torch.float32)
+    if all(p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):
+        # no filter: the same log-distribution without sorting the vocabulary
+        logp = (processed[idx] / temperature.unsqueeze(1)).log_softmax(-1)
+    else:
+        logp = filter_log_probs(
+            processed[idx],
+            temperature,
+            col([p.top_k for p in params], torch.long),
+            col([p.top_p for p in params], torch.float32),
+            col([p.min_p for p in params], torch.float32),
+        )
+    probs = logp.exp()
+    valid = torch.isfinite(probs).all(-1).tolist()
+    for j, i in enumerate(random_rows):
+        if valid[j]:
             tokens[i] = int(torch.multinomial(probs[j], 1, generator=rows[i].generator))
+        else:
+            tokens[i] = INVALID_ROW
     return tokens
 
 

@@ -4,8 +4,9 @@ The engine is single-threaded by design (DESIGN.md §2), so one background threa
 it takes adds and aborts from a command queue, steps while work is pending, and hands each
 request's outputs to the asyncio queue of the coroutine waiting for them. Adds are validated
 in that thread and their errors travel back to the caller; a request whose client goes away
-is aborted there, which frees its cache blocks at once. A step that raises fails the requests
-it held (their callers see the error) and the loop goes on serving the rest.
+is aborted there, which frees its cache blocks at once. A request that fails inside the engine
+(finish reason "error": its own row went wrong, or the step that held it raised) reaches its
+caller as ``RequestFailedError``; the loop goes on serving the rest.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ logger = logging.getLogger("deepinfer.server")
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at ``max_queued_requests``: answer 429 and let the client retry."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request alone failed inside the engine (finish reason "error"): answer 500."""
 
 
 @dataclass
@@ -160,8 +165,9 @@ class AsyncLLM:
         if kind == "add":
             request_id, ids, params, offset, salt, stream = payload
             try:
-                _, waiting = self.num_requests()
-                if waiting >= self.max_queued_requests:
+                # requests past the running slots wait: 429 only once those fill the queue (a
+                # request that arrived since the last step is not waiting while a slot is free)
+                if len(self._streams) >= self.engine.config.max_num_seqs + self.max_queued_requests:
                     raise QueueFullError(f"the waiting queue is full ({self.max_queued_requests} requests)")
                 self.engine.add_request(request_id, ids, params, generator_offset=offset, cache_salt=salt)
             except Exception as exc:  # the caller gets it; the engine is untouched
@@ -191,7 +197,10 @@ class AsyncLLM:
             if rid not in self._streams:
                 continue
             out = self.engine.make_output(req)
-            self._deliver(rid, out)
+            failed = out.outputs[0].finish_reason == "error"
+            self._deliver(
+                rid, RequestFailedError(out.outputs[0].error or "request failed") if failed else out
+            )
             if req.finished:
                 for callback in self.stats_callbacks:
                     callback(out)
