@@ -11,6 +11,7 @@ and xdist reports the worker as crashed on it.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import sys
 import threading
@@ -32,6 +33,16 @@ def rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def release_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc's ``malloc_trim``), so
+    the test after a runaway one starts from what the process really holds."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def total_memory_bytes() -> int:
@@ -77,7 +88,9 @@ class MemoryGuard:
             yield
         finally:
             with self._lock:
-                self._test = None
+                self._test, raised = None, self._raised
+            if raised:
+                release_memory()
 
     def close(self) -> None:
         """Stops the watching thread."""

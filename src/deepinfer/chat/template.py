@@ -11,11 +11,18 @@ exactly the ones the template wrote.
 
 from __future__ import annotations
 
+import re
 import secrets
 from typing import Any
 
 from deepinfer.chat.messages import normalize_messages
 from deepinfer.chat.plain import plain_ids
+
+_MARKER = re.compile("\x00[0-9a-f]{16}\x00")
+
+
+def _marker() -> str:
+    return f"\x00{secrets.token_hex(8)}\x00"
 
 
 def encode_chat(
@@ -38,11 +45,11 @@ def encode_chat(
     markers: dict[str, str] = {}
     masked = []
     for m in msgs:
-        marker = f"\x00{secrets.token_hex(8)}\x00"
+        marker = _marker()
         markers[marker] = m["content"]
         entry = {**m, "content": marker}
         if m.get("reasoning_content"):
-            reasoning = f"\x00{secrets.token_hex(8)}\x00"
+            reasoning = _marker()
             markers[reasoning] = m["reasoning_content"]
             entry["reasoning_content"] = reasoning
         masked.append(entry)
@@ -51,18 +58,18 @@ def encode_chat(
         masked, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
     )
     ids: list[int] = []
-    rest = rendered
-    while rest:
-        # the earliest marker still in the rendered text
-        found = [(rest.find(mk), mk) for mk in markers if mk in rest]
-        if not found:
-            ids += tokenizer(rest, add_special_tokens=False).input_ids
-            break
-        pos, marker = min(found)
-        if pos:
-            ids += tokenizer(rest[:pos], add_special_tokens=False).input_ids
-        text = markers[marker]
+    start = 0
+    # one pass over the rendered text: every marker has the same shape, and only the ones
+    # made here count (template text that merely looks like one is template text)
+    for found in _MARKER.finditer(rendered):
+        text = markers.get(found.group())
+        if text is None:
+            continue
+        if found.start() > start:
+            ids += tokenizer(rendered[start : found.start()], add_special_tokens=False).input_ids
         if text:
             ids += plain_ids(tokenizer, text)
-        rest = rest[pos + len(marker) :]
+        start = found.end()
+    if start < len(rendered):
+        ids += tokenizer(rendered[start:], add_special_tokens=False).input_ids
     return ids

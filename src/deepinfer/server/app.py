@@ -3,9 +3,18 @@
 Endpoints and field names follow vLLM's server (``../shared/reference/serving.md``):
 ``/v1/completions`` and ``/v1/chat/completions`` (streaming as ``data: {...}`` events ending in
 ``data: [DONE]``), ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/health``, ``/version``,
-``/metrics``. Errors are OpenAI's JSON shape ``{"error": {"message", "type", "param",
-"code"}}``: 400 for bad input (FastAPI's 422 too), 401 for a wrong key, 404 for an unknown
-model, 429 with ``Retry-After`` when the waiting queue is full.
+``/metrics``. Every error is OpenAI's JSON shape ``{"error": {"message", "type", "param",
+"code"}}``, ``param`` naming the field: 400 for bad input (and for a request that could never
+run: more sequences than the server runs at once, or more tokens than the context holds),
+401 for a wrong key, 404 for an unknown model or route, 405 for a wrong method, 408 for a body
+too slow to arrive, 413 for one too large, 429 with ``Retry-After`` only when the waiting queue
+is full, 500 for a request that failed inside the engine (alone: the others go on), 503 while
+shutting down.
+
+One request cannot stall the others: prompts are tokenized and rendered on worker threads
+within size and time budgets (``prompts.py``), the key and body checks are pure ASGI so that
+abandoned requests are aborted (``asgi_guards.py``), and slow headers time out
+(``http_protocol.py``).
 """
 
 from __future__ import annotations
@@ -22,14 +31,18 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import deepinfer
 from deepinfer.chat import ChatOptions
 from deepinfer.llm import LLM
 from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.async_llm import AsyncLLM, QueueFullError
+from deepinfer.server.asgi_guards import RequestGuard, error_body
+from deepinfer.server.async_llm import AsyncLLM, QueueFullError, RequestFailedError, ShuttingDownError
+from deepinfer.server.limits import ServerLimits
 from deepinfer.server.metrics import ServerMetrics
+from deepinfer.server.prompts import PromptPreparer
 from deepinfer.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,6 +50,7 @@ from deepinfer.server.protocol import (
     RequestError,
     StreamOptions,
     TokenizeRequest,
+    check_body,
     param_of,
     sampling_params,
 )
@@ -47,31 +61,31 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 def error_response(
     status: int, message: str, param: str | None = None, kind: str | None = None
 ) -> JSONResponse:
-    kinds = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 429: "RateLimitError"}
-    body = {
-        "error": {
-            "message": message,
-            "type": kind or kinds.get(status, "InternalServerError"),
-            "param": param,
-            "code": status,
-        }
-    }
     headers = {"Retry-After": "1"} if status == 429 else None
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, param, kind), status_code=status, headers=headers)
 
 
 class Server:
-    """The app's state: the model, its async engine, names and metrics."""
+    """The app's state: the model, its async engine, names, limits and metrics."""
 
     def __init__(
-        self, llm: LLM, served_model_name: str, api_key: str | None, max_queued_requests: int
+        self,
+        llm: LLM,
+        served_model_name: str,
+        api_key: str | None,
+        max_queued_requests: int,
+        limits: ServerLimits,
     ) -> None:
         self.llm = llm
         self.tokenizer = llm.tokenizer
         self.chat_format = llm.chat_format
         self.name = served_model_name
         self.api_key = api_key
+        self.limits = limits
         self.engine = AsyncLLM(llm, max_queued_requests)
+        self.prompts = PromptPreparer(
+            llm.tokenizer, llm.engine.max_model_len, limits.max_messages, limits.prompt_timeout_s
+        )
         self.metrics = ServerMetrics(served_model_name)
         self.engine.stats_callbacks.append(self.metrics.observe_finished)
 
@@ -88,17 +102,41 @@ class Server:
     def default_max_tokens(self, prompt_len: int) -> int:
         return max(1, self.cache_capacity() - prompt_len)
 
+    def check_fits(self, prompt_lens: list[int], max_tokens: int, field: str) -> None:
+        """An explicit ``max_tokens`` that no prompt of the request leaves room for is a 400
+        (vLLM's rule and message), not a silent clamp."""
+        context = self.llm.engine.max_model_len
+        longest = max(prompt_lens)
+        if longest + max_tokens > context:
+            raise RequestError(
+                f"This model's maximum context length is {context} tokens. However, you requested "
+                f"{longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} in the completion). "
+                "Please reduce the length of the prompt or completion.",
+                field,
+            )
+
+    def check_width(self, num_prompts: int, n: int, field: str) -> None:
+        """A request of more sequences than run at once can never be admitted: 400, not 429."""
+        most = self.llm.engine.config.max_num_seqs
+        if num_prompts * n > most:
+            what = f"{num_prompts} prompts x n={n}" if num_prompts > 1 else f"n={n}"
+            raise RequestError(
+                f"{field}: {what} is {num_prompts * n} sequences; this server runs at most {most} at once",
+                field,
+            )
+
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
 
-    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    async def prompt_ids(self, prompt: str | list[int], field: str) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise RequestError("this model has no tokenizer: send token ids", "prompt")
-            return self.tokenizer(prompt).input_ids
+                raise RequestError("this model has no tokenizer: send token ids", field)
+            self.prompts.check_text(field, [prompt])
+            return await self.prompts.run(field, lambda: self.tokenizer(prompt).input_ids)
         return list(prompt)
 
-    def encode_chat(
+    async def encode_chat(
         self,
         messages: list[Any],
         tools: list[Any] | None,
@@ -106,12 +144,23 @@ class Server:
         template_kwargs: dict[str, Any] | None,
         reasoning_effort: str | int | None = None,
     ) -> tuple[list[int], ChatOptions]:
-        """Prompt ids of a conversation in the model's chat format; errors name the field."""
-        try:
-            options = ChatOptions.from_request(template_kwargs, reasoning_effort)
-            return self.chat_format.encode(messages, tools, add_generation_prompt, options), options
-        except ValueError as exc:
-            raise RequestError(str(exc), _chat_param(str(exc))) from exc
+        """Prompt ids of a conversation in the model's chat format, on a worker thread within
+        the limits; errors name the field."""
+        self.prompts.check_messages(messages)
+
+        def encode() -> tuple[list[int], ChatOptions]:
+            try:
+                options = ChatOptions.from_request(template_kwargs, reasoning_effort)
+                return self.chat_format.encode(messages, tools, add_generation_prompt, options), options
+            except ValueError as exc:
+                raise RequestError(str(exc), _chat_param(str(exc))) from exc
+            except Exception as exc:  # the template met something in these messages it cannot render
+                raise RequestError(
+                    f"messages: the chat template cannot render these messages ({type(exc).__name__}: {exc})",
+                    "messages",
+                ) from exc
+
+        return await self.prompts.run("messages", encode)
 
     def kv_usage(self) -> float:
         pool = self.llm.engine.pool
@@ -214,10 +263,12 @@ def build_app(
     api_key: str | None = None,
     max_queued_requests: int = 256,
     engine_thread: bool = True,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """The app over ``llm``. ``engine_thread``: run the engine loop on a background thread
     started with the app; False leaves it to the caller (``AsyncLLM.run_here``)."""
-    server = Server(llm, served_model_name, api_key, max_queued_requests)
+    limits = limits or ServerLimits()
+    server = Server(llm, served_model_name, api_key, max_queued_requests, limits)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -225,27 +276,47 @@ def build_app(
             server.engine.start()
         yield
         server.engine.stop()
+        server.prompts.close()
 
     app = FastAPI(title="deepinfer", version=deepinfer.__version__, lifespan=lifespan)
     app.state.server = server
-
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if server.api_key is not None and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {server.api_key}":
-                return error_response(401, "Invalid API key", kind="AuthenticationError")
-        return await call_next(request)
+    app.add_middleware(
+        RequestGuard,
+        api_key=api_key,
+        max_body_bytes=limits.max_request_bytes,
+        body_timeout_s=limits.body_timeout_s,
+    )
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError):
         err = exc.errors()[0] if exc.errors() else {}
+        if err.get("type") == "json_invalid":  # its loc is a byte offset, not a field
+            return error_response(400, f"body: invalid JSON ({err.get('msg', '')})", "body")
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None
         return error_response(400, f"{param or 'body'}: {err.get('msg', 'invalid request')}", param)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request: Request, exc: StarletteHTTPException):
+        # unknown routes, wrong methods, bodies FastAPI could not parse (bad UTF-8, nesting
+        # too deep for the JSON decoder)
+        param = "body" if exc.status_code == 400 else None
+        response = error_response(exc.status_code, str(exc.detail), param)
+        if exc.headers:
+            response.headers.update(exc.headers)
+        return response
+
     @app.exception_handler(RequestError)
     async def _request_error(_request: Request, exc: RequestError):
         return error_response(exc.code, str(exc), exc.param)
+
+    @app.exception_handler(RequestFailedError)
+    async def _failed(_request: Request, exc: RequestFailedError):
+        return error_response(500, f"this request failed in the engine: {exc}")
+
+    @app.exception_handler(ShuttingDownError)
+    async def _shutting_down(_request: Request, exc: ShuttingDownError):
+        return error_response(503, str(exc))
 
     @app.exception_handler(Exception)
     async def _internal(_request: Request, exc: Exception):  # e.g. an engine step that failed
@@ -257,7 +328,7 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        ok = server.engine.healthy and server.engine._thread.is_alive()
+        ok = server.engine.healthy and server.engine._thread.is_alive() and not server.engine.shutting_down
         return Response(status_code=200 if ok else 503)
 
     @app.get("/version")
@@ -289,16 +360,22 @@ def build_app(
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         server.check_model(body.model)
+        check_body(body.model_dump())
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            ids, _ = server.encode_chat(
+            ids, _ = await server.encode_chat(
                 body.messages, body.tools, body.add_generation_prompt, body.chat_template_kwargs
             )
         else:
             if server.tokenizer is None:
                 raise RequestError("this model has no tokenizer", "prompt")
-            ids = server.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+            prompt = body.prompt
+            server.prompts.check_text("prompt", [prompt])
+            ids = await server.prompts.run(
+                "prompt",
+                lambda: server.tokenizer(prompt, add_special_tokens=body.add_special_tokens).input_ids,
+            )
         return {"tokens": ids, "count": len(ids), "max_model_len": llm.engine.max_model_len}
 
     @app.post("/detokenize")
@@ -309,11 +386,12 @@ def build_app(
         bad = [t for t in body.tokens if not 0 <= t < llm.engine.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary", "tokens")
-        return {"prompt": server.tokenizer.decode(body.tokens)}
+        return {"prompt": await server.prompts.run("tokens", server.tokenizer.decode, body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         server.check_model(body.model)
+        check_body(body.model_dump())
         if body.echo:
             raise RequestError("echo is not supported", "echo")
         prompts = body.prompt
@@ -321,9 +399,13 @@ def build_app(
             prompts = [prompts]
         if not prompts:
             raise RequestError("prompt must not be empty", "prompt")
-        id_lists = [server.prompt_ids(p) for p in prompts]
+        server.check_width(len(prompts), body.n, "n" if len(prompts) == 1 else "prompt")
+        server.prompts.check_text("prompt", [p for p in prompts if isinstance(p, str)])
+        id_lists = [await server.prompt_ids(p, "prompt") for p in prompts]
         max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = sampling_params(body, max_tokens, body.logprobs)
+        if body.max_tokens is not None:
+            server.check_fits([len(ids) for ids in id_lists], body.max_tokens, "max_tokens")
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streams = await server.add_all(rid, id_lists, body.n, params, body.cache_salt, "prompt")
@@ -363,13 +445,15 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         server.check_model(body.model)
+        check_body(body.model_dump())
+        server.check_width(1, body.n, "n")
         if body.tool_choice not in (None, "auto", "none"):
             raise RequestError(
                 "tool_choice: only 'auto' and 'none' are supported (forcing a call needs structured outputs)",
                 "tool_choice",
             )
         tools = body.tools if body.tools and body.tool_choice != "none" else None
-        ids, options = server.encode_chat(
+        ids, options = await server.encode_chat(
             body.messages, tools, body.add_generation_prompt, body.chat_template_kwargs, body.reasoning_effort
         )
         try:
@@ -379,6 +463,9 @@ def build_app(
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:
             max_tokens = server.default_max_tokens(len(ids))
+        else:
+            field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+            server.check_fits([len(ids)], max_tokens, field)
         top = None
         if body.logprobs:
             top = body.top_logprobs or 0
@@ -535,10 +622,9 @@ def _event_stream(
             async for i, out in _merge(streams):
                 for entry in entries(i, sent[i], out):
                     yield event([entry])
-        except Exception as exc:
-            yield _sse(
-                {"error": {"message": str(exc), "type": "InternalServerError", "param": None, "code": 500}}
-            )
+        except Exception as exc:  # the request failed or the server is ending it: say so, then [DONE]
+            status = 503 if isinstance(exc, ShuttingDownError) else 500
+            yield _sse(error_body(status, str(exc)))
         else:
             if stream_options is not None and stream_options.include_usage:
                 yield event([], usage=_usage(prompt_tokens, sum(d.tokens for d in sent)))

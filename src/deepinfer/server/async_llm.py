@@ -15,6 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -33,6 +34,11 @@ class QueueFullError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """This request alone failed inside the engine (finish reason "error"): answer 500."""
+
+
+class ShuttingDownError(RuntimeError):
+    """The server is shutting down: new requests get 503, and requests still running when the
+    grace period ends get this as their last event."""
 
 
 @dataclass
@@ -60,6 +66,8 @@ class AsyncLLM:
         self._own_thread = False
         self._until: Callable[[], bool] = lambda: False
         self.healthy = True  # False once the engine loop has died
+        self.shutting_down = False  # no new requests; running ones end by ``_drain_deadline``
+        self._drain_deadline: float | None = None
         self.stats_callbacks: list[Any] = []  # called in the engine thread with each finished output
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -84,6 +92,18 @@ class AsyncLLM:
         self._commands.put(("noop", None, None))
         if self._thread.is_alive() and self._thread is not threading.current_thread() and self._own_thread:
             self._thread.join(timeout=30)
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Take no new requests; those running may finish within ``grace_s`` seconds, after
+        which each still running is aborted and its caller gets ``ShuttingDownError``. Safe
+        from a signal handler (it only sets flags and queues a command)."""
+        self.shutting_down = True
+        self._commands.put(("drain", time.monotonic() + grace_s, None))
+
+    @property
+    def drained(self) -> bool:
+        """Shutting down and no request left to answer."""
+        return self.shutting_down and not self._streams
 
     # ---- caller side (any thread, usually the event loop) ----------------------------------
 
@@ -145,6 +165,8 @@ class AsyncLLM:
 
     def _loop(self) -> None:
         while not self._stopping and not self._until():
+            if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
+                self._end_all(ShuttingDownError("the server is shutting down; this request was ended"))
             if not self.engine.has_unfinished():  # idle: wait for a command
                 try:
                     self._apply(self._commands.get(timeout=0.5))
@@ -162,9 +184,14 @@ class AsyncLLM:
         kind, payload, done = command
         if kind == "noop":
             return
+        if kind == "drain":
+            self._drain_deadline = payload
+            return
         if kind == "add":
             request_id, ids, params, offset, salt, stream = payload
             try:
+                if self.shutting_down:
+                    raise ShuttingDownError("the server is shutting down")
                 # requests past the running slots wait: 429 only once those fill the queue (a
                 # request that arrived since the last step is not waiting while a slot is free)
                 if len(self._streams) >= self.engine.config.max_num_seqs + self.max_queued_requests:
@@ -185,12 +212,9 @@ class AsyncLLM:
     def _step(self) -> None:
         try:
             updated = self.engine.step()
-        except Exception as exc:  # fail what was in flight, keep serving
+        except Exception as exc:  # the engine's own isolation failed: fail what was in flight
             logger.exception("engine step failed")
-            for rid in list(self._streams):
-                self.engine.abort(rid)
-                self._deliver(rid, RuntimeError(f"engine step failed: {exc}"))
-                self._release(rid)
+            self._end_all(RuntimeError(f"engine step failed: {exc}"))
             return
         for req in updated:
             rid = req.request_id
@@ -205,6 +229,13 @@ class AsyncLLM:
                 for callback in self.stats_callbacks:
                     callback(out)
                 self._release(rid)
+
+    def _end_all(self, error: BaseException) -> None:
+        """Abort every request with a caller and hand each caller ``error``."""
+        for rid in list(self._streams):
+            self.engine.abort(rid)
+            self._deliver(rid, error)
+            self._release(rid)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams[request_id]

@@ -1,24 +1,32 @@
 """OpenAI request bodies (vLLM's field names and extra sampling fields) and their conversion
-to ``SamplingParams``. Pydantic checks the types; ``SamplingParams`` checks the values; both
+to ``SamplingParams``. Pydantic checks the types strictly (``"stream": "yes"`` or
+``"max_tokens": true`` are errors, not coerced); ``SamplingParams`` checks the values; both
 errors name the field, which the app turns into a 400 with ``param`` set."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from deepinfer.sampling_params import SamplingParams
 
+# OpenAI's range for a logit bias (SamplingParams clamps to it; the HTTP API refuses past it)
+MAX_LOGIT_BIAS = 100.0
+_STRICT = ConfigDict(strict=True, extra="ignore")
+
 
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """Fields both endpoints share (OpenAI's and vLLM's extras)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str | None = None
     max_tokens: int | None = None
@@ -55,7 +63,7 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow")
 
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -75,6 +83,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(BaseModel):
+    model_config = _STRICT
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -85,6 +95,8 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
+    model_config = _STRICT
+
     model: str | None = None
     tokens: list[int]
 
@@ -98,9 +110,44 @@ class RequestError(ValueError):
         self.code = code
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+# deeper JSON than this is no request a client means; nested data (tool schemas, template
+# arguments) reaches recursive code (renderers, grammar compilers) that must not meet it
+MAX_NESTING = 64
+
+
+def check_body(body: Any) -> None:
+    """What JSON allows and the server refuses, each a 400 naming the field: a lone surrogate
+    (``"\\ud800"``: not text, and no tokenizer takes it; a valid pair is one character once
+    parsed) and nesting deeper than ``MAX_NESTING``. Iterative, so any depth is safe to walk."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        where = path or "body"
+        if depth > MAX_NESTING:
+            raise RequestError(f"{where}: nested deeper than {MAX_NESTING} levels", where)
+        if isinstance(value, str):
+            found = _LONE_SURROGATE.search(value)
+            if found:
+                raise RequestError(
+                    f"{where}: contains the lone surrogate U+{ord(found.group()):04X}, which is not valid Unicode",
+                    where,
+                )
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, where, depth + 1))
+                stack.append((item, f"{path}.{key}" if path else str(key), depth + 1))
+        elif isinstance(value, list | tuple):
+            stack.extend((item, f"{path}[{k}]", depth + 1) for k, item in enumerate(value))
+
+
 def param_of(message: str) -> str | None:
-    """The field a ``SamplingParams`` or engine error names (their messages start with it)."""
-    head = message.split(" ", 1)[0].rstrip(":")
+    """The field a ``SamplingParams`` or engine error names (their messages start with it, or
+    with "unknown FIELD field(s)")."""
+    words = message.split(" ", 2)
+    head = (words[1] if words[0] == "unknown" and len(words) > 1 else words[0]).rstrip(":")
     return head if head.replace("_", "").replace(".", "").isalnum() else None
 
 
@@ -158,6 +205,9 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
             kwargs["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
         except ValueError as exc:
             raise RequestError("logit_bias keys must be token ids", "logit_bias") from exc
+        far = [v for v in req.logit_bias.values() if not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS]
+        if far:
+            raise RequestError(f"logit_bias values must be in [-100, 100], got {far[0]!r}", "logit_bias")
     if not isinstance(req.n, int) or req.n < 1:
         raise RequestError(f"n must be an integer >= 1, got {req.n!r}", "n")
     constraint = structured_outputs(req)
