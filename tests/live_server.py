@@ -18,10 +18,11 @@ def free_port() -> int:
 class LiveServer:
     """A uvicorn server on a background thread."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, **config) -> None:
+        """``config``: more ``uvicorn.Config`` options (``http=`` a protocol class)."""
         self.port = free_port()
         self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", **config)
         )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

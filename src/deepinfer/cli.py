@@ -17,6 +17,7 @@ from typing import NoReturn
 import torch
 
 from deepinfer.cache import kv_dtypes
+from deepinfer.server.limits import ServerLimits
 from deepinfer.tiny import TINY_CONFIGS
 
 
@@ -401,31 +402,65 @@ def _serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from deepinfer.server.app import build_app
+        from deepinfer.server.http_protocol import header_timeout_protocol
     except ImportError as exc:
         raise ValueError(f"serve needs the serve extra: pip install 'deepinfer[serve]' ({exc})") from exc
     from deepinfer import LLM
 
     if args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    limits = ServerLimits(
+        max_request_bytes=args.max_request_bytes,
+        max_messages=args.max_messages,
+        prompt_timeout_s=args.prompt_timeout,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
     llm = LLM(args.model, **_engine_options(args))
     name = args.served_model_name or args.model
     app = build_app(
-        llm, name, api_key=args.api_key, max_queued_requests=args.max_queued_requests, engine_thread=False
+        llm,
+        name,
+        api_key=args.api_key,
+        max_queued_requests=args.max_queued_requests,
+        engine_thread=False,
+        limits=limits,
     )
-    web = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        http=header_timeout_protocol(limits.header_timeout_s),
+        # our own drain ends every response within shutdown_timeout_s; this is the backstop
+        timeout_graceful_shutdown=int(limits.shutdown_timeout_s) + 5,
+    )
+    web = uvicorn.Server(config)
+    engine = app.state.server.engine
     # HTTP on a background thread, the engine loop here: the thread that loaded the model
     # drives its kernels (AsyncLLM.run_here says why)
     http = threading.Thread(target=web.run, name="deepinfer-http", daemon=True)
     http.start()
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends the loop like Ctrl-C
+
+    def graceful(signum: int, _frame: object) -> None:
+        """SIGTERM / Ctrl-C: stop accepting, let running requests finish within the grace
+        period (then end them with an error event), exit. A second signal exits at once."""
+        if engine.shutting_down:
+            raise KeyboardInterrupt
+        web.should_exit = True
+        engine.begin_shutdown(limits.shutdown_timeout_s)
+
+    signal.signal(signal.SIGTERM, graceful)
+    signal.signal(signal.SIGINT, graceful)
     print(f"deepinfer serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
     try:
-        app.state.server.engine.run_here(until=lambda: not http.is_alive())
+        engine.run_here(until=lambda: not http.is_alive() or engine.drained)
     except KeyboardInterrupt:
         pass
     finally:
         web.should_exit = True
-        http.join(timeout=10)
+        http.join(timeout=limits.shutdown_timeout_s + 10)
     return 0
 
 
@@ -603,6 +638,34 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     serve.add_argument("--served-model-name", default=None, help="the name clients use (default: MODEL)")
     serve.add_argument("--max-queued-requests", type=int, default=256, help="waiting requests before 429")
+    limits = ServerLimits()
+    serve.add_argument(
+        "--max-request-bytes", type=int, default=limits.max_request_bytes, help="larger bodies get 413"
+    )
+    serve.add_argument(
+        "--max-messages", type=int, default=limits.max_messages, help="chats with more messages get 400"
+    )
+    serve.add_argument(
+        "--prompt-timeout",
+        type=float,
+        default=limits.prompt_timeout_s,
+        help="seconds to tokenize or render one request's prompt (off the event loop)",
+    )
+    serve.add_argument(
+        "--header-timeout",
+        type=float,
+        default=limits.header_timeout_s,
+        help="seconds to send request headers",
+    )
+    serve.add_argument(
+        "--body-timeout", type=float, default=limits.body_timeout_s, help="seconds to send a request body"
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=limits.shutdown_timeout_s,
+        help="on SIGTERM, seconds running requests may finish before they are ended",
+    )
     serve.add_argument("--log-level", default="warning")
     _add_engine_arguments(serve)
     serve.set_defaults(func=_serve)

@@ -102,11 +102,14 @@ class Server:
     def default_max_tokens(self, prompt_len: int) -> int:
         return max(1, self.cache_capacity() - prompt_len)
 
-    def check_fits(self, prompt_lens: list[int], max_tokens: int, field: str) -> None:
+    def check_fits(self, prompt_lens: list[int], max_tokens: int, field: str, prompt_field: str) -> None:
         """An explicit ``max_tokens`` that no prompt of the request leaves room for is a 400
-        (vLLM's rule and message), not a silent clamp."""
+        (vLLM's rule and message), not a silent clamp. ``param`` names the prompt when it
+        alone fills the context."""
         context = self.llm.engine.max_model_len
         longest = max(prompt_lens)
+        if longest >= context:
+            field = prompt_field
         if longest + max_tokens > context:
             raise RequestError(
                 f"This model's maximum context length is {context} tokens. However, you requested "
@@ -292,8 +295,7 @@ def build_app(
         err = exc.errors()[0] if exc.errors() else {}
         if err.get("type") == "json_invalid":  # its loc is a byte offset, not a field
             return error_response(400, f"body: invalid JSON ({err.get('msg', '')})", "body")
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
+        param = _loc_param(err.get("loc", ()))
         return error_response(400, f"{param or 'body'}: {err.get('msg', 'invalid request')}", param)
 
     @app.exception_handler(StarletteHTTPException)
@@ -405,7 +407,7 @@ def build_app(
         max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = sampling_params(body, max_tokens, body.logprobs)
         if body.max_tokens is not None:
-            server.check_fits([len(ids) for ids in id_lists], body.max_tokens, "max_tokens")
+            server.check_fits([len(ids) for ids in id_lists], body.max_tokens, "max_tokens", "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streams = await server.add_all(rid, id_lists, body.n, params, body.cache_salt, "prompt")
@@ -465,7 +467,7 @@ def build_app(
             max_tokens = server.default_max_tokens(len(ids))
         else:
             field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-            server.check_fits([len(ids)], max_tokens, field)
+            server.check_fits([len(ids)], max_tokens, field, "messages")
         top = None
         if body.logprobs:
             top = body.top_logprobs or 0
@@ -642,6 +644,26 @@ def _completion_entries(choice: Callable) -> Callable[[int, _Delta, RequestOutpu
         return [choice(i, c, text, ids, lps, out.finished)]
 
     return entries
+
+
+# the names pydantic puts in an error's location for the member of a union that failed
+_UNION_MEMBERS = {"str", "int", "float", "bool", "list", "dict", "none", "nullable"}
+
+
+def _loc_param(loc: tuple | list) -> str | None:
+    """A validation error's location as the field path check_body writes (``messages[0].content``):
+    list indices in brackets, without ``body`` or the union member pydantic tried."""
+    param = ""
+    for part in loc:
+        if part == "body" and not param:
+            continue
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part in _UNION_MEMBERS or "[" in str(part) or "-" in str(part):
+            continue
+        else:
+            param += f".{part}" if param else str(part)
+    return param or None
 
 
 def _chat_param(message: str) -> str:

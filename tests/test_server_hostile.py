@@ -1,0 +1,471 @@
+"""Hostile but fair clients against the server, on loopback only: no input gets a 500 or
+takes down another request, the event loop stays free, abandoned and slow requests are
+ended, and SIGTERM ends streams with an error event and ``[DONE]``.
+
+After every hostile case the server must still be serving: ``/health`` answers within
+100 ms, a normal request succeeds, and ``/metrics`` shows no KV blocks held once the engine
+is idle. Every loop here is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from live_server import LiveServer, free_port
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.server.app import build_app
+from deepinfer.server.http_protocol import header_timeout_protocol
+from deepinfer.server.limits import ServerLimits
+
+NAME = "smol"
+LIMITS = ServerLimits(
+    max_request_bytes=1 << 20,
+    max_messages=4096,
+    prompt_timeout_s=60.0,
+    header_timeout_s=1.0,
+    body_timeout_s=1.0,
+    shutdown_timeout_s=2.0,
+)
+BASE = {"model": NAME, "prompt": "The capital of France is", "max_tokens": 2, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def hostile():
+    llm = LLM("smollm2-135m", max_num_seqs=8, max_model_len=256)
+    app = build_app(llm, NAME, max_queued_requests=16, limits=LIMITS)
+    live = LiveServer(app, http=header_timeout_protocol(LIMITS.header_timeout_s))
+    client = httpx.Client(base_url=live.url, timeout=120, headers={"content-type": "application/json"})
+    yield live, client, llm
+    client.close()
+    live.stop()
+
+
+def kv_usage(client: httpx.Client) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("deepinfer:kv_cache_usage_perc{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no kv_cache_usage_perc in /metrics")
+
+
+def assert_still_serving(live: LiveServer, client: httpx.Client, llm: LLM) -> None:
+    """/health within 100 ms, a normal request answered, no blocks held once idle."""
+    started = time.perf_counter()
+    health = httpx.get(f"{live.url}/health", timeout=5)
+    took = time.perf_counter() - started
+    assert health.status_code == 200 and took < 0.1, (health.status_code, took)
+    r = client.post("/v1/completions", json=BASE)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    deadline = time.time() + 30
+    while llm.engine.requests or llm.engine.has_unfinished():
+        assert time.time() < deadline, "requests left behind"
+        time.sleep(0.02)
+    assert kv_usage(client) == 0.0
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None) -> None:
+    """OpenAI's error shape, with ``param`` naming the field."""
+    assert r.status_code == status, (r.status_code, r.text[:500])
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status, err
+    assert err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+
+
+NESTED = json.loads("[" * 80 + "]" * 80)  # deeper than the server takes, valid JSON
+CHAT = "/v1/chat/completions"
+DONE = "/v1/completions"
+USER = [{"role": "user", "content": "Hi"}]
+
+# (endpoint, body overrides, status, param): sampling values that used to make a step NaN,
+# values past OpenAI's ranges, coerced types, requests that can never run, broken text
+CASES = [
+    (DONE, {"temperature": 1e-39, "max_tokens": 3}, 200, None),
+    (DONE, {"temperature": 1e-300, "max_tokens": 3, "seed": 1}, 200, None),
+    (DONE, {"temperature": 1e-20, "max_tokens": 3}, 200, None),
+    (DONE, {"repetition_penalty": 1e-300}, 400, "repetition_penalty"),
+    (DONE, {"repetition_penalty": 0}, 400, "repetition_penalty"),
+    (DONE, {"repetition_penalty": 1e300}, 400, "repetition_penalty"),
+    (DONE, {"logit_bias": {"5": 1e39}}, 400, "logit_bias"),
+    (DONE, {"logit_bias": {"5": 101}}, 400, "logit_bias"),
+    (DONE, {"logit_bias": {"5": 100, "6": -100}, "temperature": 1.0}, 200, None),
+    (DONE, {"logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    (DONE, {"logit_bias": {"x": 1}}, 400, "logit_bias"),
+    (DONE, {"seed": 2**70}, 400, "seed"),
+    (DONE, {"seed": -(2**63)}, 200, None),
+    (DONE, {"structured_outputs": {"bogus": 1}}, 400, "structured_outputs"),
+    (DONE, {"structured_outputs": {"json": 5}}, 400, "structured_outputs.json"),
+    (DONE, {"response_format": {"type": "xml"}}, 400, "response_format"),
+    (DONE, {"max_tokens": 10**12}, 400, "max_tokens"),
+    (DONE, {"max_tokens": 255}, 400, "max_tokens"),
+    (DONE, {"max_tokens": True}, 400, "max_tokens"),
+    (DONE, {"max_tokens": 0}, 400, "max_tokens"),
+    (DONE, {"max_tokens": "2"}, 400, "max_tokens"),
+    (DONE, {"stream": "yes"}, 400, "stream"),
+    (DONE, {"temperature": "hot"}, 400, "temperature"),
+    (DONE, {"temperature": -1}, 400, "temperature"),
+    (DONE, {"top_p": 0}, 400, "top_p"),
+    (DONE, {"n": 1000}, 400, "n"),
+    (DONE, {"n": 0}, 400, "n"),
+    (DONE, {"prompt": ["a"] * 1000}, 400, "prompt"),
+    (DONE, {"prompt": ["a", "b", "c"], "n": 3}, 400, "prompt"),
+    (DONE, {"prompt": "\ud800"}, 400, "prompt"),
+    (DONE, {"prompt": ["fine", "x\udfff"]}, 400, "prompt[1]"),
+    (DONE, {"stop": ["\ud83d"]}, 400, "stop[0]"),
+    (DONE, {"prompt": []}, 400, "prompt"),
+    (DONE, {"prompt": [-1]}, 400, "prompt"),
+    (DONE, {"prompt": [10**9]}, 400, "prompt"),
+    (DONE, {"prompt": "word " * 400}, 400, "prompt"),
+    (DONE, {"stop": [""]}, 400, "stop"),
+    (DONE, {"logprobs": 1000}, 400, "logprobs"),
+    (DONE, {"model": "other"}, 404, "model"),
+    (DONE, {"echo": True}, 400, "echo"),
+    (DONE, {"cache_salt": ""}, 400, None),
+    (CHAT, {"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages[0].content"),
+    (CHAT, {"messages": []}, 400, "messages"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    (CHAT, {"messages": USER, "max_completion_tokens": 10**9}, 400, "max_completion_tokens"),
+    (CHAT, {"messages": USER, "n": 9}, 400, "n"),
+    (CHAT, {"messages": USER, "top_logprobs": 3}, 400, "top_logprobs"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}] * 5000}, 400, "messages"),
+    (CHAT, {"messages": USER, "tools": [{"nest": NESTED}]}, 400, None),
+    ("/tokenize", {"prompt": "\ud800"}, 400, "prompt"),
+    ("/tokenize", {"prompt": "x", "messages": USER}, 400, "prompt"),
+    ("/detokenize", {"tokens": [-5]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+]
+
+
+@pytest.mark.parametrize("endpoint,overrides,status,param", CASES)
+def test_hostile_body(hostile, endpoint, overrides, status, param):
+    live, client, llm = hostile
+    body = dict(BASE) if endpoint == DONE else {"model": NAME, "max_tokens": 2}
+    if endpoint == CHAT:
+        body["messages"] = USER
+    if endpoint in ("/tokenize", "/detokenize"):
+        body = {"model": NAME}
+    body.update(overrides)
+    r = client.post(endpoint, content=json.dumps(body))
+    if status == 200:
+        assert r.status_code == 200, r.text[:500]
+        assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    else:
+        assert_error(r, status, param)
+    assert_still_serving(live, client, llm)
+
+
+# raw HTTP: bodies FastAPI cannot parse, routes and methods it does not have
+RAW = [
+    ("POST", DONE, b'{"prompt": ', 400, "body"),
+    ("POST", DONE, b'{"prompt": "\xff\xfe"}', 400, None),
+    ("POST", DONE, b"[" * 100_000 + b"]" * 100_000, 400, None),
+    ("POST", DONE, b"", 400, None),
+    ("POST", DONE, b"null", 400, None),
+    ("POST", "/v1/nothing", b"{}", 404, None),
+    ("GET", DONE, b"", 405, None),
+    ("DELETE", "/health", b"", 405, None),
+    ("POST", DONE, b'{"prompt": "' + b"a" * (1 << 20) + b'"}', 413, "body"),
+]
+
+
+@pytest.mark.parametrize("method,path,raw,status,param", RAW)
+def test_hostile_raw_request(hostile, method, path, raw, status, param):
+    live, client, llm = hostile
+    r = client.request(method, path, content=raw, headers={"content-type": "application/json"})
+    assert_error(r, status, param)
+    assert_still_serving(live, client, llm)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+FIELDS = [
+    "prompt",
+    "max_tokens",
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "min_tokens",
+    "logprobs",
+    "stream",
+    "stream_options",
+    "structured_outputs",
+    "response_format",
+    "ignore_eos",
+    "cache_salt",
+]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(overrides=st.dictionaries(st.sampled_from(FIELDS), json_values, min_size=1, max_size=3))
+def test_random_fields_never_get_a_500(hostile, overrides):
+    live, client, llm = hostile
+    body = {**BASE, **overrides}
+    try:
+        payload = json.dumps(body)
+    except ValueError:  # NaN and infinity are not JSON
+        payload = json.dumps(body, allow_nan=True)
+    r = client.post(DONE, content=payload, headers={"content-type": "application/json"})
+    assert r.status_code in (200, 400, 404), (r.status_code, r.text[:300])
+    if r.status_code != 200:
+        assert_error(r, r.status_code, None)
+    assert_still_serving(live, client, llm)
+
+
+def read_stream(url: str, body: dict, events: list[dict], started: threading.Event | None = None) -> None:
+    """Collects a stream's events (a dict per ``data:`` line; ``{"done": True}`` for [DONE])."""
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()[:300]
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            events.append({"done": True} if data == "[DONE]" else json.loads(data))
+            if started is not None:
+                started.set()
+
+
+def stream_text(events: list[dict]) -> str:
+    return "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+
+
+def test_bad_values_do_not_touch_the_streams_beside_them(hostile):
+    """Four greedy streams run while requests with the values that used to fail a whole step
+    arrive: each stream's text equals LLM.generate's."""
+    live, client, llm = hostile
+    prompts = ["One, two, three,", "The sky is", "My favourite food is", "Water boils at"]
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    body = {"model": NAME, "max_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+    events: list[list[dict]] = [[] for _ in prompts]
+    threads = [
+        threading.Thread(target=read_stream, args=(f"{live.url}{DONE}", {**body, "prompt": p}, ev))
+        for p, ev in zip(prompts, events, strict=True)
+    ]
+    for t in threads:
+        t.start()
+    hostile_values = [
+        {"temperature": 1e-39},
+        {"temperature": 1e-300},
+        {"repetition_penalty": 1e-300},
+        {"logit_bias": {"5": 1e39}},
+        {"logit_bias": {"5": 100}, "temperature": 1e-30},
+    ]
+    for values in hostile_values:
+        r = client.post(DONE, json={**BASE, "max_tokens": 8, **values})
+        assert r.status_code in (200, 400), r.text[:300]
+    for t in threads:
+        t.join(timeout=120)
+    expected = [o.outputs[0].text for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    for ev, text in zip(events, expected, strict=True):
+        assert ev[-1] == {"done": True} and not any("error" in e for e in ev)
+        assert stream_text(ev) == text
+    assert_still_serving(live, client, llm)
+
+
+def test_health_answers_while_big_prompts_are_prepared(hostile):
+    """The worst prompts the limits admit (thousands of messages, a near-megabyte message)
+    are rendered and tokenized off the event loop: /health answers within 100 ms meanwhile."""
+    live, client, llm = hostile
+    many = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i}"} for i in range(4000)]
+    bodies = [
+        ("/tokenize", {"model": NAME, "messages": many}),
+        ("/tokenize", {"model": NAME, "prompt": "lorem ipsum dolor " * 50_000}),
+        (CHAT, {"model": NAME, "messages": many, "max_tokens": 1}),
+    ]
+    answers: list[httpx.Response] = []
+
+    def send(path: str, body: dict) -> None:
+        answers.append(httpx.post(f"{live.url}{path}", json=body, timeout=120))
+
+    senders = [threading.Thread(target=send, args=b) for b in bodies]
+    for t in senders:
+        t.start()
+    latencies = []
+    while any(t.is_alive() for t in senders) and len(latencies) < 400:
+        started = time.perf_counter()
+        assert httpx.get(f"{live.url}/health", timeout=5).status_code == 200
+        latencies.append(time.perf_counter() - started)
+        time.sleep(0.02)
+    for t in senders:
+        t.join(timeout=120)
+    assert len(latencies) >= 3, "the big requests ended before /health was asked"
+    assert max(latencies) < 0.1, sorted(latencies)[-5:]
+    statuses = sorted(r.status_code for r in answers)
+    assert statuses == [200, 400, 400], [r.text[:200] for r in answers]  # chat: over the context
+    assert_still_serving(live, client, llm)
+
+
+def test_an_abandoned_request_is_aborted(hostile):
+    """A non-streamed request whose client hangs up is aborted (its blocks freed) long
+    before its max_tokens would have run out."""
+    live, client, llm = hostile
+    body = {**BASE, "max_tokens": 240, "ignore_eos": True, "prompt": "Hi"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{live.url}{DONE}", json=body, timeout=httpx.Timeout(120, read=1.0))
+    left = time.perf_counter()
+    while llm.engine.requests and time.perf_counter() - left < 5:
+        time.sleep(0.02)
+    assert not llm.engine.requests, "the abandoned request still runs"
+    assert_still_serving(live, client, llm)
+
+
+def test_slow_headers_are_cut_and_slow_bodies_get_408(hostile):
+    live, client, llm = hostile
+    with socket.create_connection(("127.0.0.1", live.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # headers never finish
+        started = time.perf_counter()
+        assert s.recv(1024) == b""  # closed by the server
+        assert time.perf_counter() - started < LIMITS.header_timeout_s + 3
+    with socket.create_connection(("127.0.0.1", live.port), timeout=10) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{"
+        )
+        reply = b""
+        while chunk := s.recv(4096):  # until the server closes
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert b'"param":"body"' in reply.replace(b" ", b"")
+    assert_still_serving(live, client, llm)
+
+
+def read_response(sock: socket.socket) -> tuple[int, bytes, bytes]:
+    """One HTTP/1.1 response with a Content-Length: (status, head, body)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(4096)
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next(
+        int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")
+    )
+    while len(body) < length:
+        body += sock.recv(4096)
+    return int(head.split()[1]), head, body
+
+
+def test_the_connection_survives_a_rejected_request(hostile):
+    """After a 400 for a lone surrogate the same keep-alive connection serves the next request."""
+    live, client, llm = hostile
+
+    def request(body: dict) -> bytes:
+        payload = json.dumps(body).encode()
+        return (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+
+    with socket.create_connection(("127.0.0.1", live.port), timeout=60) as s:
+        s.sendall(request({"model": NAME, "messages": [{"role": "user", "content": "\ud800"}]}))
+        status, head, body = read_response(s)
+        assert status == 400 and json.loads(body)["error"]["param"] == "messages[0].content"
+        assert b"connection: close" not in head.lower()
+        s.sendall(request({"model": NAME, "messages": USER, "max_tokens": 2}))
+        status, _, body = read_response(s)
+        assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2
+
+
+def test_64_streams_below_max_num_seqs_get_no_429():
+    """64 concurrent streams against max_num_seqs 64 and an empty queue: all are served."""
+    llm = LLM("smollm2-135m", max_num_seqs=64, max_model_len=128)
+    live = LiveServer(build_app(llm, NAME, max_queued_requests=0))
+    statuses: list[int] = []
+
+    async def one(i: int, client: httpx.AsyncClient) -> None:
+        body = {"model": NAME, "prompt": f"Count to {i}:", "max_tokens": 4, "stream": True}
+        async with client.stream("POST", f"{live.url}{DONE}", json=body) as r:
+            statuses.append(r.status_code)
+            async for _ in r.aiter_lines():
+                pass
+
+    async def load() -> None:
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
+            await asyncio.wait_for(asyncio.gather(*(one(i, client) for i in range(64))), 300)
+
+    try:
+        asyncio.run(load())
+        assert statuses == [200] * 64, sorted(set(statuses))
+        assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+    finally:
+        live.stop()
+
+
+def test_sigterm_ends_running_streams_with_an_error_event_and_done():
+    """``deepinfer serve``: on SIGTERM a long stream ends within --shutdown-timeout with an
+    error event and [DONE], new connections are refused, and the process exits 0."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "deepinfer.cli",
+            "serve",
+            "smollm2-135m",
+            "--port",
+            str(port),
+            "--max-model-len",
+            "512",
+            "--shutdown-timeout",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, "server did not come up"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        events: list[dict] = []
+        started = threading.Event()
+        body = {"prompt": "Hi", "max_tokens": 500, "ignore_eos": True, "temperature": 0.0}
+        reader = threading.Thread(target=read_stream, args=(f"{url}{DONE}", body, events, started))
+        reader.start()
+        assert started.wait(60), "the stream did not start"
+        signalled = time.perf_counter()
+        proc.send_signal(signal.SIGTERM)
+        reader.join(timeout=30)
+        ended = time.perf_counter() - signalled
+        assert not reader.is_alive()
+        assert events[-1] == {"done": True}
+        assert events[-2]["error"]["code"] == 503 and "shutting down" in events[-2]["error"]["message"]
+        assert len(events) > 3 and ended < 2 + 5, ended
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health", timeout=2)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-2000:]
+    assert "Traceback" not in err
