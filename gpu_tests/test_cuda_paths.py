@@ -7,6 +7,7 @@ cheapest first, so a stage cut short by its time limit still reports the most:
   dequantize-on-load engine's greedy tokens;
 - the fused MoE op on CUDA equals its CPU result;
 - sampling with penalties runs on CUDA logits;
+- a NaN row of CUDA logits (greedy or sampled) fails its request alone, with graphs captured;
 - speculative decoding with every drafter (eager) gives the plain engine's greedy tokens;
 - CUDA graphs captured from the eager step, then from the compiled step, give the eager
   engine's greedy tokens on every tiny model, and pure-decode steps really replay graphs;
@@ -106,6 +107,44 @@ def test_penalties_on_cuda(tmp_path):
     )
     outs = llm.generate(_prompts(2, 4, 20), params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+
+
+def test_a_nan_row_fails_its_request_alone_on_cuda(tmp_path):
+    """The sampler's row checks on CUDA tensors, under captured graphs: the victim (its row
+    NaN from its third token) ends with "error", the others keep the unfaulted run's tokens."""
+    path = make_tiny_checkpoint(tmp_path / "llama", arch="llama")
+    llm = LLM(path, device="cuda", compile=False, max_num_seqs=8)
+    prompts = _prompts(4, 6, 30)
+    params = [
+        SamplingParams(max_tokens=8, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    clean = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    engine = llm.engine
+    real = engine._execute
+
+    def execute(prepared, input_ids):
+        logits, features = real(prepared, input_ids)
+        for chunk, row in zip(prepared.chunks, prepared.sample_rows, strict=True):
+            req = chunk.request
+            if row >= 0 and req.prompt_token_ids == prompts[victim] and len(req.output_token_ids) >= 2:
+                logits = logits.clone()
+                logits[row] = float("nan")
+        return logits, features
+
+    engine._execute = execute
+    try:
+        for victim in (0, 1):  # a sampled victim, then a greedy one
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            for i, o in enumerate(outs):
+                c = o.outputs[0]
+                if i == victim:
+                    assert c.finish_reason == "error" and c.token_ids == clean[i][:2], (i, c)
+                else:
+                    assert c.finish_reason == "length" and c.token_ids == clean[i], i
+    finally:
+        del engine._execute
+    assert engine.pool.num_free == engine.num_blocks
 
 
 @pytest.mark.parametrize(

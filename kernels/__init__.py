@@ -31,20 +31,26 @@ from pathlib import Path
 
 
 def _hand_over_to_third_party(name: str, folder: Path) -> None:
-    """Replace this module in ``sys.modules`` with the package the rest of ``sys.path`` has.
+    """Replace this module in ``sys.modules`` with what the import would give without it.
 
     This folder is importable as a top-level ``kernels`` only while the repository root is on
     ``sys.path`` (``python -m pytest`` or ``python -c`` started in the root). That name belongs
     to the third-party ``kernels`` package that transformers imports, so the import goes on as
-    if the root were not there: the real package, or ``ModuleNotFoundError`` without one.
+    if this folder were no package: the third-party package where the rest of ``sys.path``
+    has one, else an empty namespace package (what Python makes of a folder without
+    ``__init__.py``, and what transformers' availability check reads as "not installed": no
+    version, no ``__file__``).
     """
     root = folder.parent.resolve()
     rest = [p for p in sys.path if Path(p or ".").resolve() != root]
     spec = importlib.machinery.PathFinder.find_spec(name, rest)
     if spec is None or spec.loader is None:
-        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        spec.submodule_search_locations = []  # nothing of ours is importable through it
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # the import system returns what sys.modules holds after this body
+    if spec.loader is None:
+        return
     try:
         spec.loader.exec_module(module)
     except BaseException:

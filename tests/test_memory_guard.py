@@ -30,9 +30,11 @@ def make_guard():
 
 
 def grow(chunks: list[bytearray], most: int) -> None:
-    """Allocates (and touches) 16 MiB at a time, up to ``most`` bytes, in Python steps."""
+    """Allocates (and touches) 16 MiB at a time, up to ``most`` bytes, with a pause between
+    chunks so the guard's thread gets its turn however loaded the machine is."""
     while len(chunks) * 16 * _MIB < most:
         chunks.append(bytearray(b"\x01" * (16 * _MIB)))
+        time.sleep(0.01)
 
 
 def test_a_test_past_the_bound_fails_with_its_name(make_guard) -> None:

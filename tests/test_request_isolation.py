@@ -24,11 +24,23 @@ def llama_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engines(llama_path):
-    """A batching engine and a reference that runs each request alone."""
-    batched = LLM(llama_path, max_num_seqs=8, max_num_batched_tokens=64, num_cache_blocks=128)
-    alone = LLM(llama_path, max_num_seqs=1, enable_prefix_caching=False, num_cache_blocks=64)
-    return batched, alone
+def alone_engine(llama_path):
+    """The reference: each request alone."""
+    return LLM(llama_path, max_num_seqs=1, enable_prefix_caching=False, num_cache_blocks=64)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def engines(request, llama_path, alone_engine):
+    """A batching engine (synchronous, or scheduling each step while the last one runs, as on
+    CUDA: a request can fail after its next step was scheduled) and the reference."""
+    batched = LLM(
+        llama_path,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        num_cache_blocks=128,
+        async_scheduling=request.param,
+    )
+    return batched, alone_engine
 
 
 def params_of(draw_seed: int, greedy: bool, max_tokens: int) -> SamplingParams:
@@ -72,8 +84,10 @@ def nan_rows_of(engine, victim: str, after: int):
 
 
 def check_leaks(engine) -> None:
+    """Every block free and no request left (an asynchronous engine may still hold a launched
+    step of finished requests, which its next step drops)."""
     assert engine.pool.num_free == engine.num_blocks, "blocks leaked"
-    assert not engine.has_unfinished() and not engine.requests
+    assert not engine.requests and not engine.scheduler.num_unfinished
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 import pytest
-from live_server import LiveServer, free_port
+from live_server import LiveServer, ServeProcess
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.server.app import build_app
@@ -295,44 +295,15 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on(served):
 def test_deepinfer_serve_command_serves_and_stops_on_sigterm():
     """The CLI: engine loop in the main thread, HTTP on a background one; answers a request
     and exits cleanly on SIGTERM."""
-    import signal
-    import subprocess
-    import sys
-
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "deepinfer.cli",
-            "serve",
-            "smollm2-135m",
-            "--port",
-            str(port),
-            "--max-model-len",
-            "256",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    server = ServeProcess("smollm2-135m", "--max-model-len", "256")
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None and time.time() < deadline, "server did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         r = httpx.post(
-            f"http://127.0.0.1:{port}/v1/completions",
+            f"{server.url}/v1/completions",
             json={"prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0.0},
             timeout=60,
         )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     finally:
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err[-2000:]
-    assert "Traceback" not in err
+        code = server.terminate()
+    assert code == 0, server.stderr[-2000:]
+    assert "Traceback" not in server.stderr

@@ -406,6 +406,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise ValueError(f"serve needs the serve extra: pip install 'deepinfer[serve]' ({exc})") from exc
     from deepinfer import LLM
+    from deepinfer.gc_heap import freeze_long_lived
 
     if args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
@@ -418,6 +419,9 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
     )
     llm = LLM(args.model, **_engine_options(args))
+    # the model's objects live as long as the server: out of the collector's full passes,
+    # which would otherwise walk them all while every request waits (gc_heap.py)
+    freeze_long_lived()
     name = args.served_model_name or args.model
     app = build_app(
         llm,
@@ -456,11 +460,13 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"deepinfer serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
     try:
         engine.run_here(until=lambda: not http.is_alive() or engine.drained)
+    except KeyboardInterrupt:  # a second signal: no more waiting
+        pass
+    web.should_exit = True
+    try:
+        http.join(timeout=limits.shutdown_timeout_s + 10)
     except KeyboardInterrupt:
         pass
-    finally:
-        web.should_exit = True
-        http.join(timeout=limits.shutdown_timeout_s + 10)
     return 0
 
 

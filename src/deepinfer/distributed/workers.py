@@ -33,6 +33,7 @@ from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_b
 from deepinfer.distributed.eplb import ExpertLoadWindow
 from deepinfer.distributed.expert_parallel import apply_placement, shard_experts
 from deepinfer.distributed.tensor_parallel import shard_deepseek, shard_llama
+from deepinfer.errors import EngineDeadError
 from deepinfer.models.loading import load_model
 
 TIMEOUT_S = 300  # a collective waits this long for a rank before failing
@@ -272,7 +273,7 @@ class TensorParallelGroup:
         except Exception as exc:
             dead = self.dead_ranks()
             if dead:
-                raise RuntimeError(f"tensor parallel: worker rank(s) {dead} died ({exc})") from exc
+                raise EngineDeadError(f"tensor parallel: worker rank(s) {dead} died ({exc})") from exc
             raise
 
     def dead_ranks(self) -> list[str]:
@@ -289,7 +290,7 @@ class TensorParallelGroup:
         """Send a step to every worker (rank 0 then runs its own share)."""
         dead = self.dead_ranks()
         if dead:
-            raise RuntimeError(f"tensor parallel: worker rank(s) {dead} died")
+            raise EngineDeadError(f"tensor parallel: worker rank(s) {dead} died")
         self.checked(lambda: _broadcast({"step": (chunks, input_ids.cpu(), padding)}))
 
     def data_parallel_step(self, parts: list[tuple[list[SeqChunk], torch.Tensor]], rows: list[int]) -> None:
@@ -297,7 +298,7 @@ class TensorParallelGroup:
         logits rows each returns (``gather_rows``); rank 0 then runs its own part."""
         dead = self.dead_ranks()
         if dead:
-            raise RuntimeError(f"tensor parallel: worker rank(s) {dead} died")
+            raise EngineDeadError(f"tensor parallel: worker rank(s) {dead} died")
         self.checked(lambda: _broadcast({"dp_step": (parts, rows)}))
 
     def rebalance(self, model: torch.nn.Module, placement: Any) -> None:

@@ -43,6 +43,7 @@ from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
 from deepinfer.engine.structured_requests import StructuredRequests
+from deepinfer.errors import EngineDeadError
 from deepinfer.kernels import huge_pages
 from deepinfer.memory import kv_bytes_per_token, pool_bytes
 from deepinfer.models.base import CausalLM
@@ -588,9 +589,12 @@ class Engine:
         A request whose own row goes wrong (a NaN distribution, an exception in its own
         output processing) fails alone. An exception in the step itself fails the requests
         the step (and, under asynchronous scheduling, the step scheduled after it) held,
-        with finish reason "error"; requests outside them go on."""
+        with finish reason "error"; requests outside them go on. ``EngineDeadError`` (the
+        engine cannot step again) is raised."""
         try:
             updated = self._step()
+        except EngineDeadError:
+            raise
         except Exception as exc:
             logger.exception("engine step failed")
             updated = self._fail_open_steps(f"engine step failed: {type(exc).__name__}: {exc}")

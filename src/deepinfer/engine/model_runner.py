@@ -268,12 +268,15 @@ class ModelRunner:
             c = chunks[i]
             if c.num_tokens == 1 and not c.draft:  # a decode: the one token at its start
                 req, start = c.request, c.start
-                prompt = req.prompt_token_ids
-                ids.append(
-                    prompt[start] if start < len(prompt) else req.output_token_ids[start - len(prompt)]
-                )
+                prompt, out = req.prompt_token_ids, req.output_token_ids
+                k = start - len(prompt)
+                # a request that failed after this step was scheduled never got the token the
+                # step before was to sample: a null token, in a row whose output is dropped
+                ids.append(prompt[start] if k < 0 else out[k] if k < len(out) else 0)
                 continue
-            ids += c.request.token_slice(c.start, c.end - len(c.draft)) + c.draft
+            span = c.request.token_slice(c.start, c.end - len(c.draft))
+            missing = c.end - len(c.draft) - c.start - len(span)  # > 0 only as above
+            ids += span + [0] * missing + c.draft if missing else span + c.draft
         if rank == 0:
             ids += [0] * (step.positions.shape[0] - len(ids))  # padded null tokens
         if self.device.type == "cpu":

@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from deepinfer.errors import EngineDeadError
 from deepinfer.llm import LLM
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
@@ -215,6 +216,9 @@ class AsyncLLM:
         except Exception as exc:  # the engine's own isolation failed: fail what was in flight
             logger.exception("engine step failed")
             self._end_all(RuntimeError(f"engine step failed: {exc}"))
+            if isinstance(exc, EngineDeadError):  # no later step can succeed: /health says so
+                self.healthy = False
+                self._stopping = True
             return
         for req in updated:
             rid = req.request_id
