@@ -88,6 +88,19 @@ class Server:
         )
         self.metrics = ServerMetrics(served_model_name)
         self.engine.stats_callbacks.append(self.metrics.observe_finished)
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """Build what the first prompt would build (the chat encoder's tokenizer without added
+        tokens, the compiled template): native calls that hold the GIL for a few hundred
+        milliseconds, better paid before the first request than during it."""
+        if self.tokenizer is None:
+            return
+        self.tokenizer("warm-up")
+        try:
+            self.chat_format.encode([{"role": "user", "content": "warm-up"}], None, True, ChatOptions())
+        except ValueError:  # no chat template: chat requests are refused anyway
+            pass
 
     # ---- helpers --------------------------------------------------------------------------
 
