@@ -103,7 +103,12 @@ def test_penalties_on_cuda(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "llama", arch="llama")
     llm = LLM(path, device="cuda", compile=False, capture_graphs=False)
     params = SamplingParams(
-        max_tokens=8, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.3, seed=0, ignore_eos=True
+        max_tokens=8,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        repetition_penalty=1.3,
+        seed=0,
+        ignore_eos=True,
     )
     outs = llm.generate(_prompts(2, 4, 20), params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs), [
