@@ -96,10 +96,10 @@ class Server:
         milliseconds, better paid before the first request than during it."""
         if self.tokenizer is None:
             return
-        self.tokenizer("warm-up")
         try:
+            self.tokenizer("warm-up")
             self.chat_format.encode([{"role": "user", "content": "warm-up"}], None, True, ChatOptions())
-        except ValueError:  # no chat template: chat requests are refused anyway
+        except Exception:  # e.g. no chat template: such requests get their own error later
             pass
 
     # ---- helpers --------------------------------------------------------------------------
