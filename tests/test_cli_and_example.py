@@ -31,8 +31,8 @@ def test_make_tiny_then_generate(tmp_path, capsys):
         )
         == 0
     )
-    out = capsys.readouterr().out
-    assert out.count("tokens:") == 2 and "tokens/s" in out
+    captured = capsys.readouterr()
+    assert captured.out.count("tokens:") == 2 and "tokens/s" in captured.err
     # the same checkpoint (V4 with its MTP layer) with MTP drafting: same tokens
     args = [
         "generate",
@@ -47,8 +47,9 @@ def test_make_tiny_then_generate(tmp_path, capsys):
     assert main(args) == 0
     plain = capsys.readouterr().out
     assert main([*args, "--speculative-config", '{"method": "mtp", "schedule": "hardware"}']) == 0
-    drafted = capsys.readouterr().out
-    assert "speculative (mtp):" in drafted and "drafted" in drafted
+    captured = capsys.readouterr()
+    drafted = captured.out
+    assert "speculative (mtp):" in captured.err and "drafted" in captured.err
     assert plain.split("tokens:")[1].split("\n")[0] == drafted.split("tokens:")[1].split("\n")[0]
 
 
@@ -130,9 +131,10 @@ def test_research_example_runs():
     assert len(losses) == 4 and losses[-1] < losses[0]
 
 
-def test_chat_cli_and_generate_chat_answer_an_instruct_question():
-    """``deepinfer chat`` streams a reply per line typed; ``generate --chat`` uses the template
-    (the plain prompt gets an empty answer from this instruct model, and the CLI says why)."""
+def test_chat_cli_and_generate_answer_an_instruct_question():
+    """``deepinfer chat`` streams a reply per line typed; ``generate`` puts a checkpoint with a
+    chat template through it by default (as llama.cpp's CLI does), ``--raw`` does not, and the
+    speed goes to stderr."""
     run = subprocess.run(
         [
             sys.executable,
@@ -161,11 +163,21 @@ def test_chat_cli_and_generate_chat_answer_an_instruct_question():
         "--max-tokens",
         "12",
     ]
-    chat = subprocess.run(
-        [sys.executable, "-m", "deepinfer.cli", *args, "--chat"],
+    for flags in ([], ["--chat"]):
+        chat = subprocess.run(
+            [sys.executable, "-m", "deepinfer.cli", *args, *flags],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=600,
+        )
+        assert "Tokyo" in chat.stdout and "(chat template)" in chat.stdout, flags
+        assert "tokens/s" in chat.stderr and "tokens/s" not in chat.stdout
+    raw = subprocess.run(
+        [sys.executable, "-m", "deepinfer.cli", *args, "--raw"],
         capture_output=True,
         text=True,
         check=True,
         timeout=600,
     )
-    assert "Tokyo" in chat.stdout
+    assert "(chat template)" not in raw.stdout and "text:" in raw.stdout

@@ -114,8 +114,12 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
+    if args.chat and args.raw:
+        raise ValueError("give --chat or --raw, not both")
+    # as llama.cpp's CLI does: an instruct model's prompt goes through its chat template
+    chat = args.chat or (not args.raw and getattr(llm.tokenizer, "chat_template", None) is not None)
     start = time.perf_counter()
-    if args.chat:
+    if chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
         for out, p in zip(outputs, args.prompt, strict=True):
             out.prompt = p
@@ -126,21 +130,19 @@ def _generate(args: argparse.Namespace) -> int:
     for out in outputs:
         completion = out.outputs[0]
         generated += len(completion.token_ids)
-        print(f"prompt: {out.prompt!r}")
+        print(f"prompt: {out.prompt!r}" + ("  (chat template)" if chat else ""))
         print(f"  tokens: {completion.token_ids}")
         print(f"  text:   {completion.text!r}  ({completion.finish_reason})")
-        if not completion.text.strip() and not args.chat and getattr(llm.tokenizer, "chat_template", None):
-            print(
-                "  (an empty answer: this model has a chat template; try --chat, or `deepinfer chat MODEL`)"
-            )
-    print(f"{generated} tokens in {elapsed:.3f}s: {generated / elapsed:.1f} tokens/s")
+    # figures about the run, not its answers: on stderr, so stdout is the answers alone
+    print(f"{generated} tokens in {elapsed:.3f}s: {generated / elapsed:.1f} tokens/s", file=sys.stderr)
     spec = llm.engine.spec
     if spec is not None:
         s = spec.stats
         print(
             f"speculative ({spec.config.method}): {s.drafted} drafted, {s.accepted} accepted, "
             f"mean acceptance length {s.mean_acceptance_length:.2f}, "
-            f"{s.verified_tokens_per_step:.2f} verified tokens per step"
+            f"{s.verified_tokens_per_step:.2f} verified tokens per step",
+            file=sys.stderr,
         )
     return 0
 
@@ -604,7 +606,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--chat", action="store_true", help="send each prompt as a user message (chat template)")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="send each prompt as a user message through the chat template (the default when the "
+        "checkpoint has one)",
+    )
+    gen.add_argument("--raw", action="store_true", help="a plain completion, without the chat template")
     gen.add_argument("--dtype", default="float32")
     gen.add_argument(
         "--quantization",
