@@ -60,10 +60,14 @@ def test_a_test_under_the_bound_runs_to_its_end(make_guard) -> None:
 
 
 def test_between_tests_nothing_is_raised(make_guard) -> None:
-    make_guard(1, 1 << 62)  # every process is past this bound
+    guard = make_guard(rss_bytes() + 4096 * _MIB, 1 << 62)
+    with guard.watching("finished-test"):  # the guard has a test thread to raise in from now on
+        pass
+    guard.bound = 1  # every process is past this bound now
     deadline = time.monotonic() + 0.5  # ten of the guard's samples
     while time.monotonic() < deadline:
         time.sleep(0.01)
+    # (a guard that forgot the test ended would have raised MemoryBoundExceeded here)
 
 
 def test_a_native_call_past_the_hard_bound_ends_the_process_naming_the_test() -> None:

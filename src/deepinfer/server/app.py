@@ -158,11 +158,12 @@ class Server:
         tools: list[Any] | None,
         add_generation_prompt: bool,
         template_kwargs: dict[str, Any] | None,
+        chars: int,
         reasoning_effort: str | int | None = None,
     ) -> tuple[list[int], ChatOptions]:
         """Prompt ids of a conversation in the model's chat format, on a worker thread within
         the limits; errors name the field."""
-        self.prompts.check_messages(messages)
+        self.prompts.check_messages(messages, chars)
 
         def encode() -> tuple[list[int], ChatOptions]:
             try:
@@ -375,12 +376,12 @@ def build_app(
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         server.check_model(body.model)
-        check_body(body.model_dump())
+        chars = check_body(body.model_dump())
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
             ids, _ = await server.encode_chat(
-                body.messages, body.tools, body.add_generation_prompt, body.chat_template_kwargs
+                body.messages, body.tools, body.add_generation_prompt, body.chat_template_kwargs, chars
             )
         else:
             if server.tokenizer is None:
@@ -460,7 +461,7 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         server.check_model(body.model)
-        check_body(body.model_dump())
+        chars = check_body(body.model_dump())
         server.check_width(1, body.n, "n")
         if body.tool_choice not in (None, "auto", "none"):
             raise RequestError(
@@ -469,7 +470,12 @@ def build_app(
             )
         tools = body.tools if body.tools and body.tool_choice != "none" else None
         ids, options = await server.encode_chat(
-            body.messages, tools, body.add_generation_prompt, body.chat_template_kwargs, body.reasoning_effort
+            body.messages,
+            tools,
+            body.add_generation_prompt,
+            body.chat_template_kwargs,
+            chars,
+            body.reasoning_effort,
         )
         try:
             parsers = [server.chat_format.reply_parser(bool(tools), options) for _ in range(body.n)]

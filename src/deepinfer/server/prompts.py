@@ -77,24 +77,18 @@ class PromptPreparer:
                 field,
             )
 
-    def check_messages(self, messages: list[Any]) -> None:
+    def check_messages(self, messages: list[Any], chars: int) -> None:
+        """``chars``: the characters of the request's strings (``check_body`` counts them), an
+        upper bound on what the template renders of the users' text."""
         if len(messages) > self.max_messages:
             raise RequestError(
                 f"messages: {len(messages)} messages is more than this server takes "
                 f"(--max-messages {self.max_messages})",
                 "messages",
             )
-        self.check_text("messages", list(message_texts(messages)))
-
-
-def message_texts(messages: list[Any]):
-    """Every string inside the messages (content parts, reasoning, tool calls, names)."""
-    stack: list[Any] = [m.model_dump() if hasattr(m, "model_dump") else m for m in messages]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            yield item
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, list | tuple):
-            stack.extend(item)
+        if chars > self.max_chars:
+            raise RequestError(
+                f"messages: {chars} characters cannot fit in the model's context "
+                f"(at most {self.max_chars} characters are tokenized)",
+                "messages",
+            )

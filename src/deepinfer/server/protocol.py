@@ -118,17 +118,20 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 MAX_NESTING = 64
 
 
-def check_body(body: Any) -> None:
+def check_body(body: Any) -> int:
     """What JSON allows and the server refuses, each a 400 naming the field: a lone surrogate
     (``"\\ud800"``: not text, and no tokenizer takes it; a valid pair is one character once
-    parsed) and nesting deeper than ``MAX_NESTING``. Iterative, so any depth is safe to walk."""
+    parsed) and nesting deeper than ``MAX_NESTING``. Iterative, so any depth is safe to walk.
+    Returns how many characters the body's strings hold (the prompt size check reads it)."""
     stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    chars = 0
     while stack:
         value, path, depth = stack.pop()
         where = path or "body"
         if depth > MAX_NESTING:
             raise RequestError(f"{where}: nested deeper than {MAX_NESTING} levels", where)
         if isinstance(value, str):
+            chars += len(value)
             found = _LONE_SURROGATE.search(value)
             if found:
                 raise RequestError(
@@ -141,6 +144,7 @@ def check_body(body: Any) -> None:
                 stack.append((item, f"{path}.{key}" if path else str(key), depth + 1))
         elif isinstance(value, list | tuple):
             stack.extend((item, f"{path}[{k}]", depth + 1) for k, item in enumerate(value))
+    return chars
 
 
 def param_of(message: str) -> str | None:
