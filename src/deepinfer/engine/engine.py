@@ -556,20 +556,23 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Stop a request now; its cache is freed and its output finishes with 'abort'."""
         req = self.requests.get(request_id)
-        if req is None or req.finished:
-            return
-        req.finish_reason = "abort"
-        self.structured.forget(req)
-        self._finish(req)
+        if req is not None:
+            self._end_now(req, "abort")
 
     def fail(self, request: Request, error: str) -> None:
         """End one request that went wrong (finish reason "error", ``error`` saying why); its
         cache is freed unpublished and the other requests go on."""
+        if not request.finished:
+            logger.error("request %s failed: %s", request.request_id, error)
+            request.error = error
+            self._end_now(request, "error")
+
+    def _end_now(self, request: Request, reason: str) -> None:
+        """Finish a request before its end (an abort, a failure): nothing it computed is
+        published to the prefix cache."""
         if request.finished:
             return
-        logger.error("request %s failed: %s", request.request_id, error)
-        request.finish_reason = "error"
-        request.error = error
+        request.finish_reason = reason
         self.structured.forget(request)
         self._finish(request)
 

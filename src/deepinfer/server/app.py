@@ -92,8 +92,8 @@ class Server:
 
     def warm_up(self) -> None:
         """Build what the first prompt would build (the chat encoder's tokenizer without added
-        tokens, the compiled template): native calls that hold the GIL for a few hundred
-        milliseconds, better paid before the first request than during it."""
+        tokens, the compiled template): long native calls that hold the GIL, which would stall
+        every connection if the first request paid for them."""
         if self.tokenizer is None:
             return
         try:
