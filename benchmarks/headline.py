@@ -140,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     wanted = replace_block(current, render_block(headline))
     if args.check:
         if wanted != current:
-            print("README.md's figures differ from the benchmark log's newest entry; run benchmarks/headline.py")
+            print(
+                "README.md's figures differ from the benchmark log's newest entry; run benchmarks/headline.py"
+            )
             return 1
         return 0
     README.write_text(wanted)

@@ -4,7 +4,8 @@ A V4 step runs many ``bmm``s whose matrices are tiny per batch entry: the hyper-
 stream mix (``[T, n, n] @ [T, n, d]`` with n = 4) and, on small models, attention over each
 token's gathered window (``[T, H, D] @ [T, D, L]`` with few heads). Such a product does a few
 multiply-adds per element it reads, so it is bound by memory, not arithmetic, and a BLAS call
-adds only its per-call cost on top (a tiny V4 step spent ~4 ms of ~25 in 33 of them). Written as
+adds only its per-call cost on top (a tiny V4 step runs dozens of them, a sizeable share of its
+time; benchmarks/RESULTS.md). Written as
 ``sum(a[..., None] * b[:, None], 2)`` it becomes a reduction Inductor generates in C++ and can
 fuse with the ops around it (the window gather, the softmax, the stream add).
 

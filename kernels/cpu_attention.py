@@ -6,12 +6,12 @@ most of a small decode step's time outside the projections. This kernel reads ea
 row straight from the pool through the step's ``decode_kv`` row indices, one work item per
 (token, K/V head): the query heads sharing that K/V head are done together, with queries and
 output accumulators in registers, so each cached row is read once per item; scores, a
-max-subtracted softmax in fp32 (vectorised exp) and the weighted sum of values. About three
-times the per-head loop it replaced at 8-32 decode rows (RESULTS.md). A sequence's rows sit
-in blocks scattered over the pool, which the hardware's prefetchers do not follow, so the score
-pass fetches the K and V rows ``AHEAD`` keys ahead (a SmolLM2-shaped step of 32 rows over 176
-positions: 19.1 -> 17.2 ms fp32, 12.3 -> 10.0 ms fp16 pools, interleaved medians on a Zen 3,
-RESULTS.md). Built once per machine by ``cpu_build``; fp32, bf16, fp16 and fp8 pools
+max-subtracted softmax in fp32 (vectorised exp) and the weighted sum of values, about three
+times as fast as the per-head loop it replaced at 8-32 decode rows (benchmarks/RESULTS.md). A
+sequence's rows sit in blocks scattered over the pool, which the hardware's prefetchers do not
+follow, so the score pass fetches the K and V rows ``AHEAD`` keys ahead, which shortens
+SmolLM2-shaped decode steps with fp32 and fp16 pools alike (benchmarks/RESULTS.md). Built once
+per machine by ``cpu_build``; fp32, bf16, fp16 and fp8 pools
 (``cpu_fp8``).
 """
 

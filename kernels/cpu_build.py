@@ -20,7 +20,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-# A build takes ~30 s on two cores; a lock this old was left by a build that was killed, and
+# A build takes well under a minute; a lock this old was left by a build that was killed, and
 # PyTorch's builder would wait on it forever.
 STALE_LOCK_S = 600.0
 

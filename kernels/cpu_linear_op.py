@@ -2,10 +2,9 @@
 C++ op registered with PyTorch's dispatcher.
 
 A tiny-V4 step runs 66 small projections (K = 32-256, N = 8-258). Inside the compiled step
-each was ``aten::mm`` / ``addmm`` on MKL: 7-48 us a call at 64-256 rows, where ``cpu_packed_gemm``'s
-kernel on a packed copy takes half of that (measured on the Zen 5, RESULTS.md, seventeenth
-session). A Python custom op would give the gain back in its per-call cost (6-10 us of Python
-dispatch), so this op's CPU kernel is C++: the compiled step's C++ wrapper reaches it without
+each was ``aten::mm`` / ``addmm`` on MKL, where ``cpu_packed_gemm``'s kernel on a packed copy
+takes about half the time (benchmarks/RESULTS.md). A Python custom op would give the gain back
+in its per-call Python dispatch, so this op's CPU kernel is C++: the compiled step's C++ wrapper reaches it without
 taking the GIL, through its C shim (``c_shims``; the dispatcher where no shim is declared).
 
 ``register(weight)`` packs a weight once into a registry owned by the library, keyed by the

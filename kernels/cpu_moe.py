@@ -2,8 +2,8 @@
 (whole prefill steps of tiny ones).
 
 At a few tokens per step the sorted dispatch of ``moe.routed_experts_reference`` (argsort,
-bincount, a gather, three ``F.linear`` per active expert, ``index_add_``) costs ~150 us of
-dispatch for microseconds of arithmetic on a small model. Two kernels, each giving a token's
+bincount, a gather, three ``F.linear`` per active expert, ``index_add_``) costs far more in
+dispatch than the arithmetic itself on a small model. Two kernels, each giving a token's
 result in a fixed order that depends only on its own row (so the same whatever it is batched
 with, within the kernel's row range), each summing a token's choices in choice order:
 
@@ -33,10 +33,9 @@ from deepinfer.kernels import cpu_build
 MAX_ROWS = 16
 # Expert matrices up to SMALL_EXPERT_BYTES run the transposed kernel, up to a token count
 # that falls as the matrices grow: the sorted dispatch's GEMMs pay a fixed cost per active
-# expert and then run faster per token. Measured on the Zen 5 (AVX-512; RESULTS.md, fifteenth
-# session), 8 experts, top-2: 64 x 64 matrices 861 us against 2,025 us at 2,048 tokens, still
-# ahead at 8,192; 128 x 128 (64 KiB) even at 8,192; 256 x 512 (512 KiB) ahead up to ~128
-# tokens, behind at 256; 512 x 512 (1 MiB) behind from 64 tokens on.
+# expert and then run faster per token. Where the transposed kernel stops winning (8 experts,
+# top-2, AVX-512; benchmarks/RESULTS.md): 64 x 64 and 128 x 128 (64 KiB) matrices stay ahead at
+# 8,192 tokens; 256 x 512 (512 KiB) up to ~128 tokens; 512 x 512 (1 MiB) falls behind from 64.
 SMALL_EXPERT_BYTES = 1 << 20
 MAX_ROWS_SMALL_EXPERTS = 32
 TINY_EXPERT_BYTES = 64 << 10

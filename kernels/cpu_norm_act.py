@@ -3,10 +3,10 @@
 At a few rows per step the residual add, the seven ATen calls of an fp32-statistics RMSNorm
 and the chunk/SiLU/multiply of SwiGLU cost microseconds of dispatch each for nanoseconds of
 arithmetic; a B=1 Llama step runs about twenty of them per layer (and in fp32 prefill the
-separate SiLU and multiply passes were ~10% of the step). These kernels do the same
-math in one pass per call: the sum in the activations' dtype, statistics and the weight
+separate SiLU and multiply passes were a visible share of the step). These kernels do the
+same math in one pass per call: the sum in the activations' dtype, statistics and the weight
 product in fp32, one rounding back, as ``RMSNorm`` does; SiLU as ``x / (1 + exp(-x))``, in
-fp32 on ATen's vectors (a scalar ``std::exp`` loop took ~90 us of a 32-row SmolLM2 layer).
+fp32 on ATen's vectors (a scalar ``std::exp`` loop was measurably slower).
 Sums run in another order than ATen's reductions, so results agree to fp32 rounding, not
 bitwise. fp32 inputs of more than ``MAX_ROWS`` rows are split by rows across ATen's threads. Built once
 per machine by ``cpu_build``.

@@ -2,10 +2,9 @@
 at any row count.
 
 oneDNN's packed fp32 GEMM, which the engine's Llama steps ran above 16 rows before, reached
-~150-250 GFLOP/s at 16-64 rows on SmolLM2's projection stack (weights streamed from memory,
-two cores), against ~470 at prefill sizes: between "read every weight once" and "compute-bound"
-it kept neither the memory nor the FMA units busy. This kernel keeps both busy with one plain
-loop:
+well below its prefill-size rate at 16-64 rows on SmolLM2's projection stack (weights streamed
+from memory): between "read every weight once" and "compute-bound" it kept neither the memory
+nor the FMA units busy. This kernel keeps both busy with one plain loop:
 - ``W`` is packed once into tiles of two vectors of output channels (32 on AVX-512), K-major:
   tile ``t`` holds ``W[32t:32(t+1), k]`` for k = 0..K-1 one after the other, so a tile is one
   linear stream;
@@ -18,15 +17,15 @@ loop:
 - many rows (``8 MR`` or more) against a packed weight of at most 128 KiB (the tiny V4's
   projections at prefill sizes) run rows first: each block of ``MR`` rows meets every tile
   while its activations are in L1, the blocks split over the threads.
-On the machine in RESULTS.md it runs SmolLM2's projection stack 1.2-2.2x faster than oneDNN at
-1-64 rows and 1.03-1.16x at 256-1,024; against the fp32 loop it replaced (``cpu_gemv``'s, which
-read the unpacked weights) 0.87-1.08x at one row, where both stream at the memory bound, and
-1.1-1.8x at 4-16 rows (``benchmarks/cpu_packed_gemm.py`` and RESULTS.md).
+It runs SmolLM2's projection stack faster than oneDNN at every row count measured, most at
+1-64 rows; against the fp32 loop it replaced (``cpu_gemv``'s, which read the unpacked weights)
+it is level at one row, where both stream at the memory bound, and ahead at 4-16 rows
+(``benchmarks/cpu_packed_gemm.py``; figures in benchmarks/RESULTS.md).
 int8 weights (weight-only ``quantization="int8"``) widen to fp32 in registers and meet their
 per-output scale after the sum: fp32 activations and accumulation, a quarter of the bytes.
 bf16 weights (``dtype="bfloat16"``) widen exactly (a shift) with fp32 activations and sums, the
 precision of oneDNN's bf16 product: small row counts stream half the bytes of fp32, where
-oneDNN's AMX kernel read the same weights at ~18 GB/s (RESULTS.md, eighteenth session).
+oneDNN's AMX kernel read the same weights below the memory bound (benchmarks/RESULTS.md).
 
 Each output is one FMA chain over k in order, started at zero, then the scale and the bias:
 the same operations whatever the row count, tile or thread split, so a row's result is bitwise
@@ -101,7 +100,7 @@ inline Vec load_w(const uint16_t* p) {
 // all of the next tile (PF_WHOLE: a share of one pass in twenty-two came too thin). Asking for
 // the whole next tile in the first of three passes (32 rows) filled the line buffers in a third
 // of the tile's time and left the memory stream and the FMAs taking turns: SmolLM2's stack at
-// 32 rows took the sum of both times (RESULTS.md, eighteenth session).
+// 32 rows took the sum of both times (benchmarks/RESULTS.md).
 constexpr int PF_OWN = 0, PF_SHARE = 1, PF_WHOLE = 2;
 constexpr int64_t AHEAD_BYTES = 8192;
 constexpr int64_t SPREAD_PASSES = 12;  // up to 144 rows
@@ -191,10 +190,10 @@ inline void passes(const float* x, const W* w, const W* next, const float* scale
 
 // Rows first (every tile for one block of MR rows, then the next block) where the packed weight
 // fits in L2 and the rows are many: the block's activations stay in L1 across the tiles and
-// its outputs are written whole, where tiles first re-read all rows from L2 once per tile. The
-// tiny V4's projections (K = 32-256, N = 8-258) at 2,048 rows: 1.0-1.4x faster (RESULTS.md,
-// twenty-sixth session). The tiles keep PF_OWN's prefetches, although the weights sit in cache:
-// the same loop without them ran 2x slower (measured, not explained).
+// its outputs are written whole, where tiles first re-read all rows from L2 once per tile; the
+// tiny V4's projections (K = 32-256, N = 8-258) at 2,048 rows run as fast or faster this way
+// (benchmarks/RESULTS.md). The tiles keep PF_OWN's prefetches, although the weights sit in
+// cache: the same loop without them ran much slower (measured, not explained).
 constexpr int64_t ROWS_FIRST_MAX_BYTES = 128 * 1024;
 constexpr int64_t ROWS_FIRST_MIN_ROWS = 8 * MR;
 

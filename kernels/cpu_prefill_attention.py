@@ -1,8 +1,8 @@
 """Causal prefill attention over the paged K/V pools on the CPU, every span of a step in one call.
 
-PyTorch's CPU SDPA took ~400 us per (layer, 144-token prompt) for SmolLM2's 9 query heads over
-3 K/V heads, ~60 GFLOP/s on two cores, and 0.41 s of a 3.5 s prefill of 32 such prompts
-(RESULTS.md): at these sizes its blocks are too small for the GEMMs it calls. This kernel treats
+PyTorch's CPU SDPA ran SmolLM2's short prompts (9 query heads over 3 K/V heads) far below the
+CPU's FMA rate, a sizeable share of the prefill (benchmarks/RESULTS.md): at these sizes its blocks
+are too small for the GEMMs it calls. This kernel treats
 each (span, K/V head, block of query positions) as one work item: the query heads sharing the
 K/V head and a few positions make ~12 rows, whose scores against every visible key come from
 register tiles (a vector of keys times a broadcast query element, as ``cpu_packed_gemm`` does,

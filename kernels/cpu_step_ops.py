@@ -3,8 +3,8 @@
 
 ``rope_cpu`` is ``deepinfer::rope``'s (``kernels/rope.py``, the interleaved RoPE a compiled
 fp32 CPU step calls as one op) twin: vector lanes hold whole pairs where Inductor's loops read
-and wrote the pairs' strided channels one element at a time (a 2,048-row tiny-V4 prefill
-step 21.2 -> 18.8-19.3 ms, RESULTS.md twenty-third session), with the formula's bits.
+and wrote the pairs' strided channels one element at a time (which shortens a long tiny-V4
+prefill step; benchmarks/RESULTS.md), with the formula's bits.
 
 ``deepinfer::routed_experts``, ``deepinfer::sinkhorn`` and ``deepinfer::indexer_topk`` are
 Python custom ops: inside a compiled step's C++ wrapper each call goes back into Python (the

@@ -2,9 +2,8 @@
 
 A decode step streams every weight once, hundreds of MB at B = 1, and with 4 KiB pages each
 page costs a TLB miss and stops the hardware prefetchers at its boundary. Where the kernel's
-transparent huge pages are in ``madvise`` mode (a common default), memory must ask for them.
-SmolLM2's 425 MB of packed projections at one row ran 7-19% faster from 2 MiB pages on a
-2-core Zen 4 (four interleaved runs, benchmarks/RESULTS.md).
+transparent huge pages are in ``madvise`` mode (a common default), memory must ask for them;
+SmolLM2's packed projections at one row run faster from 2 MiB pages (benchmarks/RESULTS.md).
 
 ``adopt(t)`` returns a copy of a large tensor placed in an arena of anonymous mappings aligned
 to 2 MiB and advised for huge pages (small tensors, other platforms, or ``set_enabled(False)``:

@@ -6,15 +6,15 @@ that in plain PyTorch: it gathers every entry a row may see, [T, E, D], multipli
 every head, [T, H, E], then masks, and under ``torch.compile`` Inductor reduces each
 (token, head, entry) dot product to a scalar with a horizontal sum, for every entry up to the
 batch's longest row. On the tiny V4's offline benchmark the kernel Inductor made of it (with
-the layer's attention fused in) was the compiled step's largest: 9% of both threads' ``perf``
-samples (Zen 5, twentieth session).
+the layer's attention fused in) was the compiled step's largest in a ``perf`` profile
+(benchmarks/RESULTS.md).
 
 The C++ kernel reads the key rows straight from the pool, only for entries a row may see,
 transposes ``V`` of them at a time (one vector of entries) and accumulates every head's
 product over the head dimension as a vector of ``V`` entries: no horizontal sums and no work
 for a row's padded entries. The rows of one sequence's prefill chunk see the same entries, so
-a transposed block is kept for the next row (prefill steps 1.10 -> 1.16x the einsum form with
-it). It then picks the ``topk`` with the same rule (a partial sort by
+a transposed block is kept for the next row, which widens the kernel's lead over the einsum
+form on prefill steps. It then picks the ``topk`` with the same rule (a partial sort by
 score, then column). Each row's arithmetic depends only on that row, so a token's choice
 does not depend on the batch around it; its sums run in another order than ``reference``'s,
 so scores differ in the last bits (the tests compare exactly on inputs whose sums are exact).

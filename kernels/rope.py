@@ -2,7 +2,7 @@
 
 V4 rotates adjacent channel pairs (model_spec.md §2.3; ``models/layers/rope.py``). Written
 inline, Inductor's CPU loops read and write the pairs' strided channels one element at a time
-(a tiny-V4 prefill step spent 364 us on one indexer's queries). Behind this op the graph keeps
+(a visible cost in a tiny-V4 prefill step). Behind this op the graph keeps
 the rotation in one call, which ``compile_passes.native_cpu_ops`` points at the C++ twin
 ``deepinfer::rope_cpu`` (``cpu_step_ops``; whole pairs in vector lanes, the formula's bits).
 This Python op is the formula itself: what eager steps compute, and what the twin falls back

@@ -6,9 +6,9 @@ first, ``pool[idx]`` [T, L, D] each (the window's rows, the compressed entries t
 picked or every closed group's). Under ``torch.compile`` on the CPU, Inductor fuses each
 gather into the score loops, but the scores are short dot products each ending in a
 horizontal sum, the softmax runs as separate passes and the value sum is a ``bmm`` of tiny
-matrices: the attention cores were ~20% of a 200-row tiny-V4 decode step and a 2,048-row
-prefill step (``torch.profiler`` with Inductor's kernel profile, RESULTS.md twenty-fifth
-session). Two earlier tries put a C++ kernel after the gathers and lost the gain to
+matrices: the attention cores were a sizeable share of tiny-V4 decode and prefill steps
+(``torch.profiler`` with Inductor's kernel profile, benchmarks/RESULTS.md). A C++ kernel after
+the gathers loses the gain to
 materialising the gathered parts; this op takes the pools and row indices themselves.
 
 The op has one or two parts (the window; the compressed entries), each a 2-D pool, row

@@ -2,10 +2,10 @@
 
 ``reference`` is the plain PyTorch definition. On CPU the same arithmetic runs as one C++
 loop (built once per machine by ``cpu_build``): the matrices are tiny ([T, 4, 4]) and the
-2 * iters row/column normalisations are pure per-op overhead in eager PyTorch (~10 us each).
+2 * iters row/column normalisations are pure per-op overhead in eager PyTorch.
 4 x 4 matrices (V4's ``hc_mult``) run sixteen at a time, one per vector lane, softmax's exp
-included (256 matrices: 35 -> 12 us). Where no compiler is available the NumPy version runs
-instead (~1.5 us per normalisation). Every path computes in fp32, matrix by matrix, so a row's
+included. Where no compiler is available the NumPy version runs instead, whose per-call cost
+is still below PyTorch's. Every path computes in fp32, matrix by matrix, so a row's
 result does not depend on the batch around it.
 """
 
@@ -31,8 +31,7 @@ def reference(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 # Matrices per vector block (a multiple of every vector width), and the count from which the
 # blocks split over the step's threads: with the step's other kernels keeping the team awake,
-# two threads take 3.8 / 5.6 / 8.1 us against one's 4.9 / 8.5 / 13.0 us for 64 / 128 / 200
-# matrices (2.9 against 3.1 at 32; RESULTS.md twenty-third session).
+# two threads win from 64 matrices and barely differ below (benchmarks/RESULTS.md).
 BLOCK = 16
 THREADED_COUNT = 64
 
@@ -94,8 +93,8 @@ static void sinkhorn_any(const float* logits, float* out, int64_t count, int64_t
 // c[i][j][b]), so the softmax and every sum and normalisation run across the B matrices as
 // vector operations (at::vec, whatever the vector width). Each normalisation takes one
 // reciprocal per row or column and multiplies by it: a vector division costs several
-// multiplications, and there are N of them per N * N elements (2048 matrices: 244 -> 113 us
-// on one thread). A matrix's arithmetic never depends on the lanes beside it, so a row's
+// multiplications, and there are N of them per N * N elements (the reciprocals halved the
+// kernel's time). A matrix's arithmetic never depends on the lanes beside it, so a row's
 // result does not depend on its batch, nor on the thread count.
 template <int N>
 static void sinkhorn_block(const float* logits, float* out, int64_t m0, int nb, int64_t iters, float eps) {

@@ -5,13 +5,13 @@ fp32 and int8 weights run ``cpu_packed_gemm`` on a copy packed once, at every ro
 widened to fp32 in registers: fp32 activations and sums, batch-invariant); where that kernel
 did not build (no compiler), int8 runs PyTorch's ``_weight_int8pack_mm`` with bf16
 activations (PyTorch's weight-only kernels are fast only with bf16 activations:
-benchmarks/RESULTS.md, 2026-11-30 CPU section).
+benchmarks/RESULTS.md, CPU decode kernels).
 
 int8: symmetric per output channel. int4: asymmetric per group of ``group`` input channels
 (the kernel's ``(q - 8) * scale + zero`` form). On CPUs with AVX-512 VNNI or AVX2, int4 runs
 ``cpu_int4_vnni`` at every row count (activations rounded to int8 per group, as llama.cpp's
 Q4_0 path does; its layout reads 0.625 bytes per weight, so a memory-bound B=1 step is faster
-than the widening loop's 0.75: SmolLM2 227-252 -> 301-304 tok/s, RESULTS.md), and int4
+than with the widening loop's 0.75, benchmarks/RESULTS.md), and int4
 results are then the same whatever the batch size. Elsewhere int4 runs ``cpu_gemv``'s widening
 loop up to ``QUANTIZED_SMALL_ROWS`` rows (a second copy in that loop's layout) and PyTorch's
 kernel above, so those results are not batch-invariant across that row count.
@@ -55,7 +55,7 @@ class WeightOnlyLinear:
             self.scales = scale.to(torch.bfloat16)
             self.scales_f32 = self.scales.float()  # the same values, for the fp32 kernels
             # where the C++ kernels build, only the packed copy: fp32 activations at every row
-            # count (1.1-2x the widening loop and PyTorch's bf16 kernel, RESULTS.md)
+            # count, and faster than the widening loop and PyTorch's bf16 kernel (RESULTS.md)
             self.qweight = q8
             if cpu_packed_gemm.available():
                 self.packed8, self.qweight = huge_pages.adopt(cpu_packed_gemm.pack(q8)), None
@@ -145,16 +145,15 @@ class WeightOnlyLinear:
 
 
 # bf16 steps of at most this many rows run ``cpu_packed_gemm`` on a second packed copy (bf16
-# widened exactly, fp32 sums) instead of oneDNN: on the AMX Xeon in RESULTS.md (eighteenth
-# session) SmolLM2's bf16 projection stack took 10.6 / 12.2 / 13.8 ms at 1 / 4 / 8 rows against
-# oneDNN's AMX kernel's 14.4 / 14.2 / 14.6, and lost from 12 rows (16.3 vs 15.1 ms)
+# widened exactly, fp32 sums) instead of oneDNN: on an AMX Xeon it beat oneDNN's AMX kernel on
+# SmolLM2's bf16 projection stack up to 8 rows and lost from 12 (benchmarks/RESULTS.md)
 BF16_PACKED_ROWS = 8
 
 
 class PackedLinear:
     """``x @ W.T + b`` for the engine's CPU steps on a copy of ``W`` packed once: for fp32
-    weights ``cpu_packed_gemm``'s layout (that kernel at every row count: 1.03-2.2x oneDNN's
-    packed GEMM on the CPU measured, and a row's result the same at any batch size,
+    weights ``cpu_packed_gemm``'s layout (that kernel at every row count: faster than oneDNN's
+    packed GEMM where measured, and a row's result the same at any batch size,
     benchmarks/RESULTS.md), for bf16 weights, or where the C++ kernels did not build, oneDNN's
     blocked layout (the kernel Inductor's CPU freezing uses; AMX where the CPU has it), plus
     for bf16 a ``cpu_packed_gemm`` copy for steps of at most ``BF16_PACKED_ROWS`` rows. Same

@@ -158,8 +158,8 @@ class PeerProcesses:
     ``processes`` worker processes, each loading the checkpoint into ``transformers`` on
     ``threads`` threads. A workload's length-sorted batches are dealt to them by the tokens
     each batch computes (LPT) and run at once; the wall time is until the last one ends. On a
-    small model a single process leaves a core idle as ours does (RESULTS.md, twenty-first
-    session), so a comparison that splits our engine must split the peer too."""
+    small model a single process leaves a core idle as ours does (benchmarks/RESULTS.md), so a
+    comparison that splits our engine must split the peer too."""
 
     def __init__(self, path: Path, processes: int, threads: int) -> None:
         from deepinfer.replicas import ReplicaPool

@@ -1,5 +1,5 @@
-"""``deepinfer`` command line: ``make-tiny``, ``generate``, ``bench throughput|latency|startup``
-and ``dump-graphs`` (``serve`` lands with its issue)."""
+"""``deepinfer`` command line: ``make-tiny``, ``plan``, ``generate``, ``serve``, ``chat``,
+``bench throughput|latency|batched|serve|startup`` and ``dump-graphs``."""
 
 from __future__ import annotations
 

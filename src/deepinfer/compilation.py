@@ -107,8 +107,8 @@ def mark_step_dynamic(input_ids: torch.Tensor, positions: torch.Tensor, batch: F
 
     The metadata's fixed sizes (the window, a group's ratio) stay symbolic: marked static,
     Inductor vectorised the tiny V4's window attention along its 8 window rows, loading the
-    gathered rows one element at a time, and the throughput benchmark ran 10-20% slower
-    (RESULTS.md, fourteenth session). The pools are ``mark_pools_static``'s."""
+    gathered rows one element at a time, which made the throughput benchmark slower
+    (benchmarks/RESULTS.md). The pools are ``mark_pools_static``'s."""
     torch._dynamo.maybe_mark_dynamic(input_ids, 0)
     torch._dynamo.maybe_mark_dynamic(positions, 0)
     for t, dims in batch.metadata():
@@ -119,9 +119,9 @@ def mark_step_dynamic(input_ids: torch.Tensor, positions: torch.Tensor, batch: F
 def mark_pools_static(batch: ForwardBatch) -> None:
     """Mark the cache pools' widths static before a trace; their row counts stay symbolic,
     so a saved step serves any cache size. ``dynamic=True`` would trace the widths as symbols,
-    and symbolic widths made sympy the trace's main cost (a V4.1 step traced in 89 s, 25 s
-    with static widths; RESULTS.md, fourteenth session). The pools persist across steps, so
-    once per pool list is enough (~100 us a call on the tiny V4.1)."""
+    and symbolic widths made sympy the trace's main cost (static widths trace a V4.1 step
+    several times faster; benchmarks/RESULTS.md). The pools persist across steps, so marking
+    them once per pool list is enough; the call is not free."""
     for t in batch.pool_tensors():
         for d in range(1, t.dim()):
             torch._dynamo.mark_static(t, d)
@@ -145,26 +145,23 @@ def inductor_options(manager: PassManager, device: torch.device | None = None) -
     """Inductor settings of every compiled step: our passes, and no ``reorder_for_locality``.
     That pass moves a read of a cache pool below the write that follows it in the model (the
     compressor reads its state rows, then stores new ones); Inductor then cannot write the
-    pool in place and copies the whole pool twice per write, every step: 7.7 ms of a tiny V4
-    decode step with 32k blocks and 256 slots, 1.4 ms without it.
+    pool in place and copies the whole pool twice per write, every step, which for a large
+    cache costs more than the rest of a decode step.
 
-    On the CPU the step's wrapper is C++ (``cpp_wrapper``): the Python wrapper spent ~2.7 ms
-    of a 19.5 ms tiny-V4 decode step of 256 rows allocating buffers, checking strides and
-    calling ~100 kernels; in C++ the decode steps of the throughput benchmark took 16% less
-    forward time (benchmarks/RESULTS.md, thirteenth session). That wrapper calls our CPU ops
-    through their C shims (``cpu_c_shims``). CPU loops go parallel from
+    On the CPU the step's wrapper is C++ (``cpp_wrapper``): the Python wrapper spends part of
+    every decode step allocating buffers, checking strides and calling ~100 kernels, and the
+    C++ one cuts the step's forward time (benchmarks/RESULTS.md). That wrapper calls our CPU
+    ops through their C shims (``cpu_c_shims``). CPU loops go parallel from
     ``CPU_MIN_CHUNK_SIZE`` elements a thread."""
     options: dict[str, object] = {"post_grad_custom_post_pass": manager, "reorder_for_locality": False}
     if device is not None and device.type == "cpu":
         options["cpp.min_chunk_size"] = CPU_MIN_CHUNK_SIZE
         if cpu_cpp_wrapper():
             options["cpp_wrapper"] = True
-            # no size/stride check of every input and op output at every call (307 a tiny-V4
-            # step, each building a message stream): 16-row decode step 1.143 -> 1.006 ms,
-            # 256 rows 3.748 -> 3.628 ms (alternated in one process, RESULTS.md,
-            # twenty-second session). Dynamo's guards check the inputs; our ops' fakes give
-            # their outputs' exact layouts, which the Python-wrapper compiles of the test suite
-            # still assert
+            # no size/stride check of every input and op output at every call (hundreds a
+            # tiny-V4 step, each building a message stream; measured: benchmarks/RESULTS.md).
+            # Dynamo's guards check the inputs; our ops' fakes give their outputs' exact
+            # layouts, which the Python-wrapper compiles of the test suite still assert
             options["size_asserts"] = False
             shims = cpu_c_shims()
             if shims:
@@ -175,9 +172,9 @@ def inductor_options(manager: PassManager, device: torch.device | None = None) -
 def cpu_c_shims() -> dict:
     """Our C++ CPU ops' C shims (Inductor's ``aot_inductor.custom_ops_to_c_shims``), their
     libraries loaded first, which makes the shims' symbols global. A C++ wrapper then calls each
-    op's kernel directly, without the dispatcher's per-call schema lookup and argument boxing:
-    a 16-row tiny-V4 decode step 1.20 -> 1.11 ms, 256 rows 3.80 -> 3.73 ms (alternated in one
-    process, RESULTS.md, twenty-second session). Empty where the ops did not build."""
+    op's kernel directly, without the dispatcher's per-call schema lookup and argument boxing,
+    which shortens small decode steps most (benchmarks/RESULTS.md). Empty where the ops did not
+    build."""
     from deepinfer.kernels import cpu_linear_op, cpu_step_ops
 
     return {**cpu_linear_op.c_shims(), **cpu_step_ops.c_shims()}
@@ -185,10 +182,9 @@ def cpu_c_shims() -> dict:
 
 # Inductor runs a CPU loop nest in parallel only when it holds at least this many elements per
 # thread, judged by the sizes of the step that was traced (Inductor's default: 512). The steps
-# a variant serves differ from the traced one, and ours are small: at 64, tiny-V4 offline
-# throughput was ahead in 7 of 8 alternated process rounds (+4% median; 8 was slower than 64
-# in 3 of 4; RESULTS.md, seventeenth session). Small steps run the parallel loops on one
-# thread anyway (``cpu_blas.openmp_for_step``).
+# a variant serves differ from the traced one, and ours are small: 64 gave the best tiny-V4
+# offline throughput of the values tried (benchmarks/RESULTS.md). Small steps run the
+# parallel loops on one thread anyway (``cpu_blas.openmp_for_step``).
 CPU_MIN_CHUNK_SIZE = 64
 
 
@@ -197,10 +193,8 @@ CPP_WRAPPER_ENV = "DEEPINFER_CPU_CPP_WRAPPER"
 
 def cpu_cpp_wrapper() -> bool:
     """Whether CPU steps compile with the C++ wrapper: yes unless ``$DEEPINFER_CPU_CPP_WRAPPER``
-    is ``0``. The Python wrapper compiles faster (the tiny V4's first compile 126 s against 160 s
-    on 2 cores) and runs slower (the throughput benchmark's decode forward 3.51 s against 2.96 s;
-    RESULTS.md, thirteenth session): the test suite does, where it compiles
-    many models but runs each for a few steps."""
+    is ``0``. The Python wrapper compiles faster and runs slower (benchmarks/RESULTS.md): the
+    test suite uses it, where it compiles many models but runs each for a few steps."""
     value = os.environ.get(CPP_WRAPPER_ENV, "1").strip().lower()
     if value not in ("0", "1"):
         raise ValueError(f"${CPP_WRAPPER_ENV} must be 0 or 1, got {value!r}")
@@ -219,8 +213,8 @@ def configure_dynamo() -> None:
 
 class PostGradBackend:
     """A ``torch.compile`` backend that stops after Inductor's post-grad passes (ours
-    included) and runs the resulting ATen graph eagerly: no code generation, so it takes
-    seconds where Inductor takes a minute on 2 cores. The graphs it keeps are exactly what
+    included) and runs the resulting ATen graph eagerly: no code generation, so it is much
+    faster to compile than Inductor. The graphs it keeps are exactly what
     Inductor would lower; tests count pass matches with it and ``deepinfer dump-graphs``
     prints them. Select it with ``compile_backend="post_grad"``."""
 

@@ -36,7 +36,7 @@ def _env_kv_cache_bytes() -> int | None:
 
 def _env_compile_after() -> float | None:
     """``cpu_compile_after_s``'s default: ``$DEEPINFER_CPU_COMPILE_AFTER_S`` (seconds, or
-    "none"), else 30 s (about one tiny-V4 compile on 2 cores)."""
+    "none"), else 30 s (about what one tiny-V4 compile costs)."""
     raw = os.environ.get(COMPILE_AFTER_ENV, "").strip()
     if not raw:
         return 30.0
@@ -132,8 +132,8 @@ class EngineConfig:
     # models eager (compile vs eager: benchmarks/RESULTS.md)
     compile: bool | None = None
     # The CPU default's eager budget before it compiles a missing step variant (seconds of
-    # eager steps since the last compile; ski rental: about one compile's cost, 30-42 s for
-    # the tiny V4 on 2 cores). None: the default never compiles, it only loads saved steps.
+    # eager steps since the last compile; ski rental: about one compile's cost). None: the
+    # default never compiles, it only loads saved steps.
     # Default from $DEEPINFER_CPU_COMPILE_AFTER_S ("none" to turn it off), else 30
     cpu_compile_after_s: float | None = field(default_factory=_env_compile_after)
     compile_backend: str = "inductor"  # any torch.compile backend ("eager" checks guards fast)
@@ -142,13 +142,13 @@ class EngineConfig:
     compile_cache_dir: str | None = None
     # CPU, glibc: keep the step's large buffers (up to 32 MiB each) in the heap and freed heap
     # memory mapped (up to 1 GiB), instead of mmap/munmap per buffer: every step otherwise pays
-    # page faults on fresh activations (SmolLM2 prefill 1,375-1,450 -> 1,700-1,736 tok/s, RESULTS.md). Process-wide and
-    # applied once at engine start; False leaves the C library's defaults
+    # page faults on fresh activations (measured on SmolLM2's prefill: benchmarks/RESULTS.md).
+    # Process-wide and applied once at engine start; False leaves the C library's defaults
     tune_cpu_malloc: bool = True
     # CPU, Linux: packed weight copies of 1 MiB and more live in 2 MiB-aligned memory advised
     # for transparent huge pages (kernels/huge_pages.py): a decode step streams them, and 4 KiB
-    # pages cost a TLB miss each and stop the prefetchers (SmolLM2's projections at one row
-    # 7-19% faster on a Zen 4, RESULTS.md). Process-wide, set when an engine packs its weights
+    # pages cost a TLB miss each and stop the prefetchers (measured on SmolLM2's projections
+    # at one row: benchmarks/RESULTS.md). Process-wide, set when an engine packs its weights
     cpu_huge_pages: bool = True
     # Replay pure-decode steps from captured graphs (CUDA graphs; NPU graph mode) in batch-size
     # buckets up to max_graph_batch_size. None = on where the platform has a graph mode.

@@ -4,7 +4,7 @@ Inductor's C++ wrapper (``cpp_wrapper``, the CPU default here) is entered throug
 generated Python function, ``_wrap_func``'s ``g``. On every call it turns each non-tensor
 argument (the step's symbolic sizes: 57 on the tiny V4) into a new 0-d tensor with
 ``torch.tensor``, and the C++ side reads each one back with ``item``. On the tiny V4 that
-was ~180 us a step: 16% of a 2-row step's 1.1 ms (RESULTS.md, twenty-first session).
+was a sizeable share of a small decode step (benchmarks/RESULTS.md).
 
 ``cache_scalar_args`` gives such a function a replacement that takes the 0-d tensors from a
 cache keyed by (type, value). The C++ side only reads them, so sharing them across calls

@@ -2,8 +2,8 @@
 
 A loaded model and its compiled steps leave hundreds of thousands of objects (modules,
 parameters' Python wrappers, dynamo's guards and artefacts) that live as long as the process.
-Every older-generation collection walks them all again; on the tiny V4's offline batch the
-collector had 2.8% of the host thread's ``perf`` samples. ``gc.freeze`` moves what is alive
+Every older-generation collection walks them all again, a visible share of the host thread's
+time in a ``perf`` profile of the tiny V4's offline batch. ``gc.freeze`` moves what is alive
 now out of the collected generations (vLLM does the same after its warm-up): new garbage is still collected,
 reference counting still frees frozen objects that are dropped, only cycles among frozen
 objects are never looked at again. So it happens once per process, when the first compiled

@@ -1,7 +1,7 @@
 """A compiled model step saved to disk and loaded by later processes (DESIGN.md §4).
 
 ``torch.compile`` caches Inductor's code on disk, but dynamo traces the model's ~2,000 ops
-again in every process: a fresh process paid 11-15 s before its first compiled step. Here the
+again in every process, which delays a fresh process's first compiled step. Here the
 step is compiled ahead of time with dynamo's ``aot_compile`` (the whole graph: traced
 bytecode, guards and the Inductor artefact) and saved with ``save_compiled_function``; a
 later process loads it (``torch.compiler.load_compiled_function``) and traces nothing.
@@ -60,10 +60,8 @@ from deepinfer.pregraph_calls import use_plain_helpers
 logger = logging.getLogger(__name__)
 
 FORMAT = b"deepinfer-precompiled-step-v1"
-# guard trees built with nn.Module subtrees skipped while their dicts are unchanged (the tiny
-# V4's benchmark steps, whose checks run cache-cold after the step before: 426 -> 272 us a
-# check, medians of 6 rounds; the same arguments checked again warm: 61 -> 42 us; RESULTS.md,
-# nineteenth and twentieth sessions)
+# guard trees built with nn.Module subtrees skipped while their dicts are unchanged: the guard
+# check of every step, cold after the step before or warm, gets cheaper (benchmarks/RESULTS.md)
 _TAGGED_GUARDS = {"use_recursive_dict_tags_for_guards": True}
 _SOURCE_ROOTS = ("deepinfer", "deepinfer.kernels", "deepinfer.compile_passes")
 
@@ -227,7 +225,7 @@ class PrecompiledStep:
     def needs_padding(self) -> bool:
         """Whether the next step should be prepared with padded metadata: a compiled variant
         may run it (one is saved, or this step may be compiled). A step that will run eagerly
-        is faster unpadded (2% on a tiny-V4 offline batch). Before the first call has loaded the saved
+        is faster unpadded. Before the first call has loaded the saved
         variants (inside the step's inference mode, which their guards check), it looks for
         them on disk. An asynchronous engine may prepare a step before the previous one spends
         the budget; such a step runs eagerly and the next, padded one compiles."""

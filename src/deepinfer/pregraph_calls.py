@@ -5,8 +5,8 @@ reads every symbolic size through helpers of ``torch._dynamo.utils`` (``call_siz
 ``call_stride``, ``call_storage_offset``, and the profiler's ``record_pregraph_bytecode_*``
 pair). Each is wrapped in ``torch._disable_dynamo``, which switches dynamo's frame hook
 off and on around the call (four ``set_eval_frame`` calls, a stance lookup, an export
-check): ~0.7 us each, 59 calls a tiny-V4 step, ~42 us of a 200-row decode step's 3.3 ms
-(RESULTS.md, twenty-third session).
+check), and a tiny-V4 step makes dozens of those calls, a measurable share of a decode step
+(benchmarks/RESULTS.md).
 
 The wrapper guards against dynamo tracing the helper when the bytecode runs inside a
 frame dynamo evaluates. A saved step is called directly by ``PrecompiledStep``, outside any

@@ -5,7 +5,7 @@ Why: a small model's CPU step leaves cores idle. On the tiny V4 with two threads
 thread waited in OpenMP's barrier for about half of a throughput run, while the first ran
 the host's Python (scheduling, metadata, sampling) and the step's serial parts (guards, the
 wrapper, single-threaded kernels). Two engines with one thread each keep both cores busy,
-host work included (RESULTS.md, twenty-first session). This is SGLang's ``dp_size`` (a
+host work included (benchmarks/RESULTS.md). This is SGLang's ``dp_size`` (a
 controller placing requests on independent workers), not vLLM's data-parallel attention,
 which this project has as ``data_parallel_size`` (ranks in lockstep, for expert parallel).
 

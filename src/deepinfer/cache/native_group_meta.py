@@ -1,8 +1,8 @@
 """The compressor bookkeeping of one step (``GroupMeta``, one ratio) as one compiled C++ loop.
 
 The NumPy builder (``step_metadata._group_meta_numpy``) spends ~60 small array operations per
-ratio, ~0.3-0.4 ms a step whatever the batch (a fixed cost: a one-row decode step paid it too,
-twice for the tiny V4's two ratios). Here the same walk runs in C++ over the step's token
+ratio, a fixed cost whatever the batch (a one-row decode step pays it too, twice for the tiny
+V4's two ratios). Here the same walk runs in C++ over the step's token
 layout: a first call computes every field into per-thread scratch and returns the padded
 sizes, the caller allocates exact tensors, a second call copies into them. Built once per
 machine by ``cpu_build`` (Inductor's compiler driver); where no compiler exists, ``available``
@@ -66,7 +66,7 @@ inline bool pad(std::vector<int64_t>& v, int64_t units, int64_t width, int64_t f
 }
 
 // Position of each value of `sorted` (unique, >= 0) in it, looked up directly: a binary
-// search per row was most of a step's build (768 rows of a closing 128-group: 116 us).
+// search per row was most of a step's build when a large group closes.
 // Only the entries of this call's values are written, and only those are read.
 struct RowIndex {
   std::vector<int64_t> at;
@@ -354,7 +354,7 @@ def build(
         (restores,),
         (t_total, entries),
     )
-    # sizes as separate arguments: torch's argument parser takes them ~0.35 us faster than a tuple
+    # sizes as separate arguments: torch's argument parser takes them faster than a tuple
     out = {name: torch.empty(*shape, dtype=torch.long) for name, shape in zip(FIELDS, shapes, strict=True)}
     out["entry_valid"] = torch.empty(t_total, entries, dtype=torch.bool)
     pointers = (ctypes.c_void_p * len(FIELDS))(*(out[name].data_ptr() for name in FIELDS))

@@ -117,7 +117,8 @@ _LAZY_BYTES = 1 << 20  # CPU pools at least this large are mapped lazily
 def _zeros(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
     """A zero tensor. On the CPU a large one is an anonymous memory mapping: the kernel hands
     out zero pages as they are first touched, so a multi-GiB cache costs nothing at start-up
-    (``torch.zeros`` wrote every byte: ~4 s for SmolLM2's default budget) and resident memory
+    (``torch.zeros`` wrote every byte, which took seconds for SmolLM2's default budget) and
+    resident memory
     grows with the blocks in use."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
     numel = math.prod(shape)

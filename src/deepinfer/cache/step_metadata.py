@@ -78,8 +78,8 @@ class SeqChunk:
 @dataclass
 class _TokenLayout:
     """Per-token and per-chunk facts of a step as NumPy arrays, shared by every ratio's
-    bookkeeping (NumPy: a step's metadata is a few dozen small array operations, each ~1 us
-    there against ~5-10 us as a torch op)."""
+    bookkeeping (NumPy: a step's metadata is a few dozen small array operations, each several
+    times cheaper there than as a torch op)."""
 
     positions: np.ndarray  # [T]
     seq_of_token: np.ndarray  # [T] index of the token's chunk
@@ -262,7 +262,7 @@ def _group_meta_numpy(
     padding: StepPadding | None,
 ) -> GroupMeta:
     """``_group_meta`` vectorised over sequences and groups in NumPy (a Python walk over
-    every closed group cost ~1 ms a step at 256 sequences)."""
+    every closed group grows with the batch and was a visible share of a large step)."""
     r = ratio
     epb = layout.block_size // r  # entries per block
     t_total = int(tokens.positions.shape[0])
@@ -344,7 +344,7 @@ def build_forward_batch(
     With ``padding`` the step may hold extra null tokens after the real ones (their input ids
     are the caller's to append, any valid id) and padded metadata; see ``StepPadding``."""
     positions, batch = _build_on_host(layout, pools, chunks, padding)
-    if device.type == "cpu":  # already there (mapping every field costs ~0.2 ms a step)
+    if device.type == "cpu":  # already there (mapping every field would cost time every step)
         return positions, batch
     moved = batch.map_metadata(lambda t: to_device(t, device), keep_on_host=("span_meta",))
     return to_device(positions, device), moved
@@ -391,7 +391,7 @@ def _window_tables(
 ) -> np.ndarray:
     """[len(chunks), width]: each chunk's window table aligned with its block table, entries
     < 0 and columns past its block table's end at its ``window_null``. Here, not per request
-    on the host: ~0.5 us a sequence as a Python list, a few array operations for the step."""
+    on the host: a Python list per sequence costs more than a few array operations per step."""
     try:  # a None among them fails the conversions (no separate pass over the chunks)
         nulls = np.fromiter((c.window_null for c in chunks), np.int64, len(chunks))  # type: ignore[misc]
         held, _ = _padded_table(rows, fill=-1)  # type: ignore[arg-type]
@@ -438,7 +438,7 @@ def _token_layout(chunks: list[SeqChunk], padding: StepPadding | None) -> _Token
 
 def long_tensor(values: list[int]) -> torch.Tensor:
     """``torch.tensor(values, dtype=torch.long)`` on the host through NumPy, whose conversion of
-    a list of ints is ~4x faster (256 ints: 3.5 against 13.8 us)."""
+    a list of ints is several times faster."""
     return torch.from_numpy(np.fromiter(values, np.int64, len(values)))
 
 
@@ -522,7 +522,7 @@ def _full_attention_meta(
 ) -> FullAttentionMeta:
     """Decode rows and prefill spans. Padding adds decode rows of -1 and spans of 0 tokens,
     which ``paged_attention`` skips; padded pool rows point at the null block. Built in NumPy:
-    a batch-1 Llama decode step spent ~0.2 ms here in a dozen small torch ops."""
+    as a dozen small torch ops it was a visible share of a batch-1 Llama decode step."""
     bs = layout.block_size
     fixed_len = padding.max_model_len if padding is not None else None
     bases = tokens.base

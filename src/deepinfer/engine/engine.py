@@ -352,8 +352,8 @@ class Engine:
         for a model whose compiled step measured faster than eager (``cpu_compile_pays``),
         when an earlier process saved a variant of this configuration or when missing ones
         may be compiled once eager steps have cost about a compile (``cpu_compile_after_s``,
-        ski rental: ``PrecompiledStep``). A first compile takes 30-42 s per variant on 2
-        cores, more than a short run gains; a saved one loads in ~2 s."""
+        ski rental: ``PrecompiledStep``). A first compile of a variant costs more than a short
+        run gains; loading a saved one costs a small fraction of that."""
         config = self.config
         if (
             platform.name != "cpu"

@@ -160,7 +160,7 @@ class ModelRunner:
         feature_rows: list[tuple[int, int]] | None = [] if self.feature_offsets is not None else None
         row = feature_row = 0
         # the usual chunk (no prompt logprobs, draft, features or CED replay) takes the short
-        # path: at most its last row's logits (~40% of a 256-sequence decode step's loop)
+        # path: at most its last row's logits (this loop runs for every sequence of every step)
         plain = feature_rows is None and self.ced_replay is None
         window_null = self.null_window_block  # a bounded window's tables are aligned in the builder
         for c in chunks:

@@ -226,8 +226,8 @@ class Scheduler:
         next position's window). A block given back while a step that reads it is still to run
         is safe: only steps write blocks, one at a time, so a new owner writes it only later.
         A decode step does either about once a block per request, so both are tested here
-        first (``publish_full_blocks``' own first test, inline) and called only then:
-        processing a tiny-V4 round of ~37k request steps 120 -> 97 ms."""
+        first (``publish_full_blocks``' own first test, inline) and called only then, which
+        trims the host's time per request step (benchmarks/RESULTS.md)."""
         bs, window = self.block_size, self.window
         publish = self.config.enable_prefix_caching
         trim = self.window_pool is not None

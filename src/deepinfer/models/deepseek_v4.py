@@ -168,7 +168,7 @@ class MtpDraftModel:
 class DeepseekV4ForCausalLM(CausalLM):
     """The V4-Flash backbone + head (and the MTP layer ``mtp.0``, run only by its drafter)."""
 
-    cpu_compile_pays = True  # 2.1-2.6x eager at bs 1 on the tiny V4 (RESULTS.md, fourth session)
+    cpu_compile_pays = True  # compiled beats eager at bs 1 on the tiny V4 (benchmarks/RESULTS.md)
 
     # Parameters the reference keeps in fp32 whatever the compute dtype (model_spec.md §2.10).
     fp32_param_markers = ("norm.weight", "hc_", "attn_sink", ".ape", "gate.bias")

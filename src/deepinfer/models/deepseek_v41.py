@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 class DeepseekV41ForCausalLM(CausalLM):
     """The V4.1-Flash backbone + head (+ the DSpark stages ``mtp.*``, loaded for the drafter)."""
 
-    cpu_compile_pays = True  # 2.32x eager at bs 1 on the tiny V4.1 (RESULTS.md, 2026-12-01)
+    cpu_compile_pays = True  # compiled beats eager at bs 1 on the tiny V4.1 (benchmarks/RESULTS.md)
 
     # Kept in fp32 whatever the compute dtype (model_spec.md §2.10; REF keeps the pooling
     # compressor, the head and the DSpark confidence head in fp32 too).

@@ -37,8 +37,8 @@ def tune_malloc() -> bool:
     """Serve allocations up to 32 MiB from glibc's heap and keep up to 1 GiB of freed heap
     memory mapped. With glibc's defaults a CPU step's large buffers keep going back to the OS
     (unmapped, or trimmed off the heap's top) and return as fresh pages, one page fault per 4
-    KiB of activations, every step: SmolLM2's GEMMs ran at ~420 GFLOP/s inside a prefill and
-    ~475 alone (a 1,024-token step allocates ~40 MB per layer). Both are set because setting
+    KiB of activations, every step, and SmolLM2's GEMMs ran measurably slower inside a prefill
+    than alone (a 1,024-token step allocates ~40 MB per layer). Both are set because setting
     either alone turns off glibc's dynamic threshold, which measured worse (RESULTS.md). True
     where applied (glibc), False elsewhere; once per process."""
     name = ctypes.util.find_library("c")

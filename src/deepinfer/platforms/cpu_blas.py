@@ -2,11 +2,9 @@
 
 PyTorch's fp32 ``mm`` on the CPU is MKL's sgemm, which opens an OpenMP parallel region for
 each call. For the few-row GEMMs of a small step (a short batch decoding, K = 64 on the tiny
-V4) waking the other threads costs more than it shares: measured on this project's 2-core
-machine, a batch-1 tiny-V4 decode step took 1.26 ms with MKL single-threaded for such steps
-against 1.44 ms without; the offline throughput benchmark moved within the machine's noise
-(RESULTS.md, sixteenth session). Larger steps keep every thread (256-row GEMMs ran 1.7x faster
-threaded).
+V4) waking the other threads costs more than it shares, so a small decode step runs faster with
+MKL single-threaded for those GEMMs (measured: benchmarks/RESULTS.md). Larger steps keep every
+thread, where the work does outgrow the wake-up.
 
 The switch is MKL's per-thread setting (``MKL_Set_Num_Threads_Local``, exported by the
 MKL that PyTorch's x86 wheels link statically). Where the symbol is absent (a build without
@@ -34,9 +32,9 @@ import torch
 # Steps of at most this many token rows run MKL single-threaded (measured: 64 and 128 rows
 # tied, 256 slower, 0 slower).
 SINGLE_THREAD_ROWS = 64
-# Steps of at most this many rows run a compiled step's OpenMP loops on one thread. Tiny V4,
-# batch-B decode, alternated in one process (RESULTS.md, seventeenth session): B = 1 / 8 / 16
-# 5% / 17% / 16% faster on one thread, B = 24 / 32 / 48 / 64 8-13% slower.
+# Steps of at most this many rows run a compiled step's OpenMP loops on one thread: the tiny
+# V4's decode steps up to 16 rows ran faster on one thread, from 24 rows slower
+# (benchmarks/RESULTS.md).
 OPENMP_SINGLE_THREAD_ROWS = 16
 # Thread counts the cut was measured at: with more threads a 16-row step may still gain from
 # them, so other counts keep theirs until measured. (Inductor names the thread count in its

@@ -142,10 +142,9 @@ def filter_log_probs(
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)`` (the first maximum of each row; a NaN counts as the maximum).
     On the CPU, fp32/fp64 rows go through NumPy's ``argmax``, which has that rule too: ATen's
-    argmax reduces one element at a time (2.0 ms for 32 rows of SmolLM2's 49,152 logits at
-    two threads) and ``max(dim=-1)`` takes 0.4 ms there and 66-76 us inside a 200-row tiny-V4
-    decode step (21 us hot), against NumPy's 0.23 ms and 7 us hot. Elsewhere ``max(dim=-1)``,
-    which returns the same indices."""
+    argmax reduces one element at a time, and both it and ``max(dim=-1)`` are slower than
+    NumPy's vectorised argmax over a vocabulary-wide row (benchmarks/RESULTS.md). Elsewhere
+    ``max(dim=-1)``, which returns the same indices."""
     if logits.device.type == "cpu" and logits.dtype in _NUMPY_ARGMAX_DTYPES and logits.dim() == 2:
         return torch.from_numpy(np.argmax(logits.detach().numpy(), axis=-1))
     return logits.max(dim=-1).indices

@@ -82,7 +82,7 @@ class AsyncLLM:
         """Run the engine loop in the calling thread until ``until()`` is true. ``deepinfer
         serve`` runs it in the main thread (and uvicorn on a background one): the thread
         that loaded the model has already started an OpenMP team, and a second thread driving
-        the kernels measured ~20-40% slower per step on 2 cores (benchmarks/RESULTS.md)."""
+        the kernels measured markedly slower per step (benchmarks/RESULTS.md)."""
         self._until = until
         self._thread = threading.current_thread()
         self._run()

@@ -1,6 +1,6 @@
 """Per-request adaptive drafting: a request whose drafts keep failing stops verifying them,
-and starts again when its history matches its drafts again (issue 16: speculation must
-never make a batch slower than plain decoding).
+and starts again when its history matches its drafts again, so that speculation never makes
+a batch slower than plain decoding.
 
 Each request keeps an exponential moving average of how many of its drafted tokens were
 accepted. Below ``pause_below`` it pauses: the drafter still proposes for it (an n-gram

@@ -21,9 +21,9 @@ A request always verifies its anchor slot (the token it samples anyway), so ``B`
 ``SPS`` comes from ``SpsTable``, profiled at engine start on steps of null tokens, and, once the
 engine has timed enough of its own decode and verification steps, from ``StepCostFit``: a
 least-squares line of step time against rows over recent steps. The profile sees neither the
-context the rows attend to nor the machine's current speed; on SmolLM2 (2 AVX2 cores, contexts
-of ~300 tokens) it put a row at ~0.5 ms where the engine's steps paid ~2 ms, and the schedule
-then verified drafts that cost more than they saved.
+context the rows attend to nor the machine's current speed; on SmolLM2 with contexts of a few
+hundred tokens it priced a row at a fraction of what the engine's steps paid, and the schedule
+then verified drafts that cost more than they saved (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
