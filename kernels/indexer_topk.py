@@ -1,4 +1,4 @@
-"""The lightning indexer's entry choice as one CPU kernel (model_spec.md §2.5, V4 variant).
+"""The lightning indexer's entry choice as one CPU kernel (V4 variant).
 
 A query scores each visible compressed entry ``j`` by ``sum_h w_h * ReLU(q_h . k_j) * scale`` and
 keeps the ``topk`` best, ties to the older entry (``models/layers/topk.py``). ``reference`` is

@@ -3,7 +3,7 @@
 
 The released V4 checkpoints keep most linears as fp8 e4m3 with one power-of-two scale per
 weight block, and routed experts as fp4 e2m1 (two per byte) with one ue8m0 scale per 32
-input channels (model_spec.md §2.10; ``weights/quant.py``). Dequantizing them on load to 16
+input channels (``weights/quant.py``). Dequantizing them on load to 16
 bits makes resident weights twice (fp8) to four times (fp4) the files. These ops keep the
 stored bytes and dequantize one tile at
 a time inside the matmul: a block of weight rows for the fp8 linear, one expert's three

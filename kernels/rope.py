@@ -1,6 +1,6 @@
 """Interleaved RoPE as an op: ``deepinfer::rope``, the formula a compiled fp32 CPU step calls.
 
-V4 rotates adjacent channel pairs (model_spec.md §2.3; ``models/layers/rope.py``). Written
+V4 rotates adjacent channel pairs (``models/layers/rope.py``). Written
 inline, Inductor's CPU loops read and write the pairs' strided channels one element at a time
 (a visible cost in a tiny-V4 prefill step). Behind this op the graph keeps
 the rotation in one call, which ``compile_passes.native_cpu_ops`` points at the C++ twin

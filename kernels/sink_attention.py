@@ -1,6 +1,6 @@
 """Attention over several K=V sets plus a per-head sink logit: ``deepinfer::sink_attention``.
 
-The V4/V4.1 attention core (model_spec.md §2.3 step 5): one softmax over the sliding window,
+The V4/V4.1 attention core: one softmax over the sliding window,
 the compressed entries and the sink, without concatenating the key sets. The compiler's
 attention pass (compile_passes/attention.py) swaps the plain model's form of it
 (``attention_with_sink``) for this op. The reference implementation works part by part with

@@ -1,4 +1,4 @@
-"""Sinkhorn normalisation of the mHC stream mixer (model_spec.md §2.2).
+"""Sinkhorn normalisation of the mHC stream mixer.
 
 ``reference`` is the plain PyTorch definition. On CPU the same arithmetic runs as one C++
 loop (built once per machine by ``cpu_build``): the matrices are tiny ([T, 4, 4]) and the

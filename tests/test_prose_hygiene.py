@@ -90,6 +90,17 @@ PATTERNS: dict[str, re.Pattern[str]] = {
         rf"|\bon\s+{_SMALL_COUNT}\s+cores\b",
         re.IGNORECASE,
     ),
+    # texts that live outside this repository (the steering repository's design sketch and
+    # reference notes): a user cannot follow the pointer, so prose cites our own pages or the
+    # published source instead. ``docs/guide/serving.md`` is ours, so a bare ``serving.md``
+    # fires only under ``shared/`` or ``reference/``; the other names fire anywhere
+    "outside-reference": re.compile(
+        r"\.\./shared/"
+        r"|(?:DESIGN|model_spec|techniques|peers)\.md\b"
+        r"|\b(?:shared|reference)/serving\.md\b"
+        r"|\bsteering\s+repo(?:sitory)?\b",
+        re.IGNORECASE,
+    ),
 }
 
 
@@ -241,6 +252,16 @@ SYNTHETIC_DIRTY = {
         "# slower on 2 cores",
         "# slower on two cores",
     ],
+    "outside-reference": [
+        "# see DESIGN.md §2",
+        "# (model_spec.md §2.10)",
+        "# techniques.md §1.5",
+        "# as ../shared/reference/peers.md lists them",
+        "# built as cpu_peers.md describes",
+        "# field names follow ``../shared/reference/serving.md``",
+        "# field names follow reference/serving.md",
+        "# the design sketch in the steering repo",
+    ],
 }
 
 SYNTHETIC_CLEAN = '''\
@@ -256,6 +277,8 @@ session = Session(capacity=4)  # a new session per request
 message = f"this session holds {n} sequences; this session's blocks stay until it is freed"
 this_session = None
 timeout_s = 600  # seconds; raise it for a slow disk
+# docs/guide/serving.md and [Serving](guide/serving.md) describe the server; the shared
+# reference counts of a design (docs/architecture.md, 'The cache') follow DeepSeek's reference.
 '''
 
 

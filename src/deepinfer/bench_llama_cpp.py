@@ -12,8 +12,8 @@ be work the peer pays for. The CPU's ISA (and the oneDNN kernel our bf16 project
 a few rows: AMX or not) is printed with the table, so figures from different machines are never
 compared as if alike; quantized variants report greedy agreement with our fp32 on chat prompts.
 
-How llama.cpp is built and run: ``../shared/reference/cpu_peers.md`` (a checkout with
-``build/bin/llama-batched-bench`` and ``llama-quantize``; its converter needs ``gguf``).
+The llama.cpp peer is a built checkout (``--llama-cpp``, or ``$LLAMA_CPP_DIR``) with
+``build/bin/llama-batched-bench`` and ``llama-quantize``; its converter needs ``gguf``.
 """
 
 from __future__ import annotations

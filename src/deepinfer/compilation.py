@@ -1,5 +1,6 @@
-"""``torch.compile`` wiring (DESIGN.md §4): the model's step compiled by Inductor with the token
-dimension dynamic, and our FX pass manager installed as Inductor's post-grad custom pass.
+"""``torch.compile`` wiring (docs/architecture.md, 'Compilation, passes and ops'): the model's
+step compiled by Inductor with the token dimension dynamic, and our FX pass manager installed as
+Inductor's post-grad custom pass.
 
 The pass manager is a ``CustomGraphPass``: Inductor's FX-graph cache keys on its ``uuid()``,
 which hashes the source of every installed pass, so editing a pass invalidates cached graphs

@@ -1,4 +1,4 @@
-"""``EngineConfig``: the engine's knobs, validated once (DESIGN.md §6). Each model's own
+"""``EngineConfig``: the engine's knobs, validated once. Each model's own
 configuration lives with the model (``deepinfer.models``)."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _env_compile_after() -> float | None:
 
 @dataclass
 class EngineConfig:
-    """Engine knobs (DESIGN.md §6: ``LLM(path, **EngineConfig fields)``)."""
+    """Engine knobs, passed as ``LLM(path, **EngineConfig fields)``."""
 
     dtype: str = "float32"
     device: str = "cpu"
@@ -116,7 +116,7 @@ class EngineConfig:
     # window memory stays ~window tokens per sequence. False: every token's window row stays
     # in the paged blocks for the whole sequence (the earlier layout, for comparison)
     bounded_window_cache: bool = True
-    # V4.1's causal encoder/decoder prefill (model_spec.md §2.9): decoder layers run only over
+    # V4.1's causal encoder/decoder prefill: decoder layers run only over
     # each prompt's last window; approximate (not the reference forward), so off by default
     ced_prefill: bool = False
     # A request's logits independent of the rest of the batch, of its place in it and of the

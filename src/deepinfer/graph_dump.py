@@ -1,4 +1,4 @@
-"""Readable dumps of what the compiler sees (DESIGN.md §4, ``fx_graphs/``).
+"""Readable dumps of what the compiler sees (``fx_graphs/``).
 
 ``trace_tiny(arch)`` compiles a tiny model's step with ``PostGradBackend`` (no code
 generation) over two fixed steps (a two-sequence prefill, then decodes beside a prefill) and

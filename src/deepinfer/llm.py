@@ -1,4 +1,4 @@
-"""``LLM``: the user's entry point for offline generation (DESIGN.md §6)."""
+"""``LLM``: the user's entry point for offline generation."""
 
 from __future__ import annotations
 

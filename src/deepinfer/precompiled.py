@@ -1,4 +1,5 @@
-"""A compiled model step saved to disk and loaded by later processes (DESIGN.md §4).
+"""A compiled model step saved to disk and loaded by later processes (docs/architecture.md,
+'Compilation, passes and ops').
 
 ``torch.compile`` caches Inductor's code on disk, but dynamo traces the model's ~2,000 ops
 again in every process, which delays a fresh process's first compiled step. Here the

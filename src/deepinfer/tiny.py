@@ -88,7 +88,7 @@ _V4_TINY_SHORT_GROUPS: dict[str, Any] = {
     "index_topk": 64,
 }
 
-# V4.1-Flash, model_spec.md §5: every block type in 6 layers (SWA, Engram, ratio-2 source and
+# V4.1-Flash: every block type in 6 layers (SWA, Engram, ratio-2 source and
 # reuse, ratio-1 source = candidate source, ratio-1 reindex inside candidates) + 3 DSpark
 # stages, in the released composite layout (``text_config``). index_topk 4 and 2 candidate
 # blocks of 4 are not saturated once a sequence passes 8 compressed entries.

@@ -1,4 +1,5 @@
-"""The explicit cache argument of the model (DESIGN.md §2: no module-level mutable state).
+"""The explicit cache argument of the model: no module-level mutable state
+(docs/architecture.md, 'The cache').
 
 A step runs a flat batch of T tokens from any number of sequences (decodes and prefill
 chunks mixed). Everything the layers need to find their cache rows is precomputed here as

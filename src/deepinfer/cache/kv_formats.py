@@ -1,4 +1,4 @@
-"""Cache rows stored in the precision the model was trained for (model_spec.md §2.10).
+"""Cache rows stored in the precision the model was trained for.
 
 With QAT fake-quant on, every value written to the window K=V, the compressed entries and the
 indexer keys is already an fp8 / fp4 value times a per-block scale. Storing it in the compute

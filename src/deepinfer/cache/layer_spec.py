@@ -1,4 +1,5 @@
-"""What a model keeps per layer; the cache manager allocates from this alone (DESIGN.md §2)."""
+"""What a model keeps per layer; the cache manager allocates from this alone
+(docs/architecture.md, 'The cache')."""
 
 from __future__ import annotations
 

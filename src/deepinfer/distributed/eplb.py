@@ -4,8 +4,8 @@ Given each layer's load per logical expert (tokens routed to it over a window of
 ``rebalance_experts`` chooses ``num_physical`` expert slots over ``num_ranks`` ranks: hot
 experts get redundant replicas and every rank gets the same number of slots, so the
 slowest rank carries about the mean load. The policy follows DeepSeek's published EPLB
-algorithm as ../shared/reference/techniques.md §2.1 describes it (written here from that
-description):
+algorithm (deepseek-ai/EPLB on GitHub), written here from a description of it rather than
+from its code:
 
 1. hierarchical (when the expert groups divide evenly among the nodes): whole groups are
    packed onto nodes, balancing group loads;

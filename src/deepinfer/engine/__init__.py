@@ -1,2 +1,2 @@
 """Request execution: block pool and prefix cache, scheduler, paged cache layout, model
-runner and the engine step loop (DESIGN.md §2)."""
+runner and the engine step loop (docs/architecture.md, 'The flow of one engine step')."""

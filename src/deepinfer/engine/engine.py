@@ -1,4 +1,4 @@
-"""The engine loop: add requests, step, collect outputs (DESIGN.md §2).
+"""The engine loop: add requests, step, collect outputs.
 
 With ``async_scheduling`` the model runs step N on a worker thread while this thread
 schedules and prepares step N+1 (torch releases the GIL inside kernels). Tokens sampled by
@@ -78,9 +78,9 @@ def available_memory_bytes(device: torch.device) -> int:
 class Engine:
     """Requests in, outputs out: owns the scheduler, the block pool, the model runner and
     (with ``speculative_config``) the speculative decoder, and runs one step at a time
-    (DESIGN.md §2). ``LLM`` and the server drive it through ``add_request``, ``step``,
-    ``abort`` and ``make_output``; with ``async_scheduling`` the model runs a step on a worker
-    thread while this thread prepares the next."""
+    (docs/architecture.md, 'The flow of one engine step'). ``LLM`` and the server drive it
+    through ``add_request``, ``step``, ``abort`` and ``make_output``; with ``async_scheduling``
+    the model runs a step on a worker thread while this thread prepares the next."""
 
     def __init__(
         self, model: CausalLM, config: EngineConfig, tokenizer: Any = None, checkpoint: Path | None = None

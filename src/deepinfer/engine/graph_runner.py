@@ -1,5 +1,5 @@
 """Decode steps replayed from captured graphs (CUDA graphs; NPU graph mode), one graph per
-batch-size bucket (DESIGN.md §4).
+batch-size bucket (docs/architecture.md, 'Compilation, passes and ops').
 
 A captured graph replays fixed kernels on fixed addresses, so every tensor the step reads
 lives in a *static* copy made at capture time, and a step only copies its values in before

@@ -1,6 +1,6 @@
 """Model runner: turns scheduled chunks into one flat batch, runs the model, returns logits.
 
-It owns the physical cache pools and knows tensors, never policy (DESIGN.md §2).
+It owns the physical cache pools and knows tensors, never policy.
 """
 
 from __future__ import annotations

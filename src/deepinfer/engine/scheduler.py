@@ -1,4 +1,4 @@
-"""Scheduler: one token budget per step shared by decodes and prefill chunks (DESIGN.md §2).
+"""Scheduler: one token budget per step shared by decodes and prefill chunks.
 
 Running requests go first (a decode is one token; an unfinished prompt continues with a
 chunk), then waiting requests in arrival order. When blocks run out, the most recently

@@ -52,10 +52,10 @@ class CausalLM(nn.Module):
     """Two ways in, shared by every architecture, through the same layers.
 
     ``model(input_ids [B, S], attention_mask=None, labels=None, output_hidden_states=False)``:
-    research code's way (DESIGN.md §6): every row is a sequence from position 0 (its real
-    tokens only, under left or right padding), one step over throwaway pools written out of
-    place, so the call is differentiable and works under hooks, ``torch.func`` and
-    ``torch.compile``; returns a ``CausalLMOutput``.
+    research code's way (docs/architecture.md, 'The cache'): every row is a sequence from
+    position 0 (its real tokens only, under left or right padding), one step over throwaway
+    pools written out of place, so the call is differentiable and works under hooks,
+    ``torch.func`` and ``torch.compile``; returns a ``CausalLMOutput``.
 
     ``model.step(input_ids [T], positions [T], batch)``: the engine's way, one step over a
     flat batch of tokens from many sequences against the persistent paged cache.

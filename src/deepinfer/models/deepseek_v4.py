@@ -1,4 +1,4 @@
-"""DeepSeek-V4-Flash in plain PyTorch (model_spec.md §1.2-§2; V4 variant of each block).
+"""DeepSeek-V4-Flash in plain PyTorch (V4 variant of each block).
 
 Module and parameter names follow the official checkpoint layout (``embed``,
 ``layers.{i}.attn.wq_a``, ``layers.{i}.hc_attn_fn``, ``head``, ...) so weights load by name.
@@ -57,7 +57,7 @@ class Block(HyperConnectedBlock):
 
 
 class MtpBlock(Block):
-    """V4's next-n (MTP) layer ``mtp.{k}`` (techniques.md §1.5; the official V4 ``MTPBlock``):
+    """V4's next-n (MTP) layer ``mtp.{k}`` (the official V4 ``MTPBlock``):
     a sliding-window block whose input mixes the embedding of the next token with the
     backbone's final streams, with its own ``hc_head`` collapse and norm before the shared
     head. Only the drafter runs it (through ``MtpDraftModel``)."""
@@ -170,7 +170,7 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     cpu_compile_pays = True  # compiled beats eager at bs 1 on the tiny V4 (benchmarks/RESULTS.md)
 
-    # Parameters the reference keeps in fp32 whatever the compute dtype (model_spec.md §2.10).
+    # Parameters DeepSeek's reference code keeps in fp32 whatever the compute dtype.
     fp32_param_markers = ("norm.weight", "hc_", "attn_sink", ".ape", "gate.bias")
     # the linears the release format stores as fp8 blocks (``quantization="fp8"``)
     fp8_linear_markers = FP8_LINEARS

@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1-Flash in plain PyTorch (model_spec.md §1.1, §1.3-§1.4, §2), on the V4 layers.
+"""DeepSeek-V4.1-Flash in plain PyTorch, on the V4 layers.
 
 What differs from V4 (``deepseek_v4.py``), each in one place:
 - KV sharing ("CSA2"): only KV-source layers own a compressor (ratio 2 pooled, ratio 1 a plain
@@ -51,7 +51,7 @@ class DeepseekV41ForCausalLM(CausalLM):
 
     cpu_compile_pays = True  # compiled beats eager at bs 1 on the tiny V4.1 (benchmarks/RESULTS.md)
 
-    # Kept in fp32 whatever the compute dtype (model_spec.md §2.10; REF keeps the pooling
+    # Kept in fp32 whatever the compute dtype (DeepSeek's reference code keeps the pooling
     # compressor, the head and the DSpark confidence head in fp32 too).
     fp32_param_markers = (
         "norm.weight",
@@ -296,7 +296,7 @@ class DeepseekV41ForCausalLM(CausalLM):
 
 
 def ced_split_layer(plan: list[LayerRole]) -> int | None:
-    """The first decoder layer of the causal encoder/decoder split (model_spec.md §1.4, §2.9):
+    """The first decoder layer of the causal encoder/decoder split:
     the first ratio-1 layer, which must be the only KV source from there on, with no layer
     after it pooling at a ratio > 1. None when the model has no such split."""
     split = next((i for i, r in enumerate(plan) if r.ratio == 1), None)

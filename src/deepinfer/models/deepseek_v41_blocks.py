@@ -1,7 +1,6 @@
-"""The V4.1 blocks (model_spec.md §1.4, §2.2): attention over the KV source's shared
-compressed entries (``SharedKVAttention``) and the block with the one-site mHC lag
-(``LaggedBlock``), shared by the backbone (``deepseek_v41``) and the DSpark draft stages
-(``dspark_stages``)."""
+"""The V4.1 blocks: attention over the KV source's shared compressed entries
+(``SharedKVAttention``) and the block with the one-site mHC lag (``LaggedBlock``), shared by
+the backbone (``deepseek_v41``) and the DSpark draft stages (``dspark_stages``)."""
 
 from __future__ import annotations
 
@@ -135,7 +134,7 @@ class SharedKVAttention(LatentAttention):
 class LaggedBlock(HyperConnectedBlock):
     """A V4.1 block: attention's input is collapsed with the incoming ``pre`` mix (the previous
     block's FFN site), the FFN's with this block's attention-site ``pre``; returns the FFN
-    site's ``pre`` for the next block (model_spec.md §2.2)."""
+    site's ``pre`` for the next block."""
 
     def __init__(
         self,
@@ -187,7 +186,7 @@ def first_site_pre_mix(num_tokens: int, hc_mult: int, device: torch.device) -> t
 
 
 def moe_config_for_dspark(cfg: DeepseekV41Config) -> DeepseekV41Config:
-    """The DSpark stages' own expert count and top-k (model_spec.md §2.8)."""
+    """The DSpark stages' own expert count and top-k."""
     return dataclasses.replace(
         cfg,
         n_routed_experts=cfg.dspark_n_routed_experts or cfg.n_routed_experts,

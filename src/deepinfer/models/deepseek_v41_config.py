@@ -1,10 +1,10 @@
-"""DeepSeek-V4.1-Flash configuration (model_spec.md §1.1, §1.4).
+"""DeepSeek-V4.1-Flash configuration.
 
 Two spellings of the same model load here: the released composite ``config.json`` (a
 ``text_config`` next to a ``vision_config``) and the flat reference ``inference/config.json``
 (``dim``, ``n_layers``, ``kv_source_layers``, ...). The layer roles (which layers own a
 compressor, which score top-k, which reuse them) are derived once in :func:`layer_plan` and
-checked against the rules of §1.4, so a malformed config fails at load with the field named.
+checked against the layer-role rules, so a malformed config fails at load with the field named.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def _fail(name: str, rule: str) -> None:
 
 @dataclass(frozen=True)
 class LayerRole:
-    """What one backbone layer computes and reads (model_spec.md §1.4)."""
+    """What one backbone layer computes and reads."""
 
     layer: int
     ratio: int  # 0: sliding window only
@@ -159,7 +159,7 @@ class LayerRole:
 
 
 def layer_plan(cfg: DeepseekV41Config) -> list[LayerRole]:
-    """Derive every backbone layer's role and enforce the §1.4 rules with clear errors."""
+    """Derive every backbone layer's role and enforce the layer-role rules with clear errors."""
     n = cfg.num_hidden_layers
     ratios = cfg.compress_ratios
     if len(ratios) < n:

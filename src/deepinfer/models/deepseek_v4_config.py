@@ -10,7 +10,7 @@ from typing import Any
 from deepinfer.errors import CheckpointError
 from deepinfer.models.deepseek_config import DeepseekConfig, parse_compress_rope, token_id_list
 
-# Layer kinds of the attention schedule (model_spec.md §1.2).
+# Layer kinds of the attention schedule.
 SLIDING = "sliding"
 CSA = "csa"  # compressed sparse attention: overlapping compressor + indexer top-k
 HCA = "hca"  # heavily compressed attention: plain compressor, all visible entries

@@ -1,5 +1,5 @@
-"""The DSpark draft stages of V4.1 (``mtp.0..k-1`` in the checkpoint; model_spec.md §2.8;
-the official ``DSparkBlock`` / ``DSparkAttention`` / ``Transformer.forward_spec``).
+"""The DSpark draft stages of V4.1 (``mtp.0..k-1`` in the checkpoint; the official
+``DSparkBlock`` / ``DSparkAttention`` / ``Transformer.forward_spec``).
 
 Each stage is a sliding-window-only V4.1 block with its own smaller MoE. Stage 0 also projects
 the target layers' input means (``main_proj``, ``main_norm``); the last stage carries the final

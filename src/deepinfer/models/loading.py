@@ -30,7 +30,7 @@ def load_model(
     """Build the architecture named in ``config.json`` and load its weights.
 
     Returns the model in eval mode; ``model(input_ids, attention_mask=None, labels=None,
-    output_hidden_states=False)`` gives a ``CausalLMOutput`` (DESIGN.md §6), differentiable
+    output_hidden_states=False)`` gives a ``CausalLMOutput``, differentiable
     in the parameters when ``requires_grad`` (or after ``model.requires_grad_()``).
     ``fake_quant`` applies the QAT activation rounding of the released models; None takes the
     model's default (off for V4, as transformers 5.24 applies none; on for V4.1, whose

@@ -1,12 +1,13 @@
 """The released configs of the models deepinfer targets, for planning without a checkpoint
 (``deepinfer plan deepseek-v4.1-flash``) and for tests that build the real shapes on the meta
-device. Values from model_spec.md §1.1 (V4.1-Flash) and §1.2 (V4-Flash)."""
+device. Values from the published ``config.json`` of deepseek-ai/DeepSeek-V4.1-Flash and of
+deepseek-ai/DeepSeek-V4-Flash."""
 
 from __future__ import annotations
 
 from typing import Any
 
-# The released DeepSeek-V4.1-Flash config.json text_config (model_spec.md §1.1).
+# The released DeepSeek-V4.1-Flash config.json text_config.
 V41_FLASH_TEXT: dict[str, Any] = {
     "model_type": "deepseek_v41_text",
     "vocab_size": 129280,
@@ -142,7 +143,7 @@ V41_FLASH_FLAT: dict[str, Any] = {
     "max_seq_len": 1048576,
 }
 
-# DeepSeek-V4-Flash's config.json (model_spec.md §1.2): 43 backbone layers, two sliding-window
+# DeepSeek-V4-Flash's config.json: 43 backbone layers, two sliding-window
 # layers then CSA (ratio 4) and HCA (ratio 128) alternating, ending on CSA; one MTP layer.
 V4_FLASH: dict[str, Any] = {
     "architectures": ["DeepseekV4ForCausalLM"],

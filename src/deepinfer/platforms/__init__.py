@@ -1,5 +1,6 @@
-"""Platforms (DESIGN.md §4): per device kind, whether the model step is compiled by default,
-how decode steps are captured and replayed as graphs, and which kernels exist.
+"""Platforms: per device kind, whether the model step is compiled by default, how decode steps
+are captured and replayed as graphs, and which kernels exist (docs/architecture.md,
+'Compilation, passes and ops').
 
 ``platform_for(device)`` returns the ``Platform`` of a ``torch.device``. CUDA graphs need a
 CUDA build of torch; Ascend's graph mode needs ``torch_npu``, which is never installed by

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP app (FastAPI): ``deepinfer serve``.
 
-Endpoints and field names follow vLLM's server (``../shared/reference/serving.md``):
+Endpoints and field names follow vLLM's OpenAI-compatible server:
 ``/v1/completions`` and ``/v1/chat/completions`` (streaming as ``data: {...}`` events ending in
 ``data: [DONE]``), ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/health``, ``/version``,
 ``/metrics``. Every error is OpenAI's JSON shape ``{"error": {"message", "type", "param",

@@ -1,12 +1,12 @@
 """The asynchronous front end: many connections, one engine loop.
 
-The engine is single-threaded by design (DESIGN.md §2), so one background thread owns it:
-it takes adds and aborts from a command queue, steps while work is pending, and hands each
-request's outputs to the asyncio queue of the coroutine waiting for them. Adds are validated
-in that thread and their errors travel back to the caller; a request whose client goes away
-is aborted there, which frees its cache blocks at once. A request that fails inside the engine
-(finish reason "error": its own row went wrong, or the step that held it raised) reaches its
-caller as ``RequestFailedError``; the loop goes on serving the rest.
+The engine is single-threaded by design (docs/architecture.md, 'The server'), so one
+background thread owns it: it takes adds and aborts from a command queue, steps while work is
+pending, and hands each request's outputs to the asyncio queue of the coroutine waiting for
+them. Adds are validated in that thread and their errors travel back to the caller; a request
+whose client goes away is aborted there, which frees its cache blocks at once. A request that
+fails inside the engine (finish reason "error": its own row went wrong, or the step that held
+it raised) reaches its caller as ``RequestFailedError``; the loop goes on serving the rest.
 """
 
 from __future__ import annotations

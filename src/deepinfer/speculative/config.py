@@ -7,7 +7,7 @@ from typing import Any
 
 METHODS = ("ngram", "mtp", "dspark")
 # drafts per step when not given: MTP-1 as V4 ran it in production (more MTP drafts lose
-# throughput at high concurrency, techniques.md §1.5); n-gram 5; DSpark: None, its block
+# throughput at high concurrency, DSpark paper §5.4); n-gram 5; DSpark: None, its block
 # (``dspark_block_size`` of the checkpoint, 5 in V4.1-Flash), known once the model is
 DEFAULT_DRAFTS: dict[str, int | None] = {"ngram": 5, "mtp": 1, "dspark": None}
 SCHEDULES = ("static", "threshold", "hardware")

@@ -3,7 +3,7 @@
 A draft layer attends only to the last ``window`` positions, so each sequence slot keeps a
 ring of ``window`` vectors per draft layer at ``position % window`` (the layout of the
 official DSpark attention's ``window_kv_cache`` and of the community vLLM port's per-request
-ring, techniques.md §1.1), not pages of the target's paged cache. Only positions whose tokens
+ring), not pages of the target's paged cache. Only positions whose tokens
 the target has accepted are written, so a rejected draft leaves nothing to roll back; each
 entry remembers its position, so stale or missing entries (a slot reused by another request,
 a prefix-cache hit whose tokens never ran the target) are masked out instead of read.

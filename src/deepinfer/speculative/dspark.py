@@ -1,4 +1,4 @@
-"""The DSpark drafter of V4.1 (model_spec.md §2.8; techniques.md §1.1-§1.2; the official
+"""The DSpark drafter of V4.1 (DSpark paper §2.2-§3.1 and §3.2.1; the official
 ``DSparkBlock`` / ``DSparkAttention`` / ``Transformer.forward_spec``).
 
 Per sequence, after the target accepted positions ``< P``, with the newest token (the

@@ -1,4 +1,4 @@
-"""The MTP drafter of V4 (its next-n layer ``mtp.0``; techniques.md §1.5).
+"""The MTP drafter of V4 (its next-n layer ``mtp.0``).
 
 Row t of the MTP layer reads the backbone's final streams at position t and the embedding of
 token t + 1 (``MtpBlock.merge_input``; the layer's math is ``models.deepseek_v4.MtpDraftModel``) and predicts token t + 2. After the target accepted

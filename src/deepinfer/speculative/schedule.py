@@ -1,5 +1,5 @@
-"""How many drafted tokens each request verifies in a step (techniques.md §1.3; DSpark paper
-§3.2.2 Algorithm 1 and §5.2).
+"""How many drafted tokens each request verifies in a step (DSpark paper §3.2.2 Algorithm 1
+and §5.2).
 
 A drafter with a confidence head gives, per request r, confidences ``c_{r,1..γ}`` that each
 drafted token survives verification; ``a_{r,j} = prod_{i<=j} c_{r,i}`` is the expected survival of

@@ -2,7 +2,7 @@
 
 The released V4 checkpoints store most linears as fp8 e4m3 with one power-of-two (ue8m0)
 scale per ``weight_block_size`` block, and routed experts as fp4 e2m1 with one ue8m0 scale per
-32 input channels (model_spec.md §2.10). We dequantize on load.
+32 input channels. We dequantize on load.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""V4/V4.1 attention: shared K=V latent, sliding window + compressed entries, per-head sinks
-(model_spec.md §2.3).
+"""V4/V4.1 attention: shared K=V latent, sliding window + compressed entries, per-head sinks.
 
 This is the readable reference path: dense scores with boolean masks. The fused sparse
 kernel (compile passes, Triton) must agree with it.

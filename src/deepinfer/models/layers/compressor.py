@@ -1,4 +1,4 @@
-"""KV compressor (model_spec.md §2.4; V4 with ``ape`` and overlap, V4.1 without).
+"""KV compressor (V4 with ``ape`` and overlap, V4.1 without).
 
 Every ``ratio`` source tokens become one compressed entry: a per-channel softmax over the
 group's gate scores (V4 adds the learned absolute position bias ``ape``) weights the group's

@@ -1,4 +1,4 @@
-"""Engram n-gram memory (model_spec.md §2.7): hashed n-gram lookups gated into the streams.
+"""Engram n-gram memory: hashed n-gram lookups gated into the streams.
 
 Three parts, each deterministic from the config and the tokenizer:
 

@@ -1,4 +1,4 @@
-"""QAT fake-quantisation steps baked into the V4 forward (model_spec.md §2.10).
+"""QAT fake-quantisation steps baked into the V4 forward.
 
 The released models were trained seeing these activations rounded, so a faithful forward
 rounds them too: the window K=V vector to fp8 e4m3 (32-channel blocks, power-of-two scales),

@@ -1,4 +1,4 @@
-"""Lightning indexer for compressed sparse attention (model_spec.md §2.5, V4 variant).
+"""Lightning indexer for compressed sparse attention (V4 variant).
 
 V4's indexer owns a small overlapping compressor at ``index_head_dim`` for its keys. A query
 at position p scores visible entry j by ``sum_h w_h * ReLU(q_h . k_j)`` and keeps the

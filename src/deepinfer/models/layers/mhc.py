@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (mHC), model_spec.md §2.2.
+"""Manifold-constrained hyper-connections (mHC).
 
 The residual is ``hc_mult`` parallel streams ``[..., n, d]``. Each site computes, from the
 streams themselves, a collapse mix ``pre`` (streams -> block input), an expand mix ``post``

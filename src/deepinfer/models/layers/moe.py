@@ -1,4 +1,4 @@
-"""Mixture of experts with a shared expert (model_spec.md §2.6, V4 variant with hash routing).
+"""Mixture of experts with a shared expert (V4 variant with hash routing).
 
 Routing scores are ``sqrt(softplus(logits))`` (or softmax/sigmoid); a learned bias shifts the
 *selection* only; the selected scores are normalised and scaled by ``routed_scaling_factor``.

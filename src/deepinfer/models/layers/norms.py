@@ -1,5 +1,5 @@
-"""RMS norms. Statistics are computed in fp32 and the weight is kept in fp32, as the
-reference keeps every norm weight in fp32 (model_spec.md §2)."""
+"""RMS norms. Statistics are computed in fp32 and the weight is kept in fp32, as
+DeepSeek's reference code keeps every norm weight in fp32."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Interleaved partial RoPE on the trailing channels, with optional YaRN.
 
-V4 rotates *adjacent* channel pairs of the last ``rope_dim`` channels of a vector
-(model_spec.md §2.3). Layers with a compressed branch use ``compress_rope_theta`` with YaRN
-(no mscale); sliding-only layers use ``rope_theta`` without scaling.
+V4 rotates *adjacent* channel pairs of the last ``rope_dim`` channels of a vector. Layers with
+a compressed branch use ``compress_rope_theta`` with YaRN (no mscale); sliding-only layers use
+``rope_theta`` without scaling.
 """
 
 from __future__ import annotations
@@ -71,9 +71,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate adjacent pairs of the last ``2 * cos.shape[-1]`` channels of ``x`` in fp32.
 
     ``cos``/``sin`` are ``[..., S, rope_dim/2]`` and broadcast against ``x``'s leading dims;
-    pass ``-sin`` to undo the rotation (the output de-rotation of §2.3 step 6). A compiled fp32
-    CPU step calls it as one op (``deepinfer::rope``, the same formula; its C++ twin rotates
-    whole pairs in vector lanes where Inductor's loops went element by element).
+    pass ``-sin`` to undo the rotation (as attention de-rotates its output at the query
+    position). A compiled fp32 CPU step calls it as one op (``deepinfer::rope``, the same
+    formula; its C++ twin rotates whole pairs in vector lanes where Inductor's loops went
+    element by element).
     """
     if x.device.type == "cpu" and x.dtype == torch.float32 and torch.compiler.is_compiling():
         return torch.ops.deepinfer.rope(x, cos, sin)

@@ -1,4 +1,4 @@
-"""V4.1's indexer with shared keys and the two-level candidate top-k (model_spec.md §2.5).
+"""V4.1's indexer with shared keys and the two-level candidate top-k.
 
 Only KV-source layers make index keys: ``k_norm(wk(latent))`` of their compressor's
 pre-RoPE latent, rotated at the group's first position and stored beside the compressed
@@ -13,10 +13,11 @@ with a stable sort, so the choice does not depend on how many columns a batch pa
 reference's ``topk`` leaves tie order unspecified.
 
 The pinned candidate block is each query's own newest visible block (as the public V4.1 ports
-do); REF pins the block of the chunk's last entry for every query of a prefill chunk, which
-differs only past ``candidate_topk_blocks`` blocks and would make results depend on chunking.
+do); DeepSeek's reference pins the block of the chunk's last entry for every query of a prefill
+chunk, which differs only past ``candidate_topk_blocks`` blocks and would make results depend
+on chunking.
 
-Stale keys (§2.5): the reference may score a ratio-2 layer's decode step against the last
+Stale keys: the reference may score a ratio-2 layer's decode step against the last
 publisher's keys; like transformers, vLLM, MLX and llama.cpp we always read the owner's keys.
 """
 

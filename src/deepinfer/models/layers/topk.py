@@ -1,7 +1,6 @@
-"""The spec's tie rule for every top-k that selects entries or blocks (model_spec.md §2.5
-item 7): among equal scores the older entry (lower column) wins. ``Tensor.topk`` leaves
-ties in an unspecified order that depends on the row width, and so on what shares a step;
-a stable descending sort does not.
+"""Our tie rule for every top-k that selects entries or blocks: among equal scores the older
+entry (lower column) wins. ``Tensor.topk`` leaves ties in an unspecified order that depends on
+the row width, and so on what shares a step; a stable descending sort does not.
 
 Under ``torch.compile`` a small ``k`` (a tiny model's indexer, a few blocks) takes ``k``
 selection rounds instead of the sort: each round takes the row's largest untaken score at its
