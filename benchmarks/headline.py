@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,17 +81,16 @@ def ratio_of(cell: str) -> float:
 
 
 def render_block(h: Headline) -> str:
-    """The README's figures block, markers included."""
+    """The README's figures block, markers included: where and when, the commands that
+    reproduce it (one per line), then the table and the plot."""
     link = "benchmarks/RESULTS.md" + (f"#{h.anchor}" if h.anchor else "")
-    out = [
-        BEGIN,
-        f"Newest entry of the [benchmark log]({link}): **{h.date}**, commit {h.fields['Commit']},",
-        f"{h.fields['Machine']}.",
-        f"Command: {h.fields['Command']}",
-        "",
-        "| " + " | ".join(h.rows[0]) + " |",
-        "|" + "---|" * len(h.rows[0]),
-    ]
+    lead = (
+        f"Newest entry of the [benchmark log]({link}): {h.date}, commit {h.fields['Commit']}, on "
+        f"{h.fields['Machine'].rstrip('.')}."
+    )
+    commands = re.findall(r"`([^`]+)`", h.fields["Command"]) or [h.fields["Command"]]
+    out = [BEGIN, textwrap.fill(lead, width=100, break_on_hyphens=False), "", "```bash", *commands, "```", ""]
+    out += ["| " + " | ".join(h.rows[0]) + " |", "|" + "---|" * len(h.rows[0])]
     out += ["| " + " | ".join(row) + " |" for row in h.rows[1:]]
     out += ["", "![Ratios of the newest benchmark entry](docs/assets/headline.png)", END]
     return "\n".join(out)
@@ -106,25 +106,38 @@ def replace_block(readme_text: str, block: str) -> str:
 
 
 def draw(h: Headline, path: Path) -> None:
-    """Horizontal bars of each row's ratio against its peer, with parity marked."""
+    """Each row's ratio as a bar from parity (log scale, so 0.5x and 2x are equally far), ahead
+    of the peer in blue, behind it in orange."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [" / ".join(row[:2]) for row in h.rows[1:]]
+    labels = [f"{row[0]}, B = {row[1]}" if row[1].isdigit() else f"{row[0]}, {row[1]}" for row in h.rows[1:]]
     ratios = [ratio_of(row[-1]) for row in h.rows[1:]]
-    fig, ax = plt.subplots(figsize=(7, 0.45 * len(ratios) + 1.4), dpi=110)
-    ax.barh(range(len(ratios)), ratios, color="#3b6ea5")
-    ax.axvline(1.0, color="#a33", linewidth=1, linestyle="--", label="parity with the peer")
+    colors = ["#3b6ea5" if r >= 1.0 else "#d9822b" for r in ratios]
+    fig, ax = plt.subplots(figsize=(8, 0.42 * len(ratios) + 1.6), dpi=110)
+    ax.barh(range(len(ratios)), [r - 1.0 for r in ratios], left=1.0, color=colors)
+    ax.axvline(1.0, color="#444", linewidth=1)
+    ax.set_xscale("log")
+    low, high = min(ratios + [1.0]) / 1.4, max(ratios + [1.0]) * 1.6
+    ax.set_xlim(low, high)
+    ticks = [t for t in (0.25, 0.5, 1, 2, 5, 10, 20, 50) if low <= t <= high]
+    ax.set_xticks(ticks, [f"{t:g}x" for t in ticks])
     ax.set_yticks(range(len(ratios)), labels, fontsize=8)
     ax.invert_yaxis()
     for i, r in enumerate(ratios):
-        ax.text(r, i, f" {r:.2f}x", va="center", fontsize=8)
-    ax.set_xlabel(f"deepinfer / {h.rows[0][-1].lower().replace('ratio', '').strip() or 'peer'}")
-    ax.set_xlim(0, max(ratios) * 1.18)
-    ax.set_title(f"{h.title} ({h.date}, {h.fields['Commit'].strip('`')})", fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
+        ax.text(
+            r * (1.03 if r >= 1 else 0.97),
+            i,
+            f"{r:.2f}x",
+            va="center",
+            ha="left" if r >= 1 else "right",
+            fontsize=8,
+        )
+    ax.set_xlabel("deepinfer / peer, same run (1x = parity)")
+    title = f"{h.title} ({h.date}, commit {h.fields['Commit'].strip('`')})"
+    fig.suptitle(textwrap.fill(title, width=90), fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, metadata={"Software": None})

@@ -162,6 +162,24 @@ def test_a_crashed_peer_is_rerun_without_repacking_and_says_so(tmp_path):
         llama_cpp_rows(root, tmp_path, "Q8_0", [1], 144, 64, threads=2, run=failing)
 
 
+def test_a_failing_converter_says_why(tmp_path):
+    """The converter's own message (e.g. a Python package it lacks) reaches the user."""
+    root, _, ok = _fake_llama_cpp(tmp_path)
+
+    def no_sentencepiece(args, **kwargs):
+        if args[1].endswith("convert_hf_to_gguf.py"):
+            raise subprocess.CalledProcessError(
+                1,
+                args,
+                output="",
+                stderr="Traceback...\nModuleNotFoundError: No module named 'sentencepiece'",
+            )
+        return ok(args, **kwargs)
+
+    with pytest.raises(RuntimeError, match=r"(?s)convert_hf_to_gguf.py failed \(exit 1\):\n.*sentencepiece"):
+        llama_cpp_rows(root, tmp_path, "F32", [1], 144, 64, threads=2, run=no_sentencepiece)
+
+
 def test_the_bf16_onednn_kernel_is_named():
     """The table names the oneDNN kernel bf16 runs; on a CPU with AMX it must be AMX's."""
     kernel = weight_only.onednn_bf16_kernel()

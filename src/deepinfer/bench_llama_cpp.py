@@ -146,6 +146,17 @@ def parse_batched_bench(output: str, output_len: int) -> dict[int, Row]:
     return rows
 
 
+def _prepare(run: Callable[..., subprocess.CompletedProcess], args: list[str]) -> None:
+    """Run one of llama.cpp's weight tools; when it fails, say which and show the end of what
+    it printed (a missing Python package of its converter, say) instead of only its exit code."""
+    try:
+        run(args, check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError as error:
+        tail = "\n".join(((error.stderr or "") + (error.stdout or "")).strip().splitlines()[-5:])
+        tool = Path(args[1] if args[0] == sys.executable else args[0]).name
+        raise RuntimeError(f"llama.cpp's {tool} failed (exit {error.returncode}):\n{tail}") from error
+
+
 def llama_cpp_rows(
     root: Path,
     checkpoint: Path,
@@ -170,15 +181,11 @@ def llama_cpp_rows(
         gguf = Path(tmp) / f"model-{outtype.lower()}.gguf"
         convert = [sys.executable, str(root / "convert_hf_to_gguf.py"), str(checkpoint), "--outfile"]
         if outtype in CONVERTER_TYPES:
-            run([*convert, str(gguf), "--outtype", outtype.lower()], check=True, capture_output=True)
+            _prepare(run, [*convert, str(gguf), "--outtype", outtype.lower()])
         else:
             base = Path(tmp) / "model-f32.gguf"
-            run([*convert, str(base), "--outtype", "f32"], check=True, capture_output=True)
-            run(
-                [str(root / "build" / "bin" / "llama-quantize"), str(base), str(gguf), outtype],
-                check=True,
-                capture_output=True,
-            )
+            _prepare(run, [*convert, str(base), "--outtype", "f32"])
+            _prepare(run, [str(root / "build" / "bin" / "llama-quantize"), str(base), str(gguf), outtype])
         context = max(batches) * (prompt_len + output_len) + 64
         args = [str(bench), "-m", str(gguf), "-c", str(context), "-b", "2048", "-ub", "512"]
         args += ["-npp", str(prompt_len), "-ntg", str(output_len), "-npl", ",".join(map(str, batches))]
