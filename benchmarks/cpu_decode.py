@@ -10,7 +10,7 @@ the same checkpoint.
 
 Run: ``python benchmarks/cpu_decode.py [--llama-cpp DIR] [--batches 1 8 16 32] [--variants ...]``
 where DIR is a llama.cpp checkout built with ``llama-batched-bench`` and ``llama-quantize``
-(``../shared/reference/cpu_peers.md``).
+(``docs/benchmarks.md``, "Building the llama.cpp peer").
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ concurrencies (issue 17). llama-server gets as many slots as the highest concurr
 (``--parallel``, each slot with a context of prompt + output) and 2 threads, as we use.
 
 Run: ``python benchmarks/serve_vs_llama_server.py --llama-server BIN --gguf FILE``; the GGUF
-comes from llama.cpp's ``convert_hf_to_gguf.py DIR --outtype f32`` (``../shared/reference/cpu_peers.md``).
+comes from llama.cpp's ``convert_hf_to_gguf.py DIR --outtype f32`` (``docs/benchmarks.md``, "Building the llama.cpp peer").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Config fuzzer (DESIGN.md §5): random valid model configs and random workloads.
+"""Config fuzzer (docs/contributing.md): random valid model configs and random workloads.
 
 For each generated config and workload:
 - the reference: every request's chosen-token logprobs (prefill, then incremental decode over

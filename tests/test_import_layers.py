@@ -1,5 +1,5 @@
-"""The package imports downward only (DESIGN.md §1): every ``import`` statement of every
-module (function-level and ``TYPE_CHECKING`` ones included, since they are cycles hidden, not
+"""The package imports downward only (docs/architecture.md, "Layers and import directions"):
+every ``import`` statement of every module (function-level and ``TYPE_CHECKING`` ones included, since they are cycles hidden, not
 removed) is read from the source, folded to deepinfer's first-level packages and modules, and
 the graph must have no cycle; models, the cache and the layers below them never import the
 engine or what sits above it."""
@@ -19,7 +19,7 @@ SOURCES = {
 }
 # first-level units that sit above everything a model needs
 TOP = {"engine", "llm", "cli", "server", "graph_dump", "benchmarking"}
-# what each lower unit must never import (DESIGN.md §1 "Direction")
+# what each lower unit must never import (docs/architecture.md, "Layers and import directions")
 FORBIDDEN = {
     "models": TOP | {"speculative", "compilation", "tiny"},
     "cache": TOP | {"models", "weights", "speculative", "sampling", "compilation", "tiny"},
@@ -136,13 +136,13 @@ def test_first_level_packages_form_no_cycle():
 
 
 def upward_imports(edges: Edges) -> list[str]:
-    """The edges against DESIGN.md's direction, with an import site each."""
+    """The edges against the layering of docs/architecture.md, with an import site each."""
     return [f"{a} -> {b}: {sites[0]}" for (a, b), sites in sorted(edges.items()) if b in FORBIDDEN.get(a, ())]
 
 
 def test_lower_layers_never_import_upward():
     wrong = upward_imports(first_level_edges(SOURCES))
-    assert not wrong, "imports against DESIGN.md's direction:\n" + "\n".join(wrong)
+    assert not wrong, "imports against the layering of docs/architecture.md:\n" + "\n".join(wrong)
 
 
 def test_a_cycle_hidden_in_a_function_is_found(tmp_path):
