@@ -1,8 +1,8 @@
-"""The package imports downward only (docs/architecture.md, "Layers and import directions"):
-every ``import`` statement of every module (function-level and ``TYPE_CHECKING`` ones included, since they are cycles hidden, not
-removed) is read from the source, folded to deepinfer's first-level packages and modules, and
-the graph must have no cycle; models, the cache and the layers below them never import the
-engine or what sits above it."""
+"""The package imports downward only (docs/architecture.md, "Layers and import directions"): every
+``import`` statement of every module (function-level and ``TYPE_CHECKING`` ones included, since
+they are cycles hidden, not removed) is read from the source, folded to deepinfer's first-level
+packages and modules, and the graph must have no cycle; models, the cache and the layers below
+them never import the engine or what sits above it."""
 
 from __future__ import annotations
 
