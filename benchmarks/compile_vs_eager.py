@@ -18,9 +18,9 @@ import torch
 
 from deepinfer.cache.pools import CacheLayout, allocate_pools
 from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch
-from deepinfer.compilation import compile_step
+from deepinfer.compile.compilation import compile_step
+from deepinfer.compile.precompiled import PrecompiledStep
 from deepinfer.models.loading import load_model
-from deepinfer.precompiled import PrecompiledStep
 from deepinfer.tiny import make_tiny_checkpoint
 
 

@@ -1,6 +1,6 @@
 """SmolLM2-135M on the CPU in llama.cpp's ``llama-batched-bench`` shape, against llama.cpp in
 the same run when its checkout is given (issue 16): the script behind RESULTS.md's tables,
-now ``deepinfer bench batched`` (``src/deepinfer/bench_llama_cpp.py``), kept under its old name
+now ``deepinfer bench batched`` (``src/deepinfer/bench/llama_cpp.py``), kept under its old name
 so the recorded commands still run.
 
 B sequences of 144-token prompts, 64 output tokens each; per B: prefill tok/s (``S_PP``),
@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from deepinfer.bench_llama_cpp import VARIANTS, run_table
+from deepinfer.bench.llama_cpp import VARIANTS, run_table
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.benchmarking import decode_weight_bytes, measured_bandwidth_gbs
+from deepinfer.bench.workloads import decode_weight_bytes, measured_bandwidth_gbs
 from deepinfer.tiny import make_tiny_checkpoint
 
 

@@ -21,7 +21,7 @@ import time
 
 import httpx
 
-from deepinfer.bench_serve import make_requests, run, summarize
+from deepinfer.bench.serve import make_requests, run, summarize
 from deepinfer.weights.catalog import resolve_model
 
 

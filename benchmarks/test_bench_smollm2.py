@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.benchmarking import load_transformers_peer, random_workload
+from deepinfer.bench.workloads import load_transformers_peer, random_workload
 from deepinfer.weights.catalog import resolve_model
 
 NEW = 32

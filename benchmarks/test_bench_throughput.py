@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer import LLM
-from deepinfer.benchmarking import (
+from deepinfer.bench.workloads import (
     deepinfer_throughput,
     load_transformers_peer,
     random_workload,

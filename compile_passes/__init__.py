@@ -1,4 +1,4 @@
-"""FX passes run on Inductor's post-grad graphs by ``deepinfer.compilation.PassManager``
+"""FX passes run on Inductor's post-grad graphs by ``deepinfer.compile.compilation.PassManager``
 (import name ``deepinfer.compile_passes``).
 
 A pass is ``fn(graph: torch.fx.Graph) -> int``: it rewrites matched subgraphs in place and

@@ -1,4 +1,4 @@
-"""``deepinfer bench batched`` (bench_llama_cpp.py): llama-batched-bench's shape on our engine,
+"""``deepinfer bench batched`` (bench/llama_cpp.py): llama-batched-bench's shape on our engine,
 and llama.cpp's own tool on the same weights when a checkout is given. The figures themselves
 are benchmarks (RESULTS.md); here: the table runs end to end on a tiny checkpoint, llama.cpp's
 output is parsed as its columns say, and the peer gets the conversions and arguments that make
@@ -13,8 +13,8 @@ import pytest
 import torch
 from deepinfer.kernels import weight_only
 
-from deepinfer import bench_llama_cpp
-from deepinfer.bench_llama_cpp import (
+from deepinfer.bench import llama_cpp
+from deepinfer.bench.llama_cpp import (
     NO_REPACK,
     PEER_CACHE_TYPES,
     VARIANTS,
@@ -133,9 +133,9 @@ def test_bad_arguments_are_refused(tmp_path):
 def test_the_cli_offers_every_variant_and_reads_llama_cpp_dir(monkeypatch, tmp_path):
     assert set(_BATCHED_VARIANTS) == set(VARIANTS)
     monkeypatch.setenv("LLAMA_CPP_DIR", str(tmp_path))
-    assert bench_llama_cpp.default_llama_cpp() == tmp_path
+    assert llama_cpp.default_llama_cpp() == tmp_path
     monkeypatch.delenv("LLAMA_CPP_DIR")
-    assert bench_llama_cpp.default_llama_cpp() is None
+    assert llama_cpp.default_llama_cpp() is None
 
 
 def test_a_crashed_peer_is_rerun_without_repacking_and_says_so(tmp_path):

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deepinfer.benchmarking import (
+from deepinfer.bench.workloads import (
     PeerProcesses,
     Workload,
     latency_workload,

@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 
 from deepinfer.cache.pools import CacheLayout, allocate_pools
 from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch
-from deepinfer.compilation import PassManager, compile_step
+from deepinfer.compile.compilation import PassManager, compile_step
 from deepinfer.models.loading import load_model
 from deepinfer.tiny import make_tiny_checkpoint
 
@@ -125,7 +125,8 @@ def test_inductor_decode_with_every_fusion_pass_equals_eager_past_group_boundari
     eager engine's tokens, and chosen-token logprobs within 1e-4."""
     from deepinfer.compile_passes import PASSES
 
-    from deepinfer import LLM, SamplingParams, compilation
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.compile import compilation
 
     monkeypatch.setattr(compilation, "default_passes", lambda device=None: list(PASSES))
     path = make_tiny_checkpoint(tmp_path / "short", arch="deepseek_v4_short_groups", num_hidden_layers=3)

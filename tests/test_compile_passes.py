@@ -19,7 +19,7 @@ from deepinfer.kernels.moe import routed_experts
 from deepinfer.kernels.paged_attention import paged_attention
 from deepinfer.kernels.sink_attention import sink_attention
 
-from deepinfer.graph_dump import GRAPH_ARCHS, golden_files, trace_tiny
+from deepinfer.compile.graph_dump import GRAPH_ARCHS, golden_files, trace_tiny
 from deepinfer.models.layers.attention import attention_with_sink
 from deepinfer.sampling.rejection import acceptance_and_recovery
 
@@ -70,7 +70,7 @@ def _rejection_args(gen, n: int, k: int, v: int) -> tuple[torch.Tensor, ...]:
 def test_verification_pass_fuses_the_rejection_sampler():
     from deepinfer.compile_passes import PASSES
 
-    from deepinfer.compilation import PassManager, PostGradBackend
+    from deepinfer.compile.compilation import PassManager, PostGradBackend
     from deepinfer.sampling.rejection import rejection_sample
 
     backend = PostGradBackend(PassManager(PASSES))
@@ -241,7 +241,7 @@ def test_small_bmm_pass_rewrites_only_memory_bound_products():
     first becomes a mul + sum, and every result equals the eager bmm to rounding."""
     from deepinfer.compile_passes import reduce_small_bmm
 
-    from deepinfer.compilation import PassManager, PostGradBackend
+    from deepinfer.compile.compilation import PassManager, PostGradBackend
 
     def products(mix, streams, q, keys, probs, values):
         return torch.bmm(mix, streams), torch.bmm(q, keys), torch.bmm(probs, values)

@@ -9,7 +9,7 @@ import textwrap
 
 import torch
 
-from deepinfer.cpp_wrapper_args import _cached_call, _entry_of_plain_wrapper
+from deepinfer.compile.cpp_wrapper_args import _cached_call, _entry_of_plain_wrapper
 
 # what torch 2.13's ``CppWrapperCpu`` writes for a graph without constants whose outputs are
 # all tensors, with ``extra`` spliced in where other graphs get more lines

@@ -130,7 +130,7 @@ def test_the_pass_rewrites_weight_projections_only():
     the results match eager."""
     from deepinfer.compile_passes import use_packed_linear
 
-    from deepinfer.compilation import PassManager, PostGradBackend
+    from deepinfer.compile.compilation import PassManager, PostGradBackend
 
     def f(x, weight, other, weight2, bias) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         projected = torch.nn.functional.linear(x, weight)

@@ -12,7 +12,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.cli import main
-from deepinfer.memory import GIB, plan, weight_bytes
+from deepinfer.engine.memory import GIB, plan, weight_bytes
 from deepinfer.models.registry import resolve
 from deepinfer.models.released_configs import RELEASED_CONFIGS, V4_FLASH
 from deepinfer.tiny import make_tiny_checkpoint

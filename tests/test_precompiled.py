@@ -19,11 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer import LLM, SamplingParams, precompiled
-from deepinfer.compilation import CPP_WRAPPER_ENV, CPU_MIN_CHUNK_SIZE, PassManager, inductor_options
+from deepinfer import LLM, SamplingParams
+from deepinfer.compile import precompiled
+from deepinfer.compile.compilation import CPP_WRAPPER_ENV, CPU_MIN_CHUNK_SIZE, PassManager, inductor_options
+from deepinfer.compile.precompiled import PrecompiledStep, artefact_key, default_cache_dir
 from deepinfer.models.loading import load_model
 from deepinfer.platforms import cpu_blas
-from deepinfer.precompiled import PrecompiledStep, artefact_key, default_cache_dir
 from deepinfer.tiny import make_tiny_checkpoint
 
 _FRESH_PROCESS = textwrap.dedent(
@@ -216,7 +217,7 @@ def test_a_damaged_artefact_is_skipped(checkpoint, caplog):
     step = PrecompiledStep(model, checkpoint / "damaged")
     step.cache_dir.mkdir()
     (step.cache_dir / f"{step.key}-0.step").write_bytes(b"not an artefact")
-    with caplog.at_level("WARNING", logger="deepinfer.precompiled"):
+    with caplog.at_level("WARNING", logger="deepinfer.compile.precompiled"):
         assert step._load() == []
     assert step.loaded == 0 and "unusable" in caplog.text
 

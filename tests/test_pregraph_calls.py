@@ -7,7 +7,7 @@ import types
 import torch
 import torch._dynamo.utils as dynamo_utils
 
-from deepinfer.pregraph_calls import _ALIAS, _HELPERS, _PlainHelpers, use_plain_helpers
+from deepinfer.compile.pregraph_calls import _ALIAS, _HELPERS, _PlainHelpers, use_plain_helpers
 
 
 def test_plain_helpers_compute_what_the_wrapped_ones_do():

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from parallel_workloads import assert_same, tokens_and_logprobs
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.replicas import balanced_shares
+from deepinfer.distributed.replicas import balanced_shares
 from deepinfer.tiny import make_tiny_checkpoint
 
 

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.memory import weight_bytes
+from deepinfer.engine.memory import weight_bytes
 from deepinfer.models.layers.quantized_linear import Fp8BlockLinear
 from deepinfer.models.loading import load_model
 from deepinfer.tiny import make_tiny_checkpoint

@@ -241,7 +241,7 @@ def test_bench_serve_measures_a_live_server(served):
     the usage chunks, latencies are ordered sensibly; a wrong key makes every request fail."""
     import asyncio
 
-    from deepinfer.bench_serve import make_requests, report, run, summarize
+    from deepinfer.bench.serve import make_requests, report, run, summarize
 
     live, client, llm, expected = served
     for dataset in ("random", "chat"):

@@ -169,7 +169,7 @@ def _compiled_core(
     arguments and the backend."""
     from deepinfer.compile_passes import use_row_sink_attention
 
-    from deepinfer.compilation import PassManager, PostGradBackend
+    from deepinfer.compile.compilation import PassManager, PostGradBackend
     from deepinfer.models.layers.rope import apply_rope
 
     def core(q, sink, cos, sin, *parts):  # as LatentAttention.project / attend write it

@@ -15,7 +15,7 @@ from parallel_workloads import assert_same, tokens_and_logprobs, workload
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.distributed.eplb import moe_lb
-from deepinfer.memory import weight_bytes
+from deepinfer.engine.memory import weight_bytes
 from deepinfer.tiny import make_tiny_checkpoint
 
 

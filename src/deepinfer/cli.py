@@ -34,7 +34,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from deepinfer.memory import GIB, format_plan, plan
+    from deepinfer.engine.memory import GIB, format_plan, plan
     from deepinfer.models.registry import load_config_json, resolve
     from deepinfer.models.released_configs import RELEASED_CONFIGS
     from deepinfer.weights.catalog import resolve_model
@@ -85,7 +85,7 @@ def _positive_int(text: str) -> int:
 
 
 _COMPILE_CHOICES = {"auto": None, "on": True, "off": False}
-# bench_llama_cpp.VARIANTS' names (kept here so the parser builds without importing the engine)
+# bench.llama_cpp.VARIANTS' names (kept here so the parser builds without importing the engine)
 _BATCHED_VARIANTS = ("fp32", "fp32-kv16", "fp32-kv8", "bf16", "int8", "int4")
 
 
@@ -151,7 +151,7 @@ def round_workload(args: argparse.Namespace, vocab_size: int, round_: int):
     """Round ``round_``'s requests for ``bench throughput``: the same for both sides, new prompts
     each round (a rerun of the same prompts would hit our prefix cache, which the peer lacks).
     Round 0 is ``--seed``'s workload; the warm-up uses ``--seed + 1``."""
-    from deepinfer.benchmarking import random_workload
+    from deepinfer.bench.workloads import random_workload
 
     seed = args.seed + 1000 * round_
     return random_workload(
@@ -165,7 +165,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from deepinfer import LLM
-    from deepinfer.benchmarking import (
+    from deepinfer.bench.workloads import (
         PeerProcesses,
         decode_bs1,
         deepinfer_throughput,
@@ -261,12 +261,12 @@ if kind == "deepinfer":
     llm = LLM(model, compile=compile_step)
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
 else:
-    from deepinfer.benchmarking import load_transformers_peer
+    from deepinfer.bench.workloads import load_transformers_peer
     from deepinfer.weights.catalog import resolve_model
     peer = load_transformers_peer(resolve_model(model))
     with torch.no_grad():
         peer.generate(torch.tensor([[5, 6, 7]]), do_sample=False, max_new_tokens=1)
-from deepinfer.benchmarking import peak_rss_mib
+from deepinfer.bench.workloads import peak_rss_mib
 print(time.perf_counter() - t0, peak_rss_mib())
 """
 
@@ -291,7 +291,7 @@ def _bench_startup(args: argparse.Namespace) -> int:
 
 
 def _bench_batched(args: argparse.Namespace) -> int:
-    from deepinfer.bench_llama_cpp import default_llama_cpp, run_table
+    from deepinfer.bench.llama_cpp import default_llama_cpp, run_table
 
     llama_cpp = Path(args.llama_cpp) if args.llama_cpp else default_llama_cpp()
     run_table(
@@ -309,7 +309,7 @@ def _bench_batched(args: argparse.Namespace) -> int:
 
 def _bench_latency(args: argparse.Namespace) -> int:
     from deepinfer import LLM
-    from deepinfer.benchmarking import (
+    from deepinfer.bench.workloads import (
         deepinfer_latency,
         load_transformers_peer,
         peak_rss_mib,
@@ -361,7 +361,7 @@ def _bench_latency(args: argparse.Namespace) -> int:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from deepinfer.bench_serve import main as bench_serve
+    from deepinfer.bench.serve import main as bench_serve
 
     if (
         args.num_prompts < 1
@@ -375,7 +375,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def _dump_graphs(args: argparse.Namespace) -> int:
-    from deepinfer.graph_dump import GRAPH_ARCHS, dump_graphs
+    from deepinfer.compile.graph_dump import GRAPH_ARCHS, dump_graphs
 
     for path in dump_graphs(Path(args.out), tuple(args.arch or GRAPH_ARCHS)):
         print(path)
@@ -408,7 +408,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise ValueError(f"serve needs the serve extra: pip install 'deepinfer[serve]' ({exc})") from exc
     from deepinfer import LLM
-    from deepinfer.gc_heap import freeze_long_lived
+    from deepinfer.compile.gc_heap import freeze_long_lived
 
     if args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")

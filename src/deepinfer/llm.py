@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from deepinfer.config import EngineConfig
+from deepinfer.distributed.replicas import ReplicaPool, RequestSpec, balanced_shares, serve
 from deepinfer.engine.engine import Engine
+from deepinfer.engine.memory import weight_bytes
 from deepinfer.engine.request import Request
-from deepinfer.memory import weight_bytes
 from deepinfer.models.loading import load_model
 from deepinfer.outputs import RequestOutput
-from deepinfer.replicas import ReplicaPool, RequestSpec, balanced_shares, serve
 from deepinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -38,6 +38,7 @@ from deepinfer.distributed.workers import (
 from deepinfer.engine.block_pool import BlockPool
 from deepinfer.engine.dp_scheduler import DataParallelScheduler
 from deepinfer.engine.graph_runner import measure_step_memory
+from deepinfer.engine.memory import kv_bytes_per_token, pool_bytes
 from deepinfer.engine.model_runner import ModelRunner, PreparedStep
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import Request, Status
@@ -45,7 +46,6 @@ from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
 from deepinfer.engine.structured_requests import StructuredRequests
 from deepinfer.errors import EngineDeadError
 from deepinfer.kernels import huge_pages
-from deepinfer.memory import kv_bytes_per_token, pool_bytes
 from deepinfer.models.base import CausalLM
 from deepinfer.models.llama import LlamaForCausalLM
 from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -365,7 +365,7 @@ class Engine:
             return False
         if config.cpu_compile_after_s is not None:
             return True
-        from deepinfer.precompiled import PrecompiledStep
+        from deepinfer.compile.precompiled import PrecompiledStep
 
         cache_dir = self._compile_cache_dir(checkpoint)
         saved = PrecompiledStep(self.model, cache_dir).has_saved_variants()
@@ -376,7 +376,7 @@ class Engine:
     def _compile_cache_dir(self, checkpoint: Path | None) -> Path:
         if self.config.compile_cache_dir is not None:
             return Path(self.config.compile_cache_dir)
-        from deepinfer.precompiled import default_cache_dir
+        from deepinfer.compile.precompiled import default_cache_dir
 
         return default_cache_dir(checkpoint)
 

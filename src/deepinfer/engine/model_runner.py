@@ -80,7 +80,7 @@ class ModelRunner:
         num_window_blocks: int | None = None,
     ) -> None:
         """``ced_replay``: with CED prefill, how many trailing prompt tokens run the decoder.
-        ``compile_model``: run the step through ``torch.compile`` (``deepinfer.compilation``).
+        ``compile_model``: run the step through ``torch.compile`` (``deepinfer.compile.compilation``).
         ``graph_capture``: replay pure-decode steps of up to ``max_graph_batch`` sequences
         from graphs captured by this platform backend (``DecodeGraphRunner``).
         ``feature_offsets``: (chunk tokens, drafts) -> chunk offsets whose draft features a
@@ -139,12 +139,12 @@ class ModelRunner:
         after ``compile_after_s`` of them), else compiled by ``torch.compile`` in this process."""
         device = next(model.parameters()).device
         if cache_dir is not None and backend == "inductor" and device.type == "cpu":
-            from deepinfer.precompiled import PrecompiledStep
+            from deepinfer.compile.precompiled import PrecompiledStep
 
             return PrecompiledStep(
                 model, cache_dir, compile_missing=compile_missing, compile_after_s=compile_after_s
             )
-        from deepinfer.compilation import compile_step
+        from deepinfer.compile.compilation import compile_step
 
         return compile_step(model, backend=backend)
 

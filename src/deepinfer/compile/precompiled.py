@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
-import deepinfer.compilation as compilation
+import deepinfer.compile.compilation as compilation
 from deepinfer.cache.forward_batch import ForwardBatch
-from deepinfer.compilation import (
+from deepinfer.compile.compilation import (
     GraphPass,
     PassManager,
     configure_dynamo,
@@ -52,11 +52,11 @@ from deepinfer.compilation import (
     mark_step_dynamic,
     prepare_model,
 )
-from deepinfer.cpp_wrapper_args import cache_scalar_args
-from deepinfer.gc_heap import freeze_long_lived
+from deepinfer.compile.cpp_wrapper_args import cache_scalar_args
+from deepinfer.compile.gc_heap import freeze_long_lived
+from deepinfer.compile.pregraph_calls import use_plain_helpers
 from deepinfer.models.base import CausalLM
 from deepinfer.platforms import cpu_blas
-from deepinfer.pregraph_calls import use_plain_helpers
 
 logger = logging.getLogger(__name__)
 
@@ -80,20 +80,19 @@ def default_cache_dir(checkpoint: Path | None) -> Path:
 # list names what to leave out rather than what to keep, so a new module the step calls is
 # covered without anyone remembering to add it.
 _NOT_IN_STEP = (
-    "bench_serve.py",
-    "benchmarking.py",
+    "bench",
     "cache/native_group_meta.py",  # with step_metadata.py: builds the step's inputs on
     "cache/step_metadata.py",  # the host; a new input layout is caught by the saved
     # variants' guards, which then compile one for it
     "chat",
     "cli.py",
+    "compile/gc_heap.py",
+    "compile/graph_dump.py",
+    "compile/pregraph_calls.py",  # the loaded bytecode's size helpers, not the compiled code
     "engine",
-    "gc_heap.py",
-    "graph_dump.py",
     "llm.py",
     "outputs.py",
     "platforms/cpu_blas.py",  # sets MKL's and OpenMP's threads around a step, never inside one
-    "pregraph_calls.py",  # the loaded bytecode's size helpers, not the compiled code
     "sampling/sampler.py",  # samples a step's logits on the host, after the step
     "sampling_params.py",
     "server",

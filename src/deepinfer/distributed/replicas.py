@@ -31,7 +31,7 @@ from deepinfer.sampling_params import SamplingParams
 
 JOIN_S = 10.0  # a closing worker gets this long before it is terminated
 _FD_ENV = "DEEPINFER_REPLICA_FD"  # the worker's end of its socket pair
-_CHILD = "from deepinfer.replicas import child_main; child_main()"
+_CHILD = "from deepinfer.distributed.replicas import child_main; child_main()"
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def balanced_shares(costs: Sequence[float], parts: int) -> list[list[int]]:
 
 # a worker's task: (its share, a progress callback or None) -> its result. ``LLM``'s shares
 # are ``RequestSpec`` groups and its results ``RequestOutput`` lists; the benchmark's peer
-# replicas send batches of token ids (benchmarking.PeerProcesses)
+# replicas send batches of token ids (bench.workloads.PeerProcesses)
 Runner = Callable[[Any, Callable[[int], None] | None], Any]
 
 

@@ -162,14 +162,14 @@ class PeerProcesses:
     comparison that splits our engine must split the peer too."""
 
     def __init__(self, path: Path, processes: int, threads: int) -> None:
-        from deepinfer.replicas import ReplicaPool
+        from deepinfer.distributed.replicas import ReplicaPool
 
         self.processes = processes
         self.pool = ReplicaPool(processes, _peer_worker, (str(path), threads))
         self.pool.wait_ready()
 
     def run(self, work: Workload, batch_size: int) -> PeerRun:
-        from deepinfer.replicas import balanced_shares
+        from deepinfer.distributed.replicas import balanced_shares
 
         batches = peer_batches(work, batch_size)
         costs = [len(b) * max(work.output_lens[i] for i in b) for b in batches]
@@ -188,7 +188,7 @@ class PeerProcesses:
 def _peer_worker(conn, path: str, threads: int) -> None:
     """A ``PeerProcesses`` worker: ``transformers`` on ``threads`` threads, warmed up with one
     small batch, then the batches it is sent (a workload and its batches' request indices)."""
-    from deepinfer.replicas import serve
+    from deepinfer.distributed.replicas import serve
 
     torch.set_num_threads(threads)
 

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from deepinfer.bench_serve import CHAT_PROMPTS
+from deepinfer.bench.serve import CHAT_PROMPTS
 from deepinfer.kernels import cpu_int4_vnni, weight_only
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams

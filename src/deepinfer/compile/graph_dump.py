@@ -18,7 +18,7 @@ import torch
 
 from deepinfer.cache.pools import CacheLayout, allocate_pools
 from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch
-from deepinfer.compilation import compile_step
+from deepinfer.compile.compilation import compile_step
 from deepinfer.compile_passes import PASSES
 
 GRAPH_ARCHS = ("deepseek_v4", "deepseek_v41", "llama")
