@@ -128,7 +128,7 @@ def test_a_nan_row_fails_its_request_alone_on_cuda(tmp_path):
     ]
     clean = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     engine = llm.engine
-    real = engine._execute
+    real = engine.executor.run
 
     def execute(prepared, input_ids):
         logits, features = real(prepared, input_ids)
@@ -139,7 +139,7 @@ def test_a_nan_row_fails_its_request_alone_on_cuda(tmp_path):
                 logits[row] = float("nan")
         return logits, features
 
-    engine._execute = execute
+    engine.executor.run = execute
     try:
         for victim in (0, 1):  # a sampled victim, then a greedy one
             outs = llm.generate(prompts, params, use_tqdm=False)
@@ -150,7 +150,7 @@ def test_a_nan_row_fails_its_request_alone_on_cuda(tmp_path):
                 else:
                     assert c.finish_reason == "length" and c.token_ids == clean[i], i
     finally:
-        del engine._execute
+        del engine.executor.run
     assert engine.pool.num_free == engine.num_blocks
 
 

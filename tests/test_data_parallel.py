@@ -135,8 +135,8 @@ def test_eplb_counts_every_ranks_tokens_and_keeps_the_outputs(tmp_path):
     try:
         got = tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
         engine = llm.engine
-        assert engine.placement is not None and engine._eplb_steps >= 3
-        counted = engine.eplb.total()
+        assert engine.executor.placement is not None and engine.executor.steps_counted >= 3
+        counted = engine.executor.eplb.total()
     finally:
         llm.close()
     assert_same(got, expected)

@@ -212,12 +212,12 @@ def test_prefix_cache_is_shared_only_under_the_same_salt(llm):
 def test_cpu_malloc_tuning_is_applied_once_and_can_be_refused(v4_ckpt, monkeypatch):
     """The CPU engine sets glibc's allocation thresholds at start (``tune_cpu_malloc``,
     default on) and leaves them alone when told; a non-bool is named."""
-    import deepinfer.engine.engine as engine_module
+    import deepinfer.engine.setup as engine_setup
     from deepinfer.platforms.cpu import tune_malloc
 
     assert tune_malloc() is True  # glibc here: mallopt took both settings
     calls: list[int] = []
-    monkeypatch.setattr(engine_module, "tune_malloc", lambda: calls.append(1))
+    monkeypatch.setattr(engine_setup, "tune_malloc", lambda: calls.append(1))
     LLM(str(v4_ckpt), tune_cpu_malloc=False, num_cache_blocks=16)
     assert calls == []
     LLM(str(v4_ckpt), num_cache_blocks=16)

@@ -68,8 +68,8 @@ def expected_alone(alone: LLM, work) -> list[list[int]]:
 
 
 def nan_rows_of(engine, victim: str, after: int):
-    """Wraps ``engine._execute``: the victim's sampled row is NaN from its ``after``-th token on."""
-    real = engine._execute
+    """Wraps ``engine.executor.run``: the victim's sampled row is NaN from its ``after``-th token on."""
+    real = engine.executor.run
 
     def execute(prepared, input_ids):
         logits, features = real(prepared, input_ids)
@@ -99,7 +99,7 @@ def test_nan_logits_in_one_row_fail_that_request_alone(engines, monkeypatch, wor
     engine = batched.engine
     ids = [f"r{i}" for i in range(len(work))]
     with monkeypatch.context() as m:
-        m.setattr(engine, "_execute", nan_rows_of(engine, ids[victim], after))
+        m.setattr(engine.executor, "run", nan_rows_of(engine, ids[victim], after))
         for rid, (i, (prompt, greedy, n)) in zip(ids, enumerate(work), strict=True):
             engine.add_request(rid, prompt, params_of(i, greedy, n))
         outs = {}
@@ -161,7 +161,7 @@ def test_a_step_that_raises_fails_its_requests_and_no_others(llama_path, monkeyp
     work = [([5, 6, 7], True, 4), ([9, 10], True, 4), ([3, 4, 5, 6], False, 4), ([8], True, 4)]
     expected = expected_alone(alone, work)
     engine = llm.engine
-    real = engine._execute
+    real = engine.executor.run
     calls = {"n": 0}
 
     def execute(prepared, input_ids):
@@ -170,7 +170,7 @@ def test_a_step_that_raises_fails_its_requests_and_no_others(llama_path, monkeyp
             raise RuntimeError("injected step failure")
         return real(prepared, input_ids)
 
-    monkeypatch.setattr(engine, "_execute", execute)
+    monkeypatch.setattr(engine.executor, "run", execute)
     outs = llm.generate([p for p, _, _ in work], [params_of(i, g, n) for i, (_, g, n) in enumerate(work)])
     assert [o.outputs[0].finish_reason for o in outs] == ["error", "error", "length", "length"]
     assert "injected step failure" in outs[0].outputs[0].error

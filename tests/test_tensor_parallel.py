@@ -216,13 +216,15 @@ def test_eplb_rebalancing_moves_experts_without_changing_outputs(tmp_path):
     try:
         got = tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
         engine = llm.engine
-        assert engine.placement is not None and engine._eplb_steps >= 3
+        assert engine.executor.placement is not None and engine.executor.steps_counted >= 3
         experts = llm.model.config.n_routed_experts
         moes = [m for m in llm.model.modules() if hasattr(m, "expert_offset")]
         assert all(m.w1_stacked.shape[0] == (experts + 2) // 2 for m in moes)
         assert any((m.replica_maps[1] > 1).any() for m in moes)  # some expert has two replicas
         # the balance is reported for the placement in force, not the initial one
-        assert engine.moe_lb() == pytest.approx(moe_lb(engine.placement, engine.eplb.total()))
+        assert engine.moe_lb() == pytest.approx(
+            moe_lb(engine.executor.placement, engine.executor.eplb.total())
+        )
     finally:
         llm.close()
     assert_same(got, expected)

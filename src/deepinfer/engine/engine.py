@@ -1,5 +1,9 @@
 """The engine loop: add requests, step, collect outputs.
 
+A step is schedule (``Scheduler``), prepare (``ModelRunner.prepare``), run
+(``Executor.run``), then process: sampling, speculative verification and outputs. How the
+engine is built is decided in ``engine/setup.py``.
+
 With ``async_scheduling`` the model runs step N on a worker thread while this thread
 schedules and prepares step N+1 (torch releases the GIL inside kernels). Tokens sampled by
 step N reach step N+1's inputs just before it launches, so outputs equal synchronous mode.
@@ -20,23 +24,12 @@ import torch
 from deepinfer.cache import kv_dtypes
 from deepinfer.cache.pools import CacheLayout
 from deepinfer.config import EngineConfig
-from deepinfer.distributed.eplb import (
-    ExpertLoadWindow,
-    ExpertPlacement,
-    identity_placement,
-    moe_lb,
-    rebalance_experts,
-)
-from deepinfer.distributed.tensor_parallel import check_divisible
-from deepinfer.distributed.workers import (
-    CacheSetup,
-    TensorParallelGroup,
-    gather_rows,
-    reduce_expert_load,
-    shard,
-)
+from deepinfer.distributed.eplb import ExpertPlacement
+from deepinfer.distributed.workers import CacheSetup, TensorParallelGroup
+from deepinfer.engine import setup
 from deepinfer.engine.block_pool import BlockPool
 from deepinfer.engine.dp_scheduler import DataParallelScheduler
+from deepinfer.engine.executor import Executor
 from deepinfer.engine.graph_runner import measure_step_memory
 from deepinfer.engine.memory import kv_bytes_per_token, pool_bytes
 from deepinfer.engine.model_runner import ModelRunner, PreparedStep
@@ -45,12 +38,9 @@ from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
 from deepinfer.engine.structured_requests import StructuredRequests
 from deepinfer.errors import EngineDeadError
-from deepinfer.kernels import huge_pages
 from deepinfer.models.base import CausalLM
-from deepinfer.models.llama import LlamaForCausalLM
 from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from deepinfer.platforms import Platform, platform_for
-from deepinfer.platforms.cpu import tune_malloc
+from deepinfer.platforms import platform_for
 from deepinfer.sampling.sampler import INVALID_ROW, SamplingRow, make_generator, sample
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.speculative.config import SpeculativeConfig
@@ -59,20 +49,6 @@ from deepinfer.speculative.drafter import Drafter, feature_offsets_for
 from deepinfer.speculative.rollback import Rollback
 
 logger = logging.getLogger("deepinfer")
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    """Free memory where the cache will live: device memory on CUDA, MemAvailable on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
 
 
 class Engine:
@@ -101,7 +77,7 @@ class Engine:
         self.tp: TensorParallelGroup | None = None
         self.data_parallel = config.data_parallel_size > 1
         if config.world_size > 1:
-            self.tp = self._start_tensor_parallel(checkpoint)
+            self.tp = setup.start_tensor_parallel(model, config, self.device, checkpoint)
             weakref.finalize(self, self.tp.close)
         self.kv_dtype = dtype
         self.layout = CacheLayout.from_specs(
@@ -111,19 +87,10 @@ class Engine:
             packed_kv=config.kv_cache_dtype == "auto",  # the trained precision where the model has one
         )
         platform = platform_for(self.device)
-        use_compile, use_graphs = self._execution_modes(platform)
-        # compile=None on the CPU, where compiling pays: saved variants run, and a step none
-        # covers runs eagerly until such steps have taken cpu_compile_after_s (then compiles)
-        compile_missing = not (config.compile is None and not use_compile)
-        if not compile_missing:
-            use_compile = self._cpu_default_compiles(platform, checkpoint)
+        modes = setup.execution_modes(config, model, platform, checkpoint)
+        use_compile, use_graphs = modes.compile, modes.graphs
         if self.device.type == "cpu":
-            if config.tune_cpu_malloc:
-                tune_malloc()
-            huge_pages.set_enabled(config.cpu_huge_pages)
-            model.pack_weights()  # CPU projections packed once (cpu_packed_gemm; bf16: oneDNN too)
-            if use_compile:  # compiled steps' projections on packed copies (deepinfer::packed_linear)
-                model.register_packed_projections()
+            setup.prepare_cpu_weights(model, config, use_compile)
         drafter = self._drafter()
         graph_batch = min(config.max_graph_batch_size, config.max_num_seqs)
         # the graphs' memory pool holds about one largest-bucket step's activations, and a
@@ -137,11 +104,13 @@ class Engine:
         self.window_pools: list[BlockPool] | None = None
         num_window_blocks = None
         if self.layout.bounded_window:
-            num_window_blocks = self._window_blocks()
+            num_window_blocks = setup.window_blocks(config, self.layout)
             self.window_pools = [BlockPool(num_window_blocks) for _ in range(ranks)]
             side_bytes += (num_window_blocks + 1) * self.layout.window_block_bytes(dtype)
         self.window_pool = self.window_pools[0] if self.window_pools is not None else None
-        num_blocks = config.num_cache_blocks or self._blocks_for_budget(dtype, side_bytes)
+        num_blocks = config.num_cache_blocks or setup.blocks_for_budget(
+            config, self.layout, dtype, self.device, self.max_model_len, side_bytes
+        )
         self.pools = [BlockPool(num_blocks) for _ in range(ranks)]
         self.pool = self.pools[0]
         self.runner = ModelRunner(
@@ -158,17 +127,12 @@ class Engine:
             max_graph_batch=graph_batch,
             feature_offsets=feature_offsets_for(drafter) if drafter is not None else None,
             kv_cache_dtype=dtype,
-            compile_cache_dir=self._compile_cache_dir(checkpoint) if use_compile else None,
-            compile_missing=compile_missing,
-            compile_after_s=None if compile_missing else config.cpu_compile_after_s,
+            compile_cache_dir=setup.compile_cache_dir(config, checkpoint) if use_compile else None,
+            compile_missing=modes.compile_missing,
+            compile_after_s=None if modes.compile_missing else config.cpu_compile_after_s,
             num_window_blocks=num_window_blocks,
         )
-        # EPLB: count each expert's tokens (rank 0 routes every token) and re-place periodically
-        self.eplb: ExpertLoadWindow | None = None
-        self.placement: ExpertPlacement | None = None
-        self._eplb_steps = 0
-        if config.enable_eplb:
-            self.eplb = ExpertLoadWindow(model, config.eplb_window_size)
+        self.executor = Executor(self.runner, model, config, self.tp)
         if self.tp is not None:
             self.tp.setup(
                 CacheSetup(
@@ -179,7 +143,7 @@ class Engine:
                     num_blocks,
                     config.max_num_seqs,
                     num_window_blocks,
-                    count_expert_load=self.eplb is not None and self.data_parallel,
+                    count_expert_load=self.executor.eplb is not None and self.data_parallel,
                 )
             )
         if self.runner.graphs is not None:
@@ -215,7 +179,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         # drafting needs the previous step's tokens; EPLB moves experts between steps
         use_async = platform_async and self.spec is None and not config.enable_eplb
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-step") if use_async else None
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-step") if use_async else None
         self._inflight: tuple[PreparedStep, Future] | None = None
         self._open_steps: list[list[ScheduledChunk]] = []  # scheduled, not yet processed
         block_mib = self.layout.block_bytes(dtype) / 2**20
@@ -228,157 +192,11 @@ class Engine:
             block_mib,
         )
 
-    def _start_tensor_parallel(self, checkpoint: Path | None) -> TensorParallelGroup:
-        """Start ranks 1 .. N-1 (each loads the checkpoint and keeps its share) and shard this
-        process's model as rank 0: Llama heads and MLP, DeepSeek attention heads and output
-        groups, and with ``enable_expert_parallel`` a DeepSeek model's routed experts; under
-        data parallel, whole replicas (their routed experts split with expert parallel)."""
-        size, model = self.config.world_size, self.model
-        experts = getattr(model.config, "n_routed_experts", 0)
-        if self.data_parallel:
-            mode = "data+ep" if self.config.enable_expert_parallel else "data"
-            if self.config.enable_expert_parallel and (not experts or experts % size):
-                raise ValueError(f"expert parallel size {size} does not divide the {experts} routed experts")
-        elif isinstance(model, LlamaForCausalLM):
-            mode = "llama"
-            check_divisible(model.config, size)
-        else:
-            mode = "deepseek+ep" if self.config.enable_expert_parallel else "deepseek"
-            if self.config.enable_expert_parallel and (not experts or experts % size):
-                raise ValueError(f"expert parallel size {size} does not divide the {experts} routed experts")
-            heads, groups = model.config.num_attention_heads, model.config.o_groups
-            if heads % size or groups % size:
-                raise ValueError(
-                    f"tensor_parallel_size={size} does not divide {heads} heads and {groups} output groups"
-                )
-        if checkpoint is None:
-            raise ValueError(
-                "tensor_parallel_size or data_parallel_size > 1 needs the checkpoint directory "
-                "(Engine(..., checkpoint=))"
-            )
-        load_kwargs = {
-            "path": str(checkpoint),
-            "dtype": model.compute_dtype,
-            "device": str(self.device),
-            "fake_quant": self.config.fake_quant,
-            "keep_quantized": self.config.quantization in (None, "fp8"),
-        }
-        group = TensorParallelGroup(size, mode, load_kwargs)
-        shard(model, mode, 0, size)
-        return group
-
     def close(self) -> None:
         """Stop the tensor-parallel workers and the grammar compiler's thread."""
         self.structured.close()
         if self.tp is not None:
             self.tp.close()
-
-    def _execute(self, prepared: PreparedStep, input_ids: torch.Tensor):
-        """Run a step, timed on the CPU (where the forward's wall time is its cost; the
-        hardware verification schedule reads it)."""
-        if self.runner.device.type != "cpu":
-            return self._execute_step(prepared, input_ids)
-        start = time.perf_counter()
-        out = self._execute_step(prepared, input_ids)
-        prepared.forward_s = time.perf_counter() - start
-        return out
-
-    def _execute_step(self, prepared: PreparedStep, input_ids: torch.Tensor):
-        """Run a step: on every rank when tensor parallel (its chunks broadcast first); under
-        data parallel each rank runs its own chunks and rank 0 gathers the logits."""
-        if self.tp is None:
-            if self.config.batch_invariant and len(prepared.chunks) > 1:
-                return self._execute_each(prepared)
-            return self.runner.execute(prepared, input_ids)
-        tp = self.tp
-        if self.data_parallel:
-            return self._execute_data_parallel(tp, prepared, input_ids)
-        tp.step(prepared.seq_chunks or [], input_ids, prepared.padding)
-        return tp.checked(lambda: self.runner.execute(prepared, input_ids))
-
-    def _execute_each(self, prepared: PreparedStep) -> tuple[torch.Tensor, None]:
-        """``batch_invariant``: every chunk as a forward of its own (the kernels then see
-        the shapes the chunk alone would give them), logits rows joined in chunk order."""
-        parts = []
-        for chunk in prepared.chunks:
-            alone = self.runner.prepare([chunk])
-            logits, _ = self.runner.execute(alone, self.runner.input_ids(alone))
-            rows = len(alone.seq_chunks[0].logits_offsets) if alone.seq_chunks else 0
-            parts.append(logits[:rows])
-        return torch.cat(parts), None
-
-    def _execute_data_parallel(
-        self, tp: TensorParallelGroup, prepared: PreparedStep, input_ids: torch.Tensor
-    ):
-        """Every rank its chunks (ids read now, at launch), rank 0's part here, then every
-        rank's logits rows joined in rank order (the step's chunks are grouped by rank)."""
-        seq_chunks = prepared.seq_chunks or []
-        parts, rows = [], []
-        for rank in range(tp.size):
-            mine = prepared.on_rank(rank)
-            rows.append(sum(len(seq_chunks[i].logits_offsets) for i in mine))
-            if rank == 0:  # runs here
-                parts.append(([], None))
-            else:
-                parts.append(([seq_chunks[i] for i in mine], self.runner.input_ids(prepared, rank).cpu()))
-        tp.data_parallel_step(parts, rows)
-
-        def run_here() -> torch.Tensor:
-            logits, _ = self.runner.execute(prepared, input_ids)
-            joined = gather_rows(logits, rows)
-            if self.eplb is not None:
-                reduce_expert_load(self.eplb.layers, idle=not prepared.on_rank(0))
-            assert joined is not None
-            return joined
-
-        return tp.checked(run_here), None
-
-    def _execution_modes(self, platform: Platform) -> tuple[bool, bool]:
-        """(compile the step, replay decode steps from captured graphs), from the options or
-        the platform's defaults; refuses what the platform or the model cannot do."""
-        config = self.config
-        if config.world_size > 1:
-            return False, False  # tensor and data parallel run eager steps so far
-        use_compile = platform.compile_by_default if config.compile is None else config.compile
-        use_graphs = platform.capture is not None if config.capture_graphs is None else config.capture_graphs
-        if use_graphs and platform.capture is None:
-            raise ValueError(f"capture_graphs=True: the {platform.name} platform has no graph mode")
-        if config.ced_prefill and self.model.ced_split is None:
-            raise ValueError(f"ced_prefill: {type(self.model).__name__} has no causal encoder/decoder split")
-        return use_compile, use_graphs
-
-    def _cpu_default_compiles(self, platform: Platform, checkpoint: Path | None) -> bool:
-        """Whether ``compile=None`` runs the step through saved compiled variants: on the CPU,
-        for a model whose compiled step measured faster than eager (``cpu_compile_pays``),
-        when an earlier process saved a variant of this configuration or when missing ones
-        may be compiled once eager steps have cost about a compile (``cpu_compile_after_s``,
-        ski rental: ``PrecompiledStep``). A first compile of a variant costs more than a short
-        run gains; loading a saved one costs a small fraction of that."""
-        config = self.config
-        if (
-            platform.name != "cpu"
-            or not self.model.cpu_compile_pays
-            or config.compile_backend != "inductor"
-            or config.world_size > 1
-            or config.batch_invariant  # eager steps by definition
-        ):
-            return False
-        if config.cpu_compile_after_s is not None:
-            return True
-        from deepinfer.compile.precompiled import PrecompiledStep
-
-        cache_dir = self._compile_cache_dir(checkpoint)
-        saved = PrecompiledStep(self.model, cache_dir).has_saved_variants()
-        if saved:
-            logger.info("compile=None: running the compiled step saved in %s", cache_dir)
-        return saved
-
-    def _compile_cache_dir(self, checkpoint: Path | None) -> Path:
-        if self.config.compile_cache_dir is not None:
-            return Path(self.config.compile_cache_dir)
-        from deepinfer.compile.precompiled import default_cache_dir
-
-        return default_cache_dir(checkpoint)
 
     def _drafter(self) -> Drafter | None:
         """The drafter ``speculative_config`` asks for (None without speculative decoding)."""
@@ -410,35 +228,6 @@ class Engine:
             sps = self.runner.steps_per_second(self.config.max_num_batched_tokens)
         rollback = Rollback(ratios, overlap_ratios, self.runner)
         return SpeculativeDecoder(config, drafter, self.max_model_len, rollback, sps, lagged)
-
-    def _window_blocks(self) -> int:
-        """Window-pool blocks: every sequence's window between steps plus a step's chunks
-        (a chunk of C tokens may add ceil(C / block_size) + 1 blocks), twice over: the second
-        half keeps given-back window blocks as evictable prefix-cache entries."""
-        cfg, layout = self.config, self.layout
-        active = cfg.max_num_seqs * (layout.window_blocks_per_sequence() + 1) + math.ceil(
-            cfg.max_num_batched_tokens / layout.block_size
-        )
-        return 2 * active
-
-    def _blocks_for_budget(self, dtype: torch.dtype, graph_bytes: int = 0) -> int:
-        """Blocks that fit the budget after the sequence slots, the null block and slot, and
-        ``graph_bytes`` (the captured graphs' memory pool, a drafter's own caches)."""
-        cfg = self.config
-        budget = cfg.kv_cache_memory_bytes or int(
-            cfg.cache_memory_fraction * available_memory_bytes(self.device)
-        )
-        budget -= (cfg.max_num_seqs + 1) * self.layout.slot_bytes(dtype) + graph_bytes
-        block = self.layout.block_bytes(dtype)
-        # never more than every slot filled to max_model_len needs (all of that when a block
-        # costs nothing: sliding-window layers alone, their window bounded apart)
-        most = cfg.max_num_seqs * math.ceil(self.max_model_len / self.layout.block_size)
-        blocks = min((budget - block) // block, most) if block else most  # less the null block
-        if blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes} is too small for one cache block"
-            )
-        return int(blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -606,13 +395,13 @@ class Engine:
         return updated
 
     def _step(self) -> list[Request]:
-        if self._executor is None:
+        if self._worker is None:
             prepared = self._schedule()
             if prepared is None:
                 return []
-            logits, features = self._execute(prepared, self.runner.input_ids(prepared))
+            logits, features = self.executor.run(prepared, self.runner.input_ids(prepared))
             updated = self._process(prepared, logits, features)
-            self._count_expert_load()
+            self.executor.count_expert_load()
             return updated
         if self._inflight is None:
             prepared = self._schedule()
@@ -627,7 +416,7 @@ class Engine:
         updated = self._process(current, logits, features)
         if upcoming is not None:
             self._launch(upcoming)
-        self._count_expert_load()
+        self.executor.count_expert_load()
         return updated
 
     def _fail_open_steps(self, error: str) -> list[Request]:
@@ -648,40 +437,13 @@ class Engine:
         self._open_steps.clear()
         return list(reported.values())
 
-    def _count_expert_load(self) -> None:
-        """EPLB: move the step's expert counts into the window; re-place every interval."""
-        if self.eplb is None:
-            return
-        self.eplb.snapshot()
-        self._eplb_steps += 1
-        if self._eplb_steps % self.config.eplb_step_interval == 0:
-            self.rebalance_experts()
-
     def rebalance_experts(self) -> ExpertPlacement:
-        """Re-place the experts over the ranks for the load counted in the window (EPLB,
-        with ``num_redundant_experts`` replicas of hot experts), moving weights between
-        ranks in place; returns the new placement."""
-        if self.eplb is None or self.tp is None:
-            raise ValueError("rebalance_experts needs enable_eplb=True (expert parallel over several ranks)")
-        load = self.eplb.total().float()
-        experts = load.shape[1]
-        placement = rebalance_experts(load, experts + self.config.num_redundant_experts, self.tp.size)
-        before = self.moe_lb()
-        self.tp.rebalance(self.model, placement)
-        self.placement = placement
-        logger.info("EPLB: moe_lb %.3f -> %.3f over the last window", before, self.moe_lb())
-        return placement
+        """Re-place the experts over the ranks for the counted load now (EPLB)."""
+        return self.executor.rebalance_experts()
 
     def moe_lb(self) -> float:
-        """Slowest rank / mean rank of the counted expert load under the current placement
-        (``deepinfer:moe_lb``; 1.0 before anything was counted)."""
-        if self.eplb is None or self.tp is None:
-            return 1.0
-        load = self.eplb.total()
-        if not load.any():
-            return 1.0
-        placement = self.placement or identity_placement(load.shape[0], load.shape[1], self.tp.size)
-        return moe_lb(placement, load)
+        """Slowest rank / mean rank of the counted expert load (``deepinfer:moe_lb``)."""
+        return self.executor.moe_lb()
 
     def _draft(self, request: Request, room: int) -> list[int]:
         """The speculative decoder's draft, cut where the request's grammar rejects it."""
@@ -698,16 +460,16 @@ class Engine:
         for c in chunks:
             if c.request.first_scheduled_time is None:
                 c.request.first_scheduled_time = now
-            if c.samples and self._executor is not None:
+            if c.samples and self._worker is not None:
                 c.request.pending_tokens += 1  # the token this step will sample
         if self.spec is not None:
             self.spec.before_step(chunks)
         return self.runner.prepare(chunks, data_parallel=self.data_parallel)
 
     def _launch(self, prepared: PreparedStep) -> None:
-        assert self._executor is not None
+        assert self._worker is not None
         input_ids = self.runner.input_ids(prepared)
-        self._inflight = (prepared, self._executor.submit(self._execute, prepared, input_ids))
+        self._inflight = (prepared, self._worker.submit(self.executor.run, prepared, input_ids))
 
     def _process(
         self, prepared: PreparedStep, logits: torch.Tensor, features: torch.Tensor | None = None
@@ -716,7 +478,7 @@ class Engine:
         of drafted chunks, prefix-cache publishing, then the drafter's turn."""
         chunks = prepared.chunks
         live = [(c, row) for c, row in zip(chunks, prepared.sample_rows, strict=True) if row >= 0]
-        if self._executor is not None:  # only an asynchronous engine counts in-flight tokens
+        if self._worker is not None:  # only an asynchronous engine counts in-flight tokens
             for c, _ in live:
                 c.request.pending_tokens = max(0, c.request.pending_tokens - 1)
         live = [(c, row) for c, row in live if not c.request.finished]
@@ -872,5 +634,5 @@ class Engine:
         if self._inflight is not None:
             self._inflight[1].result()
             self._inflight = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)

@@ -1,0 +1,203 @@
+"""How an engine is built, decided once before its first step: which execution modes the step
+uses (compiled, captured graphs), how the weights are prepared for the CPU, how many cache
+blocks fit the memory budget, and the worker ranks of tensor, expert or data parallelism.
+
+These are the policy decisions of construction; ``Engine.__init__`` applies them in order and
+keeps only the objects they produce.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deepinfer.cache.pools import CacheLayout
+from deepinfer.config import EngineConfig
+from deepinfer.distributed.tensor_parallel import check_divisible
+from deepinfer.distributed.workers import TensorParallelGroup, shard
+from deepinfer.kernels import huge_pages
+from deepinfer.models.base import CausalLM
+from deepinfer.models.llama import LlamaForCausalLM
+from deepinfer.platforms import Platform
+from deepinfer.platforms.cpu import tune_malloc
+
+logger = logging.getLogger("deepinfer")
+
+
+@dataclass(frozen=True)
+class ExecutionModes:
+    """How the engine's steps run. ``compile_missing``: a step variant with no saved compiled
+    form is compiled when first met (False: the CPU default, which runs such steps eagerly
+    until they have cost about one compile, ``cpu_compile_after_s``)."""
+
+    compile: bool
+    graphs: bool
+    compile_missing: bool
+
+
+def execution_modes(
+    config: EngineConfig, model: CausalLM, platform: Platform, checkpoint: Path | None
+) -> ExecutionModes:
+    """Compile the step or not, and replay decode steps from captured graphs or not, from the
+    options or the platform's defaults; refuses what the platform or the model cannot do."""
+    if config.world_size > 1:
+        use_compile, use_graphs = False, False  # tensor and data parallel run eager steps
+    else:
+        use_compile = platform.compile_by_default if config.compile is None else config.compile
+        use_graphs = platform.capture is not None if config.capture_graphs is None else config.capture_graphs
+        if use_graphs and platform.capture is None:
+            raise ValueError(f"capture_graphs=True: the {platform.name} platform has no graph mode")
+        if config.ced_prefill and model.ced_split is None:
+            raise ValueError(f"ced_prefill: {type(model).__name__} has no causal encoder/decoder split")
+    # compile=None on the CPU, where compiling pays: saved variants run, and a step none
+    # covers runs eagerly until such steps have taken cpu_compile_after_s (then compiles)
+    compile_missing = not (config.compile is None and not use_compile)
+    if not compile_missing:
+        use_compile = cpu_default_compiles(config, model, platform, checkpoint)
+    return ExecutionModes(use_compile, use_graphs, compile_missing)
+
+
+def cpu_default_compiles(
+    config: EngineConfig, model: CausalLM, platform: Platform, checkpoint: Path | None
+) -> bool:
+    """Whether ``compile=None`` runs the step through saved compiled variants: on the CPU, for
+    a model whose compiled step measured faster than eager (``cpu_compile_pays``), when an
+    earlier process saved a variant of this configuration or when missing ones may be compiled
+    once eager steps have cost about a compile (``cpu_compile_after_s``, ski rental:
+    ``PrecompiledStep``). A first compile of a variant costs more than a short run gains;
+    loading a saved one costs a small fraction of that."""
+    if (
+        platform.name != "cpu"
+        or not model.cpu_compile_pays
+        or config.compile_backend != "inductor"
+        or config.world_size > 1
+        or config.batch_invariant  # eager steps by definition
+    ):
+        return False
+    if config.cpu_compile_after_s is not None:
+        return True
+    from deepinfer.compile.precompiled import PrecompiledStep
+
+    cache_dir = compile_cache_dir(config, checkpoint)
+    saved = PrecompiledStep(model, cache_dir).has_saved_variants()
+    if saved:
+        logger.info("compile=None: running the compiled step saved in %s", cache_dir)
+    return saved
+
+
+def compile_cache_dir(config: EngineConfig, checkpoint: Path | None) -> Path:
+    """Where compiled steps are saved: the option, else beside the checkpoint when writable."""
+    if config.compile_cache_dir is not None:
+        return Path(config.compile_cache_dir)
+    from deepinfer.compile.precompiled import default_cache_dir
+
+    return default_cache_dir(checkpoint)
+
+
+def prepare_cpu_weights(model: CausalLM, config: EngineConfig, use_compile: bool) -> None:
+    """On the CPU: the C library's allocation thresholds, huge pages for packed weights, and
+    the projections packed once for our GEMM kernels (registered as ``packed_linear`` inputs
+    when the step is compiled). Applied from outside the model's forward, whose math the plain
+    weights still define."""
+    if config.tune_cpu_malloc:
+        tune_malloc()
+    huge_pages.set_enabled(config.cpu_huge_pages)
+    model.pack_weights()
+    if use_compile:
+        model.register_packed_projections()
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory where the cache will live: device memory on CUDA, MemAvailable on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def window_blocks(config: EngineConfig, layout: CacheLayout) -> int:
+    """Window-pool blocks: every sequence's window between steps plus a step's chunks (a chunk
+    of C tokens may add ceil(C / block_size) + 1 blocks), twice over: the second half keeps
+    given-back window blocks as evictable prefix-cache entries."""
+    active = config.max_num_seqs * (layout.window_blocks_per_sequence() + 1) + math.ceil(
+        config.max_num_batched_tokens / layout.block_size
+    )
+    return 2 * active
+
+
+def blocks_for_budget(
+    config: EngineConfig,
+    layout: CacheLayout,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    side_bytes: int = 0,
+) -> int:
+    """Blocks that fit the budget after the sequence slots, the null block and slot, and
+    ``side_bytes`` (the captured graphs' memory pool, a drafter's own caches, the window
+    pool)."""
+    budget = config.kv_cache_memory_bytes or int(
+        config.cache_memory_fraction * available_memory_bytes(device)
+    )
+    budget -= (config.max_num_seqs + 1) * layout.slot_bytes(dtype) + side_bytes
+    block = layout.block_bytes(dtype)
+    # never more than every slot filled to max_model_len needs (all of that when a block
+    # costs nothing: sliding-window layers alone, their window bounded apart)
+    most = config.max_num_seqs * math.ceil(max_model_len / layout.block_size)
+    blocks = min((budget - block) // block, most) if block else most  # less the null block
+    if blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} is too small for one cache block"
+        )
+    return int(blocks)
+
+
+def start_tensor_parallel(
+    model: CausalLM, config: EngineConfig, device: torch.device, checkpoint: Path | None
+) -> TensorParallelGroup:
+    """Start ranks 1 .. N-1 (each loads the checkpoint and keeps its share) and shard this
+    process's model as rank 0: Llama heads and MLP, DeepSeek attention heads and output
+    groups, and with ``enable_expert_parallel`` a DeepSeek model's routed experts; under data
+    parallel, whole replicas (their routed experts split with expert parallel)."""
+    size = config.world_size
+    experts = getattr(model.config, "n_routed_experts", 0)
+    if config.data_parallel_size > 1:
+        mode = "data+ep" if config.enable_expert_parallel else "data"
+        if config.enable_expert_parallel and (not experts or experts % size):
+            raise ValueError(f"expert parallel size {size} does not divide the {experts} routed experts")
+    elif isinstance(model, LlamaForCausalLM):
+        mode = "llama"
+        check_divisible(model.config, size)
+    else:
+        mode = "deepseek+ep" if config.enable_expert_parallel else "deepseek"
+        if config.enable_expert_parallel and (not experts or experts % size):
+            raise ValueError(f"expert parallel size {size} does not divide the {experts} routed experts")
+        heads, groups = model.config.num_attention_heads, model.config.o_groups
+        if heads % size or groups % size:
+            raise ValueError(
+                f"tensor_parallel_size={size} does not divide {heads} heads and {groups} output groups"
+            )
+    if checkpoint is None:
+        raise ValueError(
+            "tensor_parallel_size or data_parallel_size > 1 needs the checkpoint directory (Engine(..., checkpoint=))"
+        )
+    load_kwargs = {
+        "path": str(checkpoint),
+        "dtype": model.compute_dtype,
+        "device": str(device),
+        "fake_quant": config.fake_quant,
+        "keep_quantized": config.quantization in (None, "fp8"),
+    }
+    group = TensorParallelGroup(size, mode, load_kwargs)
+    shard(model, mode, 0, size)
+    return group
