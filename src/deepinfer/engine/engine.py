@@ -12,7 +12,6 @@ step N reach step N+1's inputs just before it launches, so outputs equal synchro
 from __future__ import annotations
 
 import logging
-import math
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,11 +26,12 @@ from deepinfer.config import EngineConfig
 from deepinfer.distributed.eplb import ExpertPlacement
 from deepinfer.distributed.workers import CacheSetup, TensorParallelGroup
 from deepinfer.engine import setup
+from deepinfer.engine.admission import check_request
 from deepinfer.engine.block_pool import BlockPool
 from deepinfer.engine.dp_scheduler import DataParallelScheduler
 from deepinfer.engine.executor import Executor
 from deepinfer.engine.graph_runner import measure_step_memory
-from deepinfer.engine.memory import kv_bytes_per_token, pool_bytes
+from deepinfer.engine.memory import kv_cache_report
 from deepinfer.engine.model_runner import ModelRunner, PreparedStep
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import Request, Status
@@ -39,14 +39,12 @@ from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
 from deepinfer.engine.structured_requests import StructuredRequests
 from deepinfer.errors import EngineDeadError
 from deepinfer.models.base import CausalLM
-from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from deepinfer.outputs import RequestOutput
 from deepinfer.platforms import platform_for
 from deepinfer.sampling.sampler import INVALID_ROW, SamplingRow, make_generator, sample
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.speculative.config import SpeculativeConfig
-from deepinfer.speculative.decoder import SpeculativeDecoder, VerifiedChunk, build_drafter
-from deepinfer.speculative.drafter import Drafter, feature_offsets_for
-from deepinfer.speculative.rollback import Rollback
+from deepinfer.speculative.decoder import SpeculativeDecoder, VerifiedChunk
+from deepinfer.speculative.drafter import feature_offsets_for
 
 logger = logging.getLogger("deepinfer")
 
@@ -91,7 +89,7 @@ class Engine:
         use_compile, use_graphs = modes.compile, modes.graphs
         if self.device.type == "cpu":
             setup.prepare_cpu_weights(model, config, use_compile)
-        drafter = self._drafter()
+        drafter = setup.drafter_for(model, config)
         graph_batch = min(config.max_graph_batch_size, config.max_num_seqs)
         # the graphs' memory pool holds about one largest-bucket step's activations, and a
         # model drafter's private window caches come out of the same budget
@@ -155,7 +153,9 @@ class Engine:
         )
         self.spec: SpeculativeDecoder | None = None
         if config.speculative_config is not None and drafter is not None:
-            self.spec = self._speculative_decoder(config.speculative_config, drafter, lagged=platform_async)
+            self.spec = setup.speculative_decoder(
+                config, drafter, self.layout, self.runner, self.max_model_len, lagged=platform_async
+            )
         schedulers = [
             Scheduler(
                 config,
@@ -198,73 +198,21 @@ class Engine:
         if self.tp is not None:
             self.tp.close()
 
-    def _drafter(self) -> Drafter | None:
-        """The drafter ``speculative_config`` asks for (None without speculative decoding)."""
-        spec_config = self.config.speculative_config
-        if spec_config is None:
-            return None
-        drafter = build_drafter(self.model, spec_config, self.config.max_num_seqs)
-        if drafter.window and self.config.ced_prefill:
-            raise ValueError(
-                f"speculative_config.method={spec_config.method!r} reads every prompt row's "
-                "features; it cannot run with ced_prefill (whose decoder skips rows)"
-            )
-        return drafter
-
-    def _speculative_decoder(
-        self, config: SpeculativeConfig, drafter: Drafter, lagged: bool
-    ) -> SpeculativeDecoder:
-        """The decoder over the runner: its rollback saves and restores the runner's slots,
-        and the hardware schedule gets the runner's measured steps per second. ``lagged``:
-        the production schedule (capacity known two steps ahead), which an asynchronous
-        engine needs."""
-        specs = self.layout.specs
-        # Compressors keep per-sequence state a rejected draft may have advanced: their
-        # ratios, and those whose state includes the overlap (the last closed group)
-        ratios = sorted({s.ratio for s in specs if s.ratio})
-        overlap_ratios = sorted({s.ratio for s in specs if s.ratio and s.overlap})
-        sps = None
-        if config.schedule == "hardware":
-            sps = self.runner.steps_per_second(self.config.max_num_batched_tokens)
-        rollback = Rollback(ratios, overlap_ratios, self.runner)
-        return SpeculativeDecoder(config, drafter, self.max_model_len, rollback, sps, lagged)
-
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
     def memory_report(self) -> dict[str, Any]:
-        """The KV cache: bytes allocated (every pool tensor; on the CPU pages are touched as
-        blocks fill) and in use (blocks some request holds), and what a token costs per
-        layer kind (``LLM.memory_report``). Under data parallel: per rank (every rank has
-        pools of this size), with blocks in use summed over the ranks."""
-        block = self.layout.block_bytes(self.kv_dtype)
-        in_use = sum(1 for pool in self.pools for refs in pool.ref_count if refs > 0)
-        window = {}
-        if self.window_pool is not None and self.window_pools is not None:
-            window_block = self.layout.window_block_bytes(self.kv_dtype)
-            window_in_use = sum(1 for pool in self.window_pools for refs in pool.ref_count if refs > 0)
-            window = {
-                "window_blocks": self.window_pool.num_blocks,
-                "window_block_bytes": window_block,
-                "window_blocks_in_use": window_in_use,
-                "window_in_use_bytes": window_in_use * window_block,
-            }
-        return {
-            "dtype": str(self.kv_dtype).removeprefix("torch."),
-            "allocated_bytes": pool_bytes(self.runner.pools),
-            "block_size": self.layout.block_size,
-            "block_bytes": block,
-            "blocks": self.num_blocks,
-            "blocks_in_use": in_use,
-            "in_use_bytes": in_use * block + window.get("window_in_use_bytes", 0),
-            "slot_bytes": self.layout.slot_bytes(self.kv_dtype),
-            "bytes_per_token": block / self.layout.block_size,
-            "by_layer_kind": kv_bytes_per_token(self.layout, self.kv_dtype),
-            "bounded_window": self.layout.bounded_window,
-            "data_parallel_size": self.config.data_parallel_size,
-            **window,
-        }
+        """The KV cache's bytes allocated and in use and what a token costs per layer kind
+        (``LLM.memory_report``); under data parallel per rank, blocks in use summed."""
+        return kv_cache_report(
+            self.layout,
+            self.kv_dtype,
+            self.runner.pools,
+            self.pools,
+            self.window_pools,
+            self.config.data_parallel_size,
+        )
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -279,38 +227,18 @@ class Engine:
     ) -> Request:
         """Validate and queue a request; raises ValueError naming the bad field.
         ``cache_salt`` (vLLM's): only requests with the same salt share prefix-cache blocks."""
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if params.n != 1:
-            raise ValueError("the engine runs n=1 requests; LLM.generate expands n > 1 into siblings")
-        params.check_vocab(self.vocab_size)
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.config.max_logprobs:
-                raise ValueError(f"{name}: {value} is above max_logprobs={self.config.max_logprobs}")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
-        if not isinstance(prompt_token_ids, list | tuple) or not prompt_token_ids:
-            raise ValueError("prompt_token_ids must be a non-empty list of integers")
-        for t in prompt_token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise ValueError(
-                    f"prompt_token_ids: token id {t!r} is not an integer in [0, {self.vocab_size})"
-                )
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt_token_ids: prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len}"
-            )
-        longest = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
-        if math.ceil(longest / self.layout.block_size) > self.num_blocks:
-            raise ValueError(
-                f"max_tokens: this request may reach {longest} tokens but the cache holds "
-                f"{self.num_blocks * self.layout.block_size}; lower max_tokens or grow the cache"
-            )
+        check_request(
+            request_id,
+            prompt_token_ids,
+            params,
+            cache_salt,
+            in_use=request_id in self.requests if isinstance(request_id, str) else False,
+            vocab_size=self.vocab_size,
+            max_logprobs=self.config.max_logprobs,
+            max_model_len=self.max_model_len,
+            block_size=self.layout.block_size,
+            num_blocks=self.num_blocks,
+        )
         structured = params.structured_outputs
         if structured is not None:
             self.structured.check(structured)
@@ -600,35 +528,7 @@ class Engine:
     # ---- outputs --------------------------------------------------------------------------
 
     def make_output(self, req: Request) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0,
-            text=self.output_processor.text_of(req),
-            token_ids=list(req.output_token_ids),
-            cumulative_logprob=req.cumulative_logprob if req.params.logprobs is not None else None,
-            logprobs=req.logprobs,
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            error=req.error,
-        )
-        metrics = RequestMetrics(
-            arrival_time=req.arrival_time,
-            first_scheduled_time=req.first_scheduled_time,
-            first_token_time=req.first_token_time,
-            finished_time=req.finished_time,
-            num_generated_tokens=len(req.output_token_ids),
-            num_draft_tokens=req.num_draft_tokens,
-            num_accepted_tokens=req.num_accepted_tokens,
-        )
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=list(req.prompt_token_ids),
-            outputs=[completion],
-            finished=req.finished,
-            prompt_logprobs=req.prompt_logprobs,
-            num_cached_tokens=req.num_cached_tokens,
-            metrics=metrics,
-        )
+        return self.output_processor.make_output(req)
 
     def shutdown(self) -> None:
         if self._inflight is not None:

@@ -254,3 +254,44 @@ def format_plan(p: MemoryPlan) -> str:
         )
     lines += [f"assumes: {a}" for a in p.assumptions]
     return "\n".join(lines)
+
+
+def kv_cache_report(
+    layout: CacheLayout,
+    dtype: torch.dtype,
+    pool_tensors: list[Any],
+    block_pools: list[Any],
+    window_pools: list[Any] | None,
+    data_parallel_size: int,
+) -> dict[str, Any]:
+    """An engine's KV cache: bytes allocated (every pool tensor; on the CPU pages are touched
+    as blocks fill) and in use (blocks some request holds), and what a token costs per layer
+    kind. ``block_pools``: one per data-parallel rank (every rank has pools of this size);
+    blocks in use are summed over them."""
+    block = layout.block_bytes(dtype)
+    in_use = sum(1 for pool in block_pools for refs in pool.ref_count if refs > 0)
+    window: dict[str, int] = {}
+    if window_pools:
+        window_block = layout.window_block_bytes(dtype)
+        window_in_use = sum(1 for pool in window_pools for refs in pool.ref_count if refs > 0)
+        window = {
+            "window_blocks": window_pools[0].num_blocks,
+            "window_block_bytes": window_block,
+            "window_blocks_in_use": window_in_use,
+            "window_in_use_bytes": window_in_use * window_block,
+        }
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "allocated_bytes": pool_bytes(pool_tensors),
+        "block_size": layout.block_size,
+        "block_bytes": block,
+        "blocks": block_pools[0].num_blocks,
+        "blocks_in_use": in_use,
+        "in_use_bytes": in_use * block + window.get("window_in_use_bytes", 0),
+        "slot_bytes": layout.slot_bytes(dtype),
+        "bytes_per_token": block / layout.block_size,
+        "by_layer_kind": kv_bytes_per_token(layout, dtype),
+        "bounded_window": layout.bounded_window,
+        "data_parallel_size": data_parallel_size,
+        **window,
+    }

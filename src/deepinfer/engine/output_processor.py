@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from deepinfer.engine.request import Request
-from deepinfer.outputs import Logprob
+from deepinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 
 def top_logprobs(logp: torch.Tensor, chosen: int, k: int) -> dict[int, Logprob]:
@@ -90,3 +90,35 @@ class OutputProcessor:
         logp = logits.float().log_softmax(-1)
         targets = req.prompt_token_ids[start + 1 : start + 1 + count]
         return [top_logprobs(logp[i], t, k) for i, t in enumerate(targets)]
+
+    def make_output(self, req: Request) -> RequestOutput:
+        """The request as the user sees it: its text so far, tokens, logprobs and timings."""
+        completion = CompletionOutput(
+            index=0,
+            text=self.text_of(req),
+            token_ids=list(req.output_token_ids),
+            cumulative_logprob=req.cumulative_logprob if req.params.logprobs is not None else None,
+            logprobs=req.logprobs,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            error=req.error,
+        )
+        metrics = RequestMetrics(
+            arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
+            first_token_time=req.first_token_time,
+            finished_time=req.finished_time,
+            num_generated_tokens=len(req.output_token_ids),
+            num_draft_tokens=req.num_draft_tokens,
+            num_accepted_tokens=req.num_accepted_tokens,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=list(req.prompt_token_ids),
+            outputs=[completion],
+            finished=req.finished,
+            prompt_logprobs=req.prompt_logprobs,
+            num_cached_tokens=req.num_cached_tokens,
+            metrics=metrics,
+        )

@@ -19,11 +19,15 @@ from deepinfer.cache.pools import CacheLayout
 from deepinfer.config import EngineConfig
 from deepinfer.distributed.tensor_parallel import check_divisible
 from deepinfer.distributed.workers import TensorParallelGroup, shard
+from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.kernels import huge_pages
 from deepinfer.models.base import CausalLM
 from deepinfer.models.llama import LlamaForCausalLM
 from deepinfer.platforms import Platform
 from deepinfer.platforms.cpu import tune_malloc
+from deepinfer.speculative.decoder import SpeculativeDecoder, build_drafter
+from deepinfer.speculative.drafter import Drafter
+from deepinfer.speculative.rollback import Rollback
 
 logger = logging.getLogger("deepinfer")
 
@@ -201,3 +205,41 @@ def start_tensor_parallel(
     group = TensorParallelGroup(size, mode, load_kwargs)
     shard(model, mode, 0, size)
     return group
+
+
+def drafter_for(model: CausalLM, config: EngineConfig) -> Drafter | None:
+    """The drafter ``speculative_config`` asks for (None without speculative decoding)."""
+    spec_config = config.speculative_config
+    if spec_config is None:
+        return None
+    drafter = build_drafter(model, spec_config, config.max_num_seqs)
+    if drafter.window and config.ced_prefill:
+        raise ValueError(
+            f"speculative_config.method={spec_config.method!r} reads every prompt row's "
+            "features; it cannot run with ced_prefill (whose decoder skips rows)"
+        )
+    return drafter
+
+
+def speculative_decoder(
+    config: EngineConfig,
+    drafter: Drafter,
+    layout: CacheLayout,
+    runner: ModelRunner,
+    max_model_len: int,
+    lagged: bool,
+) -> SpeculativeDecoder:
+    """The decoder over the runner: its rollback saves and restores the runner's slots, and the
+    hardware schedule gets the runner's measured steps per second. ``lagged``: the production
+    schedule (capacity known two steps ahead), which an asynchronous engine needs."""
+    spec_config = config.speculative_config
+    assert spec_config is not None
+    # Compressors keep per-sequence state a rejected draft may have advanced: their ratios,
+    # and those whose state includes the overlap (the last closed group)
+    ratios = sorted({s.ratio for s in layout.specs if s.ratio})
+    overlap_ratios = sorted({s.ratio for s in layout.specs if s.ratio and s.overlap})
+    sps = None
+    if spec_config.schedule == "hardware":
+        sps = runner.steps_per_second(config.max_num_batched_tokens)
+    rollback = Rollback(ratios, overlap_ratios, runner)
+    return SpeculativeDecoder(spec_config, drafter, max_model_len, rollback, sps, lagged)
