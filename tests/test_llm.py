@@ -181,3 +181,21 @@ def test_bfloat16_check_catches_a_perturbed_model(v4_ckpt):
     KL bound above."""
     ours_kl, hf_kl, _, _ = _bf16_errors(v4_ckpt, perturb=0.25)
     assert ours_kl > 1.5 * hf_kl + 1e-3, (ours_kl, hf_kl)
+
+
+def test_n_siblings_are_merged_under_their_parent_id(llm):
+    """An n > 1 request comes back as one output named by its parent, completions 0..n-1,
+    each sibling knowing its parent (no id is parsed to find it)."""
+    params = SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=0)
+    before = next(iter(llm.engine.requests), None)
+    one, two = llm.generate([[1, 2, 3], [4, 5]], [params, SamplingParams(max_tokens=2)])
+    assert [c.index for c in one.outputs] == [0, 1, 2] and len(two.outputs) == 1
+    assert "-" not in one.request_id and one.request_id != two.request_id
+    assert before is None and not llm.engine.requests  # every sibling was collected
+    siblings = llm._add([1, 2, 3], 0, params)
+    try:
+        assert {r.parent_id for r in siblings} == {siblings[0].request_id.split("-")[0]}
+        assert llm._add([1, 2], 0, SamplingParams(max_tokens=2))[0].parent_id is None
+    finally:
+        llm._drop([list(llm.engine.requests.values())])
+    assert not llm.engine.requests

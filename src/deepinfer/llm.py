@@ -212,7 +212,9 @@ class LLM:
         try:
             for i in range(params.n):
                 rid = base if params.n == 1 else f"{base}-{i}"
-                added.append(self.engine.add_request(rid, ids, child, prompt=text, generator_offset=i))
+                req = self.engine.add_request(rid, ids, child, prompt=text, generator_offset=i)
+                req.parent_id = base if params.n > 1 else None
+                added.append(req)
         except ValueError as exc:
             self._drop([added])
             raise ValueError(f"prompts[{index}]: {exc}") from exc
@@ -353,7 +355,7 @@ class LLM:
 
     def _merge(self, siblings: list[Request]) -> RequestOutput:
         out = self.engine.make_output(siblings[0])
-        out.request_id = siblings[0].request_id.rsplit("-", 1)[0] if len(siblings) > 1 else out.request_id
+        out.request_id = siblings[0].parent_id or out.request_id  # siblings of n > 1 name their parent
         for i, req in enumerate(siblings[1:], 1):
             completion = self.engine.make_output(req).outputs[0]
             completion.index = i

@@ -36,6 +36,7 @@ class Request:
     window_block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks published so far
     cache_salt: str | None = None  # prefix-cache isolation: only equal salts share blocks
+    parent_id: str | None = None  # the id of the n > 1 request this one is a sibling of
     slot: int | None = None
     dp_rank: int = 0  # data-parallel attention: the rank holding this request's cache
     restore_overlap: bool = False  # the next chunk follows a prefix-cache hit
