@@ -1,5 +1,5 @@
 """SmolLM2-135M on the CPU in llama.cpp's ``llama-batched-bench`` shape, against llama.cpp in
-the same run when its checkout is given (issue 16): the script behind RESULTS.md's tables,
+the same run when its checkout is given: the script behind RESULTS.md's tables,
 now ``deepinfer bench batched`` (``src/deepinfer/bench/llama_cpp.py``), kept under its old name
 so the recorded commands still run.
 

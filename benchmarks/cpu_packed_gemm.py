@@ -1,6 +1,6 @@
 """fp32 projection kernels on SmolLM2-135M's layer stack: ``cpu_packed_gemm`` against oneDNN's
-packed GEMM (what the engine ran above 16 rows before the eighth session; the fp32 GEMV it ran
-below, since removed, is in RESULTS.md's tables).
+packed GEMM (the engine's earlier choice above 16 rows; the fp32 GEMV it ran below, since
+removed, is in RESULTS.md's history table).
 
 Thirty layers of random weights with SmolLM2's shapes (qkv 960 x 576, o 576 x 576, gate/up
 3072 x 576, down 576 x 1536; 425 MB of fp32, far past the caches), one pass of M activation

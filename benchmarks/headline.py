@@ -118,7 +118,7 @@ def draw(h: Headline, path: Path) -> None:
     colors = ["#3b6ea5" if r >= 1.0 else "#d9822b" for r in ratios]
     fig, ax = plt.subplots(figsize=(8, 0.42 * len(ratios) + 1.6), dpi=110)
     ax.barh(range(len(ratios)), [r - 1.0 for r in ratios], left=1.0, color=colors)
-    ax.axvline(1.0, color="#444", linewidth=1)
+    ax.axvline(1.0, color="dimgray", linewidth=1)
     ax.set_xscale("log")
     low, high = min(ratios + [1.0]) / 1.4, max(ratios + [1.0]) * 1.6
     ax.set_xlim(low, high)

@@ -1,6 +1,6 @@
 """``deepinfer serve`` against llama.cpp's ``llama-server`` on the same SmolLM2 weights (F32
 GGUF converted from our converted directory), with ``deepinfer bench serve`` at several
-concurrencies (issue 17). llama-server gets as many slots as the highest concurrency
+concurrencies. llama-server gets as many slots as the highest concurrency
 (``--parallel``, each slot with a context of prompt + output) and 2 threads, as we use.
 
 Run: ``python benchmarks/serve_vs_llama_server.py --llama-server BIN --gguf FILE``; the GGUF

@@ -1,5 +1,5 @@
 """``deepinfer serve`` against ``transformers serve --continuous-batching`` on the same SmolLM2
-weights, with ``deepinfer bench serve``'s load generator at several concurrencies (issue 17).
+weights, with ``deepinfer bench serve``'s load generator at several concurrencies.
 
 Each server runs in its own process on this machine (never at the same time), gets one
 warm-up request, then for each concurrency C: 2C (at least 8) requests of ``--input-len``

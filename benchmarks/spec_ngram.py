@@ -4,7 +4,7 @@ given paragraph, where the output copies long spans of the prompt. Greedy decodi
 outputs with and without speculation are identical (checked here too); reports output tokens/s
 at concurrency 1 and 16, the speedup, and the mean tokens emitted per verified step. Then a
 mixed batch (one copy-heavy prompt with three free-form chat prompts, run together), where
-speculation must not slow the batch down (per-request adaptive drafting; issue 16); its plain
+speculation must not slow the batch down (per-request adaptive drafting); its plain
 and n-gram runs alternate, and the best of each is compared.
 
 Run: ``python benchmarks/spec_ngram.py [--concurrency 1 16] [--k 5]``; prints a markdown

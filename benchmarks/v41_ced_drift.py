@@ -1,5 +1,5 @@
 """How far V4.1's causal encoder/decoder (CED) prefill moves the logits from the exact
-forward, and what it saves, on a tiny V4.1 checkpoint (model_spec.md §2.9).
+forward, and what it saves, on a tiny V4.1 checkpoint (the engine option ``ced_prefill``).
 
 Run: ``python benchmarks/v41_ced_drift.py [--lengths 16 64 256 1024] [--steps 8] [--model DIR]``.
 For each prompt length: the largest |log-prob difference| over the vocabulary at the last

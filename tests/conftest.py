@@ -13,8 +13,8 @@ from stable_topk_patch import stable_indexer_topk
 from deepinfer.tiny import make_tiny_checkpoint
 
 # README's command runs two pytest-xdist workers, one per core: each computes on one thread
-# (with two each, four compute threads on two cores, the suite ran slower than in one process:
-# RESULTS.md, eleventh session). The kernel test files ask for two threads themselves (the
+# (two each oversubscribe the cores, and the suite ran slower than in one process:
+# benchmarks/RESULTS.md, the test-suite entry). The kernel test files ask for two threads themselves (the
 # ``two_threads`` fixture), so the kernels' threaded paths stay tested.
 torch.set_num_threads(1 if "PYTEST_XDIST_WORKER" in os.environ else 2)
 # V4 engines keep the CPU default (saved compiled variants, eager steps otherwise) but never
@@ -25,8 +25,7 @@ os.environ.setdefault("DEEPINFER_CPU_COMPILE_AFTER_S", "1e9")
 # memory, which both workers (and the servers and CLIs tests start) would claim at once
 os.environ.setdefault("DEEPINFER_KV_CACHE_SPACE_GB", "1")
 # Compiling tests use Inductor's Python wrapper: the C++ one (the CPU default) makes each
-# Inductor compile longer (the tiny V4's 126 -> 160 s), and the suite runs many compiles for a
-# few steps each (RESULTS.md, fourteenth session); test_precompiled.py runs the default end to end
+# Inductor compile longer, and the suite runs many compiles for a few steps each; test_precompiled.py runs the default end to end
 os.environ.setdefault("DEEPINFER_CPU_CPP_WRAPPER", "0")
 
 # Each test process (an xdist worker, or the one process) has a memory bound: a test that

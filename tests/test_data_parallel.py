@@ -52,7 +52,7 @@ def test_data_parallel_equals_one_process(tmp_path, arch, quant, ranks, expert_p
     # QAT fake-quant rounds activations to fp8/fp4: a 1e-7 difference from another batch
     # composition can flip one rounding and move a logprob by ~1e-3 (1.35e-3 measured on
     # V4.1 at 2 ranks, 5.6e-4 under tensor parallel), so the DeepSeek runs compare with it
-    # off; a request's logits independent of its batch is batch_invariant's job (issue 20)
+    # off; a request's logits independent of its batch is batch_invariant's job
     exact = {} if arch == "llama" else {"fake_quant": False}
     single = LLM(str(path), max_num_batched_tokens=48, **exact)
     expected = tokens_and_logprobs(single.generate(prompts, params, use_tqdm=False))

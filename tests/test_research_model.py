@@ -110,7 +110,7 @@ def research_models(v4_ckpt, llama_ckpt, v41_research_ckpt):
         "v4": load_model(v4_ckpt),
         "llama": load_model(llama_ckpt),
         # V4.1's QAT rounding moves last-bit batch differences to other grid points
-        # (RESULTS.md, "V4.1 QAT rounding is not batch-invariant"; issue 20): the padding
+        # (RESULTS.md, "V4.1 QAT rounding is not batch-invariant"): the padding
         # comparisons run without it, as the config fuzzer does
         "v41": load_model(v41_research_ckpt, fake_quant=False),
     }

@@ -91,8 +91,7 @@ def test_deepseek_tensor_and_expert_parallel_equal_one_process(tmp_path, arch, q
     prompts, params = workload(1)
     prompts, params = prompts[:6], params[:6]
     # V4.1 without its QAT rounding, as in the data-parallel tests: split heads sum in another
-    # order, and the rounding turns those last-bit differences into whole grid steps (a 3.8e-4
-    # logprob on one run, 1.9e-6 without it; RESULTS.md, fifteenth session)
+    # order, and the rounding turns those last-bit differences into whole grid steps
     exact = {"fake_quant": False} if arch == "deepseek_v41" else {}
     single = LLM(str(path), max_num_batched_tokens=64, **exact)
     expected = tokens_and_logprobs(single.generate(prompts, params, use_tqdm=False))
