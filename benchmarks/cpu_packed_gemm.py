@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from deepinfer.kernels import cpu_packed_gemm
+from deepinfer.kernels.cpu import packed_gemm as cpu_packed_gemm
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer
 LAYERS = 30

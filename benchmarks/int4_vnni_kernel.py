@@ -1,4 +1,4 @@
-"""The int4 x int8 kernel (``kernels/cpu_int4_vnni.py``: AVX-512 VNNI, or AVX2 where VNNI is
+"""The int4 x int8 kernel (``kernels/cpu/int4_vnni.py``: AVX-512 VNNI, or AVX2 where VNNI is
 missing; the header names which ran) alone: multiply-adds per second on SmolLM2-135M's
 projection shapes and its head, at decode and prefill row counts, against PyTorch's own int4
 kernel (``_weight_int4pack_mm_for_cpu``, bf16 activations) on the same weights, ``cpu_gemv``'s
@@ -18,7 +18,8 @@ import time
 from collections.abc import Callable
 
 import torch
-from deepinfer.kernels import cpu_gemv, cpu_int4_vnni
+from deepinfer.kernels.cpu import gemv as cpu_gemv
+from deepinfer.kernels.cpu import int4_vnni as cpu_int4_vnni
 from deepinfer.kernels.weight_only import QUANTIZED_SMALL_ROWS, WeightOnlyLinear
 
 # SmolLM2-135M: qkv (576 -> 960), o (576 -> 576), gate/up (576 -> 3072), down (1536 -> 576), head

@@ -15,7 +15,7 @@ picks per platform; the CPU keeps the verification fusion and adds the small-bmm
   ``deepinfer::packed_linear`` (packed weight copies, a C++ kernel behind the dispatcher);
 - ``use_native_cpu_ops`` (CPU only, not in ``PASSES``): the Python custom ops
   ``routed_experts`` / ``sinkhorn`` / ``indexer_topk`` -> their C++ dispatcher twins
-  (``kernels/cpu_step_ops.py``).
+  (``kernels/cpu/step_ops.py``).
 
 Llama's paged attention is a custom op the model calls directly (``paged_attention``).
 """

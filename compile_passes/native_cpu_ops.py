@@ -3,7 +3,7 @@
 ``deepinfer::routed_experts``, ``deepinfer::sinkhorn``, ``deepinfer::indexer_topk`` and
 ``deepinfer::rope`` run Python for every call a compiled step's C++ wrapper makes (39 a tiny-V4
 step, 22 of them RoPE).
-``kernels/cpu_step_ops.py`` registers C++ ops with the same schemas and kernels, which hand
+``kernels/cpu/step_ops.py`` registers C++ ops with the same schemas and kernels, which hand
 any input their kernels do not take back to the Python op; this pass points each fp32 CPU
 call at them. Installed only where they built."""
 
@@ -16,7 +16,7 @@ from deepinfer.compile_passes.matching import is_op, val
 def use_native_cpu_ops(graph: torch.fx.Graph) -> int:
     """Retarget each ``routed_experts`` / ``sinkhorn`` / ``indexer_topk`` / ``rope`` call on fp32 CPU
     tensors that need no gradient; returns how many."""
-    from deepinfer.kernels import cpu_step_ops
+    from deepinfer.kernels.cpu import step_ops as cpu_step_ops
 
     if not cpu_step_ops.available():  # the ops are not registered in this process
         return 0

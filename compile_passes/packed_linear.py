@@ -2,7 +2,7 @@
 
 ``F.linear(x, W)`` reaches the post-grad graph as ``mm(x, permute(W, [1, 0]))`` (``addmm``
 with a bias) with ``W`` a graph input (the step's parameters are inputs, so one compiled step serves any checkpoint).
-The rewrite sends each such fp32 product to the C++ op of ``kernels/cpu_linear_op.py``, which
+The rewrite sends each such fp32 product to the C++ op of ``kernels/cpu/linear_op.py``, which
 multiplies on the packed copy the engine registered for ``W`` (half of MKL's time on the tiny
 V4's projections) and is ``aten::mm`` for a ``W`` it has none of, so a match the engine did not
 pack for costs one dispatch, never correctness. Products of two activations (no input behind
@@ -19,7 +19,7 @@ def use_packed_linear(graph: torch.fx.Graph) -> int:
     ``addmm(b, x, permute(input, [1, 0]))`` with unit scales: a 1-D fp32 ``b`` is the op's
     bias, a 2-D one (a residual add Inductor folded into the product) an ``add`` after it,
     which Inductor fuses with what follows; returns how many."""
-    from deepinfer.kernels import cpu_linear_op
+    from deepinfer.kernels.cpu import linear_op as cpu_linear_op
 
     if not cpu_linear_op.available():  # the op is not registered in this process
         return 0

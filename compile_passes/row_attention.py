@@ -56,7 +56,7 @@ def _pool_rows(kv: Node) -> tuple[Node, Node] | None:
 def use_row_sink_attention(graph: torch.fx.Graph) -> int:
     """Replace each attention core over one or two gathered fp32 parts with
     ``sink_attention_rows_cpu``; returns how many."""
-    from deepinfer.kernels import cpu_step_ops
+    from deepinfer.kernels.cpu import step_ops as cpu_step_ops
 
     if not cpu_step_ops.available():  # the op is not registered in this process
         return 0

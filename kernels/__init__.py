@@ -11,17 +11,12 @@ device type; Triton when installed). Importing the package registers every op.
 | ``paged_attention`` | Llama: decode rows + causal prefill spans over paged K/V | |
 | ``rejection_sample`` | speculative verification: acceptance + residual sampling | |
 | ``sinkhorn`` | mHC doubly-stochastic projection | CPU: NumPy loop |
-| ``cpu_linear`` | the engine's CPU projections inside a compiled step (the weight's packed copy) | CPU: ``cpu_packed_gemm`` |
+| ``cpu_linear`` | the engine's CPU projections inside a compiled step (the weight's packed copy) | CPU: ``cpu.packed_gemm`` |
 
-C++ CPU kernels for small decode steps, built once per machine with Inductor's compiler
-driver (``cpu_build``) and called directly by eager steps: ``cpu_packed_gemm`` (fp32
-and int8 projections on a packed copy at any row count), ``cpu_gemv`` (an int4 loop at a few
-rows, for CPUs without VNNI or AVX2), ``cpu_int4_vnni`` (int4 x int8 on AVX-512 VNNI or AVX2),
-``cpu_attention`` (decode attention
-reading the paged K/V pools in place; behind ``paged_attention`` on the CPU),
-``cpu_rope_store`` (Llama RoPE plus the K/V cache writes in one call), ``cpu_norm_act``
-(RMSNorm with its residual add, SwiGLU) and ``cpu_decode_stack`` (a whole Llama layer stack's
-decode step in one call to them).
+The C++ CPU kernels (``deepinfer.kernels.cpu``: packed projections, int4 GEMMs, paged
+attention, RoPE with the cache writes, norms, a Llama decode stack, experts, and the compiled
+step's dispatcher ops), built once per machine and called directly by eager steps or from the
+ops above, are a subpackage of their own.
 """
 
 import importlib.machinery

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from deepinfer.kernels import cpu_moe
+from deepinfer.kernels.cpu import moe as cpu_moe
 
 
 def _sort_by_expert(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

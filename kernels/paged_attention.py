@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from deepinfer.kernels import cpu_attention, cpu_prefill_attention
+from deepinfer.kernels.cpu import attention as cpu_attention
+from deepinfer.kernels.cpu import prefill_attention as cpu_prefill_attention
 
 
 def paged_attention_reference(

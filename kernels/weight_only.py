@@ -27,7 +27,10 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from deepinfer.kernels import cpu_gemv, cpu_int4_vnni, cpu_packed_gemm, huge_pages
+from deepinfer.kernels import huge_pages
+from deepinfer.kernels.cpu import gemv as cpu_gemv
+from deepinfer.kernels.cpu import int4_vnni as cpu_int4_vnni
+from deepinfer.kernels.cpu import packed_gemm as cpu_packed_gemm
 
 INT4_GROUP = 32
 # int4 rows up to which ``cpu_gemv``'s loop runs on CPUs without VNNI or AVX2 (PyTorch's kernel above)
@@ -40,7 +43,14 @@ class WeightOnlyLinear:
     """``x @ W.T + b`` with ``W`` stored as int8 or packed int4 (not an ``nn.Module``: the
     engine's copy beside the model's float parameters, which research code keeps using)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, method: str) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        method: str,
+        arena: huge_pages.HugePageArena | None = None,
+    ) -> None:
+        """``arena``: where the packed copies go (huge pages; None: ordinary memory)."""
         if method not in ("int8", "int4"):
             raise ValueError(f"quantization must be 'int8' or 'int4', got {method!r}")
         w = weight.detach().float()
@@ -58,7 +68,7 @@ class WeightOnlyLinear:
             # count, and faster than the widening loop and PyTorch's bf16 kernel (RESULTS.md)
             self.qweight = q8
             if cpu_packed_gemm.available():
-                self.packed8, self.qweight = huge_pages.adopt(cpu_packed_gemm.pack(q8)), None
+                self.packed8, self.qweight = huge_pages.adopt(cpu_packed_gemm.pack(q8), arena), None
         else:
             if self.in_features % INT4_GROUP:
                 raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}, got {self.in_features}")
@@ -86,7 +96,7 @@ class WeightOnlyLinear:
             # of the int4 values, in that kernel's layout)
             if cpu_int4_vnni.available():
                 packed = cpu_int4_vnni.pack(q4[:rows], sz[:rows, :, 0], sz[:rows, :, 1])
-                self.packed_vnni = huge_pages.adopt(packed)
+                self.packed_vnni = huge_pages.adopt(packed, arena)
 
     @property
     def nbytes(self) -> int:
@@ -161,18 +171,24 @@ class PackedLinear:
     autograd and cost a second copy of the weights (bf16: a third) beside the parameters
     research code computes with."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        arena: huge_pages.HugePageArena | None = None,
+    ) -> None:
+        """``arena``: where the packed copies go (huge pages; None: ordinary memory)."""
         self.out_features, self.in_features = weight.shape
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
         fp32 = self.weight.dtype == torch.float32 and cpu_packed_gemm.supports(self.weight)
         if fp32:
-            self.packed = huge_pages.adopt(cpu_packed_gemm.pack(self.weight))
+            self.packed = huge_pages.adopt(cpu_packed_gemm.pack(self.weight), arena)
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
         # bf16: a second packed copy for steps of few rows (see BF16_PACKED_ROWS)
         self.small = (
-            huge_pages.adopt(cpu_packed_gemm.pack(self.weight))
+            huge_pages.adopt(cpu_packed_gemm.pack(self.weight), arena)
             if self.weight.dtype == torch.bfloat16 and cpu_packed_gemm.supports(self.weight)
             else None
         )

@@ -1,7 +1,7 @@
 """The step-metadata builder's compressor bookkeeping as it was first written: a plain
 Python walk over every closed group, kept as the reference that the vectorised builder
-(``deepinfer.cache.step_metadata``) must equal field for field; and a dense step's attention
-metadata as a walk over every decode row and position."""
+(``deepinfer.cache.group_meta``) must equal field for field; and a dense step's attention
+metadata (``deepinfer.cache.full_attention_meta``) as a walk over every decode row and position."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from deepinfer.cache.forward_batch import GroupMeta
 from deepinfer.cache.pools import CacheLayout
-from deepinfer.cache.step_metadata import MIN_ROWS, SeqChunk, StepPadding, _padded_len
+from deepinfer.cache.step_chunks import MIN_ROWS, SeqChunk, StepPadding, padded_len
 
 # A compressor row a step reads (its kv and gate projections), as one int: lists of them are
 # built for every group a prefill closes, and plain ints cost a fraction of objects there.
@@ -106,7 +106,7 @@ def _closed_groups(
 
 
 def _pad_to(values: list, fill, bound: int | None) -> list:
-    return values + [fill] * (_padded_len(len(values), bound) - len(values))
+    return values + [fill] * (padded_len(len(values), bound) - len(values))
 
 
 def _pad_closed_groups(
@@ -119,7 +119,7 @@ def _pad_closed_groups(
     per_row = t_total * ratio if fixed else None  # rows of at most one group per token
     per_group = t_total if fixed else None
     null_slot_row, null_snapshot_row = padding.null_slot * ratio, padding.null_block * ratio
-    n = _padded_len(len(groups.members), per_group)
+    n = padded_len(len(groups.members), per_group)
     groups.members += [[PADDING_ROW] * ratio] * (n - len(groups.members))
     groups.previous += [None] * (n - len(groups.previous))
     groups.first_position = _pad_to(groups.first_position, 0, per_group)
@@ -136,7 +136,7 @@ def reference_group_meta(
     layout: CacheLayout,
     chunks: list[SeqChunk],
     ratio: int,
-    tokens,  # step_metadata._TokenLayout
+    tokens,  # token_layout.TokenLayout
     padding: StepPadding | None,
 ) -> GroupMeta:
     """Compressor bookkeeping for one ratio (see ``GroupMeta``).
@@ -166,7 +166,7 @@ def reference_group_meta(
         per_row = t_total * r if fixed else None
         buffer_rows = _pad_to(buffer_rows, padding.null_slot * r, per_row)
         overlap_rows = _pad_to(overlap_rows, padding.null_slot * r, per_row)
-        extra = _padded_len(buf_src.shape[0], t_total if fixed else None) - buf_src.shape[0]
+        extra = padded_len(buf_src.shape[0], t_total if fixed else None) - buf_src.shape[0]
         buf_src = torch.cat([buf_src, buf_src.new_zeros(extra)])
         buf_dst = torch.cat([buf_dst, buf_dst.new_full((extra,), padding.null_slot * r)])
         num_entries = padding.max_model_len // r if fixed else max(num_entries, MIN_ROWS)
@@ -232,10 +232,10 @@ def reference_full_attention_meta(
         row += c.num_tokens
     rows = [r for r, _ in decode]
     if padding is not None:
-        want = _padded_len(len(rows), len(chunks) if fixed is not None else None)
+        want = padded_len(len(rows), len(chunks) if fixed is not None else None)
         rows += [-1] * (want - len(rows))
-        spans += [[0, 0, 0, 0]] * (_padded_len(len(spans), None) - len(spans))
-        span_rows += [padding.null_block * bs] * (_padded_len(len(span_rows), None) - len(span_rows))
+        spans += [[0, 0, 0, 0]] * (padded_len(len(spans), None) - len(spans))
+        span_rows += [padding.null_block * bs] * (padded_len(len(span_rows), None) - len(span_rows))
     length = max((c.start + 1 for _, c in decode), default=0)
     if fixed is not None:
         length = fixed

@@ -23,7 +23,8 @@ from deepinfer.bench.llama_cpp import (
     parse_batched_bench,
     run_table,
 )
-from deepinfer.cli import _BATCHED_VARIANTS, main
+from deepinfer.cli import main
+from deepinfer.cli.bench import BATCHED_VARIANTS
 from deepinfer.tiny import make_tiny_checkpoint
 
 # llama-batched-bench's output as that tool printed it on this machine (SmolLM2-135M F32,
@@ -131,7 +132,7 @@ def test_bad_arguments_are_refused(tmp_path):
 
 
 def test_the_cli_offers_every_variant_and_reads_llama_cpp_dir(monkeypatch, tmp_path):
-    assert set(_BATCHED_VARIANTS) == set(VARIANTS)
+    assert set(BATCHED_VARIANTS) == set(VARIANTS)
     monkeypatch.setenv("LLAMA_CPP_DIR", str(tmp_path))
     assert llama_cpp.default_llama_cpp() == tmp_path
     monkeypatch.delenv("LLAMA_CPP_DIR")

@@ -78,7 +78,7 @@ def test_each_round_gets_new_prompts():
     round's workload, and the warm-up's, has prompts of its own."""
     import argparse
 
-    from deepinfer.cli import round_workload
+    from deepinfer.bench.commands import round_workload
 
     args = argparse.Namespace(seed=0, num_requests=16, prompt_len=[16, 64], output_len=[2, 8])
     rounds = [round_workload(args, 258, r) for r in range(3)]

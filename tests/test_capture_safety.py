@@ -12,7 +12,8 @@ from capture_guard import META, CaptureGuard, guarded_capture
 
 from deepinfer.cache.layer_spec import LayerCacheSpec
 from deepinfer.cache.pools import CacheLayout, allocate_pools
-from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch
+from deepinfer.cache.step_chunks import SeqChunk, StepPadding
+from deepinfer.cache.step_metadata import build_forward_batch
 from deepinfer.engine.graph_runner import DecodeGraphRunner
 from deepinfer.models.loading import load_model
 from deepinfer.sampling.sampler import SamplingRow, apply_processors

@@ -12,7 +12,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from deepinfer.cache.pools import CacheLayout, allocate_pools
-from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch
+from deepinfer.cache.step_chunks import SeqChunk, StepPadding
+from deepinfer.cache.step_metadata import build_forward_batch
 from deepinfer.compile.compilation import PassManager, compile_step
 from deepinfer.models.loading import load_model
 from deepinfer.tiny import make_tiny_checkpoint

@@ -11,17 +11,15 @@ import pytest
 import torch
 import torch._dynamo.testing
 import torch.nn.functional as F
-from deepinfer.kernels import (
-    cpu_attention,
-    cpu_build,
-    cpu_decode_stack,
-    cpu_gemv,
-    cpu_norm_act,
-    cpu_packed_gemm,
-    cpu_prefill_attention,
-    cpu_rope_store,
-    weight_only,
-)
+from deepinfer.kernels import weight_only
+from deepinfer.kernels.cpu import attention as cpu_attention
+from deepinfer.kernels.cpu import build as cpu_build
+from deepinfer.kernels.cpu import decode_stack as cpu_decode_stack
+from deepinfer.kernels.cpu import gemv as cpu_gemv
+from deepinfer.kernels.cpu import norm_act as cpu_norm_act
+from deepinfer.kernels.cpu import packed_gemm as cpu_packed_gemm
+from deepinfer.kernels.cpu import prefill_attention as cpu_prefill_attention
+from deepinfer.kernels.cpu import rope_store as cpu_rope_store
 from deepinfer.kernels.paged_attention import paged_attention_reference
 from deepinfer.kernels.weight_only import PackedLinear, cpu_linear
 from hypothesis import example, given, settings
@@ -31,7 +29,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.cache import kv_dtypes
 from deepinfer.cache.kv_dtypes import is_fp8
 from deepinfer.models.layers.norms import RMSNorm
-from deepinfer.models.llama import rotate_half_rope
+from deepinfer.models.layers.rope import rotate_half_rope
 from deepinfer.tiny import make_tiny_checkpoint
 
 # every cache pool element type the CPU attention and cache-write kernels read
@@ -121,8 +119,8 @@ def test_packed_gemm_rows_do_not_depend_on_their_batch(n, k, rows, seed):
 def _broken_packed_gemm(old: str, new: str, symbol: str, x: torch.Tensor, w: torch.Tensor, threads: int):
     """``x @ w.T`` through the packed GEMM built from its source with ``old`` replaced by ``new``
     (a mutation check's kernel); asserts that the source changed."""
-    source = cpu_packed_gemm._SOURCE.replace(old, new)
-    assert source != cpu_packed_gemm._SOURCE
+    source = cpu_build.source("packed_gemm.cpp").replace(old, new)
+    assert source != cpu_build.source("packed_gemm.cpp")
     broken = cpu_build.load(source)
     assert broken is not None
     fn = cpu_build.bind(broken, symbol, cpu_packed_gemm.ARGTYPES)
@@ -305,8 +303,10 @@ def test_prefill_attention_in_place_matches_the_reference(kv_heads, group, d, sp
 def test_a_broken_prefill_attention_fails_the_reference_check():
     """Mutation check: without the causal mask inside a row's last block of keys (later
     positions join the softmax) the comparison above fails."""
-    source = cpu_prefill_attention._SOURCE.replace("for (int64_t j = n; j < padded; ++j) p[j] = NINF;", "")
-    assert source != cpu_prefill_attention._SOURCE
+    source = cpu_build.source("prefill_attention.cpp").replace(
+        "for (int64_t j = n; j < padded; ++j) p[j] = NINF;", ""
+    )
+    assert source != cpu_build.source("prefill_attention.cpp")
     broken = cpu_build.load(source)
     fn = cpu_build.bind(broken, "prefill_attention_f32", cpu_prefill_attention.ARGTYPES)
     q, k, v, _, _, _, spans, rows = _span_case(2, 6, 2, 64, [(20, 0), (7, 9)], torch.float32)
@@ -334,11 +334,11 @@ def test_a_broken_prefill_attention_fails_the_reference_check():
 def test_a_broken_attention_kernel_fails_the_reference_check():
     """Mutation check: dropping the score pass's mask (masked keys join the softmax) is
     caught by the comparison above."""
-    source = cpu_attention._SOURCE.replace(
+    source = cpu_build.source("attention.cpp").replace(
         "    if (!ok[l]) {\n      for (int r = 0; r < GC; ++r) p[r * stride + l] = NINF;\n      continue;\n    }\n",
         "",
     )
-    assert source != cpu_attention._SOURCE
+    assert source != cpu_build.source("attention.cpp")
     broken = cpu_build.load(source)
     fn = cpu_build.bind(
         broken,
@@ -446,8 +446,10 @@ def test_silu_mul_matches_aten(rows, inner, dtype):
 
 def test_a_broken_norm_kernel_fails_the_module_check():
     """Mutation check: the mean of squares over d - 1 instead of d is caught."""
-    source = cpu_norm_act._SOURCE.replace("ss / static_cast<float>(d)", "ss / static_cast<float>(d - 1)")
-    assert source != cpu_norm_act._SOURCE
+    source = cpu_build.source("norm_act.cpp").replace(
+        "ss / static_cast<float>(d)", "ss / static_cast<float>(d - 1)"
+    )
+    assert source != cpu_build.source("norm_act.cpp")
     broken = cpu_build.load(source)
     fn = cpu_build.bind(
         broken, "add_rms_norm_f32", [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float]
@@ -524,7 +526,7 @@ def test_one_call_decode_stack_equals_the_layer_loop(
         enable_prefix_caching=False,
         quantization=quantization,
     )
-    stack = llm.model.decode_stack
+    stack = llm.engine.runner.forward.stack
     assert stack is not None
     rows = min(rows, stack.max_rows)  # fp32 and int8: 64; int4: 64 with VNNI, else 4
     calls = {"n": 0, "spans": 0}
@@ -549,7 +551,7 @@ def test_one_call_decode_stack_equals_the_layer_loop(
     # the whole prefill fits one stack call, and a prompt is long enough to attend as a span
     if sum(len(p) for p in prompts) <= stack.max_rows and max(map(len, prompts)) > 1:
         assert calls["spans"] > 0
-    llm.model.decode_stack = None
+    llm.engine.runner.forward.stack = None
     assert _greedy(llm, prompts) == fused
 
 
@@ -567,8 +569,8 @@ def test_a_broken_decode_stack_is_caught(tmp_path, mutation):
     llm = LLM(str(path), max_num_seqs=8, enable_prefix_caching=False)
     prompts = [list(range(5, 21)), [9, 10]]  # two prefill spans
     fused = _greedy(llm, prompts)
-    source = cpu_decode_stack._SOURCE.replace(*mutation)
-    assert source != cpu_decode_stack._SOURCE
+    source = cpu_build.source("decode_stack.cpp").replace(*mutation)
+    assert source != cpu_build.source("decode_stack.cpp")
     broken = cpu_build.load(source)
     cpu_build.bind(broken, "llama_decode_stack", cpu_decode_stack._ARGS)
     real = cpu_decode_stack._library

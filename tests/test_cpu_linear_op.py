@@ -1,4 +1,4 @@
-"""``deepinfer::packed_linear`` (kernels/cpu_linear_op.py) and the pass that inserts it.
+"""``deepinfer::packed_linear`` (kernels/cpu/linear_op.py) and the pass that inserts it.
 
 The op multiplies on a registered weight's packed copy while that copy is current and is
 ``aten::mm`` otherwise; these tests check its values against ``x @ W.T`` on generated shapes,
@@ -12,7 +12,8 @@ import gc
 
 import pytest
 import torch
-from deepinfer.kernels import cpu_build, cpu_linear_op
+from deepinfer.kernels.cpu import build as cpu_build
+from deepinfer.kernels.cpu import linear_op as cpu_linear_op
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -1,5 +1,5 @@
 """``deepinfer::routed_experts_cpu`` / ``sinkhorn_cpu`` / ``indexer_topk_cpu`` / ``rope_cpu``
-(kernels/cpu_step_ops.py; ``sink_attention_rows_cpu`` in test_sink_attention_rows.py) and the
+(kernels/cpu/step_ops.py; ``sink_attention_rows_cpu`` in test_sink_attention_rows.py) and the
 pass that puts them into compiled CPU steps.
 
 The C++ ops must return exactly what the Python ops they stand in for return, on every input:
@@ -14,7 +14,9 @@ import gc
 
 import pytest
 import torch
-from deepinfer.kernels import cpu_moe, cpu_step_ops, moe, sinkhorn
+from deepinfer.kernels import moe, sinkhorn
+from deepinfer.kernels.cpu import moe as cpu_moe
+from deepinfer.kernels.cpu import step_ops as cpu_step_ops
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

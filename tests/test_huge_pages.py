@@ -44,7 +44,7 @@ def _advised(t: torch.Tensor) -> bool:
 )
 def test_adopt_copies_large_tensors_into_advised_memory(rows, cols, dtype):
     t = torch.randint(-100, 100, (rows, cols)).to(dtype)
-    out = huge_pages.adopt(t)
+    out = huge_pages.HugePageArena().adopt(t)
     assert torch.equal(out, t) and out.shape == t.shape and out.dtype == t.dtype
     if t.numel() * t.element_size() < huge_pages.MIN_BYTES:
         assert out is t
@@ -53,22 +53,19 @@ def test_adopt_copies_large_tensors_into_advised_memory(rows, cols, dtype):
         assert out.data_ptr() % huge_pages.ALIGN == 0 and _advised(out)
 
 
-def test_disabled_or_small_tensors_stay_where_they_are():
+def test_no_arena_or_small_tensors_stay_where_they_are():
     big = torch.randn(1024, 1024)
-    huge_pages.set_enabled(False)
-    try:
-        assert huge_pages.adopt(big) is big
-    finally:
-        huge_pages.set_enabled(True)
+    assert huge_pages.adopt(big, None) is big
     small = torch.randn(16, 16)
-    assert huge_pages.adopt(small) is small
+    assert huge_pages.adopt(small, huge_pages.HugePageArena()) is small
     assert not _advised(big)  # the mutation check's baseline: ordinary memory has no flag
 
 
 def test_a_tensor_outlives_the_arena_and_its_mapping_goes_with_it():
-    kept = huge_pages.adopt(torch.arange(huge_pages.CHUNK // 4, dtype=torch.float32))  # a chunk of its own
+    arena = huge_pages.HugePageArena()
+    kept = arena.adopt(torch.arange(huge_pages.CHUNK // 4, dtype=torch.float32))  # a chunk of its own
     address = kept.data_ptr()
-    huge_pages.adopt(torch.ones(huge_pages.CHUNK // 4, dtype=torch.float32))  # the arena moves on
+    arena.adopt(torch.ones(huge_pages.CHUNK // 4, dtype=torch.float32))  # the arena moves on
     gc.collect()
     assert kept[-1].item() == huge_pages.CHUNK // 4 - 1 and _advised(kept)
     del kept
@@ -83,10 +80,9 @@ def test_engine_packed_weights_use_huge_pages_and_outputs_do_not_change(tmp_path
     for flag in (True, False):
         llm = LLM(path, cpu_huge_pages=flag)
         mlp = llm.engine.runner.model.model.layers[0].mlp
-        assert _advised(mlp.gate_up.packed) is flag
+        assert _advised(mlp.gate_up.engine.packed) is flag
         out = llm.generate([[5, 6, 7, 8, 9]], params, use_tqdm=False)[0].outputs[0]
         outputs[flag] = (out.token_ids, [[(k, v.logprob) for k, v in d.items()] for d in out.logprobs])
-    huge_pages.set_enabled(True)
     assert outputs[True] == outputs[False]
     with pytest.raises(ValueError, match="cpu_huge_pages"):
         LLM(path, cpu_huge_pages="yes")

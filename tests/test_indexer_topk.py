@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepinfer.kernels import cpu_step_ops, indexer_topk
+from deepinfer.kernels import indexer_topk
+from deepinfer.kernels.cpu import step_ops as cpu_step_ops
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -114,7 +114,7 @@ def test_routed_experts_paths_match_the_definition(n, e, k, d, inter, limit, see
     """Both CPU kernels and the sorted dispatch equal the token-by-token definition, for any
     width (vector tails included), expert count and top-k; each kernel gives a token the same
     bits whatever it is batched with."""
-    from deepinfer.kernels import cpu_moe
+    from deepinfer.kernels.cpu import moe as cpu_moe
     from deepinfer.kernels.moe import routed_experts, routed_experts_reference
 
     gen = torch.Generator().manual_seed(seed)
@@ -144,7 +144,7 @@ def test_routed_experts_at_prefill_sizes_take_the_kernel_that_measured_faster():
     path), equal to the sorted dispatch to fp32 rounding and row by row independent of the
     batch; experts of 1 MiB go to the dispatch past a few dozen tokens (RESULTS.md, fifteenth
     session)."""
-    from deepinfer.kernels import cpu_moe
+    from deepinfer.kernels.cpu import moe as cpu_moe
     from deepinfer.kernels.moe import routed_experts, routed_experts_reference
 
     gen = torch.Generator().manual_seed(9)
@@ -170,7 +170,7 @@ def test_routed_experts_at_prefill_sizes_take_the_kernel_that_measured_faster():
 def test_transposed_expert_copies_follow_in_place_writes():
     """The transposed kernel keeps copies of the experts: writing the weights in place (a
     research edit, a reload) must not leave it computing with the old ones."""
-    from deepinfer.kernels import cpu_moe
+    from deepinfer.kernels.cpu import moe as cpu_moe
 
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(5, 16, generator=gen)
@@ -186,7 +186,7 @@ def test_transposed_expert_copies_follow_in_place_writes():
 
 def test_routed_experts_kernel_mutation_is_caught():
     """The comparison can fail: the definition without the SwiGLU clamps (limit 1e9) differs."""
-    from deepinfer.kernels import cpu_moe
+    from deepinfer.kernels.cpu import moe as cpu_moe
 
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(4, 16, generator=gen) * 4
@@ -271,7 +271,7 @@ def test_compiled_stable_topk_takes_the_rounds_and_keeps_the_tie_rule():
 def test_the_transposed_expert_kernel_answers_nan_for_a_negative_expert_id():
     """Its pairs are grouped by expert id; an id below 0 (no router gives one) must not index
     out of bounds: the whole output is NaN instead."""
-    from deepinfer.kernels import cpu_moe
+    from deepinfer.kernels.cpu import moe as cpu_moe
 
     w = torch.randn(4, 8, 8)
     ids = torch.tensor([[0], [-1], [2]])

@@ -8,7 +8,9 @@ import math
 
 import pytest
 import torch
-from deepinfer.kernels import cpu_attention, cpu_build, cpu_fp8, cpu_rope_store
+from deepinfer.kernels.cpu import attention as cpu_attention
+from deepinfer.kernels.cpu import build as cpu_build
+from deepinfer.kernels.cpu import rope_store as cpu_rope_store
 from equivalence_workloads import alone_runner, count_preemptions, together
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -35,7 +37,7 @@ PROBE(e5m2, c10::Float8_e5m2)
 """
 
 
-def _probe(source: str = cpu_fp8.SOURCE) -> ctypes.CDLL:
+def _probe(source: str = cpu_build.source("fp8.h")) -> ctypes.CDLL:
     lib = cpu_build.load(source + _PROBE)
     assert lib is not None
     for name in FP8:
@@ -67,7 +69,7 @@ VECTOR_BUILD = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 def probe(request) -> ctypes.CDLL:
     if request.param == "avx2" and torch.backends.cpu.get_cpu_capability() != "AVX512":
         pytest.skip("the native build is the AVX2 one (or this CPU has no AVX2)")
-    return _probe(BUILDS[request.param] + cpu_fp8.SOURCE)
+    return _probe(BUILDS[request.param] + cpu_build.source("fp8.h"))
 
 
 @pytest.mark.parametrize("name", sorted(FP8))
@@ -128,8 +130,8 @@ def test_the_kernels_store_the_bits_the_python_writes_store(probe, seed, name):
 def test_broken_fp8_helpers_fail_the_checks(mutation):
     """Mutation check for the two tests above: a wrong exponent rebase fails the widening
     check, and stores without saturation fail the narrowing one."""
-    source = cpu_fp8.SOURCE.replace(*mutation)
-    assert source != cpu_fp8.SOURCE
+    source = cpu_build.source("fp8.h").replace(*mutation)
+    assert source != cpu_build.source("fp8.h")
     broken = _probe(source)
     if "top" in mutation[0]:  # (c10's e4m3fn conversion saturates by itself; e5m2's does not)
         x = _values_to_narrow(torch.float8_e5m2, 0)
@@ -168,7 +170,7 @@ def test_an_fp8_cache_computes_with_the_values_it_stores(arch, kv, tmp_path, mon
     assert all(p.window.dtype == dtype for p in fp8.engine.runner.pools)
     calls = {"stack": 0, "attention": 0}
     if arch == "llama":  # the C++ paths must really run on the fp8 pools
-        stack, attention = type(fp8.model.decode_stack), cpu_attention.decode_attention
+        stack, attention = type(fp8.engine.runner.forward.stack), cpu_attention.decode_attention
 
         def counted_stack(self, *args):
             calls["stack"] += 1
@@ -186,13 +188,13 @@ def test_an_fp8_cache_computes_with_the_values_it_stores(arch, kv, tmp_path, mon
         layout = fp8.engine.layout
         assert layout.block_bytes(dtype) * 4 == layout.block_bytes(torch.float32)
         assert calls["stack"] > 0
-        fp8.model.decode_stack = None  # the layer path's kernels too
+        fp8.engine.runner.forward.stack = None  # the layer path's kernels too
         assert _run(fp8, prompts) == got and calls["attention"] > 0
         monkeypatch.undo()
 
     twin = LLM(path, kv_cache_dtype="float32", enable_prefix_caching=False)
     if arch == "llama":
-        twin.model.decode_stack = None
+        twin.engine.runner.forward.stack = None
     unrounded = _run(twin, prompts)  # the check can fail: without the rounding, other logprobs
     assert any(
         max(abs(a - b) for a, b in zip(x[1], y[1], strict=True)) > 1e-3

@@ -35,7 +35,7 @@ _FRESH_PROCESS = textwrap.dedent(
     torch.set_num_threads(int(sys.argv[3]))  # dynamo's global-state guard holds the count
     from torch.profiler import profile
     from deepinfer import LLM, SamplingParams
-    from deepinfer.kernels import cpu_linear_op
+    from deepinfer.kernels.cpu import linear_op as cpu_linear_op
     prompts = json.loads(sys.argv[2])
     llm = LLM(sys.argv[1], compile=True, max_num_batched_tokens=64)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

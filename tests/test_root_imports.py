@@ -93,7 +93,7 @@ def test_without_a_third_party_kernels_the_import_reads_as_not_installed() -> No
         assert getattr(package, "__version__", "N/A") == "N/A"
         assert getattr(package, "__file__", None) is None
         try:
-            import kernels.cpu_fp8  # none of our modules under the third-party name
+            import kernels.cpu.fp8  # none of our modules under the third-party name
         except ModuleNotFoundError:
             print("absent")
         """,

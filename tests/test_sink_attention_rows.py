@@ -1,5 +1,5 @@
 """``deepinfer::sink_attention_rows`` (kernels/sink_attention_rows.py), its C++ twin
-``sink_attention_rows_cpu`` (kernels/cpu_step_ops.py) and the pass that puts the twin into
+``sink_attention_rows_cpu`` (kernels/cpu/step_ops.py) and the pass that puts the twin into
 compiled CPU steps (compile_passes/row_attention.py).
 
 The Python op is the formula: gather each part's rows, then ``sink_attention``'s reference,
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepinfer.kernels import cpu_step_ops
+from deepinfer.kernels.cpu import step_ops as cpu_step_ops
 from deepinfer.kernels.sink_attention_rows import sink_attention_rows
 from hypothesis import given, settings
 from hypothesis import strategies as st

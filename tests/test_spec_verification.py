@@ -181,7 +181,7 @@ def test_one_batched_verification_equals_each_request_verified_alone():
             req = Request(str(i), None, [1, 2], params, generator, 0.0)
             if q is not None:
                 spec.drafts[str(i)] = Draft(1, draft, q, [])
-            chunk = ScheduledChunk(req, 1, len(draft) + 1, False, samples=True, draft=draft)
+            chunk = ScheduledChunk(req, 1, len(draft) + 1, False, samples=True, draft=tuple(draft))
             items.append((chunk, logits))
         return [v.tokens for v in spec.verify(items)], spec.stats
 

@@ -14,8 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from step_metadata_reference import reference_full_attention_meta, reference_group_meta
 
-from deepinfer.cache import native_group_meta, step_metadata
-from deepinfer.cache.step_metadata import SeqChunk, StepPadding
+from deepinfer.cache import full_attention_meta, group_meta, native_group_meta
+from deepinfer.cache.forward_batch import GroupMeta
+from deepinfer.cache.step_chunks import MIN_ROWS, SeqChunk, StepPadding, padded_chunks
+from deepinfer.cache.token_layout import align_window_tables, build_token_layout, padded_table
 
 
 @st.composite
@@ -49,12 +51,12 @@ def steps(draw):
 
 
 def _native(layout, ratio, tokens, padding):
-    fields = native_group_meta.build(layout.block_size, ratio, tokens, padding, step_metadata.MIN_ROWS)
+    fields = native_group_meta.build(layout.block_size, ratio, tokens, padding, MIN_ROWS)
     assert fields is not None  # every generated step fits its padding
-    return step_metadata.GroupMeta(**fields)
+    return GroupMeta(**fields)
 
 
-BUILDERS = {"native": _native, "numpy": step_metadata._group_meta_numpy}
+BUILDERS = {"native": _native, "numpy": group_meta.build_numpy}
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
@@ -76,8 +78,8 @@ def _check_builder(builder) -> None:
 def _check_step(builder, step) -> None:
     bs, ratio, chunks, padding = step
     layout = SimpleNamespace(block_size=bs)
-    chunks = step_metadata._padded_chunks(chunks, padding)
-    tokens = step_metadata._token_layout(chunks, padding)
+    chunks = padded_chunks(chunks, padding)
+    tokens = build_token_layout(chunks, padding)
     got = builder(layout, ratio, tokens, padding)
     as_torch = SimpleNamespace(
         **{k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in vars(tokens).items()}
@@ -94,9 +96,9 @@ def test_full_attention_meta_equals_the_row_walk(step):
     """A dense (Llama) step's decode rows, their pool rows and masks, and its prefill spans
     equal a walk over each row and position, in every padding mode."""
     bs, _, chunks, padding = step
-    chunks = step_metadata._padded_chunks(chunks, padding)
-    tokens = step_metadata._token_layout(chunks, padding)
-    got = step_metadata._full_attention_meta(SimpleNamespace(block_size=bs), chunks, tokens, padding)
+    chunks = padded_chunks(chunks, padding)
+    tokens = build_token_layout(chunks, padding)
+    got = full_attention_meta.build(SimpleNamespace(block_size=bs), chunks, tokens, padding)
     want = reference_full_attention_meta(bs, chunks, padding)
     dtypes = {"decode_valid": torch.bool}
     for name, values in want.items():
@@ -119,15 +121,15 @@ def test_native_builder_leaves_out_of_table_steps_to_numpy():
     restore_early = [SeqChunk([7, 9], 1, 2, 5, restore_overlap=True)]
     short_table = [SeqChunk([3], 0, 0, 16)]
     for chunks in (restore_early, short_table):
-        tokens = step_metadata._token_layout(chunks, None)
-        assert native_group_meta.build(4, 2, tokens, None, step_metadata.MIN_ROWS) is None
-    tokens = step_metadata._token_layout(restore_early, None)
-    got = step_metadata._group_meta(layout, 2, tokens, None)
-    want = step_metadata._group_meta_numpy(layout, 2, tokens, None)
+        tokens = build_token_layout(chunks, None)
+        assert native_group_meta.build(4, 2, tokens, None, MIN_ROWS) is None
+    tokens = build_token_layout(restore_early, None)
+    got = group_meta.build(layout, 2, tokens, None)
+    want = group_meta.build_numpy(layout, 2, tokens, None)
     for f in dataclasses.fields(want):
         assert torch.equal(getattr(got, f.name), getattr(want, f.name)), f.name
     with pytest.raises(IndexError):
-        step_metadata._group_meta(layout, 2, step_metadata._token_layout(short_table, None), None)
+        group_meta.build(layout, 2, build_token_layout(short_table, None), None)
 
 
 @settings(max_examples=60, deadline=None)
@@ -143,8 +145,8 @@ def test_window_tables_align_held_blocks_with_the_block_table(data):
         held = data.draw(st.lists(st.one_of(st.just(-1), st.integers(0, 50)), max_size=blocks + 2))
         null = data.draw(st.sampled_from([99, 100 + i]))
         chunks.append(SeqChunk(list(range(blocks)), i, 0, 1, window_table=held, window_null=null))
-    tables, sizes = step_metadata._padded_table([c.block_table for c in chunks])
-    got = step_metadata._window_tables(chunks, [c.window_table for c in chunks], tables.shape[1], sizes)
+    tables, sizes = padded_table([c.block_table for c in chunks])
+    got = align_window_tables(chunks, [c.window_table for c in chunks], tables.shape[1], sizes)
     for row, c in zip(got.tolist(), chunks, strict=True):
         held = c.window_table[: len(c.block_table)]
         aligned = [b if b >= 0 else c.window_null for b in held]
@@ -155,9 +157,9 @@ def test_window_tables_align_held_blocks_with_the_block_table(data):
 def test_window_tables_need_the_null_block():
     chunk = SeqChunk([0, 1], 0, 0, 1, window_table=[3, -1])
     with pytest.raises(ValueError, match="window_null"):
-        step_metadata._token_layout([chunk], None)
+        build_token_layout([chunk], None)
     with_null = SeqChunk([0, 1], 0, 0, 1, window_table=[3, -1], window_null=9)
     for table in ([9], None):  # a chunk without its table, with or without a null block
         other = SeqChunk([2], 1, 0, 1, window_table=None, window_null=table and table[0])
         with pytest.raises(ValueError, match="window table"):
-            step_metadata._token_layout([with_null, other], None)
+            build_token_layout([with_null, other], None)

@@ -16,7 +16,8 @@ from torch._dynamo.utils import counters
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.cache.pools import CacheLayout, allocate_pools
-from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch
+from deepinfer.cache.step_chunks import SeqChunk, StepPadding
+from deepinfer.cache.step_metadata import build_forward_batch
 from deepinfer.engine import engine as engine_module
 from deepinfer.engine.graph_runner import DecodeGraphRunner, decode_buckets
 from deepinfer.models.loading import load_model

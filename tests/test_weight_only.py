@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepinfer.kernels import cpu_gemv, cpu_int4_vnni, cpu_packed_gemm
+from deepinfer.kernels.cpu import gemv as cpu_gemv
+from deepinfer.kernels.cpu import int4_vnni as cpu_int4_vnni
+from deepinfer.kernels.cpu import packed_gemm as cpu_packed_gemm
 from deepinfer.kernels.weight_only import INT4_GROUP, QUANTIZED_SMALL_ROWS, WeightOnlyLinear
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepinfer import LLM, SamplingParams, load_model
+from deepinfer.models.layers.projection import Projection
 from deepinfer.tiny import make_tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("two_threads")  # the kernels' threaded paths, at any -n
@@ -92,13 +95,14 @@ def _load_dequantized(twin, quantized) -> None:
             (ql.mlp.down, [tl.mlp.down_proj]),
         ]
         for projection, linears in parts:
-            weights = projection.dequantize().split([lin.weight.shape[0] for lin in linears])
+            weights = projection.engine.dequantize().split([lin.weight.shape[0] for lin in linears])
             for lin, w in zip(linears, weights, strict=True):
                 lin.weight.copy_(w)
     if twin.config.tie_word_embeddings:  # the engine quantizes the head, not the embedding
         twin.config.tie_word_embeddings = False
         twin.lm_head = torch.nn.Linear(twin.config.hidden_size, twin.config.vocab_size, bias=False)
-    twin.lm_head.weight.copy_(quantized.head.dequantize())
+        twin.head = Projection(twin.lm_head)
+    twin.lm_head.weight.copy_(quantized.head.engine.dequantize())
 
 
 def _int8_per_group(x: torch.Tensor) -> torch.Tensor:

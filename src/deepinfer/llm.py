@@ -31,8 +31,6 @@ PromptType = str | list[int] | dict[str, Any]
 
 logger = logging.getLogger("deepinfer")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# scale blocks of ``quantization="fp8"`` (the released V4 checkpoints' weight_block_size)
-FP8_BLOCK = (128, 128)
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -97,10 +95,6 @@ class LLM:
             fake_quant=self.config.fake_quant,
             keep_quantized=quantization in (None, "fp8"),
         )
-        if quantization == "fp8":
-            self.model.quantize_fp8(FP8_BLOCK)
-        elif quantization in ("int8", "int4"):
-            self.model.quantize_weights(quantization)
         self.tokenizer = self._load_tokenizer()
         self.engine = Engine(self.model, self.config, self.tokenizer, checkpoint=self.path)
         by_dtype = weight_bytes(self.model)

@@ -31,7 +31,8 @@ from typing import NamedTuple
 import torch
 
 from deepinfer.bench.serve import CHAT_PROMPTS
-from deepinfer.kernels import cpu_int4_vnni, weight_only
+from deepinfer.kernels import weight_only
+from deepinfer.kernels.cpu import int4_vnni as cpu_int4_vnni
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
 

@@ -5,7 +5,7 @@ stored in them.
 (vLLM's default when a checkpoint ships no calibrated K/V scales, and none of ours does),
 rounded to nearest even and saturated at the format's largest finite value (448 / 57,344): a
 value past the range is clipped, never turned into NaN or infinity. Reads widen the codes
-exactly. The CPU kernels (``kernels/cpu_fp8.py``) store and
+exactly. The CPU kernels (``kernels/cpu/fp8.py``) store and
 read the same bits as ``store`` and ``Tensor.float()`` here.
 """
 

@@ -20,7 +20,8 @@ import torch
 from deepinfer.cache.forward_batch import ForwardBatch, Grid
 from deepinfer.cache.layer_spec import LayerCacheSpec
 from deepinfer.cache.pools import CacheLayout, allocate_pools
-from deepinfer.cache.step_metadata import SeqChunk, build_forward_batch
+from deepinfer.cache.step_chunks import SeqChunk
+from deepinfer.cache.step_metadata import build_forward_batch
 
 DEFAULT_BLOCK_SIZE = 16
 

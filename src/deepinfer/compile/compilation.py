@@ -80,7 +80,8 @@ def default_passes(device: torch.device | None = None) -> list[GraphPass]:
         use_packed_linear,
         use_row_sink_attention,
     )
-    from deepinfer.kernels import cpu_linear_op, cpu_step_ops
+    from deepinfer.kernels.cpu import linear_op as cpu_linear_op
+    from deepinfer.kernels.cpu import step_ops as cpu_step_ops
 
     if device is not None and device.type == "cpu":
         native = cpu_step_ops.available()  # the ops those rewrites insert are registered
@@ -176,7 +177,8 @@ def cpu_c_shims() -> dict:
     op's kernel directly, without the dispatcher's per-call schema lookup and argument boxing,
     which shortens small decode steps most (benchmarks/RESULTS.md). Empty where the ops did not
     build."""
-    from deepinfer.kernels import cpu_linear_op, cpu_step_ops
+    from deepinfer.kernels.cpu import linear_op as cpu_linear_op
+    from deepinfer.kernels.cpu import step_ops as cpu_step_ops
 
     return {**cpu_linear_op.c_shims(), **cpu_step_ops.c_shims()}
 

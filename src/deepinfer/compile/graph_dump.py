@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from deepinfer.cache.pools import CacheLayout, allocate_pools
-from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch
+from deepinfer.cache.step_chunks import SeqChunk, StepPadding
+from deepinfer.cache.step_metadata import build_forward_batch
 from deepinfer.compile.compilation import compile_step
 from deepinfer.compile_passes import PASSES
 

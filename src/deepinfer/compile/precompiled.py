@@ -65,6 +65,8 @@ FORMAT = b"deepinfer-precompiled-step-v1"
 # check of every step, cold after the step before or warm, gets cheaper (benchmarks/RESULTS.md)
 _TAGGED_GUARDS = {"use_recursive_dict_tags_for_guards": True}
 _SOURCE_ROOTS = ("deepinfer", "deepinfer.kernels", "deepinfer.compile_passes")
+# the step runs the C++ kernels of ``kernels/cpu`` too: their sources count as the Python ones do
+_SOURCE_SUFFIXES = (".py", ".cpp", ".h")
 
 
 def default_cache_dir(checkpoint: Path | None) -> Path:
@@ -81,11 +83,17 @@ def default_cache_dir(checkpoint: Path | None) -> Path:
 # covered without anyone remembering to add it.
 _NOT_IN_STEP = (
     "bench",
-    "cache/native_group_meta.py",  # with step_metadata.py: builds the step's inputs on
-    "cache/step_metadata.py",  # the host; a new input layout is caught by the saved
-    # variants' guards, which then compile one for it
+    # the step-metadata builder: builds the step's inputs on the host; a new input layout is
+    # caught by the saved variants' guards, which then compile one for it
+    "cache/full_attention_meta.py",
+    "cache/group_meta.py",
+    "cache/host_tensors.py",
+    "cache/native_group_meta.py",
+    "cache/step_chunks.py",
+    "cache/step_metadata.py",
+    "cache/token_layout.py",
     "chat",
-    "cli.py",
+    "cli",
     "compile/gc_heap.py",
     "compile/graph_dump.py",
     "compile/pregraph_calls.py",  # the loaded bytecode's size helpers, not the compiled code
@@ -102,14 +110,14 @@ _NOT_IN_STEP = (
 
 
 def _source_digest() -> bytes:
-    """Digest of the Python sources of deepinfer, its kernels and its passes that the step
-    can run (all but ``_NOT_IN_STEP``)."""
+    """Digest of the sources (Python, and the kernels' C++) of deepinfer, its kernels and its
+    passes that the step can run (all but ``_NOT_IN_STEP``)."""
     import importlib
 
     digest = hashlib.sha256()
     for name in _SOURCE_ROOTS:
         root = Path(importlib.import_module(name).__file__).parent
-        for path in sorted(root.rglob("*.py")):
+        for path in sorted(p for p in root.rglob("*") if p.suffix in _SOURCE_SUFFIXES):
             relative = path.relative_to(root)
             if name == "deepinfer" and (
                 relative.parts[0] in _NOT_IN_STEP or relative.as_posix() in _NOT_IN_STEP

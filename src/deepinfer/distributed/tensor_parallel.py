@@ -81,9 +81,8 @@ def shard_llama(model: nn.Module, rank: int, size: int, group: dist.ProcessGroup
             _set(linear, _columns(linear.weight.detach(), rank, size), bias)
         attn.n_heads //= size
         attn.n_kv //= size
-        attn.qkv = attn.out = mlp.gate_up = mlp.down = None
-        attn.fuse()
-        mlp.fuse()
+        for projection in (attn.qkv, attn.out, mlp.gate_up, mlp.down):
+            projection.fuse()  # this rank's share as one weight; no quantized or packed form
         layer.reduce = functools.partial(all_reduce_sum, group=group)
     # vocab parallel: this rank's rows of the embedding (and of an untied head)
     vocab = cfg.vocab_size // size
@@ -104,7 +103,7 @@ def shard_llama(model: nn.Module, rank: int, size: int, group: dist.ProcessGroup
         num_key_value_heads=cfg.num_key_value_heads // size,
         intermediate_size=cfg.intermediate_size // size,
     )
-    model.head, model.decode_stack = None, None
+    model.head.fuse()  # the head's share runs as it is
 
 
 def _slice_linear(linear: nn.Module, rows: slice | None = None, cols: slice | None = None) -> nn.Module:

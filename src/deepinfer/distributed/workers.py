@@ -29,11 +29,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from deepinfer.cache.pools import CacheLayout, allocate_pools
-from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch
+from deepinfer.cache.step_chunks import SeqChunk, StepPadding
+from deepinfer.cache.step_metadata import build_forward_batch
 from deepinfer.distributed.eplb import ExpertLoadWindow
 from deepinfer.distributed.expert_parallel import apply_placement, shard_experts
 from deepinfer.distributed.tensor_parallel import shard_deepseek, shard_llama
 from deepinfer.errors import EngineDeadError
+from deepinfer.models import prepare
 from deepinfer.models.loading import load_model
 
 TIMEOUT_S = 300  # a collective waits this long for a rank before failing
@@ -113,6 +115,16 @@ def _broadcast(value: Any = None) -> Any:
 MODES = ("llama", "deepseek", "deepseek+ep", "data", "data+ep")
 
 
+def parallel_mode(llama: bool, data_parallel_size: int, enable_expert_parallel: bool) -> str:
+    """The one choice of ``MODES`` for a model (``llama``: a Llama-family one) and the parallel
+    options: rank 0's engine and torchrun's other ranks must shard alike."""
+    if data_parallel_size > 1:
+        return "data+ep" if enable_expert_parallel else "data"
+    if llama:
+        return "llama"
+    return "deepseek+ep" if enable_expert_parallel else "deepseek"
+
+
 def shard(model: torch.nn.Module, mode: str, rank: int, size: int) -> None:
     """Keep rank ``rank``'s share: ``"llama"`` (heads and MLP), ``"deepseek"`` (attention
     heads and output groups; experts whole), ``"deepseek+ep"`` (also the routed experts
@@ -147,8 +159,9 @@ def worker_main(rank: int, size: int, port: int | None, mode: str, load_kwargs: 
     model = load_model(**load_kwargs)
     shard(model, mode, rank, size)
     setup: CacheSetup = _broadcast()
+    prepare.quantize(model, None)  # this rank's projections fused, as rank 0's are
     if device == "cpu":
-        model.pack_weights()
+        prepare.pack_for_cpu(model)
     layout = CacheLayout.from_specs(
         model.cache_spec(), setup.block_size, bounded_window=setup.bounded_window, packed_kv=setup.packed_kv
     )

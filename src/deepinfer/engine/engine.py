@@ -30,21 +30,20 @@ from deepinfer.engine.admission import check_request
 from deepinfer.engine.block_pool import BlockPool
 from deepinfer.engine.dp_scheduler import DataParallelScheduler
 from deepinfer.engine.executor import Executor
-from deepinfer.engine.graph_runner import measure_step_memory
 from deepinfer.engine.memory import kv_cache_report
-from deepinfer.engine.model_runner import ModelRunner, PreparedStep
+from deepinfer.engine.model_runner import PreparedStep
 from deepinfer.engine.output_processor import OutputProcessor
-from deepinfer.engine.request import Request, Status
+from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
+from deepinfer.engine.step_processor import StepProcessor
 from deepinfer.engine.structured_requests import StructuredRequests
 from deepinfer.errors import EngineDeadError
 from deepinfer.models.base import CausalLM
 from deepinfer.outputs import RequestOutput
 from deepinfer.platforms import platform_for
-from deepinfer.sampling.sampler import INVALID_ROW, SamplingRow, make_generator, sample
+from deepinfer.sampling.sampler import make_generator
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.speculative.decoder import SpeculativeDecoder, VerifiedChunk
-from deepinfer.speculative.drafter import feature_offsets_for
+from deepinfer.speculative.decoder import SpeculativeDecoder
 
 logger = logging.getLogger("deepinfer")
 
@@ -74,6 +73,7 @@ class Engine:
         # anything reads the model's (now local) shapes
         self.tp: TensorParallelGroup | None = None
         self.data_parallel = config.data_parallel_size > 1
+        setup.prepare_weights(model, config)
         if config.world_size > 1:
             self.tp = setup.start_tensor_parallel(model, config, self.device, checkpoint)
             weakref.finalize(self, self.tp.close)
@@ -86,49 +86,39 @@ class Engine:
         )
         platform = platform_for(self.device)
         modes = setup.execution_modes(config, model, platform, checkpoint)
-        use_compile, use_graphs = modes.compile, modes.graphs
+        eager_step = None
         if self.device.type == "cpu":
-            setup.prepare_cpu_weights(model, config, use_compile)
+            eager_step = setup.prepare_cpu_weights(model, config, modes.compile)
         drafter = setup.drafter_for(model, config)
-        graph_batch = min(config.max_graph_batch_size, config.max_num_seqs)
-        # the graphs' memory pool holds about one largest-bucket step's activations, and a
-        # model drafter's private window caches come out of the same budget
-        side_bytes = (drafter.cache_bytes if drafter is not None else 0) + (
-            measure_step_memory(model, self.layout, dtype, self.device, graph_batch, self.max_model_len)
-            if use_graphs
-            else 0
-        )
-        ranks = config.data_parallel_size  # each data-parallel rank has pools of its own
-        self.window_pools: list[BlockPool] | None = None
-        num_window_blocks = None
-        if self.layout.bounded_window:
-            num_window_blocks = setup.window_blocks(config, self.layout)
-            self.window_pools = [BlockPool(num_window_blocks) for _ in range(ranks)]
-            side_bytes += (num_window_blocks + 1) * self.layout.window_block_bytes(dtype)
-        self.window_pool = self.window_pools[0] if self.window_pools is not None else None
-        num_blocks = config.num_cache_blocks or setup.blocks_for_budget(
-            config, self.layout, dtype, self.device, self.max_model_len, side_bytes
-        )
-        self.pools = [BlockPool(num_blocks) for _ in range(ranks)]
-        self.pool = self.pools[0]
-        self.runner = ModelRunner(
+        size = setup.cache_size(
+            config,
             model,
             self.layout,
-            num_blocks=num_blocks,
-            num_slots=config.max_num_seqs,
-            device=self.device,
-            ced_replay=self.layout.window if config.ced_prefill else None,
-            compile_model=use_compile,
-            compile_backend=config.compile_backend,
-            graph_capture=platform.capture if use_graphs else None,
-            max_model_len=self.max_model_len,
-            max_graph_batch=graph_batch,
-            feature_offsets=feature_offsets_for(drafter) if drafter is not None else None,
-            kv_cache_dtype=dtype,
-            compile_cache_dir=setup.compile_cache_dir(config, checkpoint) if use_compile else None,
-            compile_missing=modes.compile_missing,
-            compile_after_s=None if modes.compile_missing else config.cpu_compile_after_s,
-            num_window_blocks=num_window_blocks,
+            dtype,
+            self.device,
+            self.max_model_len,
+            drafter,
+            setup.graph_batch_size(config) if modes.graphs else None,
+        )
+        ranks = config.data_parallel_size  # each data-parallel rank has pools of its own
+        self.pools = [BlockPool(size.num_blocks) for _ in range(ranks)]
+        self.pool = self.pools[0]
+        self.window_pools: list[BlockPool] | None = None
+        if size.num_window_blocks is not None:
+            self.window_pools = [BlockPool(size.num_window_blocks) for _ in range(ranks)]
+        self.window_pool = self.window_pools[0] if self.window_pools is not None else None
+        self.runner = setup.model_runner(
+            model,
+            config,
+            self.layout,
+            dtype,
+            platform,
+            modes,
+            size,
+            drafter,
+            self.max_model_len,
+            checkpoint,
+            eager_step,
         )
         self.executor = Executor(self.runner, model, config, self.tp)
         if self.tp is not None:
@@ -138,9 +128,9 @@ class Engine:
                     self.layout.bounded_window,
                     self.layout.packed_kv,
                     dtype,
-                    num_blocks,
+                    size.num_blocks,
                     config.max_num_seqs,
-                    num_window_blocks,
+                    size.num_window_blocks,
                     count_expert_load=self.executor.eplb is not None and self.data_parallel,
                 )
             )
@@ -162,8 +152,6 @@ class Engine:
                 self.pools[rank],
                 self.layout.block_size,
                 config.max_num_seqs,
-                self._draft if self.spec is not None else None,
-                self.spec.plan if self.spec is not None else None,
                 drafts_after_recompute=self.spec is not None and self.spec.rollback.drafts_after_recompute,
                 window_pool=self.window_pools[rank] if self.window_pools is not None else None,
                 window=self.layout.window,
@@ -180,17 +168,17 @@ class Engine:
         # drafting needs the previous step's tokens; EPLB moves experts between steps
         use_async = platform_async and self.spec is None and not config.enable_eplb
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-step") if use_async else None
+        self.processor = StepProcessor(
+            self.scheduler,
+            self.output_processor,
+            self.structured,
+            self.spec,
+            self.eos_token_ids,
+            rowwise=config.batch_invariant,
+            counts_in_flight=use_async,
+        )
         self._inflight: tuple[PreparedStep, Future] | None = None
         self._open_steps: list[list[ScheduledChunk]] = []  # scheduled, not yet processed
-        block_mib = self.layout.block_bytes(dtype) / 2**20
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %.3f MiB/block)",
-            num_blocks,
-            self.layout.block_size,
-            num_blocks * self.layout.block_size,
-            num_blocks * block_mib,
-            block_mib,
-        )
 
     def close(self) -> None:
         """Stop the tensor-parallel workers and the grammar compiler's thread."""
@@ -267,31 +255,19 @@ class Engine:
             self.scheduler.add(req)
         for req in failed:
             req.finish_reason = "abort"
-            self._finish(req)
+            self.processor.finish(req)
             self._ended.append(req)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; its cache is freed and its output finishes with 'abort'."""
         req = self.requests.get(request_id)
         if req is not None:
-            self._end_now(req, "abort")
+            self.processor.end_now(req, "abort")
 
     def fail(self, request: Request, error: str) -> None:
         """End one request that went wrong (finish reason "error", ``error`` saying why); its
         cache is freed unpublished and the other requests go on."""
-        if not request.finished:
-            logger.error("request %s failed: %s", request.request_id, error)
-            request.error = error
-            self._end_now(request, "error")
-
-    def _end_now(self, request: Request, reason: str) -> None:
-        """Finish a request before its end (an abort, a failure): nothing it computed is
-        published to the prefix cache."""
-        if request.finished:
-            return
-        request.finish_reason = reason
-        self.structured.forget(request)
-        self._finish(request)
+        self.processor.fail(request, error)
 
     def has_unfinished(self) -> bool:
         return (
@@ -373,14 +349,16 @@ class Engine:
         """Slowest rank / mean rank of the counted expert load (``deepinfer:moe_lb``)."""
         return self.executor.moe_lb()
 
-    def _draft(self, request: Request, room: int) -> list[int]:
-        """The speculative decoder's draft, cut where the request's grammar rejects it."""
-        assert self.spec is not None
-        return self.structured.trim_draft(request, self.spec.draft(request, room))
-
     def _schedule(self) -> PreparedStep | None:
         self._admit_compiled()
-        chunks = self.scheduler.schedule()
+        drafts = None
+        if self.spec is not None:  # planned as data before the scheduler runs
+            sched = self.scheduler
+            ranks = sched.ranks if isinstance(sched, DataParallelScheduler) else [sched]
+            drafts = self.spec.step_drafts(
+                ranks, self.config.max_num_batched_tokens, self.structured.trim_draft
+            )
+        chunks = self.scheduler.schedule(drafts)
         if not chunks:
             return None
         self._open_steps.append(chunks)
@@ -400,130 +378,11 @@ class Engine:
         self._inflight = (prepared, self._worker.submit(self.executor.run, prepared, input_ids))
 
     def _process(
-        self, prepared: PreparedStep, logits: torch.Tensor, features: torch.Tensor | None = None
+        self, prepared: PreparedStep, logits: torch.Tensor, features: torch.Tensor | None
     ) -> list[Request]:
-        """Turn a finished step's logits into tokens: prompt logprobs, sampling, verification
-        of drafted chunks, prefix-cache publishing, then the drafter's turn."""
-        chunks = prepared.chunks
-        live = [(c, row) for c, row in zip(chunks, prepared.sample_rows, strict=True) if row >= 0]
-        if self._worker is not None:  # only an asynchronous engine counts in-flight tokens
-            for c, _ in live:
-                c.request.pending_tokens = max(0, c.request.pending_tokens - 1)
-        live = [(c, row) for c, row in live if not c.request.finished]
-        self._prompt_logprobs(prepared, logits)
-        updated = self._sample([(c, row) for c, row in live if not c.draft], logits)
-        if self.spec is not None:
-            drafted = [(c, logits[row : row + len(c.draft) + 1]) for c, row in live if c.draft]
-            checked = [(c, self.structured.mask_drafted(c.request, c.draft, rows)) for c, rows in drafted]
-            verified = self.spec.verify(checked)
-            for v, (_, raw) in zip(verified, drafted, strict=True):
-                v.logits = raw  # logprobs are reported from the raw distribution
-            updated += [self._append_verified(v) for v in verified]
-        # published first, then trimmed: trimmed blocks stay cached
-        self.scheduler.after_step([c.request for c in chunks])
-        if self.spec is not None:
-            if prepared.forward_s is not None and all(c.num_tokens == 1 + len(c.draft) for c in chunks):
-                self.spec.observe_step(sum(c.num_tokens for c in chunks), prepared.forward_s)
-            featured = [
-                (c, rows)
-                for c, rows in zip(chunks, prepared.feature_rows or [], strict=False)
-                if c.request.status is Status.RUNNING
-            ]
-            ready = [r for r in self.scheduler.running if self.scheduler.may_draft(r)]
-            self.spec.after_step(featured, features, ready)
-        self._open_steps = [c for c in self._open_steps if c is not chunks]
+        updated = self.processor.process(prepared, logits, features)
+        self._open_steps = [c for c in self._open_steps if c is not prepared.chunks]
         return updated
-
-    def _prompt_logprobs(self, prepared: PreparedStep, logits: torch.Tensor) -> None:
-        for c, (first, count) in zip(prepared.chunks, prepared.prompt_rows, strict=True):
-            req = c.request
-            if count and not req.finished:
-                entries = self.output_processor.prompt_logprobs(
-                    req, logits[first : first + count], c.start, count
-                )
-                have = req.prompt_logprobs or [None]  # entry i is for prompt token i
-                have += entries[len(have) - c.start - 1 :]  # a recompute after preemption adds none twice
-                req.prompt_logprobs = have
-
-    def _sample(self, live: list[tuple[ScheduledChunk, int]], logits: torch.Tensor) -> list[Request]:
-        """One token for each chunk that reached its sequence's end (``live``: chunk and its
-        logits row), with stop checks."""
-        if not live:
-            return []
-        rows = [c.request.sampling_row or self._sampling_row(c.request) for c, _ in live]
-        indices = [row for _, row in live]
-        if indices == list(range(len(indices))):  # the usual step: rows 0..n-1, no gather
-            sampled_logits = logits[: len(indices)]
-        else:
-            sampled_logits = logits[torch.tensor(indices)]
-        allowed = self.structured.mask_rows(sampled_logits, [c.request for c, _ in live])
-        tokens = sample(allowed, rows, rowwise=self.config.batch_invariant)
-        now = time.perf_counter()
-        updated = []
-        for i, ((c, _), token) in enumerate(zip(live, tokens, strict=True)):
-            req = c.request
-            updated.append(req)
-            if token == INVALID_ROW:
-                self.fail(req, "the model's distribution for this request was not finite (NaN)")
-                continue
-            if req.first_token_time is None:
-                req.first_token_time = now
-            try:
-                # a row's logits are read only for its logprobs: no view made for the others
-                self._append(req, token, sampled_logits[i] if req.params.logprobs is not None else None)
-            except Exception as exc:  # this request's own post-processing: it fails alone
-                logger.exception("request %s failed after sampling", req.request_id)
-                self.fail(req, f"{type(exc).__name__}: {exc}")
-                continue
-            if req.finish_reason is not None:  # the token just sampled has no row yet (an
-                # asynchronous engine may count the next step's row already)
-                self._finish(req, computed=min(req.num_computed_tokens, req.num_tokens - 1))
-        return updated
-
-    def _sampling_row(self, request: Request) -> SamplingRow:
-        """What the sampler reads of ``request``, made once: its params, generator and token
-        lists never change identity (the lists grow in place)."""
-        request.sampling_row = SamplingRow(
-            request.params,
-            request.generator,
-            request.prompt_token_ids,
-            request.output_token_ids,
-            self.eos_token_ids,
-        )
-        return request.sampling_row
-
-    def _append_verified(self, verified: VerifiedChunk) -> Request:
-        """Append a drafted chunk's verified tokens one by one (stop checks apply to each),
-        then let the speculative decoder roll the computed count back to the valid rows."""
-        req = verified.chunk.request
-        assert isinstance(req, Request)
-        if req.first_token_time is None:
-            req.first_token_time = time.perf_counter()
-        for j, token in enumerate(verified.tokens):
-            self._append(req, token, verified.logits[j])
-            if req.finish_reason is not None:  # rows up to the anchor and accepted drafts are valid
-                self._finish(req, computed=verified.anchor + j + 1)
-                return req
-        assert self.spec is not None
-        self.spec.roll_back(verified)
-        return req
-
-    def _append(self, req: Request, token: int, row_logits: torch.Tensor | None) -> None:
-        """Append a sampled token (stop checks) and advance the request's grammar, whose end
-        (its stop token accepted) ends the request."""
-        self.output_processor.append_token(req, token, row_logits)
-        reason = self.structured.accept(req, token)
-        if reason is not None and req.finish_reason is None:
-            req.finish_reason = reason
-
-    def _finish(self, req: Request, computed: int | None = None) -> None:
-        """``computed``: positions whose cache rows this request has validly written; their
-        full blocks are published to the prefix cache before the blocks are freed (None: an
-        abort, nothing published)."""
-        req.finished_time = time.perf_counter()
-        if self.spec is not None:
-            self.spec.forget(req.request_id)
-        self.scheduler.finish(req, computed)
 
     # ---- outputs --------------------------------------------------------------------------
 

@@ -20,7 +20,8 @@ import torch
 
 from deepinfer.cache.forward_batch import ForwardBatch, LayerPools
 from deepinfer.cache.pools import CacheLayout, allocate_pools
-from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch
+from deepinfer.cache.step_chunks import SeqChunk, StepPadding
+from deepinfer.cache.step_metadata import build_forward_batch
 from deepinfer.platforms import GraphCapture
 
 logger = logging.getLogger(__name__)

@@ -15,8 +15,10 @@ from typing import Any
 import torch
 
 from deepinfer.cache.forward_batch import ForwardBatch
+from deepinfer.cache.host_tensors import long_tensor
 from deepinfer.cache.pools import CacheLayout, allocate_pools
-from deepinfer.cache.step_metadata import SeqChunk, StepPadding, build_forward_batch, long_tensor
+from deepinfer.cache.step_chunks import SeqChunk, StepPadding
+from deepinfer.cache.step_metadata import build_forward_batch
 from deepinfer.engine.graph_runner import DecodeGraphRunner
 from deepinfer.engine.scheduler import ScheduledChunk
 from deepinfer.models.base import CausalLM
@@ -78,6 +80,7 @@ class ModelRunner:
         compile_missing: bool = True,
         compile_after_s: float | None = None,
         num_window_blocks: int | None = None,
+        eager_step: Callable[..., Any] | None = None,
     ) -> None:
         """``ced_replay``: with CED prefill, how many trailing prompt tokens run the decoder.
         ``compile_model``: run the step through ``torch.compile`` (``deepinfer.compile.compilation``).
@@ -89,11 +92,13 @@ class ModelRunner:
         compiled by Inductor is saved and found again (``precompiled.py``; None: not saved);
         ``compile_missing=False``: a step none of the saved variants covers runs eagerly,
         and with ``compile_after_s`` is compiled once such steps have taken that long.
-        ``num_window_blocks``: the window pool's blocks when ``layout.bounded_window``."""
+        ``num_window_blocks``: the window pool's blocks when ``layout.bounded_window``.
+        ``eager_step``: what an eager step calls instead of ``model.step`` (a platform's
+        backend, such as the CPU's one-call decode)."""
         self.model = model
         self.feature_offsets = feature_offsets
         self.ced_replay = ced_replay
-        self.forward = model.step
+        self.forward = eager_step or model.step
         self.layout = layout
         self.device = device
         dtype = kv_cache_dtype or model.compute_dtype
@@ -154,7 +159,7 @@ class ModelRunner:
         return StepPadding(self.null_block, self.null_slot, 1, null_window_block=self.null_window_block)
 
     def prepare(self, chunks: list[ScheduledChunk], data_parallel: bool = False) -> PreparedStep:
-        """``data_parallel``: the chunks belong to several ranks (``request.dp_rank``,
+        """``data_parallel``: the chunks belong to several ranks (``ScheduledChunk.dp_rank``,
         grouped in rank order); the tensors are built for rank 0's chunks only."""
         seq_chunks, sample_rows, prompt_rows = [], [], []
         feature_rows: list[tuple[int, int]] | None = [] if self.feature_offsets is not None else None
@@ -197,22 +202,20 @@ class ModelRunner:
                     feature_row += len(features)
             seq_chunks.append(
                 SeqChunk(
-                    req.block_ids,
-                    req.slot,
+                    c.block_ids,
+                    c.slot,
                     c.start,
                     c.num_tokens,
                     c.restore_overlap,
                     offsets,
                     replay_from,
                     features,
-                    # a copy: a step sent on (tensor parallel) is built after the scheduler
-                    # gives blocks back
-                    None if window_null is None else req.window_block_ids.copy(),
+                    None if window_null is None else c.window_block_ids,
                     window_null,
                 )
             )
         if data_parallel:
-            ranks = [c.request.dp_rank for c in chunks]
+            ranks = [c.dp_rank for c in chunks]
             local = [sc for sc, r in zip(seq_chunks, ranks, strict=True) if r == 0]
             padding = self.padding if local else self.idle_padding()
             positions, batch = build_forward_batch(self.layout, self.pools, local, self.device, padding)
@@ -276,7 +279,10 @@ class ModelRunner:
                 continue
             span = c.request.token_slice(c.start, c.end - len(c.draft))
             missing = c.end - len(c.draft) - c.start - len(span)  # > 0 only as above
-            ids += span + [0] * missing + c.draft if missing else span + c.draft
+            ids += span
+            if missing:
+                ids += [0] * missing
+            ids += c.draft
         if rank == 0:
             ids += [0] * (step.positions.shape[0] - len(ids))  # padded null tokens
         if self.device.type == "cpu":

@@ -4,14 +4,20 @@ Running requests go first (a decode is one token; an unfinished prompt continues
 chunk), then waiting requests in arrival order. When blocks run out, the most recently
 admitted running request is preempted (its cache freed, recomputed later). The scheduler
 knows requests, token counts and blocks; never tensors.
+
+Its output is data: ``schedule(drafts)`` takes the step's draft tokens as a plain mapping
+(the engine asks the speculative decoder before scheduling) and returns frozen
+``ScheduledChunk``s that carry what the model runner reads of each request (its block
+tables, slot and rank at scheduling time), so the runner never reads a live request's
+tables.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.block_pool import BlockPool, block_hash
@@ -26,14 +32,22 @@ def grid_size(block_size: int) -> int:
     return math.gcd(block_size, BATCH_INVARIANT_GRID)
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class ScheduledChunk:
+    """One request's share of a step. ``request`` is for processing the step's results; the
+    runner reads the tables as they were when the chunk was scheduled (a step sent on to
+    tensor-parallel ranks is built after the scheduler may have given blocks back)."""
+
     request: Request
     start: int  # first position computed
     num_tokens: int
     restore_overlap: bool
     samples: bool  # the chunk reaches the end of the known tokens: sample the next one
-    draft: list[int] = field(default_factory=list)  # drafted tokens appended to the chunk
+    draft: tuple[int, ...] = ()  # drafted tokens appended to the chunk
+    block_ids: tuple[int, ...] = ()
+    window_block_ids: tuple[int, ...] = ()
+    slot: int = -1
+    dp_rank: int = 0
 
     @property
     def end(self) -> int:
@@ -41,14 +55,23 @@ class ScheduledChunk:
 
 
 def _take_chunk(
-    request: Request, computed: int, num_new: int, known: int, draft: list[int]
+    request: Request, computed: int, num_new: int, known: int, draft: Sequence[int]
 ) -> ScheduledChunk:
     """The chunk of ``num_new`` positions from ``computed`` (the request's computed count) of a
     request with ``known`` tokens, counted as computed; a drafted chunk is rolled back to its
-    accepted part after verification (``Engine._process``). The caller passes the counts it
+    accepted part after verification (``StepProcessor.process``). The caller passes the counts it
     read already: a decode step makes one chunk per running request."""
     chunk = ScheduledChunk(
-        request, computed, num_new, request.restore_overlap, computed + num_new - len(draft) == known, draft
+        request,
+        computed,
+        num_new,
+        request.restore_overlap,
+        computed + num_new - len(draft) == known,
+        tuple(draft),
+        tuple(request.block_ids),
+        tuple(request.window_block_ids),
+        request.slot if request.slot is not None else -1,
+        request.dp_rank,
     )
     request.restore_overlap = False
     request.num_computed_tokens = computed + num_new
@@ -68,18 +91,11 @@ class Scheduler:
         pool: BlockPool,
         block_size: int,
         num_slots: int,
-        drafter: Callable[[Request, int], list[int]] | None = None,
-        plan_drafts: Callable[[list[Request], list[Request], int], None] | None = None,
         drafts_after_recompute: bool = False,
         window_pool: BlockPool | None = None,
         window: int = 0,
     ) -> None:
-        """``drafter(request, room)``: speculative tokens for a decoding request (at most
-        ``room``, or []);
-        ``plan_drafts(requests, running, num_waiting)``: called first with this step's decoding
-        requests (and every running one, and how many wait), so a verification schedule can
-        size every request's draft together.
-        ``drafts_after_recompute``: a chunk that recomputes the last few accepted tokens after
+        """``drafts_after_recompute``: a chunk that recomputes the last few accepted tokens after
         a rejection may carry drafts (when a rejection never rolls back past the chunk's own
         accepted part, ``speculative.rollback``; else recomputed chunks would keep growing).
         ``window_pool``: the blocks of a bounded window cache (``window`` tokens): a request
@@ -88,8 +104,6 @@ class Scheduler:
         takes a prefix hit only where the window before the hit is still cached."""
         self.config = config
         self.drafts_after_recompute = drafts_after_recompute
-        self.drafter = drafter
-        self.plan_drafts = plan_drafts
         self.pool = pool
         self.block_size = block_size
         self.waiting: deque[Request] = deque()
@@ -269,12 +283,13 @@ class Scheduler:
         self._release(request)
         request.status = Status.FINISHED
 
-    def schedule(self) -> list[ScheduledChunk]:
+    def schedule(self, drafts: Mapping[str, Sequence[int]] | None = None) -> list[ScheduledChunk]:
+        """This step's chunks. ``drafts``: speculative tokens to verify after a decoding
+        request's newest token, by request id; a request takes those that fit the budget
+        left once its own token is counted."""
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
-        if self.plan_drafts is not None:
-            self.plan_drafts([r for r in self.running if self.may_draft(r)], self.running, len(self.waiting))
         i = 0
         batch_invariant = self.config.batch_invariant
         bs, windowed = self.block_size, self.window_pool is not None
@@ -292,9 +307,10 @@ class Scheduler:
                 if num_new == 0:  # the next grid cell does not fit this step's budget
                     i += 1
                     continue
-            draft = []
-            if self.drafter is not None and num_new == todo and self.may_draft(request):
-                draft = self.drafter(request, budget - num_new)  # drafts follow the newest token
+            draft: Sequence[int] = ()
+            if drafts and num_new == todo and self.may_draft(request):
+                # drafts follow the newest token
+                draft = drafts.get(request.request_id, ())[: budget - num_new]
             num_new += len(draft)
             end = computed + num_new
             # a chunk inside the blocks (and the window block) it holds needs no allocation:
@@ -337,7 +353,7 @@ class Scheduler:
             request.slot = self.free_slots.pop()
             request.status = Status.RUNNING
             self.running.append(request)
-            chunks.append(_take_chunk(request, request.num_computed_tokens, num_new, request.num_tokens, []))
+            chunks.append(_take_chunk(request, request.num_computed_tokens, num_new, request.num_tokens, ()))
             budget -= num_new
         return chunks
 

@@ -10,23 +10,29 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from deepinfer.cache.pools import CacheLayout
 from deepinfer.config import EngineConfig
 from deepinfer.distributed.tensor_parallel import check_divisible
-from deepinfer.distributed.workers import TensorParallelGroup, shard
+from deepinfer.distributed.workers import TensorParallelGroup, parallel_mode, shard
+from deepinfer.engine.cpu_decode import OneCallDecode, one_call_decode
+from deepinfer.engine.graph_runner import measure_step_memory
 from deepinfer.engine.model_runner import ModelRunner
-from deepinfer.kernels import huge_pages
+from deepinfer.kernels.huge_pages import HugePageArena
+from deepinfer.models import prepare
 from deepinfer.models.base import CausalLM
 from deepinfer.models.llama import LlamaForCausalLM
 from deepinfer.platforms import Platform
 from deepinfer.platforms.cpu import tune_malloc
-from deepinfer.speculative.decoder import SpeculativeDecoder, build_drafter
-from deepinfer.speculative.drafter import Drafter
+from deepinfer.speculative.decoder import SpeculativeDecoder
+from deepinfer.speculative.drafter import Drafter, feature_offsets_for
+from deepinfer.speculative.drafters import build_drafter
 from deepinfer.speculative.rollback import Rollback
 
 logger = logging.getLogger("deepinfer")
@@ -102,17 +108,26 @@ def compile_cache_dir(config: EngineConfig, checkpoint: Path | None) -> Path:
     return default_cache_dir(checkpoint)
 
 
-def prepare_cpu_weights(model: CausalLM, config: EngineConfig, use_compile: bool) -> None:
-    """On the CPU: the C library's allocation thresholds, huge pages for packed weights, and
-    the projections packed once for our GEMM kernels (registered as ``packed_linear`` inputs
-    when the step is compiled). Applied from outside the model's forward, whose math the plain
+def prepare_weights(model: CausalLM, config: EngineConfig) -> None:
+    """The engine's forms of the weights before sharding: fused projections, fp8 or
+    weight-only int8/int4 (``models/prepare.py``)."""
+    arena = HugePageArena() if config.cpu_huge_pages and config.device == "cpu" else None
+    prepare.quantize(model, config.quantization, arena)
+
+
+def prepare_cpu_weights(model: CausalLM, config: EngineConfig, use_compile: bool) -> OneCallDecode | None:
+    """On the CPU: the C library's allocation thresholds, the projections packed once for our
+    GEMM kernels (in huge pages unless ``cpu_huge_pages`` is off; registered as
+    ``packed_linear`` inputs when the step is compiled), and the one-call decode over them
+    where the model has one. Applied from outside the model's forward, whose math the plain
     weights still define."""
     if config.tune_cpu_malloc:
         tune_malloc()
-    huge_pages.set_enabled(config.cpu_huge_pages)
-    model.pack_weights()
+    prepare.pack_for_cpu(model, HugePageArena() if config.cpu_huge_pages else None)
     if use_compile:
         model.register_packed_projections()
+        return None
+    return one_call_decode(model)
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -175,17 +190,13 @@ def start_tensor_parallel(
     parallel, whole replicas (their routed experts split with expert parallel)."""
     size = config.world_size
     experts = getattr(model.config, "n_routed_experts", 0)
-    if config.data_parallel_size > 1:
-        mode = "data+ep" if config.enable_expert_parallel else "data"
-        if config.enable_expert_parallel and (not experts or experts % size):
-            raise ValueError(f"expert parallel size {size} does not divide the {experts} routed experts")
-    elif isinstance(model, LlamaForCausalLM):
-        mode = "llama"
+    llama = isinstance(model, LlamaForCausalLM)
+    mode = parallel_mode(llama, config.data_parallel_size, config.enable_expert_parallel)
+    if mode.endswith("ep") and (not experts or experts % size):
+        raise ValueError(f"expert parallel size {size} does not divide the {experts} routed experts")
+    if mode == "llama":
         check_divisible(model.config, size)
-    else:
-        mode = "deepseek+ep" if config.enable_expert_parallel else "deepseek"
-        if config.enable_expert_parallel and (not experts or experts % size):
-            raise ValueError(f"expert parallel size {size} does not divide the {experts} routed experts")
+    elif mode.startswith("deepseek"):
         heads, groups = model.config.num_attention_heads, model.config.o_groups
         if heads % size or groups % size:
             raise ValueError(
@@ -243,3 +254,90 @@ def speculative_decoder(
         sps = runner.steps_per_second(config.max_num_batched_tokens)
     rollback = Rollback(ratios, overlap_ratios, runner)
     return SpeculativeDecoder(spec_config, drafter, max_model_len, rollback, sps, lagged)
+
+
+@dataclass(frozen=True)
+class CacheSize:
+    """Blocks of the paged cache and of a bounded window's pool (None: no bounded window),
+    per data-parallel rank."""
+
+    num_blocks: int
+    num_window_blocks: int | None
+
+
+def cache_size(
+    config: EngineConfig,
+    model: CausalLM,
+    layout: CacheLayout,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    drafter: Drafter | None,
+    graph_batch: int | None,
+) -> CacheSize:
+    """The cache's blocks for the budget left after what else the engine keeps on the device:
+    the captured graphs' memory pool (about one largest-bucket step's activations, when
+    ``graph_batch`` says graphs are captured), a model drafter's private window caches and
+    a bounded window's pool."""
+    side_bytes = drafter.cache_bytes if drafter is not None else 0
+    if graph_batch is not None:
+        side_bytes += measure_step_memory(model, layout, dtype, device, graph_batch, max_model_len)
+    num_window_blocks = None
+    if layout.bounded_window:
+        num_window_blocks = window_blocks(config, layout)
+        side_bytes += (num_window_blocks + 1) * layout.window_block_bytes(dtype)
+    num_blocks = config.num_cache_blocks or blocks_for_budget(
+        config, layout, dtype, device, max_model_len, side_bytes
+    )
+    block_mib = layout.block_bytes(dtype) / 2**20
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %.3f MiB/block)",
+        num_blocks,
+        layout.block_size,
+        num_blocks * layout.block_size,
+        num_blocks * block_mib,
+        block_mib,
+    )
+    return CacheSize(num_blocks, num_window_blocks)
+
+
+def model_runner(
+    model: CausalLM,
+    config: EngineConfig,
+    layout: CacheLayout,
+    dtype: torch.dtype,
+    platform: Platform,
+    modes: ExecutionModes,
+    size: CacheSize,
+    drafter: Drafter | None,
+    max_model_len: int,
+    checkpoint: Path | None,
+    eager_step: Callable[..., Any] | None = None,
+) -> ModelRunner:
+    """The runner for the modes and cache size decided above: its pools, its compiled step
+    (saved beside the checkpoint) and its graph buckets."""
+    return ModelRunner(
+        model,
+        layout,
+        num_blocks=size.num_blocks,
+        num_slots=config.max_num_seqs,
+        device=next(model.parameters()).device,
+        ced_replay=layout.window if config.ced_prefill else None,
+        compile_model=modes.compile,
+        compile_backend=config.compile_backend,
+        graph_capture=platform.capture if modes.graphs else None,
+        max_model_len=max_model_len,
+        max_graph_batch=graph_batch_size(config),
+        feature_offsets=feature_offsets_for(drafter) if drafter is not None else None,
+        kv_cache_dtype=dtype,
+        compile_cache_dir=compile_cache_dir(config, checkpoint) if modes.compile else None,
+        compile_missing=modes.compile_missing,
+        compile_after_s=None if modes.compile_missing else config.cpu_compile_after_s,
+        num_window_blocks=size.num_window_blocks,
+        eager_step=eager_step,
+    )
+
+
+def graph_batch_size(config: EngineConfig) -> int:
+    """The largest batch a captured decode graph covers."""
+    return min(config.max_graph_batch_size, config.max_num_seqs)

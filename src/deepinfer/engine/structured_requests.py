@@ -10,6 +10,7 @@ ends the request.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
@@ -92,7 +93,7 @@ class StructuredRequests:
             return logits
         return self.backend.mask_rows(logits, matchers)
 
-    def mask_drafted(self, request: Request, draft: list[int], rows: torch.Tensor) -> torch.Tensor:
+    def mask_drafted(self, request: Request, draft: Sequence[int], rows: torch.Tensor) -> torch.Tensor:
         """The rows verifying ``draft``, masked for the grammar state at each position."""
         if request.grammar is None or self.backend is None:
             return rows

@@ -147,15 +147,6 @@ class CausalLM(nn.Module):
         """After loading the weights of the checkpoint at ``path`` (fusions, tokenizer-bound
         tables)."""
 
-    def quantize_weights(self, method: str) -> None:
-        """Weight-only ``method`` ("int8", "int4") copies of the weights the engine's steps
-        read (``LLM(..., quantization=...)``)."""
-        raise ValueError(f"quantization={method!r} is not supported for {type(self).__name__}")
-
-    def pack_weights(self) -> None:
-        """Engine-only copies of weights in a faster layout for eager CPU steps (default:
-        none)."""
-
     # For a model whose compiled CPU steps run projections on packed copies: the parameters
     # besides ``nn.Linear`` weights that its step multiplies with through ``F.linear`` (name
     # suffixes, possibly none). None: the model packs nothing.
@@ -163,12 +154,12 @@ class CausalLM(nn.Module):
 
     def register_packed_projections(self) -> int:
         """Packed copies of the fp32 weights a compiled CPU step multiplies with
-        (``deepinfer::packed_linear``, ``kernels/cpu_linear_op.py``): ``nn.Linear`` weights but
+        (``deepinfer::packed_linear``, ``kernels/cpu/linear_op.py``): ``nn.Linear`` weights but
         routed experts' (their own kernels), and the ``projection_params`` the model names.
         Tables read by index (embeddings, Engram) are never packed. A weight left out only runs
         on ``aten::mm``. The engine calls this when compiled steps may run. Returns how many
         were registered (0 where the op did not build or the model does not pack)."""
-        from deepinfer.kernels import cpu_linear_op
+        from deepinfer.kernels.cpu import linear_op as cpu_linear_op
 
         if self.projection_params is None or not cpu_linear_op.available():
             return 0

@@ -2,16 +2,18 @@
 on the same engine as V4: paged K/V pages from ``cache_spec()`` and the same ForwardBatch.
 
 Parameter names follow the Hugging Face layout (``model.layers.{i}.self_attn.q_proj``), so
-checkpoints written by ``transformers`` and our GGUF converter load by name.
+checkpoints written by ``transformers`` and our GGUF converter load by name. The file is the
+architecture alone: the forms the engine runs the projections in (fused, quantized, packed)
+are set from outside (``models/layers/projection.py``), each op's implementation is picked
+per step by ``models/layers/dispatch.py``, and the one-call CPU decode of every layer is the
+engine's CPU backend (``engine/cpu_decode.py``).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,21 +23,10 @@ from torch import nn
 from deepinfer.cache.forward_batch import ForwardBatch, LayerPools
 from deepinfer.cache.layer_spec import LayerCacheSpec
 from deepinfer.errors import CheckpointError
-from deepinfer.kernels import cpu_decode_stack, cpu_norm_act, cpu_rope_store
-from deepinfer.kernels.cpu_decode_stack import LlamaDecodeStack
-from deepinfer.kernels.paged_attention import paged_attention, paged_attention_reference
-from deepinfer.kernels.weight_only import PackedLinear, WeightOnlyLinear
 from deepinfer.models.base import CausalLM
+from deepinfer.models.layers import dispatch
 from deepinfer.models.layers.norms import RMSNorm
-
-# a projection the engine runs: fused float weights or weight-only int8/int4
-Projection = Callable[[torch.Tensor], torch.Tensor]
-
-
-def _cpu_norms(batch: ForwardBatch, x: torch.Tensor) -> bool:
-    """Whether an RMSNorm of ``x`` runs the C++ kernel (``cpu_norm_act``): an eager engine
-    step (not a research call, not under compile) on an activation the kernel takes."""
-    return not batch.functional and not torch.compiler.is_compiling() and cpu_norm_act.supports(x)
+from deepinfer.models.layers.projection import Projection, TiedHead
 
 
 @dataclass
@@ -104,41 +95,6 @@ def llama_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     raise CheckpointError(f"config.json: unsupported rope scaling type {kind!r} for Llama")
 
 
-def _fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate weights (and biases) and re-point each module's parameters at its slice:
-    one matmul instead of several, no extra memory. Returns the fused weight and bias."""
-    weight = torch.cat([lin.weight.detach() for lin in linears])
-    bias = None
-    if linears[0].bias is not None:
-        bias = torch.cat([lin.bias.detach() for lin in linears])
-    start = 0
-    for lin in linears:
-        rows = lin.weight.shape[0]
-        lin.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
-        if bias is not None:
-            lin.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
-        start += rows
-    return weight, bias
-
-
-def _fused(weight: torch.Tensor, bias: torch.Tensor | None) -> Projection:
-    return functools.partial(F.linear, weight=weight, bias=bias)
-
-
-def _weight_only(linears: list[nn.Linear], method: str) -> WeightOnlyLinear:
-    """The linears' weights, concatenated, as a weight-only int8/int4 projection."""
-    weight = torch.cat([lin.weight.detach() for lin in linears])
-    bias = torch.cat([lin.bias.detach() for lin in linears]) if linears[0].bias is not None else None
-    return WeightOnlyLinear(weight, bias, method)
-
-
-def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Llama RoPE: rotate the two halves of each head (cos/sin are [T, 1, D/2])."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -148,71 +104,18 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.attention_bias)
-        # the engine's projections (the research binding uses the parameters themselves)
-        self.qkv: Projection | None = None
-        self.out: Projection | None = None
-        self.qkv_weight: torch.Tensor | None = None  # fused by ``fuse()`` (after loading)
-        self.qkv_bias: torch.Tensor | None = None
-
-    def fuse(self) -> None:
-        """One [q; k; v] weight, with the three projections' parameters as views into it:
-        one matmul instead of three per step, no extra memory, names unchanged."""
-        self.qkv_weight, self.qkv_bias = _fuse_linears([self.q_proj, self.k_proj, self.v_proj])
-        self.qkv = _fused(self.qkv_weight, self.qkv_bias)
-
-    def quantize(self, method: str) -> None:
-        self.qkv = _weight_only([self.q_proj, self.k_proj, self.v_proj], method)
-        self.out = _weight_only([self.o_proj], method)
-
-    def pack(self) -> None:
-        if self.qkv_weight is None:
-            self.fuse()
-        self.qkv = PackedLinear(self.qkv_weight, self.qkv_bias)
-        self.out = PackedLinear(self.o_proj.weight, self.o_proj.bias)
+        self.qkv = Projection(self.q_proj, self.k_proj, self.v_proj)
+        self.out = Projection(self.o_proj)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pools: LayerPools, batch: ForwardBatch
     ) -> torch.Tensor:
-        t, d = x.shape[0], self.head_dim
-        engine = not batch.functional  # research: the parameters themselves
-        if self.qkv is not None and engine:
-            qkv = self.qkv(x)
-        else:
-            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        assert pools.values is not None and batch.full is not None
-        if (
-            engine
-            and not torch.compiler.is_compiling()
-            and cpu_rope_store.supports(qkv, pools.window, pools.values)
-        ):
-            # eager CPU: RoPE and both cache writes in one call, bitwise the code below
-            q = cpu_rope_store.rope_store(
-                qkv, cos, sin, batch.window_write, pools.window, pools.values, self.n_heads, self.n_kv, d
-            )
-            keys, values = pools.window, pools.values
-        else:
-            # q and k heads sit side by side: one RoPE call rotates both
-            qk = rotate_half_rope(qkv[:, : (self.n_heads + self.n_kv) * d].reshape(t, -1, d), cos, sin)
-            q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
-            v = qkv[:, (self.n_heads + self.n_kv) * d :]
-            keys = batch.write(pools.window, batch.window_write, k.reshape(t, -1))
-            values = batch.write(pools.values, batch.window_write, v)
-        meta = batch.full
-        # the op is for compiled steps (opaque to the tracer); eager steps and the research
-        # binding (the op has no backward) call its implementation directly
-        attend = paged_attention if torch.compiler.is_compiling() else paged_attention_reference
-        out = attend(
-            q,
-            keys,
-            values,
-            meta.decode_rows,
-            meta.decode_kv,
-            meta.decode_valid,
-            meta.span_meta,
-            meta.span_kv_rows,
+        qkv = self.qkv(x, batch)
+        q, keys, values = dispatch.rope_and_store(
+            qkv, cos, sin, pools, batch, self.n_heads, self.n_kv, self.head_dim
         )
-        out = out.reshape(t, -1)
-        return self.out(out) if self.out is not None and engine else self.o_proj(out)
+        out = dispatch.attend(q, keys, values, batch)
+        return self.out(out.reshape(x.shape[0], -1), batch)
 
 
 class LlamaMLP(nn.Module):
@@ -222,38 +125,11 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
-        self.gate_up: Projection | None = None
-        self.down: Projection | None = None
-        self.gate_up_weight: torch.Tensor | None = None  # fused by ``fuse()`` (after loading)
-        self.gate_up_bias: torch.Tensor | None = None
+        self.gate_up = Projection(self.gate_proj, self.up_proj)
+        self.down = Projection(self.down_proj)
 
-    def fuse(self) -> None:
-        self.gate_up_weight, self.gate_up_bias = _fuse_linears([self.gate_proj, self.up_proj])
-        self.gate_up = _fused(self.gate_up_weight, self.gate_up_bias)
-
-    def quantize(self, method: str) -> None:
-        self.gate_up = _weight_only([self.gate_proj, self.up_proj], method)
-        self.down = _weight_only([self.down_proj], method)
-
-    def pack(self) -> None:
-        if self.gate_up_weight is None:
-            self.fuse()
-        self.gate_up = PackedLinear(self.gate_up_weight, self.gate_up_bias)
-        self.down = PackedLinear(self.down_proj.weight, self.down_proj.bias)
-
-    def forward(self, x: torch.Tensor, fused: bool = True) -> torch.Tensor:
-        """``fused``: use the fused gate/up weight (the engine); the research binding runs
-        the parameters themselves, so gradients and ``functional_call`` reach them."""
-        if self.gate_up is not None and fused:
-            gate_up = self.gate_up(x)
-            if not torch.compiler.is_compiling() and cpu_norm_act.supports(gate_up):
-                hidden = cpu_norm_act.silu_mul(gate_up)  # eager CPU decode: one call
-                return self.down(hidden) if self.down is not None else self.down_proj(hidden)
-            gate, up = gate_up.chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        hidden = F.silu(gate) * up
-        return self.down(hidden) if self.down is not None and fused else self.down_proj(hidden)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.down(dispatch.silu_and_mul(self.gate_up(x, batch), batch), batch)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -274,17 +150,10 @@ class LlamaDecoderLayer(nn.Module):
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pools: LayerPools, batch: ForwardBatch
     ) -> torch.Tensor:
         """h [T, d] -> [T, d] (on the research grid: [B, S, d])."""
-        x = batch.to_flat(h)
-        if _cpu_norms(batch, x):
-            # eager CPU decode: each norm (the second with its residual add) in one call
-            norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-            _, normed = cpu_norm_act.add_rms_norm(x, None, norm1.weight, norm1.eps)
-            attn = self._sum(self.self_attn(normed, cos, sin, pools, batch))
-            x, normed = cpu_norm_act.add_rms_norm(x, attn, norm2.weight, norm2.eps)
-            return x + self._sum(self.mlp(normed))
-        x = x + self._sum(self.self_attn(self.input_layernorm(x), cos, sin, pools, batch))
-        x = x + self._sum(self.mlp(self.post_attention_layernorm(x), fused=not batch.functional))
-        return batch.to_grid(x)
+        x, normed = dispatch.add_rms_norm(self.input_layernorm, batch.to_flat(h), None, batch)
+        attn = self._sum(self.self_attn(normed, cos, sin, pools, batch))
+        x, normed = dispatch.add_rms_norm(self.post_attention_layernorm, x, attn, batch)
+        return batch.to_grid(x + self._sum(self.mlp(normed, batch)))
 
 
 class LlamaModel(nn.Module):
@@ -306,11 +175,9 @@ class LlamaForCausalLM(CausalLM):
         self.model = LlamaModel(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head = Projection(TiedHead(self.model.embed_tokens) if cfg.tie_word_embeddings else self.lm_head)
         self._inv_freq = llama_inv_freq(cfg)  # host copy; the step reads a per-device one
         self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
-        self.head: Projection | None = None  # the engine's output projection (quantized or packed)
-        # the engine's eager CPU decode steps: every layer in one C++ call (``pack_weights``)
-        self.decode_stack: LlamaDecodeStack | None = None
         # tensor parallel with the vocabulary split (distributed/tensor_parallel.py): (this
         # rank's first token id, sum over the ranks, gather of the logits' columns)
         self.vocab_parallel: tuple[int, Callable, Callable] | None = None
@@ -323,92 +190,6 @@ class LlamaForCausalLM(CausalLM):
     def layers(self) -> nn.ModuleList:
         """The decoder layers (``model.layers``), at the top level as V4's are."""
         return self.model.layers
-
-    def post_load(self, path: Path) -> None:
-        """Called by the loader once weights are in place: fuse q/k/v and gate/up."""
-        for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
-
-    def quantize_weights(self, method: str) -> None:
-        """Weight-only int8/int4 copies of every projection and the output head for the
-        engine's steps (``kernels/weight_only.py``); the embedding and norms stay as loaded,
-        and research calls keep computing with the float parameters."""
-        for layer in self.model.layers:
-            layer.self_attn.quantize(method)
-            layer.mlp.quantize(method)
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        self.head = WeightOnlyLinear(weight, None, method)
-        self.decode_stack = self._decode_stack()
-
-    def pack_weights(self) -> None:
-        """Packed copies of the float projections and the head for the engine's eager CPU
-        steps (``kernels/weight_only.PackedLinear``: ``cpu_packed_gemm``'s layout for fp32,
-        oneDNN's for bf16); quantized ones stay as they are."""
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        if self.head is not None or not PackedLinear.available(weight):
-            return  # quantized (or packed by an earlier engine) already
-        for layer in self.model.layers:
-            layer.self_attn.pack()
-            layer.mlp.pack()
-        self.head = PackedLinear(weight, None)
-        self.decode_stack = self._decode_stack()
-
-    def _decode_stack(self) -> LlamaDecodeStack | None:
-        """The one-call decode driver over the engine's projections: packed fp32, int8 or int4
-        weights (None for other dtypes, or where the CPU kernels did not build)."""
-        cfg = self.config
-        if self.model.embed_tokens.weight.dtype != torch.float32 or not cpu_decode_stack.available():
-            return None
-        if any(layer.reduce is not None for layer in self.model.layers):
-            return None  # tensor parallel: the one-call stack has no cross-rank sum
-
-        def projection(engine: Projection | None, weight: torch.Tensor | None, bias: torch.Tensor | None):
-            """(weight, bias, scale, offset) of one projection as the driver reads it."""
-            if isinstance(engine, WeightOnlyLinear):
-                if engine.bias is not None:
-                    raise ValueError("the stack runs quantized weights without bias")
-                if engine.method == "int8":  # the packed copy (built wherever the stack is)
-                    return engine.packed8, None, engine.scales_f32, None
-                return engine.packed4, None, engine.scale4, engine.offset4
-            assert weight is not None
-            return weight.detach(), None if bias is None else bias.detach(), None, None
-
-        try:
-            layers = []
-            for layer in self.model.layers:
-                attn, mlp = layer.self_attn, layer.mlp
-                engines = {"qkv": attn.qkv, "o": attn.out, "gate_up": mlp.gate_up, "down": mlp.down}
-                layers.append(
-                    {
-                        "norm1": layer.input_layernorm.weight.detach(),
-                        "qkv": projection(attn.qkv, attn.qkv_weight, attn.qkv_bias),
-                        "o": projection(attn.out, attn.o_proj.weight, attn.o_proj.bias),
-                        "gate_up": projection(mlp.gate_up, mlp.gate_up_weight, mlp.gate_up_bias),
-                        "down": projection(mlp.down, mlp.down_proj.weight, mlp.down_proj.bias),
-                        "norm2": layer.post_attention_layernorm.weight.detach(),
-                        "vnni": {
-                            name: engine.packed_vnni
-                            for name, engine in engines.items()
-                            if isinstance(engine, WeightOnlyLinear) and engine.packed_vnni is not None
-                        },
-                        "packed": {
-                            name: engine.packed
-                            for name, engine in engines.items()
-                            if isinstance(engine, PackedLinear)
-                        },
-                    }
-                )
-            return LlamaDecodeStack(
-                layers,
-                cfg.num_attention_heads,
-                cfg.num_key_value_heads,
-                cfg.head_dim,
-                cfg.intermediate_size,
-                cfg.rms_norm_eps,
-            )
-        except ValueError:  # a layout the driver does not take
-            return None
 
     def cache_spec(self) -> list[LayerCacheSpec]:
         kv_dim = self.config.num_key_value_heads * self.config.head_dim
@@ -426,66 +207,31 @@ class LlamaForCausalLM(CausalLM):
         """Per-device tables the step reads, made before ``torch.compile`` traces it."""
         return [self.inv_freq(device)]
 
-    def _stack_pools(
-        self, h: torch.Tensor, batch: ForwardBatch
-    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """The pools when this step is an eager engine step the one-call driver covers (a few
-        rows: decode rows, and prefill spans such as speculative verification's drafts where
-        the span kernel takes them; nothing recorded; pools it reads); else None."""
-        stack, meta = self.decode_stack, batch.full
-        if stack is None or meta is None or batch.functional or batch.grid is not None:
-            return None
-        if batch.hidden_states is not None or torch.compiler.is_compiling():
-            return None
-        pools = [(p.window, p.values) for p in batch.pools]
-        # padded steps carry spans of 0 tokens, which need no span kernel
-        spans = bool(meta.span_meta[:, 1].any()) if meta.span_meta.shape[0] else False
-        return pools if stack.supports(h, pools, spans=spans) else None
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, head_dim / 2] of each token's position."""
+        freqs = positions.unsqueeze(-1).float() * self.inv_freq(positions.device)
+        return freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """One engine step (see ``CausalLM``): flat tokens in, logits for ``batch.logits_idx``."""
-        freqs = positions.unsqueeze(-1).float() * self.inv_freq(positions.device)
-        cos, sin = freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
-        h = batch.to_grid(self._embed(input_ids))
+        cos, sin = self.rope_tables(positions)
+        h = batch.to_grid(self.embed(input_ids))
         batch.record(h)
-        pools = self._stack_pools(h, batch)
-        if pools is not None:
-            meta = batch.full
-            assert meta is not None and self.decode_stack is not None
-            h = self.decode_stack(
-                h,
-                cos,
-                sin,
-                batch.window_write,
-                meta.decode_rows,
-                meta.decode_kv,
-                meta.decode_valid,
-                pools,
-                meta.span_meta,
-                meta.span_kv_rows,
-            )
-        else:
-            for layer, layer_pools in zip(self.model.layers, batch.pools, strict=True):
-                h = layer(h, cos, sin, layer_pools, batch)
-                batch.record(h)
-        h = batch.to_flat(h)
+        for layer, layer_pools in zip(self.model.layers, batch.pools, strict=True):
+            h = layer(h, cos, sin, layer_pools, batch)
+            batch.record(h)
+        return self.logits(batch.to_flat(h), batch)
+
+    def logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """fp32 logits of the rows ``batch.logits_idx`` picks (every row when None) of the
+        last layer's output ``h`` [T, d]."""
         if batch.logits_idx is not None:
             h = h[batch.logits_idx]
-        norm = self.model.norm
-        if _cpu_norms(batch, h):
-            _, h = cpu_norm_act.add_rms_norm(h, None, norm.weight, norm.eps)  # one call, as the layers' norms
-        else:
-            h = norm(h)
-        if self.head is not None and not batch.functional:
-            logits = self.head(h).float()
-        else:
-            weight = (
-                self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-            )
-            logits = F.linear(h, weight).float()
+        _, h = dispatch.add_rms_norm(self.model.norm, h, None, batch)
+        logits = self.head(h, batch).float()
         return logits if self.vocab_parallel is None else self.vocab_parallel[2](logits)
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings; with a vocab-parallel embedding, this rank's rows (others zero)
         summed over the ranks."""
         weight = self.model.embed_tokens.weight

@@ -16,6 +16,7 @@ rows that verify a draft are masked with the matcher advanced through the draft'
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -100,7 +101,7 @@ class GrammarBackend:
         self.xgr.apply_token_bitmask_inplace(masked, bitmask, vocab_size=self.vocab_size, indices=rows)
         return masked
 
-    def mask_drafted(self, matcher: Any, draft: list[int], logits: torch.Tensor) -> torch.Tensor:
+    def mask_drafted(self, matcher: Any, draft: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         """Rows [d + 1, V] verifying ``draft``: row j masked for the state after draft[:j]
         (the matcher advanced through the draft, then rolled back). Rows past a token the
         grammar rejects keep that row's mask: verification rejects the token there anyway."""

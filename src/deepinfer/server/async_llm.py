@@ -102,6 +102,11 @@ class AsyncLLM:
         self._commands.put(("drain", time.monotonic() + grace_s, None))
 
     @property
+    def serving(self) -> bool:
+        """The loop runs and takes new requests (``/health``)."""
+        return self.healthy and self._thread.is_alive() and not self.shutting_down
+
+    @property
     def drained(self) -> bool:
         """Shutting down and no request left to answer."""
         return self.shutting_down and not self._streams

@@ -13,7 +13,7 @@ bias, pending ``min_tokens`` or logprobs); others decode one token per step as b
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,9 +24,6 @@ from deepinfer.sampling_params import SamplingParams
 from deepinfer.speculative.adaptive import AdaptiveDrafting
 from deepinfer.speculative.config import SpeculativeConfig
 from deepinfer.speculative.drafter import Draft, Drafter, DraftRequest
-from deepinfer.speculative.dspark import DSparkDrafter
-from deepinfer.speculative.mtp import MtpDrafter
-from deepinfer.speculative.ngram import NgramDrafter
 from deepinfer.speculative.rollback import Rollback
 from deepinfer.speculative.schedule import (
     SpsTable,
@@ -66,10 +63,19 @@ class Chunk(Protocol):
     start: int
     num_tokens: int
     restore_overlap: bool
-    draft: list[int]
+    draft: Sequence[int]
 
     @property
     def end(self) -> int: ...
+
+
+class DraftingRank(Protocol):
+    """What drafting reads of one (data-parallel rank's) scheduler."""
+
+    running: list[Any]
+    waiting: Sequence[Any]
+
+    def may_draft(self, request: Any) -> bool: ...
 
 
 @dataclass
@@ -119,33 +125,6 @@ class SpecStats:
     def mean_acceptance_length(self) -> float:
         """Tokens emitted per verified chunk (accepted drafts + the final token)."""
         return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
-
-
-# What each model drafter needs of the checkpoint (its error when the model has none).
-_DRAFT_LAYERS = {
-    "mtp": "a DeepSeek-V4 model with its MTP layer (mtp.0.*; num_nextn_predict_layers >= 1 in config.json)",
-    "dspark": "a DeepSeek-V4.1 model with its DSpark stages (mtp.*; num_nextn_predict_layers and "
-    "dspark_block_size in config.json)",
-}
-
-
-def build_drafter(model: Any, config: SpeculativeConfig, num_slots: int) -> Drafter:
-    """The drafter ``config.method`` names: n-gram lookup, or a model drafter over the draft
-    layers the target declares (``CausalLM.draft_model``)."""
-    k = config.num_speculative_tokens
-    if config.method == "ngram":
-        assert k is not None
-        return NgramDrafter(k, config.prompt_lookup_min, config.prompt_lookup_max)
-    draft = model.draft_model(config.method)
-    if draft is None:
-        raise ValueError(
-            f"speculative_config.method={config.method!r} needs {_DRAFT_LAYERS[config.method]}; "
-            f"this {type(model).__name__} has none"
-        )
-    if config.method == "mtp":
-        assert k is not None
-        return MtpDrafter(draft, num_slots, k)
-    return DSparkDrafter(draft, num_slots, k)
 
 
 # a request's own acceptance history weighs as much as this many trials of the global one
@@ -293,6 +272,22 @@ class SpeculativeDecoder:
         end = max(remaining(r) / per_step(r) for r in running)
         return [r.request_id for r in requests if remaining(r) <= end]
 
+    def step_drafts(
+        self, ranks: Sequence[DraftingRank], room: int, trim: Callable[[Any, list[int]], list[int]]
+    ) -> dict[str, list[int]]:
+        """A step's drafts as data, by request id: each rank's decoding requests get their
+        verification lengths planned together (``plan``), then their drafts of at most
+        ``room`` tokens, cut by ``trim`` (where the request's grammar rejects them)."""
+        drafts: dict[str, list[int]] = {}
+        for rank in ranks:
+            ready = [r for r in rank.running if rank.may_draft(r)]
+            self.plan(ready, rank.running, len(rank.waiting))
+            for r in ready:
+                draft = self.draft(r, room)
+                if draft:
+                    drafts[r.request_id] = trim(r, draft)
+        return drafts
+
     def draft(self, req: SequenceState, room: int) -> list[int]:
         """Tokens to verify after the request's last token this step (may be empty);
         ``room``: drafts that fit the step's token budget."""
@@ -331,7 +326,7 @@ class SpeculativeDecoder:
             req = c.request
             model_draft = self.drafts.get(req.request_id)
             q = model_draft.q if model_draft is not None else None
-            items.append(DraftedRows(req.params, req.generator, c.draft, q, logits))
+            items.append(DraftedRows(req.params, req.generator, list(c.draft), q, logits))
         out = []
         for (c, logits), tokens in zip(drafted, verify(items), strict=True):
             self._count(c.request, len(c.draft), len(tokens) - 1)

@@ -79,3 +79,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if x.device.type == "cpu" and x.dtype == torch.float32 and torch.compiler.is_compiling():
         return torch.ops.deepinfer.rope(x, cos, sin)
     return interleaved_rope(x, cos, sin)
+
+
+def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama's RoPE: rotate the two halves of each head (cos/sin are [T, 1, D/2])."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)

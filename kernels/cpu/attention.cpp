@@ -1,32 +1,6 @@
-"""Decode attention over the paged K/V pools, read in place, on the CPU.
+// Decode attention over the paged K/V pools, read in place; built and called by attention.py.
 
-The reference decode path gathers every decode token's cached rows into a dense copy and
-runs SDPA on it: a dozen ATen calls and a copy of the sequence's K and V per layer per step,
-most of a small decode step's time outside the projections. This kernel reads each cached
-row straight from the pool through the step's ``decode_kv`` row indices, one work item per
-(token, K/V head): the query heads sharing that K/V head are done together, with queries and
-output accumulators in registers, so each cached row is read once per item; scores, a
-max-subtracted softmax in fp32 (vectorised exp) and the weighted sum of values, about three
-times as fast as the per-head loop it replaced at 8-32 decode rows (benchmarks/RESULTS.md). A
-sequence's rows sit in blocks scattered over the pool, which the hardware's prefetchers do not
-follow, so the score pass fetches the K and V rows ``AHEAD`` keys ahead, which shortens
-SmolLM2-shaped decode steps with fp32 and fp16 pools alike (benchmarks/RESULTS.md). Built once
-per machine by ``cpu_build``; fp32, bf16, fp16 and fp8 pools
-(``cpu_fp8``).
-"""
-
-from __future__ import annotations
-
-import ctypes
-import functools
-import math
-
-import torch
-from deepinfer.kernels import cpu_build, cpu_fp8
-
-_SOURCE = (
-    cpu_fp8.SOURCE
-    + r"""
+#include "fp8.h"
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/functional_bfloat16.h>
 #include <ATen/cpu/vec/vec.h>
@@ -230,68 +204,3 @@ ENTRY(decode_attention_bf16, at::BFloat16)
 ENTRY(decode_attention_f16, at::Half)
 ENTRY(decode_attention_e4m3, c10::Float8_e4m3fn)
 ENTRY(decode_attention_e5m2, c10::Float8_e5m2)
-"""
-)
-
-_ENTRY = {dtype: f"decode_attention_{name}" for dtype, name in cpu_fp8.POOL_NAMES.items()}
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = cpu_build.load(_SOURCE)
-    if lib is not None:
-        args = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
-        for name in _ENTRY.values():
-            cpu_build.bind(lib, name, args)
-    return lib
-
-
-def supports(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
-    """CPU, no autograd (the research path keeps the differentiable reference), pools of one
-    dtype the kernel reads, contiguous."""
-    return (
-        q.device.type == "cpu"
-        and not (q.requires_grad or k_pool.requires_grad or v_pool.requires_grad)
-        and k_pool.dtype == v_pool.dtype
-        and k_pool.dtype in _ENTRY
-        and k_pool.is_contiguous()
-        and v_pool.is_contiguous()
-        and _library() is not None
-    )
-
-
-def decode_attention(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    decode_rows: torch.Tensor,
-    decode_kv: torch.Tensor,
-    decode_valid: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
-    """Write attention of the decode rows of ``q`` [T, H, d] into ``out`` [>= T, H, d] (fp32,
-    contiguous) in place, with SDPA's default scale 1/sqrt(d). Rows of -1 are skipped."""
-    lib = _library()
-    assert lib is not None
-    _, h, d = q.shape
-    n, length = decode_kv.shape
-    qf = q.float().contiguous()
-    rows = decode_rows.contiguous()
-    kv = decode_kv.contiguous()
-    valid = decode_valid.contiguous()
-    getattr(lib, _ENTRY[k_pool.dtype])(
-        qf.data_ptr(),
-        k_pool.data_ptr(),
-        v_pool.data_ptr(),
-        rows.data_ptr(),
-        kv.data_ptr(),
-        valid.data_ptr(),
-        out.data_ptr(),
-        n,
-        length,
-        h,
-        k_pool.shape[1] // d,
-        d,
-        1.0 / math.sqrt(d),
-        torch.get_num_threads(),
-    )

@@ -1,38 +1,6 @@
-"""The compiled step's opaque CPU ops as C++ dispatcher kernels: ``deepinfer::routed_experts_cpu``,
-``deepinfer::sinkhorn_cpu``, ``deepinfer::indexer_topk_cpu`` and ``deepinfer::rope_cpu``.
+// The compiled step's CPU ops as dispatcher kernels over moe.cpp, sinkhorn.cpp, indexer_topk.cpp
+// and sink_attention_rows.cpp (compiled before it, one translation unit); built by step_ops.py.
 
-``rope_cpu`` is ``deepinfer::rope``'s (``kernels/rope.py``, the interleaved RoPE a compiled
-fp32 CPU step calls as one op) twin: vector lanes hold whole pairs where Inductor's loops read
-and wrote the pairs' strided channels one element at a time (which shortens a long tiny-V4
-prefill step; benchmarks/RESULTS.md), with the formula's bits.
-
-``deepinfer::routed_experts``, ``deepinfer::sinkhorn`` and ``deepinfer::indexer_topk`` are
-Python custom ops: inside a compiled step's C++ wrapper each call goes back into Python (the
-custom-op machinery, dynamo's disable wrapper, the kernel choice in ``cpu_moe``, a ``ctypes``
-call), 17 calls a tiny-V4 step. These ops run the same C++ kernels (``cpu_moe``'s,
-``sinkhorn``'s and ``indexer_topk``'s sources, compiled into this extension) with the same
-choice of kernel and thread count, from C++, so the wrapper reaches them without Python.
-They are built with Inductor's floating-point flags, so they return the bits the Python
-ops' ``ctypes`` builds return. Inputs the kernels do not take (another dtype or device,
-autograd, steps too large for the expert kernels) go to the Python op through the
-dispatcher, so a graph that calls these ops is correct for any input; only the speed
-differs. ``compile_passes.native_cpu_ops`` puts them into compiled CPU steps, whose C++
-wrapper calls each through its C shim (``c_shims``) rather than the dispatcher. Every output
-is contiguous, as the fakes say (the Python ops' too): those wrappers do not assert layouts.
-
-The transposed expert copies the small-expert kernel reads are made once per stacked weight
-and kept in a registry like ``cpu_linear_op``'s: keyed by ``w1``'s tensor and checked at every
-call against all three weights (alive, version counter, storage, sizes), so an in-place write
-through PyTorch makes a fresh copy."""
-
-from __future__ import annotations
-
-import torch
-from deepinfer.kernels import cpu_build, cpu_moe, indexer_topk, sink_attention_rows, sinkhorn
-from deepinfer.kernels import moe as _moe  # noqa: F401  (registers the experts' fallback op)
-from deepinfer.kernels import rope as _rope  # noqa: F401  (registers RoPE's fallback op)
-
-_OP_SOURCE = r"""
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -44,9 +12,11 @@ _OP_SOURCE = r"""
 
 namespace {
 
-constexpr int64_t kMaxRows = MAX_ROWS_DOT;
-constexpr int64_t kSmallBytes = SMALL_EXPERT_BYTES_, kMaxRowsSmall = MAX_ROWS_SMALL;
-constexpr int64_t kTinyBytes = TINY_EXPERT_BYTES_, kMaxRowsTiny = MAX_ROWS_TINY;
+// MOE_*, INDEXER_THREADED_WORK and SINK_ATTENTION_THREADED_WORK come from Python as -D flags
+// (step_ops.py's ``_defines``): cpu/moe.py's size limits and the Python ops' thread thresholds.
+constexpr int64_t kMaxRows = MOE_MAX_ROWS;
+constexpr int64_t kSmallBytes = MOE_SMALL_EXPERT_BYTES, kMaxRowsSmall = MOE_MAX_ROWS_SMALL_EXPERTS;
+constexpr int64_t kTinyBytes = MOE_TINY_EXPERT_BYTES, kMaxRowsTiny = MOE_MAX_ROWS_TINY_EXPERTS;
 constexpr int64_t kThreadedWork = int64_t(1) << 17;  // n_tok * k * inter * d from which threads pay
 constexpr int64_t kIndexerThreadedWork = INDEXER_THREADED_WORK;  // t * e * h * d from which threads pay
 constexpr int64_t kSinkAttentionThreadedWork = SINK_ATTENTION_THREADED_WORK;  // t * l * h * d
@@ -346,7 +316,12 @@ at::Tensor sink_attention_rows_cpu(const at::Tensor& q, const at::Tensor& pool0,
 
 // The ops' C shims: a compiled step's C++ wrapper calls them by name (Inductor's
 // ``custom_ops_to_c_shims``), the kernels without the dispatcher's schema lookup and boxing.
-extern "C" ROUTED_EXPERTS_SHIM {
+// Inductor's calling convention: tensors as handles (an optional one as a pointer to its handle
+// or null), ints as int64_t, floats as double, each result through a ``ret`` pointer.
+// step_ops.py declares these signatures to the wrapper as written here (``build.c_shims``).
+extern "C" AOTITorchError aoti_torch_cpu_routed_experts_cpu(AtenTensorHandle x, AtenTensorHandle weights,
+    AtenTensorHandle ids, AtenTensorHandle w1, AtenTensorHandle w2, AtenTensorHandle w3, double limit,
+    AtenTensorHandle* ret0) {
   using namespace torch::aot_inductor;
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     *ret0 = new_tensor_handle(routed_experts_cpu(
@@ -356,14 +331,16 @@ extern "C" ROUTED_EXPERTS_SHIM {
   });
 }
 
-extern "C" SINKHORN_SHIM {
+extern "C" AOTITorchError aoti_torch_cpu_sinkhorn_cpu(AtenTensorHandle comb, int64_t iters, double eps,
+    AtenTensorHandle* ret0) {
   using namespace torch::aot_inductor;
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     *ret0 = new_tensor_handle(sinkhorn_cpu(*tensor_handle_to_tensor_pointer(comb), iters, eps));
   });
 }
 
-extern "C" ROPE_SHIM {
+extern "C" AOTITorchError aoti_torch_cpu_rope_cpu(AtenTensorHandle x, AtenTensorHandle cos, AtenTensorHandle sin,
+    AtenTensorHandle* ret0) {
   using namespace torch::aot_inductor;
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     *ret0 = new_tensor_handle(rope_cpu(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(cos),
@@ -371,7 +348,10 @@ extern "C" ROPE_SHIM {
   });
 }
 
-extern "C" SINK_ATTENTION_ROWS_SHIM {
+extern "C" AOTITorchError aoti_torch_cpu_sink_attention_rows_cpu(AtenTensorHandle q, AtenTensorHandle pool0,
+    AtenTensorHandle idx0, AtenTensorHandle visible0, AtenTensorHandle* pool1, AtenTensorHandle* idx1,
+    AtenTensorHandle* visible1, AtenTensorHandle sink, double scale, AtenTensorHandle* q_cos, AtenTensorHandle* q_sin,
+    AtenTensorHandle* out_cos, AtenTensorHandle* out_sin, AtenTensorHandle* ret0) {
   using namespace torch::aot_inductor;
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     *ret0 = new_tensor_handle(sink_attention_rows_cpu(
@@ -384,7 +364,9 @@ extern "C" SINK_ATTENTION_ROWS_SHIM {
   });
 }
 
-extern "C" INDEXER_TOPK_SHIM {
+extern "C" AOTITorchError aoti_torch_cpu_indexer_topk_cpu(AtenTensorHandle q, AtenTensorHandle keys,
+    AtenTensorHandle entry_idx, AtenTensorHandle entry_valid, AtenTensorHandle weights, int64_t topk, double scale,
+    AtenTensorHandle* ret0, AtenTensorHandle* ret1) {
   using namespace torch::aot_inductor;
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     auto [rows, picked] = indexer_topk_cpu(
@@ -418,95 +400,3 @@ TORCH_LIBRARY_IMPL(deepinfer, CompositeExplicitAutograd, m) {
   m.impl("indexer_topk_cpu", &indexer_topk_cpu);
   m.impl("sink_attention_rows_cpu", &sink_attention_rows_cpu);
 }
-"""
-
-
-# The C shims' signatures (Inductor's calling convention: tensors as handles, ints as int64_t,
-# floats as double, each result through a ``ret`` pointer), keyed by op name: written into the
-# source and declared to the compiled step's wrapper by ``c_shims``.
-_SHIMS = {
-    "routed_experts": "AOTITorchError aoti_torch_cpu_routed_experts_cpu(AtenTensorHandle x, "
-    "AtenTensorHandle weights, AtenTensorHandle ids, AtenTensorHandle w1, AtenTensorHandle w2, "
-    "AtenTensorHandle w3, double limit, AtenTensorHandle* ret0)",
-    "sinkhorn": "AOTITorchError aoti_torch_cpu_sinkhorn_cpu(AtenTensorHandle comb, int64_t iters, "
-    "double eps, AtenTensorHandle* ret0)",
-    "rope": "AOTITorchError aoti_torch_cpu_rope_cpu(AtenTensorHandle x, AtenTensorHandle cos, "
-    "AtenTensorHandle sin, AtenTensorHandle* ret0)",
-    "indexer_topk": "AOTITorchError aoti_torch_cpu_indexer_topk_cpu(AtenTensorHandle q, "
-    "AtenTensorHandle keys, AtenTensorHandle entry_idx, AtenTensorHandle entry_valid, "
-    "AtenTensorHandle weights, int64_t topk, double scale, AtenTensorHandle* ret0, AtenTensorHandle* ret1)",
-    "sink_attention_rows": "AOTITorchError aoti_torch_cpu_sink_attention_rows_cpu(AtenTensorHandle q, "
-    "AtenTensorHandle pool0, AtenTensorHandle idx0, AtenTensorHandle visible0, AtenTensorHandle* pool1, "
-    "AtenTensorHandle* idx1, AtenTensorHandle* visible1, AtenTensorHandle sink, double scale, "
-    "AtenTensorHandle* q_cos, AtenTensorHandle* q_sin, AtenTensorHandle* out_cos, AtenTensorHandle* out_sin, "
-    "AtenTensorHandle* ret0)",
-}
-
-
-def c_shims() -> dict:
-    """``aot_inductor.custom_ops_to_c_shims`` for these ops where they are registered (their C
-    shims' symbols are then global), else empty: a compiled step's wrapper then calls the
-    shims directly."""
-    if not available():
-        return {}
-    return {getattr(torch.ops.deepinfer, f"{name}_cpu").default: [sig] for name, sig in _SHIMS.items()}
-
-
-def _source() -> str:
-    """The kernels' own sources first (the ops call their C functions), then the ops, with
-    ``cpu_moe``'s size limits written in."""
-    op = (
-        _OP_SOURCE.replace("MAX_ROWS_DOT", str(cpu_moe.MAX_ROWS))
-        .replace("SMALL_EXPERT_BYTES_", str(cpu_moe.SMALL_EXPERT_BYTES))
-        .replace("MAX_ROWS_SMALL", str(cpu_moe.MAX_ROWS_SMALL_EXPERTS))
-        .replace("TINY_EXPERT_BYTES_", str(cpu_moe.TINY_EXPERT_BYTES))
-        .replace("MAX_ROWS_TINY", str(cpu_moe.MAX_ROWS_TINY_EXPERTS))
-        .replace("INDEXER_THREADED_WORK", str(indexer_topk.THREADED_WORK))
-        .replace("SINK_ATTENTION_THREADED_WORK", str(sink_attention_rows.THREADED_WORK))
-    )
-    for name, signature in _SHIMS.items():
-        op = op.replace(f"{name.upper()}_SHIM", signature)
-    return cpu_moe._SOURCE + sinkhorn._SOURCE + indexer_topk._SOURCE + sink_attention_rows._SOURCE + op
-
-
-def _register_fakes() -> None:
-    # every output contiguous, as the kernels and the Python ops they fall back to return it:
-    # a compiled step's C++ wrapper runs without Inductor's size asserts
-    # (``compilation.inductor_options``)
-    @torch.library.register_fake("deepinfer::routed_experts_cpu")
-    def _(x, weights, ids, w1, w2, w3, limit):
-        return x.new_empty(x.shape)
-
-    @torch.library.register_fake("deepinfer::sinkhorn_cpu")
-    def _(comb, iters, eps):
-        return comb.new_empty(comb.shape)
-
-    @torch.library.register_fake("deepinfer::rope_cpu")
-    def _(x, cos, sin):
-        return x.new_empty(x.shape)
-
-    @torch.library.register_fake("deepinfer::indexer_topk_cpu")
-    def _(q, keys, entry_idx, entry_valid, weights, topk, scale):
-        shape = (entry_idx.shape[0], topk)
-        return entry_idx.new_empty(shape, dtype=torch.long), entry_valid.new_empty(shape, dtype=torch.bool)
-
-    @torch.library.register_fake("deepinfer::sink_attention_rows_cpu")
-    def _(q, *_, **__):
-        return q.new_empty(q.shape)
-
-
-def available() -> bool:
-    """Whether the ops are registered in this process (built on the first call). Their
-    fallbacks, the Python ops, are registered by importing ``moe`` and ``sinkhorn`` (above)."""
-    return cpu_build.load_op_library(
-        "deepinfer_cpu_step_ops",
-        _source,
-        _register_fakes,
-        "the C++ step ops are unavailable; compiled steps keep the Python ops",
-        cpu_build.INDUCTOR_MATH_FLAGS,
-    )
-
-
-def transposed_count() -> int:
-    """Transposed expert copies the registry holds, after dropping those of freed weights."""
-    return int(torch.ops.deepinfer.routed_experts_transposed_count()) if available() else 0

@@ -1,10 +1,11 @@
-"""Builds the C++ CPU kernels. ``load``: plain C functions with Inductor's compiler driver
-(``CppCodeCache``): the flags, vector-ISA pick and on-disk cache Inductor uses for its own
-generated kernels, so a kernel is compiled once per machine and loaded from the cache
-afterwards. ``load_op_library``: ops registered with PyTorch's dispatcher (a compiled step's
-C++ wrapper calls them without going through Python), built by ``torch.utils.cpp_extension`` for the vector
-ISA Inductor picks. Sources use ATen's portable ``at::vec::Vectorized`` (AVX2, AVX-512, NEON or
-scalar)."""
+"""Builds the C++ CPU kernels from their sources beside this module (``*.cpp``, and ``*.h``
+for code several share; ``source`` reads them). ``load``: plain C functions with Inductor's
+compiler driver (``CppCodeCache``): the flags, vector-ISA pick and on-disk cache Inductor uses
+for its own generated kernels, so a kernel is compiled once per machine and loaded from the
+cache afterwards. ``load_op_library``: ops registered with PyTorch's dispatcher (a compiled
+step's C++ wrapper calls them without going through Python), built by
+``torch.utils.cpp_extension`` for the vector ISA Inductor picks. Sources use ATen's portable
+``at::vec::Vectorized`` (AVX2, AVX-512, NEON or scalar)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -24,18 +26,51 @@ logger = logging.getLogger(__name__)
 # PyTorch's builder would wait on it forever.
 STALE_LOCK_S = 600.0
 
+# the kernels' C++ sources (package data of ``deepinfer.kernels.cpu``)
+SOURCE_DIR = Path(__file__).resolve().parent
+
+_LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.MULTILINE)
+_C_SHIM = re.compile(r'extern "C"\s+(AOTITorchError\s+aoti_torch_cpu_(\w+)\s*\([^)]*\))')
+
 _OP_LIBRARY_LOCK = threading.Lock()
 _OP_LIBRARIES: dict[str, bool] = {}  # prefix -> registered in this process
 
 
+def source(*names: str) -> str:
+    """The text the compiler gets for the files ``names`` (in ``SOURCE_DIR``), one after another
+    as one translation unit, each ``#include "file"`` of a file there written in place (once).
+    Both build caches key on this text, so an edit of any file it reads builds anew."""
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        seen.add(name)
+        text = (SOURCE_DIR / name).read_text()
+        return _LOCAL_INCLUDE.sub(lambda m: "" if m.group(1) in seen else expand(m.group(1)), text)
+
+    return "".join(expand(name) for name in names)
+
+
+def define_flags(defines: Mapping[str, int]) -> tuple[str, ...]:
+    """``-DNAME=value`` for each constant a source takes from Python."""
+    return tuple(f"-D{name}={value}" for name, value in defines.items())
+
+
+def c_shims(name: str) -> dict[str, str]:
+    """The C shims ``name`` defines (``extern "C" AOTITorchError aoti_torch_cpu_<op>(...)``,
+    Inductor's calling convention): op name -> signature on one line, as
+    ``aot_inductor.custom_ops_to_c_shims`` declares it to a compiled step's wrapper."""
+    return {m.group(2): " ".join(m.group(1).split()) for m in _C_SHIM.finditer(source(name))}
+
+
 @functools.cache
-def load(source: str) -> ctypes.CDLL | None:
-    """The built library, or None where building fails (no compiler): callers fall back to
+def load(source: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The library built from ``source`` (text: see ``source()``) with the compiler ``flags``
+    added to Inductor's, or None where building fails (no compiler): callers fall back to
     PyTorch's kernels."""
     try:
         from torch._inductor.codecache import CppCodeCache
 
-        return CppCodeCache.load(source)
+        return CppCodeCache.load(source, extra_flags=flags)
     except Exception as exc:
         logger.warning("CPU kernels unavailable (%s); using PyTorch's", exc)
         return None
@@ -56,12 +91,12 @@ INDUCTOR_MATH_FLAGS = ("-fno-trapping-math", "-fno-signed-zeros", "-ffp-contract
 
 def load_op_library(
     prefix: str,
-    source: Callable[[], str],
+    sources: tuple[str, ...],
     register_fakes: Callable[[], None],
     unavailable: str,
     extra_flags: tuple[str, ...] = (),
 ) -> bool:
-    """Whether the ops of ``source()`` are registered in this process: built (or loaded from
+    """Whether the ops of ``source(*sources)`` are registered in this process: built (or loaded from
     PyTorch's extension cache, ``~/.cache/torch_extensions``) on the first call for ``prefix``,
     its ``TORCH_LIBRARY`` blocks registering the ops as it loads, then ``register_fakes()`` (their
     shapes for the compiler). The extension's name is ``prefix`` and a digest of the source and
@@ -76,7 +111,7 @@ def load_op_library(
     with _OP_LIBRARY_LOCK:
         if prefix not in _OP_LIBRARIES:
             try:
-                _build_op_library(prefix, source(), extra_flags)
+                _build_op_library(prefix, source(*sources), extra_flags)
                 register_fakes()
                 _OP_LIBRARIES[prefix] = True
             except Exception as exc:

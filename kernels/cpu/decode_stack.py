@@ -1,7 +1,7 @@
 """A whole Llama decoder stack's decode step in one call on the CPU.
 
-With every piece of a small decode step in C++ (``cpu_gemv``, ``cpu_attention``,
-``cpu_rope_store``, ``cpu_norm_act``), what remained outside the weight reads was Python: about
+With every piece of a small decode step in C++ (``gemv``, ``attention``,
+``rope_store``, ``norm_act``), what remained outside the weight reads was Python: about
 nine kernel calls per layer, each building tensors and marshalling pointers, a sizeable share of a
 SmolLM2 step at batch 1 (benchmarks/RESULTS.md). This driver runs the layer loop in C++
 and calls the very same kernel entry points, through their addresses, in the same order with
@@ -11,10 +11,10 @@ calls it once per step.
 Per layer: RMSNorm, fused q/k/v projection, RoPE + cache writes, decode attention over the
 paged pools, output projection, residual add + RMSNorm, fused gate/up projection, SwiGLU, down
 projection, residual add; a step's prefill spans (short prompts) attend through
-``cpu_prefill_attention`` beside the decode rows. fp32 activations; fp32 and int8 weights run
-the packed copies ``PackedLinear`` / ``WeightOnlyLinear`` run, through ``cpu_packed_gemm``, at
+``prefill_attention`` beside the decode rows. fp32 activations; fp32 and int8 weights run
+the packed copies ``PackedLinear`` / ``WeightOnlyLinear`` run, through ``packed_gemm``, at
 up to ``MAX_ROWS`` (64) rows (at 32 rows the layer path's Python still cost a visible share
-of a SmolLM2 step); int4 through ``cpu_int4_vnni`` up to 64 rows, or ``cpu_gemv``'s widening
+of a SmolLM2 step); int4 through ``int4_vnni`` up to 64 rows, or ``gemv``'s widening
 loop up to 4;
 fp32, bf16, fp16 or fp8 pools.
 """
@@ -26,118 +26,18 @@ import functools
 import math
 
 import torch
-from deepinfer.kernels import (
-    cpu_attention,
-    cpu_build,
-    cpu_fp8,
-    cpu_gemv,
-    cpu_int4_vnni,
-    cpu_norm_act,
-    cpu_packed_gemm,
-    cpu_prefill_attention,
-    cpu_rope_store,
-    weight_only,
+from deepinfer.kernels import weight_only
+from deepinfer.kernels.cpu import (
+    attention,
+    build,
+    fp8,
+    gemv,
+    int4_vnni,
+    norm_act,
+    packed_gemm,
+    prefill_attention,
+    rope_store,
 )
-
-_SOURCE = r"""
-#include <cstdint>
-#include <cstring>
-
-using gemv_i4_t = void (*)(const float*, const uint8_t*, const float*, const float*, const float*, float*,
-                           int64_t, int64_t, int64_t, int);
-using norm_t = void (*)(const float*, const float*, const float*, float*, float*, int64_t, int64_t, float);
-using silu_t = void (*)(const float*, float*, int64_t, int64_t);
-using rope_t = void (*)(const float*, const float*, const float*, const int64_t*, void*, void*, float*,
-                        int64_t, int64_t, int64_t, int64_t);
-using attn_t = void (*)(const float*, const void*, const void*, const int64_t*, const int64_t*, const bool*,
-                        float*, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
-using gemm_vnni_t = void (*)(const float*, const uint8_t*, const float*, float*, void*, int64_t, int64_t, int64_t,
-                             int);
-using packed_t = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int);
-using span_attn_t = void (*)(const float*, const void*, const void*, const int64_t*, const int64_t*, float*,
-                             int64_t, int64_t, int64_t, int64_t, float, int);
-using packed_i8_t = void (*)(const float*, const int8_t*, const float*, const float*, float*, int64_t, int64_t,
-                             int64_t, int);
-
-// the offset slot of an int4 weight packed for cpu_int4_vnni (no scale or offset arrays)
-constexpr int64_t VNNI_PACKED = 1;
-// the offset slot of an fp32 weight with a copy packed for cpu_packed_gemm (in the scale slot)
-constexpr int64_t F32_PACKED = 2;
-// the offset slot of int8 weights packed for cpu_packed_gemm (their per-row scale in the scale slot)
-constexpr int64_t I8_PACKED = 3;
-
-struct Fns {
-  gemv_i4_t gemv_i4;
-  gemm_vnni_t gemm_vnni;
-  packed_t packed;
-  packed_i8_t packed_i8;
-  void* scratch;  // cpu_int4_vnni's quantized activations
-  int threads;
-  // y [M, N] = x [M, K] @ W.T (+ bias): fp32 W through its packed copy (c = F32_PACKED, the copy
-  // in the scale slot); packed int8 W with a per-row scale (c = I8_PACKED, s set); int4 W packed
-  // for VNNI (c = VNNI_PACKED); or int4 W with a scale and offset per group of 32 (s and c set)
-  void proj(const int64_t* t, int i, const float* x, float* y, int64_t M, int64_t N, int64_t K) const {
-    const auto* b = reinterpret_cast<const float*>(t[i + 1]);
-    const auto* s = reinterpret_cast<const float*>(t[i + 2]);
-    const auto* c = reinterpret_cast<const float*>(t[i + 3]);
-    if (t[i + 3] == F32_PACKED) packed(x, s, b, y, M, N, K, threads);
-    else if (t[i + 3] == I8_PACKED) packed_i8(x, reinterpret_cast<const int8_t*>(t[i]), s, b, y, M, N, K, threads);
-    else if (t[i + 3] == VNNI_PACKED) gemm_vnni(x, reinterpret_cast<const uint8_t*>(t[i]), b, y, scratch, M, N, K, threads);
-    else gemv_i4(x, reinterpret_cast<const uint8_t*>(t[i]), s, c, b, y, M, N, K, threads);
-  }
-};
-
-// fns: gemv_i4, add_rms_norm, silu_mul, rope_store, decode_attention (for the
-// pools' dtype), gemm_i4_i8 (0 without VNNI), packed_gemm_f32, packed_gemm_i8,
-// prefill_attention (for the pools' dtype: the step's prefill spans). table [layers,
-// 20]: norm1 w, (qkv, o, gate_up, down) x (w, bias, scale or packed copy, int4 offset or a
-// marker: VNNI_PACKED, F32_PACKED, I8_PACKED), norm2 w, k pool, v pool (0 for an absent bias,
-// scale or offset).
-extern "C" void llama_decode_stack(const int64_t* fns, const int64_t* table, int64_t layers, float* h,
-                                   float* work, const float* cos, const float* sin,
-                                   const int64_t* write_rows, const int64_t* dec_rows,
-                                   const int64_t* dec_kv, const bool* dec_valid, int64_t M, int64_t D,
-                                   int64_t H, int64_t KV, int64_t HD, int64_t I, int64_t n_dec,
-                                   int64_t len_dec, float eps, float scale, void* scratch,
-                                   const int64_t* spans, const int64_t* span_rows, int64_t n_spans, int threads) {
-  const Fns f{reinterpret_cast<gemv_i4_t>(fns[0]), reinterpret_cast<gemm_vnni_t>(fns[5]),
-              reinterpret_cast<packed_t>(fns[6]), reinterpret_cast<packed_i8_t>(fns[7]), scratch, threads};
-  const auto norm = reinterpret_cast<norm_t>(fns[1]);
-  const auto silu = reinterpret_cast<silu_t>(fns[2]);
-  const auto rope = reinterpret_cast<rope_t>(fns[3]);
-  const auto attn = reinterpret_cast<attn_t>(fns[4]);
-  const auto span_attn = reinterpret_cast<span_attn_t>(fns[8]);
-  const int64_t QKV = (H + 2 * KV) * HD, A = H * HD;
-  float* normed = work;
-  float* qkv = normed + M * D;
-  float* q = qkv + M * QKV;
-  float* att = q + M * A;  // M + 1 rows: the last takes padded decode rows
-  float* o = att + (M + 1) * A;
-  float* res = o + M * D;
-  float* gu = res + M * D;
-  float* act = gu + M * 2 * I;
-  float* down = act + M * I;
-  for (int64_t l = 0; l < layers; ++l) {
-    const int64_t* t = table + l * 20;
-    const auto* norm1 = reinterpret_cast<const float*>(t[0]);
-    const auto* norm2 = reinterpret_cast<const float*>(t[17]);
-    void* k_pool = reinterpret_cast<void*>(t[18]);
-    void* v_pool = reinterpret_cast<void*>(t[19]);
-    norm(h, nullptr, norm1, h, normed, M, D, eps);
-    f.proj(t, 1, normed, qkv, M, QKV, D);
-    rope(qkv, cos, sin, write_rows, k_pool, v_pool, q, M, H, KV, HD);
-    std::memset(att, 0, sizeof(float) * (M + 1) * A);
-    attn(q, k_pool, v_pool, dec_rows, dec_kv, dec_valid, att, n_dec, len_dec, H, KV, HD, scale, threads);
-    if (n_spans) span_attn(q, k_pool, v_pool, spans, span_rows, att, n_spans, H, KV, HD, scale, threads);
-    f.proj(t, 5, att, o, M, D, A);
-    norm(h, o, norm2, res, normed, M, D, eps);
-    f.proj(t, 9, normed, gu, M, 2 * I, D);
-    silu(gu, act, M, I);
-    f.proj(t, 13, act, down, M, D, I);
-    for (int64_t i = 0; i < M * D; ++i) h[i] = res[i] + down[i];
-  }
-}
-"""
 
 _ARGS = (
     [ctypes.c_void_p] * 2
@@ -152,28 +52,28 @@ _ARGS = (
 # PyTorch's kernel (bf16 activations) beats it (RESULTS.md)
 QUANTIZED_MAX_ROWS = weight_only.QUANTIZED_SMALL_ROWS
 VNNI_PACKED = 1  # the driver's marker (its offset slot) for an int4 weight packed for VNNI
-F32_PACKED = 2  # the marker for an fp32 weight whose ``cpu_packed_gemm`` copy sits in the scale slot
-I8_PACKED = 3  # the marker for int8 weights in ``cpu_packed_gemm``'s layout (3-D), scale as usual
+F32_PACKED = 2  # the marker for an fp32 weight whose ``packed_gemm`` copy sits in the scale slot
+I8_PACKED = 3  # the marker for int8 weights in ``packed_gemm``'s layout (3-D), scale as usual
 # rows up to which packed fp32 / int8 and VNNI int4 steps run in the stack: those kernels take
 # any row count, the per-layer path runs the stack's norm kernels up to here
-MAX_ROWS = cpu_norm_act.MAX_ROWS
+MAX_ROWS = norm_act.MAX_ROWS
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     parts = (
-        cpu_gemv._library(),
-        cpu_norm_act._library(),
-        cpu_rope_store._library(),
-        cpu_attention._library(),
-        cpu_packed_gemm._library(),
-        cpu_prefill_attention._library(),
+        gemv._library(),
+        norm_act._library(),
+        rope_store._library(),
+        attention._library(),
+        packed_gemm._library(),
+        prefill_attention._library(),
     )
     if any(p is None for p in parts):
         return None
-    lib = cpu_build.load(_SOURCE)
+    lib = build.load(build.source("decode_stack.cpp"))
     if lib is not None:
-        cpu_build.bind(lib, "llama_decode_stack", _ARGS)
+        build.bind(lib, "llama_decode_stack", _ARGS)
     return lib
 
 
@@ -188,17 +88,17 @@ def _address(lib: ctypes.CDLL, name: str) -> int:
 @functools.cache
 def _functions(pool_dtype: torch.dtype) -> torch.Tensor:
     """The kernels' entry points for pools of ``pool_dtype``, in the driver's order."""
-    p = cpu_fp8.POOL_NAMES[pool_dtype]
+    p = fp8.POOL_NAMES[pool_dtype]
     addresses = [
-        _address(cpu_gemv._library(), "gemv_i4"),
-        _address(cpu_norm_act._library(), "add_rms_norm_f32"),
-        _address(cpu_norm_act._library(), "silu_mul_f32"),
-        _address(cpu_rope_store._library(), f"rope_store_f32_{p}"),
-        _address(cpu_attention._library(), cpu_attention._ENTRY[pool_dtype]),
-        _address(cpu_int4_vnni._library(), "gemm_i4_i8") if cpu_int4_vnni.available() else 0,
-        _address(cpu_packed_gemm._library(), "packed_gemm_f32"),
-        _address(cpu_packed_gemm._library(), "packed_gemm_i8"),
-        _address(cpu_prefill_attention._library(), cpu_prefill_attention._ENTRY[pool_dtype]),
+        _address(gemv._library(), "gemv_i4"),
+        _address(norm_act._library(), "add_rms_norm_f32"),
+        _address(norm_act._library(), "silu_mul_f32"),
+        _address(rope_store._library(), f"rope_store_f32_{p}"),
+        _address(attention._library(), attention._ENTRY[pool_dtype]),
+        _address(int4_vnni._library(), "gemm_i4_i8") if int4_vnni.available() else 0,
+        _address(packed_gemm._library(), "packed_gemm_f32"),
+        _address(packed_gemm._library(), "packed_gemm_i8"),
+        _address(prefill_attention._library(), prefill_attention._ENTRY[pool_dtype]),
     ]
     return torch.tensor(addresses, dtype=torch.int64)
 
@@ -227,11 +127,11 @@ class LlamaDecodeStack:
     ) -> None:
         """``layers``: per layer ``norm1``, ``norm2`` (fp32 weights) and ``qkv``, ``o``,
         ``gate_up``, ``down`` as (weight, bias, scale, offset): fp32 weights with ``packed``,
-        each projection's ``cpu_packed_gemm`` copy (``PackedLinear.packed``); int8 ones packed
-        for ``cpu_packed_gemm`` ([tiles, in, T]) with their fp32 per-row scale; or packed int4
-        ones (uint8) with their fp32 per-group scale and offset (``cpu_gemv.small_gemm_int4``'s
+        each projection's ``packed_gemm`` copy (``PackedLinear.packed``); int8 ones packed
+        for ``packed_gemm`` ([tiles, in, T]) with their fp32 per-row scale; or packed int4
+        ones (uint8) with their fp32 per-group scale and offset (``gemv.small_gemm_int4``'s
         layout), optionally with ``vnni``: each int4 projection's copy packed for
-        ``cpu_int4_vnni``, which then runs every step. Raises ValueError for anything else."""
+        ``int4_vnni``, which then runs every step. Raises ValueError for anything else."""
         kinds = {torch.float32: (False, False), torch.int8: (True, False), torch.uint8: (True, True)}
         self.tensors: list[list[torch.Tensor | None]] = []
         quantized = False
@@ -257,7 +157,7 @@ class LlamaDecodeStack:
         self.weights_vnni = self._vnni_table(layers) if quantized else None
         packed_int8 = self._mark_packed_int8()
         if not quantized and not self._add_packed_copies(layers):
-            raise ValueError("LlamaDecodeStack: fp32 projections need their cpu_packed_gemm copies")
+            raise ValueError("LlamaDecodeStack: fp32 projections need their packed_gemm copies")
         widening = quantized and not packed_int8 and self.weights_vnni is None
         self.max_rows = QUANTIZED_MAX_ROWS if widening else MAX_ROWS
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
@@ -267,7 +167,7 @@ class LlamaDecodeStack:
         self._tables: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
 
     def _mark_packed_int8(self) -> bool:
-        """Mark the int8 weights, which must come in ``cpu_packed_gemm``'s layout (3-D: [tiles,
+        """Mark the int8 weights, which must come in ``packed_gemm``'s layout (3-D: [tiles,
         K, T]); the driver runs them at every row count as ``WeightOnlyLinear`` does. False
         where there are none."""
         found = False
@@ -277,15 +177,15 @@ class LlamaDecodeStack:
                 assert weight is not None
                 if weight.dtype != torch.int8:
                     continue
-                if weight.dim() != 3 or weight.shape[2] != cpu_packed_gemm.width():
-                    raise ValueError("LlamaDecodeStack: int8 weights must be packed for cpu_packed_gemm")
+                if weight.dim() != 3 or weight.shape[2] != packed_gemm.width():
+                    raise ValueError("LlamaDecodeStack: int8 weights must be packed for packed_gemm")
                 self.weights[r, 1 + 4 * j + 3] = I8_PACKED
                 found = True
         return found
 
     def _add_packed_copies(self, layers: list[dict]) -> bool:
         """Point the fp32 table's projections at their packed copies (``packed``: each
-        ``PackedLinear.packed`` in ``cpu_packed_gemm``'s layout), which the driver runs at every
+        ``PackedLinear.packed`` in ``packed_gemm``'s layout), which the driver runs at every
         row count as ``PackedLinear`` does. False (table unchanged) unless every projection has
         such a copy."""
         copies = [[layer.get("packed", {}).get(name) for name in _PROJECTIONS] for layer in layers]
@@ -294,7 +194,7 @@ class LlamaDecodeStack:
                 weight = tensors[1 + 4 * j]
                 if copy is None or copy.is_mkldnn or copy.dtype != torch.float32 or not copy.is_contiguous():
                     return False
-                if copy.dim() != 3 or copy.shape[1:] != (weight.shape[1], cpu_packed_gemm.width()):
+                if copy.dim() != 3 or copy.shape[1:] != (weight.shape[1], packed_gemm.width()):
                     return False
         for r, row in enumerate(copies):
             for j, copy in enumerate(row):
@@ -306,7 +206,7 @@ class LlamaDecodeStack:
     def _vnni_table(self, layers: list[dict]) -> torch.Tensor | None:
         """The weight table with every projection swapped for its VNNI-packed int4 copy (None
         unless each projection is int4 with such a copy and the kernel built)."""
-        if not cpu_int4_vnni.available():
+        if not int4_vnni.available():
             return None
         rows, keep = [], []
         for layer, row in zip(layers, self.tensors, strict=True):
@@ -327,13 +227,13 @@ class LlamaDecodeStack:
         self, h: torch.Tensor, pools: list[tuple[torch.Tensor, torch.Tensor]], spans: bool = False
     ) -> bool:
         """A decode-sized fp32 activation and pools the kernels read (with prefill ``spans``:
-        pools and a head size ``cpu_prefill_attention`` takes, as the layer path would run)."""
+        pools and a head size ``prefill_attention`` takes, as the layer path would run)."""
         decode = h.dtype == torch.float32 and h.dim() == 2 and 0 < h.shape[0] <= self.max_rows
         if not decode or h.requires_grad or self._table_for(pools) is None:
             return False
         if spans:
             q = h.new_empty(0, self.heads, self.head_dim)
-            return cpu_prefill_attention.supports(q, pools[0][0], pools[0][1])
+            return prefill_attention.supports(q, pools[0][0], pools[0][1])
         return True
 
     def _table_for(
@@ -345,7 +245,7 @@ class LlamaDecodeStack:
         key = tuple(p.data_ptr() for kv in pools for p in kv)
         if key != self._pools:
             dtype = pools[0][0].dtype
-            readable = dtype in cpu_fp8.POOL_NAMES and all(
+            readable = dtype in fp8.POOL_NAMES and all(
                 t.dtype == dtype and t.is_contiguous() for kv in pools for t in kv
             )
             addresses = torch.tensor(key, dtype=torch.int64).view(-1, 2)
@@ -391,7 +291,7 @@ class LlamaDecodeStack:
         vnni = self.weights_vnni is not None  # every row count, as WeightOnlyLinear runs it
         table = self._table_for(pools, vnni)
         assert table is not None, "pools the kernels cannot read (check supports() first)"
-        widest = max(d, a, i)  # cpu_int4_vnni's int8 activations and their per-group scales
+        widest = max(d, a, i)  # int4_vnni's int8 activations and their per-group scales
         scratch = torch.empty(m * widest + 8 * m * (widest // 32), dtype=torch.uint8) if vnni else None
         lib.llama_decode_stack(
             _functions(pools[0][0].dtype).data_ptr(),

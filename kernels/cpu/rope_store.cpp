@@ -1,0 +1,59 @@
+// Llama RoPE plus the K/V cache writes in one call; built and called by rope_store.py.
+
+#include "fp8.h"
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <ATen/Parallel.h>
+#include <cstdint>
+
+constexpr int64_t PARALLEL_TOKENS = 64;
+
+template <typename A, typename P>
+void rope_store(const A* qkv, const float* cos, const float* sin, const int64_t* rows, P* k_pool,
+                P* v_pool, A* q_out, int64_t T, int64_t H, int64_t KV, int64_t d) {
+  const int64_t half = d / 2, width = (H + 2 * KV) * d;
+  // tokens are independent: a prefill's split over ATen's threads (as many as PyTorch is set
+  // to), a decode step's few run inline on the calling thread
+  at::parallel_for(0, T, PARALLEL_TOKENS, [&](int64_t first, int64_t last) {
+  for (int64_t t = first; t < last; ++t) {
+    const A* x = qkv + t * width;
+    const float* c = cos + t * half;
+    const float* s = sin + t * half;
+    P* kr = k_pool + rows[t] * KV * d;
+    P* vr = v_pool + rows[t] * KV * d;
+    for (int64_t h = 0; h < H + KV; ++h) {
+      const A* xh = x + h * d;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = static_cast<float>(xh[i]), x2 = static_cast<float>(xh[i + half]);
+        const float p1 = x1 * c[i], p2 = x2 * s[i], p3 = x2 * c[i], p4 = x1 * s[i];
+        const A a = static_cast<A>(p1 - p2), b = static_cast<A>(p3 + p4);
+        if (h < H) {
+          q_out[(t * H + h) * d + i] = a;
+          q_out[(t * H + h) * d + i + half] = b;
+        } else {
+          kr[(h - H) * d + i] = to_pool<P>(static_cast<float>(a));
+          kr[(h - H) * d + i + half] = to_pool<P>(static_cast<float>(b));
+        }
+      }
+    }
+    const A* v = x + (H + KV) * d;
+    for (int64_t i = 0; i < KV * d; ++i) vr[i] = to_pool<P>(static_cast<float>(v[i]));
+  }
+  });
+}
+
+#define ENTRY(NAME, A, P)                                                                        \
+  extern "C" void NAME(const A* qkv, const float* c, const float* s, const int64_t* rows, P* k,  \
+                       P* v, A* q, int64_t T, int64_t H, int64_t KV, int64_t d) {                \
+    rope_store<A, P>(qkv, c, s, rows, k, v, q, T, H, KV, d);                                    \
+  }
+ENTRY(rope_store_f32_f32, float, float)
+ENTRY(rope_store_f32_bf16, float, c10::BFloat16)
+ENTRY(rope_store_bf16_f32, c10::BFloat16, float)
+ENTRY(rope_store_bf16_bf16, c10::BFloat16, c10::BFloat16)
+ENTRY(rope_store_f32_f16, float, c10::Half)
+ENTRY(rope_store_bf16_f16, c10::BFloat16, c10::Half)
+ENTRY(rope_store_f32_e4m3, float, c10::Float8_e4m3fn)
+ENTRY(rope_store_bf16_e4m3, c10::BFloat16, c10::Float8_e4m3fn)
+ENTRY(rope_store_f32_e5m2, float, c10::Float8_e5m2)
+ENTRY(rope_store_bf16_e5m2, c10::BFloat16, c10::Float8_e5m2)

@@ -1,0 +1,118 @@
+"""Argument groups several subcommands share, each defined once: the engine's (weights,
+parallelism, compilation) and the sampling flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from deepinfer.cache import kv_dtypes
+from deepinfer.cli.engine_args import COMPILE_CHOICES
+
+TP_HELP = (
+    "ranks in worker processes the engine starts (Llama heads; MoE experts with --enable-expert-parallel)"
+)
+EP_HELP = "split a MoE model's routed experts over the tensor- or data-parallel ranks"
+BI_HELP = "a request's logits independent of the batch it runs in (each sequence its own forward)"
+REPLICAS_HELP = (
+    "whole engines splitting the requests, N - 1 of them in worker processes, each on 1/N of "
+    "the CPU threads (SGLang's dp_size; CPU only)"
+)
+DP_HELP = (
+    "data-parallel attention: ranks with their own requests and KV cache "
+    "(experts split and reached by all-to-all with --enable-expert-parallel)"
+)
+SPECULATIVE_HELP = (
+    'speculative decoding, as in vLLM: \'{"method": "ngram"|"mtp"|"dspark", '
+    '"num_speculative_tokens": k, "schedule": "static"|"threshold"|"hardware"}\''
+)
+COMPILE_HELP = (
+    "compiled model step (auto: the platform's default; on the CPU, where compiling "
+    "pays, saved steps, and missing ones compiled once eager steps took "
+    "$DEEPINFER_CPU_COMPILE_AFTER_S, 30 s by default; 'on' compiles and saves at once)"
+)
+
+
+def json_object(text: str) -> dict:
+    """An argparse type: a JSON object (vLLM's ``--speculative-config`` spelling)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    """``--threads``: the benchmarks' CPU threads, this process's count by default."""
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser, *, replicas: bool) -> None:
+    """Tensor, expert and data parallelism; ``replicas``: also whole-engine replicas (offline
+    commands only)."""
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help=TP_HELP)
+    parser.add_argument("--enable-expert-parallel", action="store_true", help=EP_HELP)
+    parser.add_argument("--data-parallel-size", type=int, default=1, help=DP_HELP)
+    if replicas:
+        parser.add_argument("--data-parallel-replicas", type=int, default=1, help=REPLICAS_HELP)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, *, offline: bool) -> None:
+    """The engine's options for a command that loads a model. ``offline`` (``generate``):
+    also ``--data-parallel-replicas``; otherwise (``serve``, ``chat``) also ``--max-model-len``
+    and ``--max-num-seqs``."""
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--quantization",
+        choices=["none", "fp8", "int8", "int4"],
+        default=None,
+        help="default: as stored (fp8/fp4 stay resident); none: dequantize on load; fp8: quantize "
+        "linears to fp8 blocks; int8/int4: weight-only, dense models on CPU",
+    )
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", *kv_dtypes.KV_CACHE_DTYPES],
+        default="auto",
+        help="paged K/V cache element type (vLLM's option): auto = the model's trained format or "
+        "its dtype; fp8 (= fp8_e4m3) / fp8_e5m2 store values with a scale of 1, saturated",
+    )
+    add_parallel_arguments(parser, replicas=offline)
+    parser.add_argument("--batch-invariant", action="store_true", help=BI_HELP)
+    if not offline:
+        parser.add_argument("--max-model-len", type=int, default=None)
+        parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument(
+        "--speculative-config",
+        type=json_object,
+        default=None,
+        help=SPECULATIVE_HELP if offline else "as for generate",
+    )
+    parser.add_argument("--compile", choices=sorted(COMPILE_CHOICES), default="auto", help=COMPILE_HELP)
+
+
+def add_sampling_arguments(
+    parser: argparse.ArgumentParser, *, max_tokens: int, temperature: float, full: bool
+) -> None:
+    """Sampling flags with this command's defaults; ``full``: also top-p, top-k and
+    ``--ignore-eos``."""
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--temperature", type=float, default=temperature)
+    if full:
+        parser.add_argument("--top-p", type=float, default=1.0)
+        parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--seed", type=int, default=None)
+    if full:
+        parser.add_argument("--ignore-eos", action="store_true")

@@ -1,0 +1,85 @@
+"""``deepinfer serve``: the OpenAI-compatible app under uvicorn, the engine loop on the main
+thread, a graceful drain on SIGTERM or Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+
+from deepinfer.cli.engine_args import llm_kwargs
+from deepinfer.server.limits import ServerLimits
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Load the model, serve it until a signal, let running requests finish, exit."""
+    try:
+        import uvicorn
+
+        from deepinfer.server.app import build_app
+        from deepinfer.server.http_protocol import header_timeout_protocol
+    except ImportError as exc:
+        raise ValueError(f"serve needs the serve extra: pip install 'deepinfer[serve]' ({exc})") from exc
+    from deepinfer import LLM
+    from deepinfer.compile.gc_heap import freeze_long_lived
+
+    if args.max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    limits = ServerLimits(
+        max_request_bytes=args.max_request_bytes,
+        max_messages=args.max_messages,
+        prompt_timeout_s=args.prompt_timeout,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+    llm = LLM(args.model, **llm_kwargs(args))
+    # the model's objects live as long as the server: out of the collector's full passes,
+    # which would otherwise walk them all while every request waits (gc_heap.py)
+    freeze_long_lived()
+    name = args.served_model_name or args.model
+    app = build_app(
+        llm,
+        name,
+        api_key=args.api_key,
+        max_queued_requests=args.max_queued_requests,
+        engine_thread=False,
+        limits=limits,
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        http=header_timeout_protocol(limits.header_timeout_s),
+        # our own drain ends every response within shutdown_timeout_s; this is the backstop
+        timeout_graceful_shutdown=int(limits.shutdown_timeout_s) + 5,
+    )
+    web = uvicorn.Server(config)
+    engine = app.state.server.engine
+    # HTTP on a background thread, the engine loop here: the thread that loaded the model
+    # drives its kernels (AsyncLLM.run_here says why)
+    http = threading.Thread(target=web.run, name="deepinfer-http", daemon=True)
+    http.start()
+
+    def graceful(signum: int, _frame: object) -> None:
+        """SIGTERM / Ctrl-C: stop accepting, let running requests finish within the grace
+        period (then end them with an error event), exit. A second signal exits at once."""
+        if engine.shutting_down:
+            raise KeyboardInterrupt
+        web.should_exit = True
+        engine.begin_shutdown(limits.shutdown_timeout_s)
+
+    signal.signal(signal.SIGTERM, graceful)
+    signal.signal(signal.SIGINT, graceful)
+    print(f"deepinfer serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
+    try:
+        engine.run_here(until=lambda: not http.is_alive() or engine.drained)
+    except KeyboardInterrupt:  # a second signal: no more waiting
+        pass
+    web.should_exit = True
+    try:
+        http.join(timeout=limits.shutdown_timeout_s + 10)
+    except KeyboardInterrupt:
+        pass
+    return 0

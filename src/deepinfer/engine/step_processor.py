@@ -1,0 +1,196 @@
+"""The last stage of an engine step: a finished step's logits become tokens and request state.
+
+``StepProcessor.process`` reads the step's logits rows (``PreparedStep.sample_rows`` and
+``prompt_rows``) and, for each chunk: prompt logprobs, sampling under the request's grammar,
+verification of drafted chunks, stop checks, then the prefix cache's publishing and the
+drafter's turn. It also ends requests (a finish, an abort, a failure), since ending one is
+the same release of blocks, grammar and draft state whichever stage decides it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from deepinfer.engine.dp_scheduler import DataParallelScheduler
+from deepinfer.engine.model_runner import PreparedStep
+from deepinfer.engine.output_processor import OutputProcessor
+from deepinfer.engine.request import Request, Status
+from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
+from deepinfer.engine.structured_requests import StructuredRequests
+from deepinfer.sampling.sampler import INVALID_ROW, SamplingRow, sample
+from deepinfer.speculative.decoder import SpeculativeDecoder, VerifiedChunk
+
+logger = logging.getLogger("deepinfer")
+
+
+class StepProcessor:
+    """Tokens from logits, and the end of requests. ``counts_in_flight``: an asynchronous
+    engine counts each request's token being sampled by a launched step
+    (``Request.pending_tokens``); ``rowwise``: sample row by row (batch invariance)."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler | DataParallelScheduler,
+        outputs: OutputProcessor,
+        structured: StructuredRequests,
+        spec: SpeculativeDecoder | None,
+        eos_token_ids: list[int],
+        rowwise: bool,
+        counts_in_flight: bool,
+    ) -> None:
+        self.scheduler = scheduler
+        self.outputs = outputs
+        self.structured = structured
+        self.spec = spec
+        self.eos_token_ids = eos_token_ids
+        self.rowwise = rowwise
+        self.counts_in_flight = counts_in_flight
+
+    # ---- a step's results -----------------------------------------------------------------
+
+    def process(
+        self, prepared: PreparedStep, logits: torch.Tensor, features: torch.Tensor | None = None
+    ) -> list[Request]:
+        """Turn a finished step's logits into tokens: prompt logprobs, sampling, verification
+        of drafted chunks, prefix-cache publishing, then the drafter's turn. Returns the
+        requests that got tokens or ended."""
+        chunks = prepared.chunks
+        live = [(c, row) for c, row in zip(chunks, prepared.sample_rows, strict=True) if row >= 0]
+        if self.counts_in_flight:
+            for c, _ in live:
+                c.request.pending_tokens = max(0, c.request.pending_tokens - 1)
+        live = [(c, row) for c, row in live if not c.request.finished]
+        self._prompt_logprobs(prepared, logits)
+        updated = self._sample([(c, row) for c, row in live if not c.draft], logits)
+        spec = self.spec
+        if spec is not None:
+            drafted = [(c, logits[row : row + len(c.draft) + 1]) for c, row in live if c.draft]
+            checked = [(c, self.structured.mask_drafted(c.request, c.draft, rows)) for c, rows in drafted]
+            verified = spec.verify(checked)
+            for v, (_, raw) in zip(verified, drafted, strict=True):
+                v.logits = raw  # logprobs are reported from the raw distribution
+            updated += [self._append_verified(v) for v in verified]
+        # published first, then trimmed: trimmed blocks stay cached
+        self.scheduler.after_step([c.request for c in chunks])
+        if spec is not None:
+            if prepared.forward_s is not None and all(c.num_tokens == 1 + len(c.draft) for c in chunks):
+                spec.observe_step(sum(c.num_tokens for c in chunks), prepared.forward_s)
+            featured = [
+                (c, rows)
+                for c, rows in zip(chunks, prepared.feature_rows or [], strict=False)
+                if c.request.status is Status.RUNNING
+            ]
+            ready = [r for r in self.scheduler.running if self.scheduler.may_draft(r)]
+            spec.after_step(featured, features, ready)
+        return updated
+
+    def _prompt_logprobs(self, prepared: PreparedStep, logits: torch.Tensor) -> None:
+        for c, (first, count) in zip(prepared.chunks, prepared.prompt_rows, strict=True):
+            req = c.request
+            if count and not req.finished:
+                entries = self.outputs.prompt_logprobs(req, logits[first : first + count], c.start, count)
+                have = req.prompt_logprobs or [None]  # entry i is for prompt token i
+                have += entries[len(have) - c.start - 1 :]  # a recompute after preemption adds none twice
+                req.prompt_logprobs = have
+
+    def _sample(self, live: list[tuple[ScheduledChunk, int]], logits: torch.Tensor) -> list[Request]:
+        """One token for each chunk that reached its sequence's end (``live``: chunk and its
+        logits row), with stop checks."""
+        if not live:
+            return []
+        rows = [c.request.sampling_row or self._sampling_row(c.request) for c, _ in live]
+        indices = [row for _, row in live]
+        if indices == list(range(len(indices))):  # the usual step: rows 0..n-1, no gather
+            sampled_logits = logits[: len(indices)]
+        else:
+            sampled_logits = logits[torch.tensor(indices)]
+        allowed = self.structured.mask_rows(sampled_logits, [c.request for c, _ in live])
+        tokens = sample(allowed, rows, rowwise=self.rowwise)
+        now = time.perf_counter()
+        updated = []
+        for i, ((c, _), token) in enumerate(zip(live, tokens, strict=True)):
+            req = c.request
+            updated.append(req)
+            if token == INVALID_ROW:
+                self.fail(req, "the model's distribution for this request was not finite (NaN)")
+                continue
+            if req.first_token_time is None:
+                req.first_token_time = now
+            try:
+                # a row's logits are read only for its logprobs: no view made for the others
+                self._append(req, token, sampled_logits[i] if req.params.logprobs is not None else None)
+            except Exception as exc:  # this request's own post-processing: it fails alone
+                logger.exception("request %s failed after sampling", req.request_id)
+                self.fail(req, f"{type(exc).__name__}: {exc}")
+                continue
+            if req.finish_reason is not None:  # the token just sampled has no row yet (an
+                # asynchronous engine may count the next step's row already)
+                self.finish(req, computed=min(req.num_computed_tokens, req.num_tokens - 1))
+        return updated
+
+    def _sampling_row(self, request: Request) -> SamplingRow:
+        """What the sampler reads of ``request``, made once: its params, generator and token
+        lists never change identity (the lists grow in place)."""
+        request.sampling_row = SamplingRow(
+            request.params,
+            request.generator,
+            request.prompt_token_ids,
+            request.output_token_ids,
+            self.eos_token_ids,
+        )
+        return request.sampling_row
+
+    def _append_verified(self, verified: VerifiedChunk) -> Request:
+        """Append a drafted chunk's verified tokens one by one (stop checks apply to each),
+        then let the speculative decoder roll the computed count back to the valid rows."""
+        req = verified.chunk.request
+        assert isinstance(req, Request)
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        for j, token in enumerate(verified.tokens):
+            self._append(req, token, verified.logits[j])
+            if req.finish_reason is not None:  # rows up to the anchor and accepted drafts are valid
+                self.finish(req, computed=verified.anchor + j + 1)
+                return req
+        assert self.spec is not None
+        self.spec.roll_back(verified)
+        return req
+
+    def _append(self, req: Request, token: int, row_logits: torch.Tensor | None) -> None:
+        """Append a sampled token (stop checks) and advance the request's grammar, whose end
+        (its stop token accepted) ends the request."""
+        self.outputs.append_token(req, token, row_logits)
+        reason = self.structured.accept(req, token)
+        if reason is not None and req.finish_reason is None:
+            req.finish_reason = reason
+
+    # ---- the end of a request ---------------------------------------------------------------
+
+    def finish(self, req: Request, computed: int | None = None) -> None:
+        """``computed``: positions whose cache rows this request has validly written; their
+        full blocks are published to the prefix cache before the blocks are freed (None: an
+        abort, nothing published)."""
+        req.finished_time = time.perf_counter()
+        if self.spec is not None:
+            self.spec.forget(req.request_id)
+        self.scheduler.finish(req, computed)
+
+    def end_now(self, request: Request, reason: str) -> None:
+        """Finish a request before its end (an abort, a failure): nothing it computed is
+        published to the prefix cache."""
+        if request.finished:
+            return
+        request.finish_reason = reason
+        self.structured.forget(request)
+        self.finish(request)
+
+    def fail(self, request: Request, error: str) -> None:
+        """End one request that went wrong (finish reason "error", ``error`` saying why); its
+        cache is freed unpublished and the other requests go on."""
+        if not request.finished:
+            logger.error("request %s failed: %s", request.request_id, error)
+            request.error = error
+            self.end_now(request, "error")

@@ -1,0 +1,95 @@
+"""The ops a model's layers call, each with its implementation picked per step.
+
+A model reads as math: it calls ``add_rms_norm``, ``silu_and_mul``, ``rope_and_store`` and
+``attend``. Which code runs is decided here, not in the model (the pattern of vLLM's custom
+ops):
+- an eager engine step on the CPU runs the C++ kernel where it supports the tensors
+  (``kernels/cpu``), bitwise the plain form below;
+- a compiled step runs the custom op, which the tracer keeps opaque, or plain torch that
+  Inductor fuses;
+- the research binding (``ForwardBatch.functional``) runs plain torch, which autograd and
+  ``functional_call`` see through.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.cache.forward_batch import ForwardBatch, LayerPools
+from deepinfer.kernels.cpu import norm_act, rope_store
+from deepinfer.kernels.paged_attention import paged_attention, paged_attention_reference
+from deepinfer.models.layers.norms import RMSNorm
+from deepinfer.models.layers.rope import rotate_half_rope
+
+
+def _eager_engine(batch: ForwardBatch) -> bool:
+    """An engine step run eagerly: where the C++ CPU kernels may run."""
+    return not batch.functional and not torch.compiler.is_compiling()
+
+
+def add_rms_norm(
+    norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x + residual`` (``x`` when None) and its RMSNorm, as one call where the kernel runs."""
+    if _eager_engine(batch) and norm_act.supports(x):
+        return norm_act.add_rms_norm(x, residual, norm.weight, norm.eps)
+    if residual is not None:
+        x = x + residual
+    return x, norm(x)
+
+
+def silu_and_mul(gate_up: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` of ``[gate, up]`` concatenated on the last dimension."""
+    if _eager_engine(batch) and norm_act.supports(gate_up):
+        return norm_act.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_and_store(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pools: LayerPools,
+    batch: ForwardBatch,
+    n_heads: int,
+    n_kv: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotate q and k of ``qkv`` ([T, (n_heads + 2 n_kv) head_dim]: q, k, v heads side by
+    side) and write k and v to the layer's pools; returns q [T, n_heads, head_dim] and the
+    keys and values to attend (the pools, or under the research binding new tensors)."""
+    assert pools.values is not None
+    if _eager_engine(batch) and rope_store.supports(qkv, pools.window, pools.values):
+        q = rope_store.rope_store(
+            qkv, cos, sin, batch.window_write, pools.window, pools.values, n_heads, n_kv, head_dim
+        )
+        return q, pools.window, pools.values
+    t = qkv.shape[0]
+    # q and k heads sit side by side: one RoPE call rotates both
+    qk = rotate_half_rope(qkv[:, : (n_heads + n_kv) * head_dim].reshape(t, -1, head_dim), cos, sin)
+    q, k = qk[:, :n_heads], qk[:, n_heads:]
+    v = qkv[:, (n_heads + n_kv) * head_dim :]
+    keys = batch.write(pools.window, batch.window_write, k.reshape(t, -1))
+    values = batch.write(pools.values, batch.window_write, v)
+    return q, keys, values
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """Paged attention of ``q`` over the step's full-attention metadata. Compiled steps call
+    the op (opaque to the tracer); eager steps and the research binding (the op has no
+    backward) call its implementation directly."""
+    meta = batch.full
+    assert meta is not None
+    fn = paged_attention if torch.compiler.is_compiling() else paged_attention_reference
+    return fn(
+        q,
+        keys,
+        values,
+        meta.decode_rows,
+        meta.decode_kv,
+        meta.decode_valid,
+        meta.span_meta,
+        meta.span_kv_rows,
+    )

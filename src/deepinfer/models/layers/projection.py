@@ -1,0 +1,129 @@
+"""A projection the engine may run in another form than the checkpoint's linears.
+
+A model names its linears as transformers does (``q_proj``, ``k_proj``, ``v_proj``) so
+checkpoints load by name and research code hooks what it expects. The engine's steps want
+other forms of the same weights: the linears that read one input fused into one matmul,
+weight-only int8/int4 copies, or copies packed for the CPU GEMM kernels. ``Projection`` holds
+both: the model calls it with the step's batch; weight preparation (``prepare_projections``)
+sets what an engine step runs, from outside the model, and the research binding
+(``ForwardBatch.functional``) always computes from the linears' own parameters, so gradients,
+hooks and ``functional_call`` reach them. The quantization method sits with the layer, as a
+linear layer's quantization method does in vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.cache.forward_batch import ForwardBatch
+from deepinfer.kernels.huge_pages import HugePageArena
+from deepinfer.kernels.weight_only import PackedLinear, WeightOnlyLinear
+
+EngineForm = Callable[[torch.Tensor], torch.Tensor]
+
+
+class TiedHead:
+    """The output projection of a model whose head is its embedding (``tie_word_embeddings``):
+    a linear's interface over the embedding's weight, read when called (never a copy)."""
+
+    bias = None
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        self.embedding = embedding
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.embedding.weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Projection:
+    """The concatenated outputs of ``linears`` (one linear: its output). Not a module: the
+    linears stay registered where the model put them, under their checkpoint names.
+
+    ``engine``: what an engine step runs instead (None: the linears, as research does);
+    ``fused_weight``/``fused_bias``: the linears' weights as one tensor, whose slices the
+    linears' parameters now are (set by ``fuse``, no extra memory)."""
+
+    def __init__(self, *linears: Any) -> None:
+        self.linears = linears
+        self.engine: EngineForm | None = None
+        self.fused_weight: torch.Tensor | None = None
+        self.fused_bias: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if self.engine is not None and not batch.functional:
+            return self.engine(x)
+        return self.plain(x)
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
+        """The checkpoint's linears, each called as a module (hooks run)."""
+        if len(self.linears) == 1:
+            return self.linears[0](x)
+        return torch.cat([linear(x) for linear in self.linears], dim=-1)
+
+    def weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The projection's weight [sum of outputs, in] and bias (detached)."""
+        if self.fused_weight is not None:
+            return self.fused_weight, self.fused_bias
+        if len(self.linears) == 1:
+            linear = self.linears[0]
+            bias = linear.bias.detach() if linear.bias is not None else None
+            return linear.weight.detach(), bias
+        weight = torch.cat([linear.weight.detach() for linear in self.linears])
+        bias = None
+        if self.linears[0].bias is not None:
+            bias = torch.cat([linear.bias.detach() for linear in self.linears])
+        return weight, bias
+
+    # -- the engine's forms (weight preparation) -------------------------------------------
+
+    def fuse(self) -> None:
+        """One weight for several linears, with each linear's parameters re-pointed at its
+        slice: one matmul instead of several, names unchanged. A single linear runs as it is.
+        Called again after the linears' parameters were replaced (tensor parallel sharding)."""
+        self.fused_weight = self.fused_bias = None
+        self.engine = None
+        if len(self.linears) == 1:
+            return
+        weight, bias = self.weight_and_bias()
+        start = 0
+        for linear in self.linears:
+            rows = linear.weight.shape[0]
+            linear.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
+            if bias is not None:
+                linear.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
+            start += rows
+        self.fused_weight, self.fused_bias = weight, bias
+        self.engine = functools.partial(F.linear, weight=weight, bias=bias)
+
+    def quantize(self, method: str, arena: HugePageArena | None = None) -> None:
+        """Weight-only ``method`` ("int8", "int4") copy for engine steps."""
+        weight, bias = self.weight_and_bias()
+        self.engine = WeightOnlyLinear(weight, bias, method, arena)
+
+    def pack(self, arena: HugePageArena | None = None) -> None:
+        """A copy packed for the CPU GEMM kernels (fp32: ours; bf16: oneDNN's), unless a
+        quantized copy runs already."""
+        if isinstance(self.engine, (WeightOnlyLinear, PackedLinear)):
+            return  # quantized, or packed for an earlier engine
+        weight, bias = self.weight_and_bias()
+        self.engine = PackedLinear(weight, bias, arena)
+
+
+def projections(model: nn.Module) -> Iterator[Projection]:
+    """Every ``Projection`` a model's modules hold, each once."""
+    seen: set[int] = set()
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, Projection) and id(value) not in seen:
+                seen.add(id(value))
+                yield value

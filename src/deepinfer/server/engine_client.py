@@ -1,0 +1,148 @@
+"""What the routes ask of the engine, and the one adapter that answers from a local ``LLM``.
+
+The routes see only ``EngineClient``: model facts (checkpoint path, context length, vocabulary
+size, how many sequences run at once, how many tokens one request's cache can hold), the
+tokenizer and chat format, request submission and abort, health, and the load figures
+``/metrics`` reports. Only
+``LocalEngineClient`` knows how those are found on an ``LLM`` and its ``AsyncLLM``, so a change
+inside the engine is met here, not in every handler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from deepinfer.chat import ChatFormat
+from deepinfer.llm import LLM
+from deepinfer.outputs import RequestOutput
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.server.async_llm import AsyncLLM
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """The figures ``/metrics`` refreshes on each scrape."""
+
+    running: int
+    waiting: int
+    kv_usage: float  # share of KV cache blocks in use, 0-1
+    moe_lb: float  # slowest expert-parallel rank's routed tokens / the mean (1: even)
+
+
+class EngineClient(Protocol):
+    """The engine as the HTTP routes use it."""
+
+    @property
+    def tokenizer(self) -> Any:
+        """The checkpoint's tokenizer, or None (such a model takes token ids only)."""
+        ...
+
+    @property
+    def chat_format(self) -> ChatFormat: ...
+
+    @property
+    def model_path(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences run at once: a request wider than this can never be admitted."""
+        ...
+
+    @property
+    def cache_capacity(self) -> int:
+        """Tokens one request can hold: the context, or the whole cache when that is smaller."""
+        ...
+
+    def healthy(self) -> bool:
+        """The engine loop runs and takes new requests."""
+        ...
+
+    async def add(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        seed_offset: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request; its outputs once the engine took it (``AsyncLLM.add``)."""
+        ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def load(self) -> EngineLoad: ...
+
+    def on_finished(self, callback: Callable[[RequestOutput], None]) -> None:
+        """Call ``callback`` with each finished request's output (in the engine thread)."""
+        ...
+
+
+class LocalEngineClient:
+    """``EngineClient`` over an in-process ``LLM`` driven by an ``AsyncLLM``: the only place the
+    server looks past the ``LLM``'s public surface into its engine."""
+
+    def __init__(self, llm: LLM, async_llm: AsyncLLM) -> None:
+        self._llm = llm
+        self._async_llm = async_llm
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._llm.tokenizer
+
+    @property
+    def chat_format(self) -> ChatFormat:
+        return self._llm.chat_format
+
+    @property
+    def model_path(self) -> str:
+        return str(self._llm.path)
+
+    @property
+    def max_model_len(self) -> int:
+        return self._llm.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._llm.vocab_size
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self._llm.config.max_num_seqs
+
+    @property
+    def cache_capacity(self) -> int:
+        engine = self._llm.engine
+        return min(engine.max_model_len, engine.num_blocks * engine.layout.block_size)
+
+    def healthy(self) -> bool:
+        return self._async_llm.serving
+
+    async def add(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        seed_offset: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        return await self._async_llm.add(request_id, prompt_ids, params, seed_offset, cache_salt)
+
+    def abort(self, request_id: str) -> None:
+        self._async_llm.abort(request_id)
+
+    def load(self) -> EngineLoad:
+        running, waiting = self._async_llm.num_requests()
+        pool = self._llm.engine.pool
+        kv_usage = 1.0 - pool.num_free / pool.num_blocks
+        return EngineLoad(running, waiting, kv_usage, self._llm.engine.moe_lb())
+
+    def on_finished(self, callback: Callable[[RequestOutput], None]) -> None:
+        self._async_llm.stats_callbacks.append(callback)

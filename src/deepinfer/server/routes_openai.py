@@ -1,0 +1,228 @@
+"""The OpenAI endpoints: ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``
+(vLLM's field names; streamed as server-sent events when ``stream`` is set)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from deepinfer.outputs import CompletionOutput
+from deepinfer.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    check_body,
+    sampling_params,
+)
+from deepinfer.server.responses import (
+    chat_entries,
+    collect,
+    completion_entries,
+    event_stream,
+    whole_response,
+)
+from deepinfer.server.state import StateDep
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def models(server: StateDep) -> dict:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": server.name,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "deepinfer",
+                "root": server.client.model_path,
+                "max_model_len": server.client.max_model_len,
+            }
+        ],
+    }
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, server: StateDep):
+    server.check_model(body.model)
+    check_body(body.model_dump())
+    if body.echo:
+        raise RequestError("echo is not supported", "echo")
+    prompts = body.prompt
+    if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
+        prompts = [prompts]
+    if not prompts:
+        raise RequestError("prompt must not be empty", "prompt")
+    server.check_width(len(prompts), body.n, "n" if len(prompts) == 1 else "prompt")
+    server.prompts.check_text("prompt", [p for p in prompts if isinstance(p, str)])
+    id_lists = [await server.prompt_ids(p, "prompt") for p in prompts]
+    max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    params = sampling_params(body, max_tokens, body.logprobs)
+    if body.max_tokens is not None:
+        server.check_fits([len(ids) for ids in id_lists], body.max_tokens, "max_tokens", "prompt")
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    streams = await server.add_all(rid, id_lists, body.n, params, body.cache_salt, "prompt")
+
+    def choice(index: int, c: CompletionOutput, text: str, ids: list[int], lps, finished: bool) -> dict:
+        out = {
+            "index": index,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": c.finish_reason if finished else None,
+        }
+        if finished:
+            out["stop_reason"] = c.stop_reason
+        if body.logprobs is not None and lps is not None:
+            toks = [server.token_text(t) for t in ids]
+            out["logprobs"] = {
+                "tokens": toks,
+                "token_logprobs": [lp[t].logprob for t, lp in zip(ids, lps, strict=True)],
+                "top_logprobs": [{server.token_text(k): v.logprob for k, v in lp.items()} for lp in lps],
+                "text_offset": [],
+            }
+        return out
+
+    prompt_tokens = sum(len(ids) for ids in id_lists)
+    if body.stream:
+        entries = completion_entries(choice)
+        return event_stream(
+            server.name, streams, rid, created, "text_completion", entries, prompt_tokens, body.stream_options
+        )
+    finals = await collect(streams, request)
+    choices = [
+        choice(i, f.outputs[0], f.outputs[0].text, f.outputs[0].token_ids, f.outputs[0].logprobs, True)
+        for i, f in enumerate(finals)
+    ]
+    return whole_response(server.name, rid, "text_completion", created, choices, prompt_tokens, finals)
+
+
+@router.post("/v1/chat/completions")
+async def chat(body: ChatCompletionRequest, request: Request, server: StateDep):
+    server.check_model(body.model)
+    chars = check_body(body.model_dump())
+    server.check_width(1, body.n, "n")
+    if body.tool_choice not in (None, "auto", "none"):
+        raise RequestError(
+            "tool_choice: only 'auto' and 'none' are supported (forcing a call needs structured outputs)",
+            "tool_choice",
+        )
+    tools = body.tools if body.tools and body.tool_choice != "none" else None
+    ids, options = await server.encode_chat(
+        body.messages,
+        tools,
+        body.add_generation_prompt,
+        body.chat_template_kwargs,
+        chars,
+        body.reasoning_effort,
+    )
+    try:
+        parsers = [server.chat_format.reply_parser(bool(tools), options) for _ in range(body.n)]
+    except ValueError as exc:
+        raise RequestError(str(exc), "tools") from exc
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is None:
+        max_tokens = server.default_max_tokens(len(ids))
+    else:
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        server.check_fits([len(ids)], max_tokens, field, "messages")
+    top = None
+    if body.logprobs:
+        top = body.top_logprobs or 0
+    elif body.top_logprobs is not None:
+        raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+    try:
+        params = sampling_params(body, max_tokens, top)
+    except RequestError as exc:
+        if exc.param == "logprobs":
+            exc.param = "top_logprobs"
+        raise
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    try:
+        streams = await server.add_all(rid, [ids], body.n, params, body.cache_salt, "messages")
+    except RequestError as exc:
+        if exc.param == "logprobs":  # the engine's name for what chat calls top_logprobs
+            exc.param = "top_logprobs"
+        raise
+
+    def logprobs_of(ids_: list[int], lps) -> dict | None:
+        if not body.logprobs or lps is None:
+            return None
+        content = []
+        for t, lp in zip(ids_, lps, strict=True):
+            tops = sorted(lp.items(), key=lambda kv: kv[1].rank)[: body.top_logprobs or 0]
+            text = server.token_text(t)
+            content.append(
+                {
+                    "token": text,
+                    "logprob": lp[t].logprob,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {
+                            "token": server.token_text(k),
+                            "logprob": v.logprob,
+                            "bytes": list(server.token_text(k).encode()),
+                        }
+                        for k, v in tops
+                    ],
+                }
+            )
+        return {"content": content}
+
+    if body.stream:
+        entries = chat_entries(logprobs_of, parsers)
+        return event_stream(
+            server.name,
+            streams,
+            rid,
+            created,
+            "chat.completion.chunk",
+            entries,
+            len(ids),
+            body.stream_options,
+        )
+    finals = await collect(streams, request)
+    choices = []
+    for i, f in enumerate(finals):
+        c = f.outputs[0]
+        message, finish = _chat_message(c, parsers[i])
+        choices.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": logprobs_of(c.token_ids, c.logprobs),
+                "finish_reason": finish,
+                "stop_reason": c.stop_reason,
+            }
+        )
+    return whole_response(server.name, rid, "chat.completion", created, choices, len(ids), finals)
+
+
+def _chat_message(c: CompletionOutput, parser: Any) -> tuple[dict[str, Any], str | None]:
+    """A whole reply as the assistant message and its finish reason; with a reply parser the
+    text is split into ``reasoning_content``, ``content`` and ``tool_calls``."""
+    message: dict[str, Any] = {"role": "assistant", "content": c.text}
+    finish = c.finish_reason
+    if parser is not None:
+        reply = parser.parse(c.text, True)
+        message["content"] = reply.content if reply.content or not reply.tool_calls else None
+        if reply.reasoning:
+            message["reasoning_content"] = reply.reasoning
+        if reply.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": t.id,
+                    "type": "function",
+                    "function": {"name": t.name, "arguments": t.arguments_json()},
+                }
+                for t in reply.tool_calls
+            ]
+            finish = "tool_calls" if finish == "stop" else finish
+    return message, finish
