@@ -215,10 +215,10 @@ def _force_preemptions(llm: LLM, rng: random.Random) -> list[str]:
     preemptions = count_preemptions(llm)
     schedule = scheduler.schedule
 
-    def schedule_with_preemptions():
+    def schedule_with_preemptions(drafts=None):
         if scheduler.running and rng.random() < 0.3:
             scheduler.preempt(rng.choice(scheduler.running))
-        return schedule()
+        return schedule(drafts)
 
     scheduler.schedule = schedule_with_preemptions
     return preemptions

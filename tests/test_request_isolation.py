@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.errors import EngineDeadError
 from deepinfer.tiny import make_tiny_checkpoint
 
 
@@ -176,3 +177,19 @@ def test_a_step_that_raises_fails_its_requests_and_no_others(llama_path, monkeyp
     assert "injected step failure" in outs[0].outputs[0].error
     assert [o.outputs[0].token_ids for o in outs[2:]] == expected[2:]
     check_leaks(engine)
+
+
+def test_a_step_that_fails_before_holding_requests_ends_the_engine(llama_path, monkeypatch):
+    """A failure in scheduling itself blames no request and would recur on every retry: the
+    engine reports itself dead (``EngineDeadError``) instead of stepping forever."""
+    llm = LLM(llama_path, max_num_seqs=2, num_cache_blocks=64)
+    calls = {"n": 0}
+
+    def schedule(drafts=None):
+        calls["n"] += 1
+        raise RuntimeError("injected scheduler failure")
+
+    monkeypatch.setattr(llm.engine.scheduler, "schedule", schedule)
+    with pytest.raises(EngineDeadError, match="injected scheduler failure"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert calls["n"] == 1

@@ -124,6 +124,22 @@ class LLM:
             "kv_cache": self.engine.memory_report(),
         }
 
+    def kv_cache_usage(self) -> float:
+        """The fraction of the paged cache's blocks in use, over every data-parallel rank."""
+        pools = self.engine.pools
+        return 1.0 - sum(p.num_free for p in pools) / sum(p.num_blocks for p in pools)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens one request can hold: ``max_model_len``, or fewer where the cache
+        holds fewer."""
+        engine = self.engine
+        return min(engine.max_model_len, engine.num_blocks * engine.layout.block_size)
+
+    def moe_lb(self) -> float:
+        """Slowest rank / mean rank of the counted routed-expert load (EPLB's balance)."""
+        return self.engine.moe_lb()
+
     @functools.cached_property
     def chat_format(self) -> ChatFormat:
         """How this checkpoint's conversations become prompts (``chat/formats.py``)."""

@@ -286,13 +286,16 @@ class Engine:
         output processing) fails alone. An exception in the step itself fails the requests
         the step (and, under asynchronous scheduling, the step scheduled after it) held,
         with finish reason "error"; requests outside them go on. ``EngineDeadError`` (the
-        engine cannot step again) is raised."""
+        engine cannot step again, or a step failed before holding any request, which no
+        retry would change) is raised."""
         try:
             updated = self._step()
         except EngineDeadError:
             raise
         except Exception as exc:
             logger.exception("engine step failed")
+            if not self._open_steps and self._inflight is None:
+                raise EngineDeadError(f"scheduling failed: {type(exc).__name__}: {exc}") from exc
             updated = self._fail_open_steps(f"engine step failed: {type(exc).__name__}: {exc}")
         if self._ended:
             updated, self._ended = self._ended + updated, []

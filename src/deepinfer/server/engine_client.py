@@ -86,8 +86,8 @@ class EngineClient(Protocol):
 
 
 class LocalEngineClient:
-    """``EngineClient`` over an in-process ``LLM`` driven by an ``AsyncLLM``: the only place the
-    server looks past the ``LLM``'s public surface into its engine."""
+    """``EngineClient`` over an in-process ``LLM`` driven by an ``AsyncLLM``, through their
+    public surface only."""
 
     def __init__(self, llm: LLM, async_llm: AsyncLLM) -> None:
         self._llm = llm
@@ -119,8 +119,7 @@ class LocalEngineClient:
 
     @property
     def cache_capacity(self) -> int:
-        engine = self._llm.engine
-        return min(engine.max_model_len, engine.num_blocks * engine.layout.block_size)
+        return self._llm.max_request_tokens
 
     def healthy(self) -> bool:
         return self._async_llm.serving
@@ -140,9 +139,7 @@ class LocalEngineClient:
 
     def load(self) -> EngineLoad:
         running, waiting = self._async_llm.num_requests()
-        pool = self._llm.engine.pool
-        kv_usage = 1.0 - pool.num_free / pool.num_blocks
-        return EngineLoad(running, waiting, kv_usage, self._llm.engine.moe_lb())
+        return EngineLoad(running, waiting, self._llm.kv_cache_usage(), self._llm.moe_lb())
 
     def on_finished(self, callback: Callable[[RequestOutput], None]) -> None:
         self._async_llm.stats_callbacks.append(callback)
