@@ -17,7 +17,7 @@ import openai
 import pytest
 from live_server import LiveServer
 
-import deepinfer.engine.engine as engine_module
+import deepinfer.engine.step_processor as engine_module
 from deepinfer import LLM
 from deepinfer.chat import ChatOptions
 from deepinfer.chat.deepseek import DSML, EOS, V4, encode_deepseek

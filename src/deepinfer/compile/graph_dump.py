@@ -98,11 +98,13 @@ def _step_inputs(model, lengths: list[int], starts: list[int]):
 
 
 def trace_tiny(arch: str, workdir: Path | None = None) -> TracedTiny:
+    from deepinfer.models import prepare
     from deepinfer.models.loading import load_model
     from deepinfer.tiny import make_tiny_checkpoint
 
     workdir = Path(workdir or tempfile.mkdtemp(prefix="deepinfer-graphs-"))
     model = load_model(make_tiny_checkpoint(workdir / arch, arch=arch, seed=0))
+    prepare.quantize(model, None)  # the projections as an engine's compiled step runs them
     torch._dynamo.reset()
     compiled = compile_step(model, backend="post_grad", passes=PASSES)  # the full pipeline
     manager = compiled.pass_manager

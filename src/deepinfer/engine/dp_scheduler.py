@@ -10,6 +10,8 @@ and joins the logits in this order.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
 
@@ -39,9 +41,10 @@ class DataParallelScheduler:
     def waiting(self) -> list[Request]:
         return [r for s in self.ranks for r in s.waiting]
 
-    def schedule(self) -> list[ScheduledChunk]:
-        """Every rank's chunks for this step, grouped by rank in rank order."""
-        return [c for s in self.ranks for c in s.schedule()]
+    def schedule(self, drafts: Mapping[str, Sequence[int]] | None = None) -> list[ScheduledChunk]:
+        """Every rank's chunks for this step, grouped by rank in rank order (``drafts``: as
+        ``Scheduler.schedule`` takes them, for every rank's requests)."""
+        return [c for s in self.ranks for c in s.schedule(drafts)]
 
     def _of(self, request: Request) -> Scheduler:
         return self.ranks[request.dp_rank]
