@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.cache.pools import CacheLayout
 from deepinfer.cli import main
-from deepinfer.engine.memory import GIB, plan, weight_bytes
+from deepinfer.engine.memory import GIB, plan, pool_bytes, weight_bytes
 from deepinfer.models.registry import resolve
 from deepinfer.models.released_configs import RELEASED_CONFIGS, V4_FLASH
 from deepinfer.tiny import make_tiny_checkpoint
@@ -40,13 +41,26 @@ def test_v4_flash_weight_plan_follows_the_config():
     assert one.weight_bytes_per_device > 7 * eight.weight_bytes_per_device
 
 
+def allocated_bytes_per_token(path, blocks: tuple[int, int]) -> float:
+    """What one more cached token costs in the pools engines really allocate: the pool bytes
+    of two engines with ``blocks`` cache blocks, their difference per token of the extra
+    blocks (per-slot state and the null block cancel out)."""
+    sizes = []
+    for n in blocks:
+        engine = LLM(str(path), kv_cache_dtype="float32", num_cache_blocks=n).engine
+        sizes.append(pool_bytes(engine.runner.pools))
+    return (sizes[1] - sizes[0]) / ((blocks[1] - blocks[0]) * engine.layout.block_size)
+
+
 def test_plan_kv_cache_matches_what_the_engine_allocates(tmp_path):
-    """The plan's bytes per token (meta model, config only) equal a running engine's."""
+    """The plan's bytes per token (meta model, config only) equal what a running engine's
+    pools take per cached token, and its report's."""
     path = make_tiny_checkpoint(tmp_path, arch="deepseek_v4", seed=1, quant="fp8")
     llm = LLM(str(path), kv_cache_dtype="float32", num_cache_blocks=8)
     report = llm.memory_report()["kv_cache"]
     model, cfg = _meta(json.loads((path / "config.json").read_text()))
     planned = plan(model, cfg.quantization, 1000, block_size=llm.config.block_size, kv_dtype=torch.float32)
+    assert planned.kv_bytes_per_token == allocated_bytes_per_token(path, (8, 16))
     assert planned.kv_bytes_per_token == report["bytes_per_token"]
     assert planned.kv_by_layer_kind == report["by_layer_kind"]
     kinds = report["by_layer_kind"]
@@ -54,6 +68,20 @@ def test_plan_kv_cache_matches_what_the_engine_allocates(tmp_path):
     assert report["bytes_per_token"] == pytest.approx(
         sum(k["layers"] * k["bytes_per_token_per_layer"] for k in kinds.values())
     )
+
+
+def test_the_allocation_check_sees_a_miscounted_block(tmp_path, monkeypatch):
+    """Mutation check: a layout that forgets one fp32 value per token moves the plan and the
+    report alike (the comparison between them cannot see it), not the allocated pools."""
+    path = make_tiny_checkpoint(tmp_path, arch="deepseek_v4", seed=1, quant="fp8")
+    honest = allocated_bytes_per_token(path, (8, 16))
+    model, cfg = _meta(json.loads((path / "config.json").read_text()))
+    real = CacheLayout.block_bytes
+    monkeypatch.setattr(
+        CacheLayout, "block_bytes", lambda self, dtype: real(self, dtype) - 4 * self.block_size
+    )
+    planned = plan(model, cfg.quantization, 1000, kv_dtype=torch.float32)
+    assert allocated_bytes_per_token(path, (8, 16)) == honest != planned.kv_bytes_per_token
 
 
 def test_sequences_that_fit_is_the_memory_left_after_the_weights(tmp_path):
