@@ -29,6 +29,16 @@ def served():
     expected = {
         "completions": [o.outputs[0] for o in llm.generate(PROMPTS, greedy, use_tqdm=False)],
         "chat": llm.chat(CHAT, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)[0].outputs[0],
+        # what ``n=2, seed=123, temperature=1.0`` samples offline, and the same with other seeds
+        "seeded": {
+            seed: [
+                o.text
+                for o in llm.generate(
+                    PROMPTS[1], SamplingParams(max_tokens=8, temperature=1.0, n=2, seed=seed), use_tqdm=False
+                )[0].outputs
+            ]
+            for seed in (123, 7)
+        },
     }
     live = LiveServer(build_app(llm, NAME, api_key=KEY, max_queued_requests=64))
     client = openai.OpenAI(base_url=f"{live.url}/v1", api_key=KEY, max_retries=0, timeout=120)
@@ -82,6 +92,12 @@ def test_n_seed_and_logprobs(served):
     first, again = client.completions.create(**kwargs), client.completions.create(**kwargs)
     assert len(first.choices) == 2 and [c.index for c in first.choices] == [0, 1]
     assert [c.text for c in first.choices] == [c.text for c in again.choices]  # seeded
+    # the seed and the temperature are honoured: offline's samples for this seed, which differ
+    # from another seed's and from the greedy text
+    seeded = expected["seeded"]
+    assert [c.text for c in first.choices] == seeded[123] != seeded[7]
+    greedy = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=8, temperature=0.0, seed=123)
+    assert greedy.choices[0].text not in seeded[123]
     lp = first.choices[0].logprobs
     assert len(lp.tokens) == 8 and all(len(t) <= 4 for t in lp.top_logprobs)  # sampled + top 3
     assert all(v <= 0.0 for v in lp.token_logprobs)
