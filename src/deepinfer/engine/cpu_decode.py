@@ -93,7 +93,7 @@ class OneCallDecode:
         # padded steps carry spans of 0 tokens, which need no span kernel
         spans = bool(meta.span_meta[:, 1].any()) if meta.span_meta.shape[0] else False
         if not stack.supports(h, pools, spans=spans):
-            return model.step(input_ids, positions, batch)
+            return model.step_embedded(h, positions, batch)  # the embedding is not computed twice
         cos, sin = model.rope_tables(positions)
         h = stack(
             h,

@@ -108,11 +108,15 @@ def compile_cache_dir(config: EngineConfig, checkpoint: Path | None) -> Path:
     return default_cache_dir(checkpoint)
 
 
+def huge_page_arena(config: EngineConfig) -> HugePageArena | None:
+    """Where packed CPU weights go: huge-page memory unless ``cpu_huge_pages`` is off."""
+    return HugePageArena() if config.cpu_huge_pages and config.device == "cpu" else None
+
+
 def prepare_weights(model: CausalLM, config: EngineConfig) -> None:
     """The engine's forms of the weights before sharding: fused projections, fp8 or
     weight-only int8/int4 (``models/prepare.py``)."""
-    arena = HugePageArena() if config.cpu_huge_pages and config.device == "cpu" else None
-    prepare.quantize(model, config.quantization, arena)
+    prepare.quantize(model, config.quantization, huge_page_arena(config))
 
 
 def prepare_cpu_weights(model: CausalLM, config: EngineConfig, use_compile: bool) -> OneCallDecode | None:
@@ -123,7 +127,7 @@ def prepare_cpu_weights(model: CausalLM, config: EngineConfig, use_compile: bool
     weights still define."""
     if config.tune_cpu_malloc:
         tune_malloc()
-    prepare.pack_for_cpu(model, HugePageArena() if config.cpu_huge_pages else None)
+    prepare.pack_for_cpu(model, huge_page_arena(config))
     if use_compile:
         model.register_packed_projections()
         return None

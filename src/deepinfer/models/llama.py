@@ -214,8 +214,12 @@ class LlamaForCausalLM(CausalLM):
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """One engine step (see ``CausalLM``): flat tokens in, logits for ``batch.logits_idx``."""
+        return self.step_embedded(self.embed(input_ids), positions, batch)
+
+    def step_embedded(self, h: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """``step`` from the tokens' embeddings ``h`` [T, d]."""
         cos, sin = self.rope_tables(positions)
-        h = batch.to_grid(self.embed(input_ids))
+        h = batch.to_grid(h)
         batch.record(h)
         for layer, layer_pools in zip(self.model.layers, batch.pools, strict=True):
             h = layer(h, cos, sin, layer_pools, batch)
