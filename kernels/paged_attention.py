@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from deepinfer.kernels import kv_int8
 from deepinfer.kernels.cpu import attention as cpu_attention
 from deepinfer.kernels.cpu import prefill_attention as cpu_prefill_attention
 
@@ -25,7 +26,7 @@ def paged_attention_reference(
     span_meta: torch.Tensor,
     span_kv_rows: torch.Tensor,
 ) -> torch.Tensor:
-    """q [T, H, d]; pools [rows, kv_heads * d]; decode_rows [Nd], decode_kv/decode_valid
+    """q [T, H, d]; pools [rows, kv_heads * d] (int8 pools: ``kv_int8`` rows); decode_rows [Nd], decode_kv/decode_valid
     [Nd, L] (pool rows of each decode token's positions and which are real); span_meta [S, 4]
     = (first token row, tokens, first position, offset into span_kv_rows) per prefill chunk,
     span_kv_rows the pool rows of positions 0 .. end-1 of each chunk, concatenated.
@@ -37,7 +38,7 @@ def paged_attention_reference(
     on the CPU without autograd the decode rows run ``cpu_attention`` and the spans
     ``cpu_prefill_attention``, which read the pool rows in place instead of gathering them."""
     t, h, d = q.shape
-    n_kv = k_pool.shape[1] // d
+    n_kv = kv_int8.values_per_row(k_pool) // d
     out = q.new_zeros(t + 1, h, d)  # row t takes padded decode rows (no host sync to drop them)
     n = decode_rows.shape[0]
     decode_in_place = n and cpu_attention.supports(q, k_pool, v_pool)
@@ -52,8 +53,8 @@ def paged_attention_reference(
             out.copy_(dense)
     if n and not decode_in_place:  # the gather path: every decode row's cached rows copied out, then one SDPA
         decode_rows = torch.where(decode_rows >= 0, decode_rows, t)
-        keys = k_pool[decode_kv].view(n, -1, n_kv, d).to(q.dtype)
-        vals = v_pool[decode_kv].view(n, -1, n_kv, d).to(q.dtype)
+        keys = kv_int8.read(k_pool[decode_kv], q.dtype).view(n, -1, n_kv, d)
+        vals = kv_int8.read(v_pool[decode_kv], q.dtype).view(n, -1, n_kv, d)
         o = F.scaled_dot_product_attention(
             q[decode_rows.clamp(max=t - 1)].unsqueeze(2),  # [n, H, 1, d]
             keys.transpose(1, 2),  # [n, kv, L, d]
@@ -67,8 +68,8 @@ def paged_attention_reference(
             continue
         end = start + count
         rows = span_kv_rows[offset : offset + end]
-        keys = k_pool.index_select(0, rows).view(end, n_kv, d).to(q.dtype)
-        vals = v_pool.index_select(0, rows).view(end, n_kv, d).to(q.dtype)
+        keys = kv_int8.read(k_pool.index_select(0, rows), q.dtype).view(end, n_kv, d)
+        vals = kv_int8.read(v_pool.index_select(0, rows), q.dtype).view(end, n_kv, d)
         causal = torch.arange(end, device=q.device) <= (
             start + torch.arange(count, device=q.device)
         ).unsqueeze(1)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch._dynamo.testing
 import torch.nn.functional as F
-from deepinfer.kernels import weight_only
+from deepinfer.kernels import kv_int8, weight_only
 from deepinfer.kernels.cpu import attention as cpu_attention
 from deepinfer.kernels.cpu import build as cpu_build
 from deepinfer.kernels.cpu import decode_stack as cpu_decode_stack
@@ -33,7 +33,25 @@ from deepinfer.models.layers.rope import rotate_half_rope
 from deepinfer.tiny import make_tiny_checkpoint
 
 # every cache pool element type the CPU attention and cache-write kernels read
-POOL_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
+POOL_DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+]
+
+
+def _pool(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Pool rows holding ``values`` (int8: ``kv_int8`` rows, codes and per-32 scales)."""
+    return kv_int8.encode(values) if dtype == torch.int8 else values.to(dtype)
+
+
+def _int8_head(d: int, dtype: torch.dtype) -> int:
+    """A head size the int8 kernels read (a multiple of the 32-value scale blocks)."""
+    return max(32, d // 32 * 32) if dtype == torch.int8 else d
+
 
 pytestmark = pytest.mark.usefixtures("two_threads")  # the kernels' threaded paths, at any -n
 
@@ -215,9 +233,11 @@ def test_cpu_linear_traces_as_one_op():
 def _attention_case(seed, heads, kv_heads, d, n, length, pool_rows, dtype):
     gen = torch.Generator().manual_seed(seed)
     t = n + 2
-    q = torch.randn(t, heads, d, generator=gen).to(torch.float32 if is_fp8(dtype) else dtype)
-    k = torch.randn(pool_rows, kv_heads * d, generator=gen).to(dtype)
-    v = torch.randn(pool_rows, kv_heads * d, generator=gen).to(dtype)
+    q = torch.randn(t, heads, d, generator=gen).to(
+        torch.float32 if is_fp8(dtype) or dtype == torch.int8 else dtype
+    )
+    k = _pool(torch.randn(pool_rows, kv_heads * d, generator=gen), dtype)
+    v = _pool(torch.randn(pool_rows, kv_heads * d, generator=gen), dtype)
     rows = torch.randperm(t, generator=gen)[:n]
     rows[torch.rand(n, generator=gen) < 0.25] = -1  # padding rows
     kv = torch.randint(0, pool_rows, (n, length), generator=gen)
@@ -238,16 +258,18 @@ def _attention_case(seed, heads, kv_heads, d, n, length, pool_rows, dtype):
 )
 @example(kv_heads=2, group=3, d=64, n=4, length=30, dtype=torch.float8_e4m3fn, seed=1)
 @example(kv_heads=1, group=2, d=33, n=3, length=17, dtype=torch.float8_e5m2, seed=2)
+@example(kv_heads=3, group=3, d=64, n=4, length=33, dtype=torch.int8, seed=3)
 def test_decode_attention_in_place_matches_the_gather_path(kv_heads, group, d, n, length, dtype, seed):
     """The in-place kernel equals the gather + SDPA reference (run on the same inputs with
     autograd on, which keeps the reference path), GQA, padding rows and masks included; fp8
-    pools widened exactly (fp32 queries: the fp32 tolerance)."""
+    pools widened exactly, int8 rows scaled per block (fp32 queries: the fp32 tolerance)."""
+    d = _int8_head(d, dtype)
     case = _attention_case(seed, kv_heads * group, kv_heads, d, n, length, 64, dtype)
     q = case[0]
     assert cpu_attention.supports(q, case[1], case[2])
     fast = paged_attention_reference(*case)
     ref = paged_attention_reference(
-        q.float().requires_grad_(), *(c.float() if c.is_floating_point() else c for c in case[1:])
+        q.float().requires_grad_(), *(kv_int8.read(c, torch.float32) for c in case[1:3]), *case[3:]
     )
     tol = 1e-5 if q.dtype == torch.float32 else 1e-2
     torch.testing.assert_close(fast.float(), ref.detach(), rtol=tol, atol=tol)
@@ -259,8 +281,8 @@ def _span_case(seed, heads, kv_heads, d, spans, dtype):
     t = sum(count for count, _ in spans) + 3
     pool_rows = sum(count + start for count, start in spans) + 5
     q = torch.randn(t, heads, d, generator=gen)
-    k = torch.randn(pool_rows, kv_heads * d, generator=gen).to(dtype)
-    v = torch.randn(pool_rows, kv_heads * d, generator=gen).to(dtype)
+    k = _pool(torch.randn(pool_rows, kv_heads * d, generator=gen), dtype)
+    v = _pool(torch.randn(pool_rows, kv_heads * d, generator=gen), dtype)
     order = torch.randperm(pool_rows, generator=gen)
     meta, rows, first, used = [], [], 1, 0
     for count, start in spans:
@@ -284,11 +306,13 @@ def _span_case(seed, heads, kv_heads, d, spans, dtype):
 )
 @example(kv_heads=2, group=3, d=64, spans=[(20, 0), (7, 9)], dtype=torch.float8_e4m3fn, seed=3)
 @example(kv_heads=1, group=4, d=32, spans=[(13, 40)], dtype=torch.float8_e5m2, seed=4)
+@example(kv_heads=3, group=3, d=64, spans=[(9, 0), (12, 30)], dtype=torch.int8, seed=5)
 def test_prefill_attention_in_place_matches_the_reference(kv_heads, group, d, spans, dtype, seed):
     """Prefill spans through ``cpu_prefill_attention`` (chunks starting past position 0,
     empty spans, GQA groups wider than a register tile, bf16/fp16 pools) equal the reference's
     per-span causal SDPA, run with autograd on, which keeps the reference path; head sizes the
     kernel does not take (48 on AVX-512) go to the reference."""
+    d = _int8_head(d, dtype)
     case = _span_case(seed, kv_heads * group, kv_heads, d, spans, dtype)
     q = case[0]
     width = cpu_prefill_attention._width()
@@ -296,7 +320,9 @@ def test_prefill_attention_in_place_matches_the_reference(kv_heads, group, d, sp
         d % width == 0 and d // width in (1, 2, 4, 8)
     )
     fast = paged_attention_reference(*case)
-    ref = paged_attention_reference(q.requires_grad_(), *case[1:])
+    ref = paged_attention_reference(
+        q.requires_grad_(), *(kv_int8.read(c, torch.float32) for c in case[1:3]), *case[3:]
+    )
     torch.testing.assert_close(fast, ref.detach(), rtol=1e-5, atol=1e-5)
 
 
@@ -380,12 +406,15 @@ def test_a_broken_attention_kernel_fails_the_reference_check():
 )
 @example(tokens=70, kv_heads=2, group=2, half=16, act=torch.float32, pool=torch.float8_e4m3fn, seed=5)
 @example(tokens=9, kv_heads=1, group=3, half=8, act=torch.bfloat16, pool=torch.float8_e5m2, seed=6)
+@example(tokens=80, kv_heads=3, group=3, half=32, act=torch.bfloat16, pool=torch.int8, seed=7)
 def test_rope_store_is_bitwise_the_reference(tokens, kv_heads, group, half, act, pool, seed):
     """Rotated q, and k and v in the pools, equal ``rotate_half_rope`` plus the two cache
     writes (``kv_dtypes.store``) bit for bit, for every activation/pool dtype pair, one thread
     or (from 64 tokens) several; fp8 pools saturate values past their range (a few scaled up
     to reach it)."""
     gen = torch.Generator().manual_seed(seed)
+    if pool == torch.int8:  # rows of whole 32-value blocks
+        half = -(-half // 16) * 16
     heads, d = kv_heads * group, 2 * half
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen)
     qkv[torch.rand(qkv.shape, generator=gen) < 0.05] *= 1e5
@@ -393,7 +422,8 @@ def test_rope_store_is_bitwise_the_reference(tokens, kv_heads, group, half, act,
     angles = torch.rand(tokens, half, generator=gen) * 100
     cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
     rows = torch.randperm(120, generator=gen)[:tokens]
-    k_pool, v_pool = torch.zeros(120, kv_heads * d, dtype=pool), torch.zeros(120, kv_heads * d, dtype=pool)
+    width = kv_int8.row_width(kv_heads * d, pool)
+    k_pool, v_pool = torch.zeros(120, width, dtype=pool), torch.zeros(120, width, dtype=pool)
     k_ref, v_ref = k_pool.clone(), v_pool.clone()
     q = cpu_rope_store.rope_store(qkv, cos, sin, rows, k_pool, v_pool, heads, kv_heads, d)
     qk = rotate_half_rope(qkv[:, : (heads + kv_heads) * d].reshape(tokens, -1, d), cos, sin)
@@ -482,7 +512,7 @@ def _greedy(llm, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]
     head_dim=st.sampled_from([16, 32, 64]),
     layers=st.integers(1, 3),
     rows=st.integers(1, cpu_decode_stack.MAX_ROWS),
-    kv_dtype=st.sampled_from(["float32", "bfloat16", "float16", "fp8", "fp8_e5m2"]),
+    kv_dtype=st.sampled_from(["float32", "bfloat16", "float16", "fp8", "fp8_e5m2", "int8"]),
     quantization=st.sampled_from([None, "int8", "int4"]),
     seed=st.integers(0, 1000),
 )
@@ -498,6 +528,7 @@ def _greedy(llm, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]
 @example(kv_heads=1, group=3, head_dim=64, layers=1, rows=2, kv_dtype="float16", quantization="int8", seed=7)
 @example(kv_heads=2, group=2, head_dim=32, layers=2, rows=5, kv_dtype="fp8", quantization=None, seed=8)
 @example(kv_heads=1, group=2, head_dim=32, layers=1, rows=3, kv_dtype="fp8_e5m2", quantization="int4", seed=6)
+@example(kv_heads=2, group=2, head_dim=64, layers=2, rows=6, kv_dtype="int8", quantization="int8", seed=2)
 def test_one_call_decode_stack_equals_the_layer_loop(
     tmp_path_factory, kv_heads, group, head_dim, layers, rows, kv_dtype, quantization, seed
 ):
@@ -505,7 +536,7 @@ def test_one_call_decode_stack_equals_the_layer_loop(
     logprobs equal the per-layer path's bitwise, for any Llama shape, 1-64 decode rows, fp32,
     bf16, fp16 and fp8 pools, fp32, int8 or int4 weights (fp32: the packed kernel; int4: the VNNI
     kernel where the CPU has it; and the stack did run)."""
-    if quantization == "int4":  # int4 groups of 32 input channels
+    if quantization == "int4" or kv_dtype == "int8":  # int4 groups, int8 cache blocks: 32 values
         head_dim = max(head_dim, 32)
     path = make_tiny_checkpoint(
         tmp_path_factory.mktemp("stack"),

@@ -1,6 +1,7 @@
 // Decode attention over the paged K/V pools, read in place; built and called by attention.py.
 
 #include "fp8.h"
+#include "int8_rows.h"
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/functional_bfloat16.h>
 #include <ATen/cpu/vec/vec.h>
@@ -17,9 +18,11 @@ constexpr float NINF = -std::numeric_limits<float>::infinity();
 constexpr int64_t AHEAD = 8;  // cached rows a score pass prefetches ahead (K and V)
 
 template <typename T>
-inline Vec load_f(const T* p) {  // V pool values as fp32 (bf16 / fp16 / fp8 widened)
+inline Vec load_f(const T* p) {  // V pool values as fp32 (bf16 / fp16 / fp8 widened, int8 codes)
   if constexpr (std::is_same_v<T, float>) {
     return Vec::loadu(p);
+  } else if constexpr (is_i8_v<T>) {
+    return i8_load(p);
   } else if constexpr (is_fp8_v<T>) {
     return fp8_load<T>(p);
   } else {
@@ -27,6 +30,19 @@ inline Vec load_f(const T* p) {  // V pool values as fp32 (bf16 / fp16 / fp8 wid
     at::vec::load_to_float<T>(p, out);
     return out;
   }
+}
+
+// values j .. j + V of a head whose scales are sc (int8 rows; nullptr: none)
+template <typename T>
+inline Vec load_scaled(const T* p, const float* sc, int64_t j) {
+  if constexpr (is_i8_v<T>) return load_f(p + j) * Vec(sc[j / I8_BLOCK]);
+  else return load_f(p + j);
+}
+
+template <typename T>
+inline float scaled_at(const T* p, const float* sc, int64_t j) {
+  if constexpr (is_i8_v<T>) return static_cast<float>(p[j]) * sc[j / I8_BLOCK];
+  else return static_cast<float>(p[j]);
 }
 
 inline float hsum(const Vec& a) {
@@ -57,6 +73,7 @@ template <typename T, int DV, int GC>
 void heads_fixed(const float* qh, const T* k, const T* v, const int64_t* kvi, const bool* ok, int64_t L,
                  int64_t n_kv, int64_t g, float scale, float* p, int64_t stride, float* o) {
   constexpr int64_t d = DV * V;
+  const int64_t rw = row_elems<T>(n_kv * d);
   Vec qv[GC][DV];
   for (int r = 0; r < GC; ++r)
     for (int j = 0; j < DV; ++j) qv[r][j] = Vec::loadu(qh + r * d + j * V);
@@ -67,16 +84,17 @@ void heads_fixed(const float* qh, const T* k, const T* v, const int64_t* kvi, co
       for (int r = 0; r < GC; ++r) p[r * stride + l] = NINF;
       continue;
     }
-    const T* kr = k + kvi[l] * n_kv * d + g * d;
+    const T* kr = k + kvi[l] * rw + g * d;
+    const float* ks = head_scales<T>(k + kvi[l] * rw, n_kv * d, g * d);
     if (l + AHEAD < L) {  // the rows sit in scattered blocks: fetch ahead of the hardware
-      const int64_t ahead = kvi[l + AHEAD] * n_kv * d + g * d;
+      const int64_t ahead = kvi[l + AHEAD] * rw + g * d;
       for (int64_t c = 0; c < d * int64_t(sizeof(T)); c += 64) {
         __builtin_prefetch(reinterpret_cast<const char*>(k + ahead) + c);
         __builtin_prefetch(reinterpret_cast<const char*>(v + ahead) + c);
       }
     }
     Vec kv[DV];
-    for (int j = 0; j < DV; ++j) kv[j] = load_f(kr + j * V);
+    for (int j = 0; j < DV; ++j) kv[j] = load_scaled(kr, ks, j * V);
     for (int r = 0; r < GC; ++r) {
       Vec a = qv[r][0] * kv[0];
       for (int j = 1; j < DV; ++j) a = at::vec::fmadd(qv[r][j], kv[j], a);
@@ -92,9 +110,10 @@ void heads_fixed(const float* qh, const T* k, const T* v, const int64_t* kvi, co
     for (int j = 0; j < DV; ++j) acc[r][j] = Vec(0.f);
   for (int64_t l = 0; l < L; ++l) {
     if (!ok[l]) continue;
-    const T* vr = v + kvi[l] * n_kv * d + g * d;
+    const T* vr = v + kvi[l] * rw + g * d;
+    const float* vs = head_scales<T>(v + kvi[l] * rw, n_kv * d, g * d);
     Vec vv[DV];
-    for (int j = 0; j < DV; ++j) vv[j] = load_f(vr + j * V);
+    for (int j = 0; j < DV; ++j) vv[j] = load_scaled(vr, vs, j * V);
     for (int r = 0; r < GC; ++r) {
       const Vec w(p[r * stride + l]);
       for (int j = 0; j < DV; ++j) acc[r][j] = at::vec::fmadd(w, vv[j], acc[r][j]);
@@ -125,18 +144,19 @@ void heads_dispatch(int64_t gc, const float* qh, const T* k, const T* v, const i
 template <typename T>
 void head_any(const float* qh, const T* k, const T* v, const int64_t* kvi, const bool* ok, int64_t L,
               int64_t n_kv, int64_t g, int64_t d, float scale, float* p, float* acc, float* o) {
-  const int64_t dv = d / V * V;
+  const int64_t dv = d / V * V, rw = row_elems<T>(n_kv * d);
   float mx = NINF;
   for (int64_t l = 0; l < L; ++l) {
     if (!ok[l]) {
       p[l] = NINF;
       continue;
     }
-    const T* kr = k + kvi[l] * n_kv * d + g * d;
+    const T* kr = k + kvi[l] * rw + g * d;
+    const float* ks = head_scales<T>(k + kvi[l] * rw, n_kv * d, g * d);
     Vec a(0.f);
-    for (int64_t j = 0; j < dv; j += V) a = at::vec::fmadd(Vec::loadu(qh + j), load_f(kr + j), a);
+    for (int64_t j = 0; j < dv; j += V) a = at::vec::fmadd(Vec::loadu(qh + j), load_scaled(kr, ks, j), a);
     float s = hsum(a);
-    for (int64_t j = dv; j < d; ++j) s += qh[j] * static_cast<float>(kr[j]);
+    for (int64_t j = dv; j < d; ++j) s += qh[j] * scaled_at(kr, ks, j);
     p[l] = s * scale;
     mx = std::max(mx, p[l]);
   }
@@ -148,14 +168,16 @@ void head_any(const float* qh, const T* k, const T* v, const int64_t* kvi, const
   std::fill(acc, acc + d, 0.f);
   for (int64_t l = 0; l < L; ++l) {
     if (!ok[l]) continue;
-    const T* vr = v + kvi[l] * n_kv * d + g * d;
-    for (int64_t j = 0; j < dv; j += V) at::vec::fmadd(Vec(p[l]), load_f(vr + j), Vec::loadu(acc + j)).store(acc + j);
-    for (int64_t j = dv; j < d; ++j) acc[j] += p[l] * static_cast<float>(vr[j]);
+    const T* vr = v + kvi[l] * rw + g * d;
+    const float* vs = head_scales<T>(v + kvi[l] * rw, n_kv * d, g * d);
+    for (int64_t j = 0; j < dv; j += V)
+      at::vec::fmadd(Vec(p[l]), load_scaled(vr, vs, j), Vec::loadu(acc + j)).store(acc + j);
+    for (int64_t j = dv; j < d; ++j) acc[j] += p[l] * scaled_at(vr, vs, j);
   }
   for (int64_t j = 0; j < d; ++j) o[j] = acc[j] * inv;
 }
 
-// q, out [T, H, d] fp32; pools [rows, n_kv * d]; rows [n] (-1: padding); kv, valid [n, L].
+// q, out [T, H, d] fp32; pools [rows, row_elems(n_kv * d)]; rows [n] (-1: padding); kv, valid [n, L].
 // One work item per (decode row, K/V head); its query heads are done together.
 template <typename T>
 void decode_attention(const float* q, const T* k, const T* v, const int64_t* rows, const int64_t* kv,
@@ -204,3 +226,4 @@ ENTRY(decode_attention_bf16, at::BFloat16)
 ENTRY(decode_attention_f16, at::Half)
 ENTRY(decode_attention_e4m3, c10::Float8_e4m3fn)
 ENTRY(decode_attention_e5m2, c10::Float8_e5m2)
+ENTRY(decode_attention_i8, int8_t)

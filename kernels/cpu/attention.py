@@ -11,7 +11,7 @@ times as fast as the per-head loop it replaced at 8-32 decode rows (benchmarks/R
 sequence's rows sit in blocks scattered over the pool, which the hardware's prefetchers do not
 follow, so the score pass fetches the K and V rows ``AHEAD`` keys ahead, which shortens
 SmolLM2-shaped decode steps with fp32 and fp16 pools alike (benchmarks/RESULTS.md). Built once
-per machine by ``build``; fp32, bf16, fp16 and fp8 pools
+per machine by ``build``; fp32, bf16, fp16, fp8 and int8 pools
 (``fp8``).
 """
 
@@ -22,6 +22,7 @@ import functools
 import math
 
 import torch
+from deepinfer.kernels import kv_int8
 from deepinfer.kernels.cpu import build, fp8
 
 _ENTRY = {dtype: f"decode_attention_{name}" for dtype, name in fp8.POOL_NAMES.items()}
@@ -44,7 +45,7 @@ def supports(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> boo
         q.device.type == "cpu"
         and not (q.requires_grad or k_pool.requires_grad or v_pool.requires_grad)
         and k_pool.dtype == v_pool.dtype
-        and k_pool.dtype in _ENTRY
+        and fp8.reads_heads(k_pool.dtype, q.shape[-1])
         and k_pool.is_contiguous()
         and v_pool.is_contiguous()
         and _library() is not None
@@ -81,7 +82,7 @@ def decode_attention(
         n,
         length,
         h,
-        k_pool.shape[1] // d,
+        kv_int8.values_per_row(k_pool) // d,
         d,
         1.0 / math.sqrt(d),
         torch.get_num_threads(),

@@ -245,7 +245,7 @@ class LlamaDecodeStack:
         key = tuple(p.data_ptr() for kv in pools for p in kv)
         if key != self._pools:
             dtype = pools[0][0].dtype
-            readable = dtype in fp8.POOL_NAMES and all(
+            readable = fp8.reads_heads(dtype, self.head_dim) and all(
                 t.dtype == dtype and t.is_contiguous() for kv in pools for t in kv
             )
             addresses = torch.tensor(key, dtype=torch.int64).view(-1, 2)

@@ -1,6 +1,7 @@
 // Causal prefill attention over the paged K/V pools; built and called by prefill_attention.py.
 
 #include "fp8.h"
+#include "int8_rows.h"
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/functional_bfloat16.h>
 #include <ATen/cpu/vec/vec.h>
@@ -114,7 +115,7 @@ inline float softmax_row(float* p, int64_t n, int64_t padded) {
   return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sv);
 }
 
-// q [T, H, d] fp32; pools [rows, n_kv * d]; spans [S, 4] = (first token row, tokens, first
+// q [T, H, d] fp32; pools [rows, row_elems(n_kv * d)]; spans [S, 4] = (first token row, tokens, first
 // position, offset into kv_rows); kv_rows: each span's pool rows of positions 0 .. end - 1;
 // out [T, H, d] fp32 (span rows written). Token i of a span sees positions 0 .. start + i.
 template <typename T>
@@ -159,10 +160,18 @@ void prefill_attention(const float* q, const T* kp, const T* vp, const int64_t* 
         for (int64_t c = 0; c < d; ++c) kb[c * V + i] = 0.f;
         continue;
       }
-      const T* kr = kp + rows[j] * n_kv * d + blk.h * d;
-      const T* vr = vp + rows[j] * n_kv * d + blk.h * d;
-      for (int64_t c = 0; c < d; ++c) kb[c * V + i] = to_f(kr[c]);
-      for (int64_t c = 0; c < d; ++c) vb[j * d + c] = to_f(vr[c]);
+      const int64_t rw = row_elems<T>(n_kv * d);
+      const T* kr = kp + rows[j] * rw + blk.h * d;
+      const T* vr = vp + rows[j] * rw + blk.h * d;
+      if constexpr (is_i8_v<T>) {  // codes times their block's scale
+        const float* ks = head_scales<T>(kp + rows[j] * rw, n_kv * d, blk.h * d);
+        const float* vs = head_scales<T>(vp + rows[j] * rw, n_kv * d, blk.h * d);
+        for (int64_t c = 0; c < d; ++c) kb[c * V + i] = to_f(kr[c]) * ks[c / I8_BLOCK];
+        for (int64_t c = 0; c < d; ++c) vb[j * d + c] = to_f(vr[c]) * vs[c / I8_BLOCK];
+      } else {
+        for (int64_t c = 0; c < d; ++c) kb[c * V + i] = to_f(kr[c]);
+        for (int64_t c = 0; c < d; ++c) vb[j * d + c] = to_f(vr[c]);
+      }
     }
   }
   const int64_t rows_max = std::max<int64_t>(QB * G, 1);
@@ -218,3 +227,4 @@ ENTRY(prefill_attention_bf16, at::BFloat16)
 ENTRY(prefill_attention_f16, at::Half)
 ENTRY(prefill_attention_e4m3, c10::Float8_e4m3fn)
 ENTRY(prefill_attention_e5m2, c10::Float8_e5m2)
+ENTRY(prefill_attention_i8, int8_t)

@@ -10,7 +10,7 @@ over K transposed into blocks of one vector of keys once per span and head), the
 max-subtracted fp32 softmax (ATen's vectorised exp, as the decode kernel uses) and the weighted
 sum of values from register tiles of rows x (up to four vectors of) the head. Keys past a
 block's last position are never computed (causal), and the pool rows are read in place while
-packing (fp32, bf16, fp16, fp8: ``fp8``).
+packing (fp32, bf16, fp16, fp8, int8: ``fp8``).
 
 Head sizes that are a multiple of the vector width up to eight vectors (16-128 on AVX-512) take
 this path; others keep SDPA. Built once per machine by ``build``.
@@ -23,6 +23,7 @@ import functools
 import math
 
 import torch
+from deepinfer.kernels import kv_int8
 from deepinfer.kernels.cpu import build, fp8
 
 _ENTRY = {dtype: f"prefill_attention_{name}" for dtype, name in fp8.POOL_NAMES.items()}
@@ -44,7 +45,7 @@ def supports(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> boo
     dtype the kernel reads, contiguous, a head size of 1, 2, 4 or 8 vectors."""
     if q.device.type != "cpu" or q.requires_grad or k_pool.requires_grad or v_pool.requires_grad:
         return False
-    if k_pool.dtype != v_pool.dtype or k_pool.dtype not in _ENTRY:
+    if k_pool.dtype != v_pool.dtype or not fp8.reads_heads(k_pool.dtype, q.shape[-1]):
         return False
     if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
         return False
@@ -85,7 +86,7 @@ def prefill_attention(
         out.data_ptr(),
         spans.shape[0],
         h,
-        k_pool.shape[1] // d,
+        kv_int8.values_per_row(k_pool) // d,
         d,
         1.0 / math.sqrt(d),
         torch.get_num_threads(),

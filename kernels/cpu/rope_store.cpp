@@ -1,26 +1,33 @@
 // Llama RoPE plus the K/V cache writes in one call; built and called by rope_store.py.
 
 #include "fp8.h"
+#include "int8_rows.h"
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
+#include <vector>
 
 constexpr int64_t PARALLEL_TOKENS = 64;
 
 template <typename A, typename P>
 void rope_store(const A* qkv, const float* cos, const float* sin, const int64_t* rows, P* k_pool,
                 P* v_pool, A* q_out, int64_t T, int64_t H, int64_t KV, int64_t d) {
-  const int64_t half = d / 2, width = (H + 2 * KV) * d;
+  const int64_t half = d / 2, width = (H + 2 * KV) * d, rw = row_elems<P>(KV * d);
   // tokens are independent: a prefill's split over ATen's threads (as many as PyTorch is set
   // to), a decode step's few run inline on the calling thread
   at::parallel_for(0, T, PARALLEL_TOKENS, [&](int64_t first, int64_t last) {
+  std::vector<float> kbuf, vbuf;  // an int8 row is encoded whole, from its values in fp32
+  if constexpr (is_i8_v<P>) {
+    kbuf.resize(KV * d);
+    vbuf.resize(KV * d);
+  }
   for (int64_t t = first; t < last; ++t) {
     const A* x = qkv + t * width;
     const float* c = cos + t * half;
     const float* s = sin + t * half;
-    P* kr = k_pool + rows[t] * KV * d;
-    P* vr = v_pool + rows[t] * KV * d;
+    P* kr = k_pool + rows[t] * rw;
+    P* vr = v_pool + rows[t] * rw;
     for (int64_t h = 0; h < H + KV; ++h) {
       const A* xh = x + h * d;
       for (int64_t i = 0; i < half; ++i) {
@@ -30,6 +37,9 @@ void rope_store(const A* qkv, const float* cos, const float* sin, const int64_t*
         if (h < H) {
           q_out[(t * H + h) * d + i] = a;
           q_out[(t * H + h) * d + i + half] = b;
+        } else if constexpr (is_i8_v<P>) {
+          kbuf[(h - H) * d + i] = static_cast<float>(a);
+          kbuf[(h - H) * d + i + half] = static_cast<float>(b);
         } else {
           kr[(h - H) * d + i] = to_pool<P>(static_cast<float>(a));
           kr[(h - H) * d + i + half] = to_pool<P>(static_cast<float>(b));
@@ -37,7 +47,13 @@ void rope_store(const A* qkv, const float* cos, const float* sin, const int64_t*
       }
     }
     const A* v = x + (H + KV) * d;
-    for (int64_t i = 0; i < KV * d; ++i) vr[i] = to_pool<P>(static_cast<float>(v[i]));
+    if constexpr (is_i8_v<P>) {
+      for (int64_t i = 0; i < KV * d; ++i) vbuf[i] = static_cast<float>(v[i]);
+      i8_store_row(kr, kbuf.data(), KV * d);
+      i8_store_row(vr, vbuf.data(), KV * d);
+    } else {
+      for (int64_t i = 0; i < KV * d; ++i) vr[i] = to_pool<P>(static_cast<float>(v[i]));
+    }
   }
   });
 }
@@ -57,3 +73,5 @@ ENTRY(rope_store_f32_e4m3, float, c10::Float8_e4m3fn)
 ENTRY(rope_store_bf16_e4m3, c10::BFloat16, c10::Float8_e4m3fn)
 ENTRY(rope_store_f32_e5m2, float, c10::Float8_e5m2)
 ENTRY(rope_store_bf16_e5m2, c10::BFloat16, c10::Float8_e5m2)
+ENTRY(rope_store_f32_i8, float, int8_t)
+ENTRY(rope_store_bf16_i8, c10::BFloat16, int8_t)

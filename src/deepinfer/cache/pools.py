@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.cache import kv_formats
+from deepinfer.cache import kv_dtypes, kv_formats
 from deepinfer.cache.forward_batch import CompressorPools, LayerPools
 from deepinfer.cache.layer_spec import LayerCacheSpec
 
@@ -63,7 +63,9 @@ class CacheLayout:
     def row_bytes(self, fmt: str | None, dim: int, dtype: torch.dtype) -> int:
         packed = self.format_of(fmt, dim)
         return (
-            kv_formats.row_bytes(packed, dim) if packed else dim * torch.empty(0, dtype=dtype).element_size()
+            kv_formats.row_bytes(packed, dim)
+            if packed
+            else kv_dtypes.row_width(dim, dtype) * torch.empty(0, dtype=dtype).element_size()
         )
 
     def window_blocks_per_sequence(self) -> int:
@@ -163,6 +165,9 @@ def allocate_pools(
     a row left by an earlier owner of the block is finite. Compressor state stays fp32 (V4.1
     pools in fp32, and a group split across steps must not round half of itself).
     """
+    if dtype == torch.int8 and any(s.window or s.ratio for s in layout.specs):
+        # windowed and compressed layers read their rows through paths that know no scales
+        raise ValueError("kv_cache_dtype='int8' is supported for full-attention models (Llama family) only")
     for i, spec in enumerate(layout.specs):
         src = spec.shared_from
         owner = layout.specs[src] if src is not None and 0 <= src < i else None
@@ -178,13 +183,15 @@ def allocate_pools(
     def rows_of(count: int, dim: int, fmt: str | None):
         packed = layout.format_of(fmt, dim)
         if packed is None:
-            return _zeros(count, dim, dtype=dtype, device=device)
+            return _zeros(count, kv_dtypes.row_width(dim, dtype), dtype=dtype, device=device)
         return kv_formats.packed_zeros(packed, count, dim, dtype, device, _zeros)
 
     for s in layout.specs:
         layer = LayerPools(window=rows_of(window_rows, s.kv_dim, s.window_format))
         if s.separate_values:
-            layer.values = _zeros(window_rows, s.kv_dim, dtype=dtype, device=device)
+            layer.values = _zeros(
+                window_rows, kv_dtypes.row_width(s.kv_dim, dtype), dtype=dtype, device=device
+            )
         if s.token_ids:
             layer.token_ids = _zeros(window_rows, dtype=torch.long, device=device)
         if s.ratio and s.shared_from is not None:
