@@ -18,7 +18,7 @@ SOURCES = {
     "deepinfer.kernels": ROOT / "kernels",
 }
 # first-level units that sit above everything a model needs
-TOP = {"engine", "llm", "cli", "server", "bench"}
+TOP = {"engine", "llm", "cli", "server", "bench", "integrations", "quality"}
 # what each lower unit must never import (docs/architecture.md, "Layers and import directions")
 FORBIDDEN = {
     "models": TOP | {"speculative", "compile", "tiny"},

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class Logprob:
@@ -62,5 +64,8 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # SamplingParams.prompt_logprobs_full: [prompt tokens - 1, vocab] fp32 log-probabilities,
+    # row i the distribution that predicts prompt token i + 1
+    prompt_logprobs_full: torch.Tensor | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None

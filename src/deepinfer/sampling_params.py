@@ -65,6 +65,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # with prompt_logprobs: also every prompt position's log-probabilities over the whole
+    # vocabulary, as one tensor (RequestOutput.prompt_logprobs_full), for perplexity and KL
+    # tools; offline only
+    prompt_logprobs_full: bool = False
     skip_special_tokens: bool = True
     # decoding constrained to a JSON schema, regex, choice list or grammar (a
     # StructuredOutputsParams or a dict of its fields; sampling/structured.py)
@@ -165,11 +169,22 @@ class SamplingParams:
             self.stop_token_ids,
         )
         self.stop_token_ids = list(self.stop_token_ids)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in (
+            "ignore_eos",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "prompt_logprobs_full",
+        ):
             _check(isinstance(getattr(self, name), bool), name, "a bool", getattr(self, name))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and value >= 0), name, "None or an integer >= 0", value)
+        _check(
+            not self.prompt_logprobs_full or self.prompt_logprobs is not None,
+            "prompt_logprobs_full",
+            "False unless prompt_logprobs is set",
+            self.prompt_logprobs_full,
+        )
         self.structured_outputs = StructuredOutputsParams.parse(self.structured_outputs)
 
     @property

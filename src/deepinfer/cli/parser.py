@@ -10,6 +10,7 @@ from deepinfer.cli.arguments import add_engine_arguments, add_sampling_arguments
 from deepinfer.cli.bench import add_bench_parser
 from deepinfer.cli.chat import chat
 from deepinfer.cli.generate import generate
+from deepinfer.cli.perplexity import add_perplexity_parser
 from deepinfer.cli.serve import serve
 from deepinfer.cli.tools import dump_graphs, make_tiny, plan
 from deepinfer.server.limits import ServerLimits
@@ -138,5 +139,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_chat(sub)
     add_bench_parser(sub)
+    add_perplexity_parser(sub, add_engine_arguments)
     _add_dump_graphs(sub)
     return parser

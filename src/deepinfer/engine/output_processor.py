@@ -119,6 +119,7 @@ class OutputProcessor:
             outputs=[completion],
             finished=req.finished,
             prompt_logprobs=req.prompt_logprobs,
+            prompt_logprobs_full=torch.cat(req.prompt_logprobs_full) if req.prompt_logprobs_full else None,
             num_cached_tokens=req.num_cached_tokens,
             metrics=metrics,
         )

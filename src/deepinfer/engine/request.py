@@ -52,6 +52,7 @@ class Request:
     text_tokens: int = 0  # how many output tokens ``text`` reflects (decoded lazily)
     logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_full: list[torch.Tensor] | None = None  # [rows, V] log-probs, in prompt order
     cumulative_logprob: float = 0.0
     # structured outputs: the grammar matcher (xgrammar), and while it compiles its future
     grammar: Any = None

@@ -93,8 +93,12 @@ class StepProcessor:
             if count and not req.finished:
                 entries = self.outputs.prompt_logprobs(req, logits[first : first + count], c.start, count)
                 have = req.prompt_logprobs or [None]  # entry i is for prompt token i
-                have += entries[len(have) - c.start - 1 :]  # a recompute after preemption adds none twice
+                new = len(have) - c.start - 1  # a recompute after preemption adds none twice
+                have += entries[new:]
                 req.prompt_logprobs = have
+                if req.params.prompt_logprobs_full and new < count:
+                    rows = logits[first + max(new, 0) : first + count].float().log_softmax(-1)
+                    req.prompt_logprobs_full = (req.prompt_logprobs_full or []) + [rows]
 
     def _sample(self, live: list[tuple[ScheduledChunk, int]], logits: torch.Tensor) -> list[Request]:
         """One token for each chunk that reached its sequence's end (``live``: chunk and its
