@@ -85,13 +85,15 @@ def test_the_peer_runs_on_the_same_weights_and_shape(tmp_path, outtype, quantize
 
 
 def test_an_8_bit_cache_peer_runs_with_its_8_bit_kv_cache(tmp_path):
-    """The fp32-kv8 variant's peer: llama.cpp's q8_0 K and V cache (with the flash attention
-    its quantized V cache needs); other variants keep llama.cpp's default cache."""
+    """The 8-bit cache variants' peer (fp8 and int8): llama.cpp's q8_0 K and V cache (with the
+    flash attention its quantized V cache needs); other variants keep llama.cpp's default cache."""
     root, calls, run = _fake_llama_cpp(tmp_path)
     llama_cpp_rows(root, tmp_path, "F32", [1], 144, 64, threads=2, run=run, cache_type="q8_0")
     flags = dict(zip(calls[-1][1::2], calls[-1][2::2], strict=False))
     assert flags["-ctk"] == flags["-ctv"] == "q8_0" and flags["-fa"] == "on"
-    assert PEER_CACHE_TYPES == {"fp32-kv8": "q8_0"} and VARIANTS["fp32-kv8"][0] == {"kv_cache_dtype": "fp8"}
+    assert PEER_CACHE_TYPES == {"fp32-kv8": "q8_0", "fp32-kvi8": "q8_0"}
+    assert VARIANTS["fp32-kv8"][0] == {"kv_cache_dtype": "fp8"}
+    assert VARIANTS["fp32-kvi8"][0] == {"kv_cache_dtype": "int8"}
     llama_cpp_rows(root, tmp_path, "F32", [1], 144, 64, threads=2, run=run)
     assert "-ctk" not in calls[-1] and "-fa" not in calls[-1]
 

@@ -76,8 +76,9 @@ def test_perplexity_equals_transformers_by_the_protocol(ckpt, tokens, monkeypatc
 
 def test_kl_and_top1_against_a_saved_base(ckpt, tokens, tmp_path):
     """A base written from transformers' distributions: the engine's fp32 run has every top-1
-    the base's and a KL divergence no larger than the base's fp16 rounding makes; an int8 K/V cache run reports the KL divergence and top-1 share
-    computed from its own distributions by ``torch.nn.functional.kl_div``."""
+    the base's and a KL divergence no larger than the base's fp16 rounding makes; an int8 K/V
+    cache run reports the KL divergence and top-1 share computed from its own distributions by ``torch.nn.functional.kl_div`` (over the tokens
+    whose base log-probability is above -16, as llama-perplexity sums it)."""
     table = chunk_tokens(tokens, CTX, chunks=4)
     first = CTX // 2
     hf = _hf_logprobs(ckpt, table)[:, first : CTX - 1]
@@ -92,8 +93,12 @@ def test_kl_and_top1_against_a_saved_base(ckpt, tokens, tmp_path):
     report = perplexity(int8, token_ids=tokens, ctx=CTX, chunks=4, kl_base=path)
     ours = torch.cat([logp for logp, _ in perplexity_module.scored_logprobs(int8, table)])
     ref = hf.reshape(-1, hf.shape[-1]).half().float()  # the base as saved (fp16)
-    kl = torch.nn.functional.kl_div(ours, ref, log_target=True, reduction="none").sum(-1)
+    terms = torch.nn.functional.kl_div(ours, ref, log_target=True, reduction="none")
+    kl = torch.where(ref > -16, terms, 0.0).sum(-1)  # llama-perplexity's sum: the base's tail left out
     assert report.kl == pytest.approx(kl.mean().item(), rel=1e-4, abs=1e-9)
+    reverse = torch.nn.functional.kl_div(ref, ours, log_target=True, reduction="none")
+    reverse = torch.where(ref > -16, reverse, 0.0).sum(-1).mean().item()
+    assert report.kl != pytest.approx(reverse, rel=1e-4, abs=1e-9)  # mutation: the other direction
     assert report.top1 == pytest.approx((ref.argmax(-1) == ours.argmax(-1)).float().mean().item())
 
 

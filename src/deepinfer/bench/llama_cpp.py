@@ -41,12 +41,13 @@ VARIANTS: dict[str, tuple[dict, str | None]] = {
     "fp32": ({}, "F32"),
     "fp32-kv16": ({"kv_cache_dtype": "float16"}, "F32"),
     "fp32-kv8": ({"kv_cache_dtype": "fp8"}, "F32"),
+    "fp32-kvi8": ({"kv_cache_dtype": "int8"}, "F32"),
     "bf16": ({"dtype": "bfloat16"}, "BF16"),
     "int8": ({"quantization": "int8"}, "Q8_0"),
     "int4": ({"quantization": "int4"}, "Q4_0"),
 }
 # llama.cpp's K/V cache type for a variant (else its default, f16): an 8-bit cache against ours
-PEER_CACHE_TYPES = {"fp32-kv8": "q8_0"}
+PEER_CACHE_TYPES = {"fp32-kv8": "q8_0", "fp32-kvi8": "q8_0"}
 # (prefill tok/s, decode tok/s, output tok/s of the whole shape)
 Row = tuple[float, float, float]
 # llama.cpp's own converter writes these types; the rest come from llama-quantize
@@ -158,6 +159,27 @@ def _prepare(run: Callable[..., subprocess.CompletedProcess], args: list[str]) -
         raise RuntimeError(f"llama.cpp's {tool} failed (exit {error.returncode}):\n{tail}") from error
 
 
+def peer_gguf(
+    root: Path,
+    checkpoint: Path,
+    outtype: str,
+    folder: Path,
+    run: Callable[..., subprocess.CompletedProcess] = subprocess.run,
+) -> Path:
+    """``checkpoint`` converted to llama.cpp's ``outtype`` in ``folder`` by the checkout's own
+    converter (types it does not write: from its F32 file by ``llama-quantize``)."""
+    gguf = folder / f"model-{outtype.lower()}.gguf"
+    if gguf.exists():
+        return gguf
+    convert = [sys.executable, str(root / "convert_hf_to_gguf.py"), str(checkpoint), "--outfile"]
+    if outtype in CONVERTER_TYPES:
+        _prepare(run, [*convert, str(gguf), "--outtype", outtype.lower()])
+    else:
+        base = peer_gguf(root, checkpoint, "F32", folder, run)
+        _prepare(run, [str(root / "build" / "bin" / "llama-quantize"), str(base), str(gguf), outtype])
+    return gguf
+
+
 def llama_cpp_rows(
     root: Path,
     checkpoint: Path,
@@ -179,14 +201,7 @@ def llama_cpp_rows(
     if not bench.exists():
         raise FileNotFoundError(f"--llama-cpp: no {bench} (build llama.cpp there first)")
     with tempfile.TemporaryDirectory() as tmp:
-        gguf = Path(tmp) / f"model-{outtype.lower()}.gguf"
-        convert = [sys.executable, str(root / "convert_hf_to_gguf.py"), str(checkpoint), "--outfile"]
-        if outtype in CONVERTER_TYPES:
-            _prepare(run, [*convert, str(gguf), "--outtype", outtype.lower()])
-        else:
-            base = Path(tmp) / "model-f32.gguf"
-            _prepare(run, [*convert, str(base), "--outtype", "f32"])
-            _prepare(run, [str(root / "build" / "bin" / "llama-quantize"), str(base), str(gguf), outtype])
+        gguf = peer_gguf(root, checkpoint, outtype, Path(tmp), run)
         context = max(batches) * (prompt_len + output_len) + 64
         args = [str(bench), "-m", str(gguf), "-c", str(context), "-b", "2048", "-ub", "512"]
         args += ["-npp", str(prompt_len), "-ntg", str(output_len), "-npl", ",".join(map(str, batches))]

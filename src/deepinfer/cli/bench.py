@@ -10,7 +10,7 @@ from deepinfer.cli.arguments import add_parallel_arguments, add_threads_argument
 from deepinfer.cli.engine_args import llm_kwargs
 
 # bench.llama_cpp.VARIANTS' names (kept here so the parser builds without importing the engine)
-BATCHED_VARIANTS = ("fp32", "fp32-kv16", "fp32-kv8", "bf16", "int8", "int4")
+BATCHED_VARIANTS = ("fp32", "fp32-kv16", "fp32-kv8", "fp32-kvi8", "bf16", "int8", "int4")
 
 
 def _throughput(args: argparse.Namespace) -> int:

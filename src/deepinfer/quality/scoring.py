@@ -6,9 +6,11 @@ Each chunk is one request, and only the second half is scored: the distributions
 ``ctx/2 .. ctx-2`` against the tokens that follow them (255 tokens a chunk at ``ctx=512``), so
 every scored token sees at least half a window of context. Perplexity is ``exp`` of the mean
 negative log-likelihood, with llama.cpp's uncertainty. Against a saved base
-(``base_logprobs``): the mean KL divergence ``KL(base || this run)`` per scored token and the
-share of tokens whose most likely next token is the base's, with their standard errors, as
-llama-perplexity's ``--kl-divergence`` reports them. The chunks are scored through the engine
+(``base_logprobs``): the mean KL divergence ``KL(base || this run)`` per scored token (summed,
+as llama-perplexity sums it, over the tokens the base gives a log-probability above -16: the
+tail left out holds at most e^-16 of the mass per token, yet its relative errors would add to
+the sum) and the share of tokens whose most likely next token is the base's, with their
+standard errors, as llama-perplexity's ``--kl-divergence`` reports them. The chunks are scored through the engine
 itself (``SamplingParams.prompt_logprobs_full``), so every engine option (quantization, KV
 cache type, compilation) is measured as it serves; scoring requests never read the prefix
 cache.
@@ -27,6 +29,9 @@ from tqdm import tqdm
 
 from deepinfer.quality import base_logprobs
 from deepinfer.sampling_params import SamplingParams
+
+# base log-probabilities at or below this are left out of the KL sum (llama-perplexity's cut)
+KL_FLOOR = -16.0
 
 
 @dataclass
@@ -155,7 +160,8 @@ def perplexity(
             saved.append(logp.clamp(min=-6e4).half())
         if base is not None:
             ref = base.chunk(i)
-            kl.add((ref.exp() * (ref - logp)).sum(-1))
+            counted = ref > KL_FLOOR  # llama.cpp's sum leaves out the base's tail
+            kl.add(torch.where(counted, ref.exp() * (ref - logp), 0.0).sum(-1))
             same.add((ref.argmax(-1) == logp.argmax(-1)).float())
     if save_logits is not None:
         base_logprobs.save(save_logits, table, saved)
