@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from v41_reference import engram_hash, engram_layout
+from v41_reference import engram_hash, engram_layout, read_checkpoint
 
 from deepinfer.cache.session import Session
 from deepinfer.models.layers.engram import (
@@ -97,13 +97,15 @@ def _recorded_ids(model, tokens: torch.Tensor, splits: list[int]) -> torch.Tenso
     return torch.cat(seen, dim=1)
 
 
-def test_hash_ids_equal_a_literal_reimplementation_across_splits(model):
-    """Every prefill length 1..24 then decode, and a few multi-chunk prefills."""
-    cfg = model.config
+def test_hash_ids_equal_a_literal_reimplementation_across_splits(model, v41_ckpt):
+    """Every prefill length 1..24 then decode, and a few multi-chunk prefills; the literal
+    hash reads config.json and builds its token map from tokenizer.json itself."""
+    ref = read_checkpoint(v41_ckpt)
+    cfg = ref.cfg
     layout = engram_layout(cfg)
     rng = random.Random(0)
     tokens = torch.tensor([[rng.randrange(cfg.vocab_size) for _ in range(24)] for _ in range(2)])
-    expected = [engram_hash(tokens, model.token_map, layer, layout, cfg) for layer in cfg.engram_layer_ids]
+    expected = [engram_hash(tokens, ref.token_map, layer, layout, cfg) for layer in cfg.engram_layer_ids]
     for splits in [[s] for s in range(1, 25)] + [[2, 3], [4, 13, 21], [1, 2, 3, 9]]:
         got = _recorded_ids(model, tokens, splits)
         for k, layer in enumerate(cfg.engram_layer_ids):
@@ -135,8 +137,9 @@ def test_identity_map_without_a_tokenizer_is_made_on_the_weights_device(tmp_path
     ids = torch.randint(2, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = model(ids).logits
-    state = dict(model.state_dict())
-    ref = reference_logits(state, model.config, ids, torch.arange(model.config.vocab_size), fake_quant=True)
+    reference = read_checkpoint(ckpt)  # the reference's own identity map (no tokenizer.json)
+    assert torch.equal(reference.token_map, torch.arange(model.config.vocab_size))
+    ref = reference_logits(reference, ids, fake_quant=True)
     assert (ours - ref).abs().max() <= 1e-4
     out = LLM(ckpt).generate([[3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3

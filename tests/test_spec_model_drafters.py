@@ -1,8 +1,9 @@
 """Model drafters: DSpark on V4.1 and MTP on V4.
 
-- each proposal equals a direct computation of the reference math (model_spec.md §2.8,
-  techniques.md §1.1/§1.5) written out densely below, for several requests batched together
-  whose windows wrap around their rings;
+- each proposal equals a dense computation of the reference math (model_spec.md §2.8,
+  techniques.md §1.1/§1.5; tests/draft_reference.py) from the weights and config read from the
+  checkpoint files, for several requests batched together whose windows wrap around their
+  rings; a loader naming bug in the engine fails that check (mutation checks);
 - sampled outputs keep the target's distribution (drafts come from their own q);
 - DSpark's confidences drive the threshold and hardware schedules; the lagged production
   schedule sizes a step from confidences two plans old;
@@ -18,11 +19,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from chi_square import conditional_p_value, exact_next_token
+from draft_reference import dspark_proposal, mtp_proposal
 from mutations import accept_every_draft, wrong_from
+from reference_mutations import swap_on_load
+from v41_reference import read_checkpoint
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.models.layers.mhc import hc_collapse, hc_expand, hc_head_collapse
-from deepinfer.models.layers.rope import apply_rope
 from deepinfer.models.loading import load_model
 from deepinfer.speculative.config import SpeculativeConfig
 from deepinfer.speculative.decoder import SpeculativeDecoder
@@ -46,150 +48,116 @@ def v4(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("mtp"), arch="deepseek_v4")
 
 
-def _dense_attention(attn, q, keys, cos, sin):
-    """Softmax over every key plus the per-head sink logit, K = V, then the inverse RoPE and
-    the grouped output projection (model_spec.md §2.3), written out for one sequence."""
-    scores = torch.einsum("thd,ld->thl", q, keys) * attn.head_dim**-0.5
-    sink = attn.attn_sink.view(1, -1, 1).expand(q.shape[0], -1, 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    out = torch.einsum("thl,ld->thd", probs, keys)
-    out = apply_rope(out, cos.unsqueeze(1), -sin.unsqueeze(1))
-    return attn.wo_b(attn._grouped_output(out))
+@pytest.fixture(scope="module")
+def v41_ref(v41):
+    """The weights and config as the reference reads them from the files (no deepinfer code)."""
+    return read_checkpoint(v41)
 
 
-def _dspark_reference(model, features, anchor, k):
-    """DSpark's proposal for one sequence whose accepted positions are 0..P-1 (features [P, m*d])."""
-    cfg = model.config
-    stages, g, w = model.mtp, cfg.dspark_block_size, cfg.sliding_window
-    p = features.shape[0]
-    ctx_pos = torch.arange(max(0, p - w), p)
-    main_x = stages[0].main_norm(stages[0].main_proj(features[ctx_pos]))
-    ids = torch.tensor([anchor] + [cfg.dspark_noise_token_id] * (g - 1))
-    pos = p + torch.arange(g)
-    h = model.embed(ids)
-    streams = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)
-    pre_mix = torch.zeros(g, cfg.hc_mult)
-    pre_mix[:, 0] = 1
-    for stage in stages:
-        attn_pre, post, comb = stage.mixes(streams, "attn")
-        x = stage.attn_norm(hc_collapse(streams, pre_mix))
-        ctx_kv = stage.attn.latent_kv(main_x, *stage.attn.rotary(ctx_pos))
-        q, _, cos, sin = stage.attn.queries(x, pos)
-        keys = torch.cat([ctx_kv, stage.attn.latent_kv(x, cos, sin)])  # context, then the block
-        streams = hc_expand(_dense_attention(stage.attn, q, keys, cos, sin), streams, post, comb)
-        ffn_pre, post, comb = stage.mixes(streams, "ffn")
-        y = stage.ffn(stage.ffn_norm(hc_collapse(streams, attn_pre)), ids)
-        streams, pre_mix = hc_expand(y, streams, post, comb), ffn_pre
-    last = stages[-1]
-    hidden = hc_collapse(streams, pre_mix)
-    logits = last.norm(hidden).float() @ model.head.weight.float().T
-    tokens, conf, prev = [], [], anchor
-    for i in range(k):
-        emb = last.markov_head.embed.weight[prev].float()
-        row = logits[i] + last.markov_head.head.weight.float() @ emb
-        tokens.append(int(row.argmax()))
-        head_in = torch.cat([hidden[i].float(), emb])
-        conf.append(float(torch.sigmoid(last.confidence_head.proj.weight.float() @ head_in)))
-        prev = tokens[-1]
-    return tokens, conf
+@pytest.fixture(scope="module")
+def v4_ref(v4):
+    return read_checkpoint(v4)
 
 
-@torch.inference_mode()
-def test_dspark_proposals_equal_the_reference_computation(v41):
-    model = load_model(v41)
+def _dspark_proposals(model):
+    """DSpark's proposals for three sequences batched together, and each alone, after two
+    steps' worth of accepted rows each (21 and 9 rows wrap the ring of 8):
+    [(features, ask, batched draft, alone draft)], and the drafter."""
     cfg = model.config
     k = cfg.dspark_block_size
     gen = torch.Generator().manual_seed(0)
     width = cfg.hidden_size * len(cfg.dspark_target_layer_ids)
-    lengths = {0: 21, 2: 5, 1: 9}  # slot -> P (21 and 9 wrap the ring of 8)
+    lengths = {0: 21, 2: 5, 1: 9}  # slot -> P
     feats = {s: torch.randn(p, width, generator=gen) for s, p in lengths.items()}
     anchors = {0: 17, 2: 100, 1: 4}
     drafter = DSparkDrafter(model.draft_model("dspark"), num_slots=3, num_speculative_tokens=k)
     for s, p in lengths.items():
         drafter.claim(s, f"r{s}")
-        for lo, hi in ((0, p // 2), (p // 2, p)):  # two steps' worth of accepted rows
+        for lo, hi in ((0, p // 2), (p // 2, p)):
             drafter.observe([s] * (hi - lo), list(range(lo, hi)), feats[s][lo:hi], [0] * (hi - lo))
     asks = [DraftRequest(s, p, anchors[s], GREEDY, None) for s, p in lengths.items()]
     batched = drafter.propose(asks)
-    for ask, draft in zip(asks, batched, strict=True):
-        alone = drafter.propose([ask])[0]
-        tokens, conf = _dspark_reference(model, feats[ask.slot], ask.anchor_token, k)
+    alone = [drafter.propose([ask])[0] for ask in asks]
+    return [(feats[a.slot], a, d, o) for a, d, o in zip(asks, batched, alone, strict=True)], drafter
+
+
+def _confidences_close(got: list[float], want: list[float]) -> bool:
+    return torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_dspark_proposals_equal_the_reference_computation(v41, v41_ref):
+    """Each proposal equals ``draft_reference.dspark_proposal`` on the checkpoint's weights."""
+    model = load_model(v41, fake_quant=True)
+    k = model.config.dspark_block_size
+    rows, drafter = _dspark_proposals(model)
+    for feats, ask, draft, alone in rows:
+        tokens, conf = dspark_proposal(v41_ref, feats, ask.anchor_token, k, fake_quant=True)
         assert draft.tokens == tokens == alone.tokens
         assert draft.anchor_pos == ask.anchor_pos and draft.q is None
-        torch.testing.assert_close(torch.tensor(draft.confidences), torch.tensor(conf), atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(torch.tensor(alone.confidences), torch.tensor(conf), atol=1e-5, rtol=1e-4)
+        assert _confidences_close(draft.confidences, conf) and _confidences_close(alone.confidences, conf)
     # a new owner of a slot starts from an empty ring: only its own rows are read
     drafter.claim(0, "other")
     assert not bool((drafter.ring.pos[0] >= 0).any())
 
 
-def _v4_block(layer, x, keys_before, pos, token):
-    """The MTP block on one row (V4: each sublayer collapses with its own site's mix); its
-    window is ``keys_before`` plus the row itself."""
-    pre, post, comb = layer.mixes(x, "attn")
-    attn_in = layer.attn_norm(hc_collapse(x, pre))
-    q, _, cos, sin = layer.attn.queries(attn_in, pos)
-    kv = layer.attn.latent_kv(attn_in, cos, sin)
-    keys = torch.cat([keys_before, kv])
-    x = hc_expand(_dense_attention(layer.attn, q, keys, cos, sin), x, post, comb)
-    pre, post, comb = layer.mixes(x, "ffn")
-    y = layer.ffn(layer.ffn_norm(hc_collapse(x, pre)), token)
-    return hc_expand(y, x, post, comb), kv
-
-
-def _mtp_reference(model, streams, tokens, k):
-    """MTP-k for one sequence: streams [P, n, d] of accepted positions, tokens 0..P (P: anchor)."""
-    cfg, layer = model.config, model.mtp[0]
-    w, p = cfg.sliding_window, streams.shape[0]
-    rows = torch.arange(max(0, p - w), p)
-    x = layer.merge_input(model.embed(torch.tensor(tokens)[rows + 1]), streams[rows])
-    pre, _, _ = layer.mixes(x, "attn")
-    kv = layer.attn.latent_kv(layer.attn_norm(hc_collapse(x, pre)), *layer.attn.rotary(rows))
-    keys = kv[:-1]  # rows before P - 1; the query row adds its own
-    out, row_streams, token = [], streams[p - 1 : p], torch.tensor([tokens[p]])
-    for i in range(k):
-        pos = torch.tensor([p - 1 + i])
-        x = layer.merge_input(model.embed(token), row_streams)
-        row_streams, kv_row = _v4_block(layer, x, keys[-(w - 1) :] if w > 1 else keys[:0], pos, token)
-        keys = torch.cat([keys, kv_row])
-        collapsed = hc_head_collapse(
-            row_streams,
-            layer.hc_head_fn,
-            layer.hc_head_base,
-            layer.hc_head_scale,
-            hc_eps=cfg.hc_eps,
-            norm_eps=cfg.rms_norm_eps,
-        )
-        token = model.head(layer.norm(collapsed)).float().argmax(dim=-1)
-        out.append(int(token))
-    return out
-
-
 @torch.inference_mode()
-def test_mtp_proposals_equal_the_reference_computation(v4):
-    model = load_model(v4)
+def test_dspark_reference_check_fails_on_a_stage_naming_bug(v41, v41_ref, monkeypatch):
+    """Mutation check of the test above: an engine loader that swaps stages 0 and 1's
+    K=V projections (same shape) makes every proposal's confidences leave the tolerance."""
+    swap_on_load(monkeypatch, [("mtp.0.attn.wkv.weight", "mtp.1.attn.wkv.weight")])
+    model = load_model(v41, fake_quant=True)
+    k = model.config.dspark_block_size
+    rows, _ = _dspark_proposals(model)
+    for feats, ask, draft, _ in rows:
+        tokens, conf = dspark_proposal(v41_ref, feats, ask.anchor_token, k, fake_quant=True)
+        assert not _confidences_close(draft.confidences, conf), (draft.confidences, conf)
+
+
+def _mtp_proposals(model, k: int):
+    """MTP-k proposals for two sequences batched, after two steps of accepted rows each
+    (19 rows wrap the window of 8): [(streams [P, n, d], tokens 0..P, draft)]."""
     cfg = model.config
     gen = torch.Generator().manual_seed(1)
     lengths = {1: 19, 0: 4}
     streams = {s: torch.randn(p, cfg.hc_mult, cfg.hidden_size, generator=gen) for s, p in lengths.items()}
     tokens = {s: torch.randint(3, 250, (p + 1,), generator=gen).tolist() for s, p in lengths.items()}
+    drafter = MtpDrafter(model.draft_model("mtp"), num_slots=2, num_speculative_tokens=k)
+    for s, p in lengths.items():
+        drafter.claim(s, f"r{s}")
+        for lo, hi in ((0, p - 3), (p - 3, p)):
+            drafter.observe(
+                [s] * (hi - lo),
+                list(range(lo, hi)),
+                streams[s][lo:hi].flatten(1),
+                tokens[s][lo + 1 : hi + 1],
+            )
+    asks = [DraftRequest(s, p, tokens[s][p], GREEDY, None) for s, p in lengths.items()]
+    rows = [(streams[a.slot], tokens[a.slot], d) for a, d in zip(asks, drafter.propose(asks), strict=True)]
+    # a sequence whose newest accepted row is not P - 1 gets no draft
+    late = drafter.propose([DraftRequest(1, lengths[1] + 2, 5, GREEDY, None)])[0]
+    return rows, late
+
+
+@torch.inference_mode()
+def test_mtp_proposals_equal_the_reference_computation(v4, v4_ref):
+    """Each proposal equals ``draft_reference.mtp_proposal`` on the checkpoint's weights."""
+    model = load_model(v4)
     for k in (1, 3):
-        drafter = MtpDrafter(model.draft_model("mtp"), num_slots=2, num_speculative_tokens=k)
-        for s, p in lengths.items():
-            drafter.claim(s, f"r{s}")
-            for lo, hi in ((0, p - 3), (p - 3, p)):
-                drafter.observe(
-                    [s] * (hi - lo),
-                    list(range(lo, hi)),
-                    streams[s][lo:hi].flatten(1),
-                    tokens[s][lo + 1 : hi + 1],
-                )
-        asks = [DraftRequest(s, p, tokens[s][p], GREEDY, None) for s, p in lengths.items()]
-        for ask, draft in zip(asks, drafter.propose(asks), strict=True):
-            assert draft.tokens == _mtp_reference(model, streams[ask.slot], tokens[ask.slot], k)
-        # a sequence whose newest accepted row is not P - 1 gets no draft
-        late = drafter.propose([DraftRequest(1, lengths[1] + 2, 5, GREEDY, None)])[0]
+        rows, late = _mtp_proposals(model, k)
+        for streams, tokens, draft in rows:
+            assert draft.tokens == mtp_proposal(v4_ref, streams, tokens, k)
         assert late.tokens == []
+
+
+@torch.inference_mode()
+def test_mtp_reference_check_fails_on_a_naming_bug(v4, v4_ref, monkeypatch):
+    """Mutation check of the test above: an engine loader that swaps the MTP layer's
+    embedding and stream projections (``e_proj``/``h_proj``, same shape) changes the drafts."""
+    swap_on_load(monkeypatch, [("mtp.0.e_proj.weight", "mtp.0.h_proj.weight")])
+    model = load_model(v4)
+    rows, _ = _mtp_proposals(model, 3)
+    assert any(draft.tokens != mtp_proposal(v4_ref, streams, tokens, 3) for streams, tokens, draft in rows)
 
 
 def _drafted_positions_p_value(path, method: str, broken_verifier: bool, monkeypatch):

@@ -1,8 +1,9 @@
 """The engine's DeepSeek-V4.1 model against an independent dense reference (tests/v41_reference.py).
 
-The reference is written from model_spec.md alone (one-shot prefill, no cache, fp32); the
-engine model runs its paged, cached path through ``model(ids)``. Both read the same tiny
-random checkpoint: ``deepseek_v41`` (top-k and candidate blocks not saturated past 8
+The reference is written from model_spec.md alone (one-shot prefill, no cache, fp32) and reads
+the checkpoint directory itself (safetensors, config.json, tokenizer.json); the engine model,
+loaded by ``load_model``, runs its paged, cached path through ``model(ids)``. Both read the
+same tiny random checkpoint: ``deepseek_v41`` (top-k and candidate blocks not saturated past 8
 compressed entries, so selection and its tie-breaking matter) and ``deepseek_v41_saturated``.
 """
 
@@ -18,7 +19,7 @@ from deepinfer.models.loading import load_model
 from deepinfer.tiny import make_tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from v41_reference import reference_logits  # noqa: E402
+from v41_reference import read_checkpoint, reference_logits  # noqa: E402
 
 ARCHS = ("deepseek_v41", "deepseek_v41_saturated")
 LENGTHS = (1, 7, 8, 9, 17, 33)
@@ -40,6 +41,12 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
+def references(checkpoints):
+    """What the reference reads from each checkpoint directory (no deepinfer code)."""
+    return {arch: read_checkpoint(path) for arch, path in checkpoints.items()}
+
+
+@pytest.fixture(scope="module")
 def models(checkpoints):
     """Loaded models, one per (arch, fake_quant), built on first use."""
     cache: dict[tuple[str, bool], torch.nn.Module] = {}
@@ -57,42 +64,41 @@ def _ids(vocab: int, length: int) -> torch.Tensor:
     return torch.randint(0, vocab, (2, length), generator=gen)
 
 
-def _both(model, ids: torch.Tensor, fake_quant: bool, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+def _both(model, ref, ids: torch.Tensor, fake_quant: bool, **kw) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
         got = model(ids).logits
-    state = dict(model.state_dict())
-    want = reference_logits(state, model.config, ids, model.token_map, fake_quant, **kw)
+    want = reference_logits(ref, ids, fake_quant, **kw)
     assert got.shape == want.shape == (*ids.shape, model.config.vocab_size)
     return got, want
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_one_shot_logits_match_reference(models, arch):
+def test_one_shot_logits_match_reference(models, references, arch):
     model = models(arch, False)
     for length in LENGTHS:
-        got, want = _both(model, _ids(model.config.vocab_size, length), False)
+        got, want = _both(model, references[arch], _ids(model.config.vocab_size, length), False)
         diff = (got - want).abs().max().item()
         print(f"{arch} fake_quant=False S={length}: max |diff| = {diff:.3e}")
         assert diff <= 1e-4, f"S={length}: max |diff| {diff:.3e}"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fake_quant_logits_match_reference(models, arch):
+def test_fake_quant_logits_match_reference(models, references, arch):
     model = models(arch, True)
     assert model.config.fake_quant
     for length in FQ_LENGTHS:
-        got, want = _both(model, _ids(model.config.vocab_size, length), True)
+        got, want = _both(model, references[arch], _ids(model.config.vocab_size, length), True)
         diff = (got - want).abs().max().item()
         print(f"{arch} fake_quant=True S={length}: max |diff| = {diff:.3e}")
         assert diff <= 1e-3, f"S={length}: max |diff| {diff:.3e}"
 
 
-def test_same_site_pre_mix_is_not_the_model(models):
+def test_same_site_pre_mix_is_not_the_model(models, references):
     """Without the one-site mHC lag (V4-style same-site ``pre``) the logits are far off."""
-    model = models("deepseek_v41", False)
+    model, ref = models("deepseek_v41", False), references["deepseek_v41"]
     ids = _ids(model.config.vocab_size, 17)
-    got, lagged = _both(model, ids, False)
-    _, same_site = _both(model, ids, False, same_site_pre=True)
+    got, lagged = _both(model, ref, ids, False)
+    _, same_site = _both(model, ref, ids, False, same_site_pre=True)
     lag_diff = (got - lagged).abs().max().item()
     same_diff = (got - same_site).abs().max().item()
     print(f"lagged reference: {lag_diff:.3e}; same-site reference: {same_diff:.3e}")

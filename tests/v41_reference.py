@@ -3,34 +3,89 @@
 Written from ``/work/shared/reference/model_spec.md`` (§1.1, §1.3, §1.4, §2.1-§2.7, §2.10),
 not from the engine's code: one-shot prefill of full sequences ``[B, S]`` starting at
 position 0, no paging, no cache, every step in plain fp32 torch over the whole sequence, and
-the full logits ``[B, S, V]``. It reads weights from a state dict in the official checkpoint
-layout and derives the layer roles from the config fields itself (§1.4).
+the full logits ``[B, S, V]``.
 
-The only engine code used for math is the QAT fake-quant rounding
-(``deepinfer.models.layers.fake_quant``), which has its own unit tests.
+It reads the checkpoint directory itself, with no deepinfer code at all
+(``tests/reference_checkpoint.py``): the tensors of ``*.safetensors`` in the official layout,
+the fields of ``config.json`` (``text_config`` when the config is composite), and Engram's
+compressed token map built from ``tokenizer.json`` by the rule of §2.7. The QAT fake-quant
+formats of §2.10 are written out here too. So a loader, naming,
+config or token-map bug in the engine shows up as a parity failure instead of being shared.
 
 Use::
 
-    model = load_model(path, fake_quant=fq)
-    state = dict(model.state_dict())
-    logits = reference_logits(state, model.config, ids, model.token_map, fake_quant=fq)
+    ref = read_checkpoint(path)
+    logits = reference_logits(ref, ids, fake_quant=True)
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from reference_checkpoint import ReferenceCheckpoint, Spec, read_checkpoint
 
-from deepinfer.models.layers.fake_quant import (
-    fake_quant_fp4_e4m3_scale,
-    fake_quant_fp4_pow2,
-    fake_quant_fp8_pow2,
-)
+__all__ = ["ReferenceCheckpoint", "Spec", "read_checkpoint", "reference_logits"]
 
 NEG_INF = float("-inf")
+
+
+# -- QAT fake-quant (§2.10; a trailing dim that is not a multiple of the block is left alone) --
+
+E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor | None:
+    if x.shape[-1] % block:
+        return None
+    return x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _pow2_scale(blocks: torch.Tensor, qmax: float) -> torch.Tensor:
+    """ue8m0 scale 2^ceil(log2(amax / qmax)), amax clamped at 1e-4, exact via frexp."""
+    ratio = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4) / qmax
+    mantissa, exponent = torch.frexp(ratio)  # ratio = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return torch.ldexp(torch.ones_like(ratio), exponent - (mantissa == 0.5).int())
+
+
+def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """The nearest e2m1 value (magnitudes clamped at 6); at a tie the even code (index)."""
+    mag = x.abs().clamp(max=6.0).unsqueeze(-1)
+    dist = (mag - E2M1_GRID).abs()
+    nearest = dist == dist.min(dim=-1, keepdim=True).values
+    prefer_even = nearest.int() * (2 - torch.arange(8) % 2)  # among ties (two codes) the even one
+    return torch.copysign(E2M1_GRID[prefer_even.argmax(dim=-1)], x)
+
+
+def fq_fp8_pow2(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """Window K=V: fp8 e4m3, 32-blocks, ue8m0 scales (KERN ``act_quant``)."""
+    g = _blocks(x, block)
+    if g is None:
+        return x
+    scale = _pow2_scale(g, 448.0)
+    return ((g / scale).to(torch.float8_e4m3fn).float() * scale).reshape(x.shape)
+
+
+def fq_fp4_pow2(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """Indexer queries and keys: fp4 e2m1, 32-blocks, ue8m0 scales."""
+    g = _blocks(x, block)
+    if g is None:
+        return x
+    scale = _pow2_scale(g, 6.0)
+    return (round_to_e2m1(g / scale) * scale).reshape(x.shape)
+
+
+def fq_fp4_e4m3(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """Compressed latent: fp4 e2m1, 16-blocks, scale clamp(amax, 6*2^-9) / 6 cast to e4m3."""
+    g = _blocks(x, block)
+    if g is None:
+        return x
+    amax = g.abs().amax(dim=-1, keepdim=True).clamp(min=6.0 * 2**-9)
+    scale = (amax / 6.0).to(torch.float8_e4m3fn).float()
+    return (round_to_e2m1(g / scale) * scale).reshape(x.shape)
 
 
 # -- small pieces -------------------------------------------------------------------------
@@ -185,7 +240,7 @@ def index_scores(state, prefix, x, qr, keys, ratio, positions, freqs, cfg, fake_
     q = linear(qr, state[prefix + "indexer.wq_b.weight"]).reshape(B, S, nh, hd)
     q = rotate(q, positions, freqs)
     if fake_quant:
-        q = fake_quant_fp4_pow2(q)
+        q = fq_fp4_pow2(q)
     w = linear(x, state[prefix + "indexer.weights_proj.weight"]) * hd**-0.5 * nh**-0.5  # [B,S,nh]
     dots = torch.einsum("bshk,bek->bshe", q, keys)
     scores = (w.unsqueeze(-1) * torch.relu(dots)).sum(dim=2)  # [B,S,E]
@@ -234,45 +289,61 @@ def choose_topk(scores: torch.Tensor, cfg) -> torch.Tensor:
 # -- attention (§2.3) -----------------------------------------------------------------------
 
 
-def attention(state, prefix, x, positions, freqs, cfg, fake_quant, entries, chosen) -> torch.Tensor:
-    """x [B,S,d] (after attn_norm); entries [B,E,D] (roped, quantised) or None; chosen [B,S,E]."""
+def queries(state, prefix, x, positions, freqs, cfg, head_norm: bool = False):
+    """Rotated queries [B,S,H,D] and the query residual qr = q_norm(wq_a(x)); ``head_norm``:
+    V4's unweighted RMS norm of each query head (HF4 ``q_b_norm``; V4.1 has none)."""
     B, S, _ = x.shape
     H, D = cfg.num_attention_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
     qr = rms_norm(linear(x, state[prefix + "wq_a.weight"]), state[prefix + "q_norm.weight"], eps)
     q = linear(qr, state[prefix + "wq_b.weight"]).reshape(B, S, H, D)
-    q = rotate(q, positions, freqs)
-    kv = rms_norm(linear(x, state[prefix + "wkv.weight"]), state[prefix + "kv_norm.weight"], eps)
-    kv = rotate(kv, positions, freqs)
-    if fake_quant:
-        kv = fake_quant_fp8_pow2(kv)
+    if head_norm:
+        q = q * torch.rsqrt(q.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return rotate(q, positions, freqs), qr
 
+
+def window_kv(state, prefix, x, positions, freqs, cfg, fake_quant) -> torch.Tensor:
+    """The shared K=V vector [B,S,D]: kv_norm(wkv(x)), rotated, fp8-rounded with fake-quant."""
+    kv = rms_norm(linear(x, state[prefix + "wkv.weight"]), state[prefix + "kv_norm.weight"], cfg.rms_norm_eps)
+    kv = rotate(kv, positions, freqs)
+    return fq_fp8_pow2(kv) if fake_quant else kv
+
+
+def sink_attention_output(state, prefix, q, logits, values, positions, freqs, cfg) -> torch.Tensor:
+    """Softmax over the masked score sets ``logits`` ([B,S,H,L_i]) plus the per-head sink,
+    K = V ``values`` ([B,L_i,D]), the inverse RoPE at the query positions, and the grouped
+    low-rank output projection (§2.3 steps 5-7)."""
+    B, S, H, _ = q.shape
+    sink = state[prefix + "attn_sink"].float().reshape(1, 1, H, 1).expand(B, S, H, 1)
+    probs = torch.softmax(torch.cat([*logits, sink], dim=-1), dim=-1)[
+        ..., :-1
+    ]  # the sink only enlarges the denominator
+    o = torch.einsum("bshj,bjd->bshd", probs, torch.cat(values, dim=1))
+    o = rotate(o, positions, freqs, inverse=True)
+    G = cfg.o_groups
+    o = o.reshape(B, S, G, H * cfg.head_dim // G)
+    wo_a = state[prefix + "wo_a.weight"].float().reshape(G, cfg.o_lora_rank, H * cfg.head_dim // G)
+    o = torch.einsum("bsgd,grd->bsgr", o, wo_a).flatten(2)
+    return linear(o, state[prefix + "wo_b.weight"])
+
+
+def attention(state, prefix, x, positions, freqs, cfg, fake_quant, entries, chosen) -> torch.Tensor:
+    """x [B,S,d] (after attn_norm); entries [B,E,D] (roped, quantised) or None; chosen [B,S,E]."""
+    q, _ = queries(state, prefix, x, positions, freqs, cfg)
+    kv = window_kv(state, prefix, x, positions, freqs, cfg, fake_quant)
     W = cfg.sliding_window
     p = positions[:, None]
     t = positions[None, :]
     window = (t <= p) & (t >= p - W + 1)  # [S(query), S(key)]
-    scale = D**-0.5
+    scale = cfg.head_dim**-0.5
     s_win = torch.einsum("bshd,btd->bsht", q, kv) * scale
-    s_win = s_win.masked_fill(~window[None, :, None, :], NEG_INF)
-    logits = [s_win]
+    logits = [s_win.masked_fill(~window[None, :, None, :], NEG_INF)]
     values = [kv]
     if entries is not None and entries.shape[1] > 0:
         s_cmp = torch.einsum("bshd,bed->bshe", q, entries) * scale
-        s_cmp = s_cmp.masked_fill(~chosen[:, :, None, :], NEG_INF)
-        logits.append(s_cmp)
+        logits.append(s_cmp.masked_fill(~chosen[:, :, None, :], NEG_INF))
         values.append(entries)
-    sink = state[prefix + "attn_sink"].float().reshape(1, 1, H, 1).expand(B, S, H, 1)
-    all_logits = torch.cat(logits + [sink], dim=-1)
-    probs = torch.softmax(all_logits, dim=-1)[..., :-1]  # the sink only enlarges the denominator
-    vals = torch.cat(values, dim=1)  # [B, S+E, D]
-    o = torch.einsum("bshj,bjd->bshd", probs, vals)
-    o = rotate(o, positions, freqs, inverse=True)
-
-    G = cfg.o_groups
-    o = o.reshape(B, S, G, H * D // G)
-    wo_a = state[prefix + "wo_a.weight"].float().reshape(G, cfg.o_lora_rank, H * D // G)
-    o = torch.einsum("bsgd,grd->bsgr", o, wo_a).flatten(2)
-    return linear(o, state[prefix + "wo_b.weight"])
+    return sink_attention_output(state, prefix, q, logits, values, positions, freqs, cfg)
 
 
 # -- MoE (§2.6) -----------------------------------------------------------------------------
@@ -394,19 +465,21 @@ def engram(state, prefix, h: torch.Tensor, rows: torch.Tensor, cfg) -> torch.Ten
 
 @torch.no_grad()
 def reference_logits(
-    state: dict[str, torch.Tensor],
-    cfg,
+    ckpt: ReferenceCheckpoint | str | Path,
     input_ids: torch.Tensor,
-    token_map: torch.Tensor | None,
     fake_quant: bool,
     *,
     same_site_pre: bool = False,
 ) -> torch.Tensor:
-    """Full fp32 logits [B,S,V] of a one-shot prefill from position 0.
+    """Full fp32 logits [B,S,V] of a one-shot prefill from position 0 of the checkpoint
+    ``ckpt`` (a directory, or what ``read_checkpoint`` read from one).
 
     ``same_site_pre=True`` is the V4-style (wrong for V4.1) variant without the one-site mHC
     lag: each sublayer's input is collapsed with its own site's ``pre`` mix.
     """
+    if not isinstance(ckpt, ReferenceCheckpoint):
+        ckpt = read_checkpoint(ckpt)
+    state, cfg, token_map = ckpt.state, ckpt.cfg, ckpt.token_map
     B, S = input_ids.shape
     n = cfg.hc_mult
     eps = cfg.rms_norm_eps
@@ -449,14 +522,14 @@ def reference_logits(
                 epos = torch.arange(E) * r
                 stored = rotate(latent, epos, freqs)
                 if fake_quant:
-                    stored = fake_quant_fp4_e4m3_scale(stored)
+                    stored = fq_fp4_e4m3(stored)
                 entries[i] = stored
                 k = rms_norm(
                     linear(latent, state[A + "indexer.wk.weight"]), state[A + "indexer.k_norm.weight"], eps
                 )
                 k = rotate(k, epos, freqs)
                 if fake_quant:
-                    k = fake_quant_fp4_pow2(k)
+                    k = fq_fp4_pow2(k)
                 index_keys[i] = k
             ent = entries[role["kv_source"]]
         # the indexer reads this layer's attention query residual qr (same formula as in attention)
