@@ -129,7 +129,7 @@ CASES = [
     (DONE, {"stop": [""]}, 400, "stop"),
     (DONE, {"logprobs": 1000}, 400, "logprobs"),
     (DONE, {"model": "other"}, 404, "model"),
-    (DONE, {"echo": True}, 400, "echo"),
+    (DONE, {"echo": True, "stream": True}, 400, "echo"),
     (DONE, {"cache_salt": ""}, 400, None),
     (CHAT, {"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages[0].content"),
     (CHAT, {"messages": []}, 400, "messages"),

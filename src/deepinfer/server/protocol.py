@@ -59,6 +59,7 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
+    # the prompt is returned before the completion (with logprobs: the prompt tokens' too)
     echo: bool = False
 
 
@@ -181,9 +182,12 @@ def structured_outputs(req: SamplingFields) -> dict[str, Any] | None:
     return None
 
 
-def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    req: SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+) -> SamplingParams:
     """The request's ``SamplingParams`` (OpenAI defaults: temperature 1, max_tokens 16 for
-    completions; the caller passes the chat endpoint's own default)."""
+    completions; the caller passes the chat endpoint's own default). ``prompt_logprobs``: the
+    top-k to report at every prompt position (``echo`` with ``logprobs`` on completions)."""
     kwargs: dict[str, Any] = {
         "n": 1,  # the front end runs n siblings of one request
         "max_tokens": max_tokens,
@@ -193,6 +197,7 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         "skip_special_tokens": req.skip_special_tokens,
         "seed": req.seed,
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
     }
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty"):
         value = getattr(req, name)

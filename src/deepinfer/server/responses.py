@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from deepinfer.outputs import CompletionOutput, RequestOutput
+from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.server.asgi_guards import error_body
 from deepinfer.server.async_llm import ShuttingDownError
 from deepinfer.server.protocol import StreamOptions
@@ -162,6 +163,31 @@ def event_stream(
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def completion_logprobs(
+    token_text: Callable[[int], str],
+    ids: list[int],
+    entries: list[dict[int, Logprob] | None],
+    start: int | None,
+) -> dict:
+    """The completions endpoint's ``logprobs`` object for ``ids``: each token's text, logprob
+    and entries (token text -> logprob: the token and the top-k). An entry of None (the first
+    prompt token, which nothing conditions) gives nulls, as OpenAI and vLLM report it.
+    ``text_offset``: where each token's text starts, counted from ``start`` over the token
+    texts (OpenAI's rule); ``start`` None leaves it empty (stream chunks)."""
+    tokens = [token_text(t) for t in ids]
+    offsets = (
+        [] if start is None else list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=start))
+    )
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None if e is None else e[t].logprob for t, e in zip(ids, entries, strict=True)],
+        "top_logprobs": [
+            None if e is None else {token_text(k): v.logprob for k, v in e.items()} for e in entries
+        ],
+        "text_offset": offsets[: len(tokens)],
+    }
 
 
 def completion_entries(choice: Callable) -> Entries:

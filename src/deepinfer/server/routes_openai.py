@@ -1,15 +1,18 @@
 """The OpenAI endpoints: ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``
-(vLLM's field names; streamed as server-sent events when ``stream`` is set)."""
+(vLLM's field names; streamed as server-sent events when ``stream`` is set). Completions take
+``echo``: the prompt comes back before the completion, with ``logprobs`` for its tokens too
+(what lm-eval's ``local-completions`` scores with ``max_tokens=1``, ``logprobs=1``)."""
 
 from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
 
-from deepinfer.outputs import CompletionOutput
+from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -21,10 +24,11 @@ from deepinfer.server.responses import (
     chat_entries,
     collect,
     completion_entries,
+    completion_logprobs,
     event_stream,
     whole_response,
 )
-from deepinfer.server.state import StateDep
+from deepinfer.server.state import ServerState, StateDep
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -52,8 +56,8 @@ async def models(server: StateDep) -> dict:
 async def completions(body: CompletionRequest, request: Request, server: StateDep):
     server.check_model(body.model)
     check_body(body.model_dump())
-    if body.echo:
-        raise RequestError("echo is not supported", "echo")
+    if body.echo and body.stream:
+        raise RequestError("echo is not supported with stream=true", "echo")
     prompts = body.prompt
     if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
         prompts = [prompts]
@@ -62,15 +66,20 @@ async def completions(body: CompletionRequest, request: Request, server: StateDe
     server.check_width(len(prompts), body.n, "n" if len(prompts) == 1 else "prompt")
     server.prompts.check_text("prompt", [p for p in prompts if isinstance(p, str)])
     id_lists = [await server.prompt_ids(p, "prompt") for p in prompts]
+    # echo with max_tokens=0 scores the prompt alone: the engine runs one step, whose token is dropped
+    prompt_only = body.echo and body.max_tokens == 0
     max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    params = sampling_params(body, max_tokens, body.logprobs)
-    if body.max_tokens is not None:
+    prompt_logprobs = body.logprobs if body.echo else None
+    params = sampling_params(body, 1 if prompt_only else max_tokens, body.logprobs, prompt_logprobs)
+    if body.max_tokens is not None and not prompt_only:
         server.check_fits([len(ids) for ids in id_lists], body.max_tokens, "max_tokens", "prompt")
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     streams = await server.add_all(rid, id_lists, body.n, params, body.cache_salt, "prompt")
 
-    def choice(index: int, c: CompletionOutput, text: str, ids: list[int], lps, finished: bool) -> dict:
+    def choice(
+        index: int, c: CompletionOutput, text: str, ids: list[int], lps, finished: bool, start: int | None
+    ) -> dict:
         out = {
             "index": index,
             "text": text,
@@ -80,27 +89,50 @@ async def completions(body: CompletionRequest, request: Request, server: StateDe
         if finished:
             out["stop_reason"] = c.stop_reason
         if body.logprobs is not None and lps is not None:
-            toks = [server.token_text(t) for t in ids]
-            out["logprobs"] = {
-                "tokens": toks,
-                "token_logprobs": [lp[t].logprob for t, lp in zip(ids, lps, strict=True)],
-                "top_logprobs": [{server.token_text(k): v.logprob for k, v in lp.items()} for lp in lps],
-                "text_offset": [],
-            }
+            out["logprobs"] = completion_logprobs(server.token_text, ids, lps, start)
         return out
 
     prompt_tokens = sum(len(ids) for ids in id_lists)
     if body.stream:
-        entries = completion_entries(choice)
+        entries = completion_entries(lambda *args: choice(*args, None))
         return event_stream(
             server.name, streams, rid, created, "text_completion", entries, prompt_tokens, body.stream_options
         )
     finals = await collect(streams, request)
-    choices = [
-        choice(i, f.outputs[0], f.outputs[0].text, f.outputs[0].token_ids, f.outputs[0].logprobs, True)
-        for i, f in enumerate(finals)
-    ]
+    if prompt_only:
+        finals = [_without_completion(f) for f in finals]
+    choices = []
+    for i, f in enumerate(finals):
+        c = f.outputs[0]
+        if not body.echo:
+            choices.append(choice(i, c, c.text, c.token_ids, c.logprobs, True, 0))
+            continue
+        p = i // body.n  # the n siblings of each prompt are consecutive
+        prompt_text = prompts[p] if isinstance(prompts[p], str) else _decode(server, id_lists[p])
+        # a one-token prompt has no position to score: its single entry is the null one
+        lps = None if body.logprobs is None else [*(f.prompt_logprobs or [None]), *(c.logprobs or [])]
+        choices.append(choice(i, c, prompt_text + c.text, [*id_lists[p], *c.token_ids], lps, True, 0))
     return whole_response(server.name, rid, "text_completion", created, choices, prompt_tokens, finals)
+
+
+def _decode(server: ServerState, ids: list[int]) -> str:
+    """A token-id prompt's text (special tokens kept, as the model read them)."""
+    return "" if server.tokenizer is None else server.tokenizer.decode(ids)
+
+
+def _without_completion(out: RequestOutput) -> RequestOutput:
+    """``out`` as ``max_tokens=0`` asks for it: the prompt alone, no completion tokens."""
+    c = out.outputs[0]
+    empty = replace(
+        c,
+        text="",
+        token_ids=[],
+        logprobs=None if c.logprobs is None else [],
+        cumulative_logprob=None if c.cumulative_logprob is None else 0.0,
+        finish_reason="length",
+        stop_reason=None,
+    )
+    return replace(out, outputs=[empty])
 
 
 @router.post("/v1/chat/completions")

@@ -1,0 +1,1 @@
+"""Bridges to tools outside deepinfer that drive its engine (lm-evaluation-harness)."""
