@@ -82,14 +82,17 @@ class WeightOnlyLinear:
             zero = low + 8.0 * scale  # the kernel computes (q - 8) * scale + zero
             q4 = q.to(torch.int32).reshape(w.shape[0], self.in_features)
             self.qweight = torch._convert_weight_to_int4pack_for_cpu(q4, _INNER_K_TILES)
-            sz = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1)  # [out, groups, 2]
-            self.scales = sz.transpose(0, 1).contiguous().to(torch.bfloat16)
+            # scale and zero in fp16 (Q4_1 stores its scale and minimum so: bf16's 8-bit
+            # mantissa would move every weight of a group by a share of its step), kept as
+            # the fp32 values every kernel computes with: [groups, out, 2], PyTorch's int4 form
+            sz = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1).half().float()  # [out, groups, 2]
+            self.scales = sz.transpose(0, 1).contiguous()
             # ``cpu_gemv``'s layout of the same values for decode sizes: byte j of a group holds
-            # q[j] and q[j + 16]; w = q * s + c with the kernel's bf16 scale and zero
+            # q[j] and q[j + 16]; w = q * s + c with the same scale and zero
             rows = self.out_features
             g = q[:rows].to(torch.uint8)
             self.packed4 = (g[..., :16] | (g[..., 16:] << 4)).reshape(rows, -1).contiguous()
-            sz_used = sz[:rows].to(torch.bfloat16).float()
+            sz_used = sz[:rows]
             self.scale4 = sz_used[..., 0].contiguous()
             self.offset4 = (sz_used[..., 1] - 8.0 * sz_used[..., 0]).contiguous()
             # int8 activations on AVX-512 VNNI or AVX2 where the CPU has either (a third copy
@@ -104,7 +107,8 @@ class WeightOnlyLinear:
         where it built, else PyTorch's layout)."""
         q = self.qweight if self.packed8 is None else self.packed8
         assert q is not None
-        return q.numel() * q.element_size() + self.scales.numel() * self.scales.element_size()
+        scale_bytes = 2  # bf16 (int8) or fp16 (int4) as the kernels store them
+        return q.numel() * q.element_size() + self.scales.numel() * scale_bytes
 
     def int8_values(self) -> torch.Tensor:
         """int8 weights as [out, in] (from whichever copy is kept)."""
@@ -118,7 +122,7 @@ class WeightOnlyLinear:
         if self.method == "int8":
             return self.int8_values().float() * self.scales.float()[:, None]
         eye = torch.eye(self.in_features)  # the kernel applied to each e_i, in fp32 (exact)
-        cols = torch._weight_int4pack_mm_for_cpu(eye, self.qweight, INT4_GROUP, self.scales.float())
+        cols = torch._weight_int4pack_mm_for_cpu(eye, self.qweight, INT4_GROUP, self.scales)
         return cols.float().T[: self.out_features]
 
     def _widening(self, flat: torch.Tensor) -> torch.Tensor | None:
@@ -144,11 +148,10 @@ class WeightOnlyLinear:
         if y is not None:
             y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(y.dtype)
-        flat = flat.to(torch.bfloat16)
         if self.method == "int8":
-            y = torch._weight_int8pack_mm(flat, self.qweight, self.scales)
-        else:
-            y = torch._weight_int4pack_mm_for_cpu(flat, self.qweight, INT4_GROUP, self.scales)
+            y = torch._weight_int8pack_mm(flat.to(torch.bfloat16), self.qweight, self.scales)
+        else:  # fp32: the fp16 scales and zeros exactly
+            y = torch._weight_int4pack_mm_for_cpu(flat.float(), self.qweight, INT4_GROUP, self.scales)
             y = y[:, : self.out_features]
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)

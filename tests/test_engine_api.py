@@ -153,17 +153,37 @@ def test_metrics_are_filled(llm):
     assert m.ttft > 0 and m.tpot > 0 and m.num_generated_tokens == 5
 
 
+def _logprobs_of(llm: LLM, prompt: list[int]) -> list[tuple[int, float]]:
+    """Every (token, logprob) the engine reports: the prompt's top 3 per position, then each
+    greedy token's top 3."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=3, logprobs=3, ignore_eos=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    entries = out.prompt_logprobs[1:] + out.outputs[0].logprobs
+    return [(t, entry[t].logprob) for entry in entries for t in sorted(entry)]
+
+
+def _worst(got: list[tuple[int, float]], want: list[tuple[int, float]]) -> float:
+    """The largest logprob difference, infinite where the reported tokens differ."""
+    if [t for t, _ in got] != [t for t, _ in want]:
+        return float("inf")
+    return max(abs(a - b) for (_, a), (_, b) in zip(got, want, strict=True))
+
+
 @pytest.mark.parametrize("arch", ["deepseek_v4", "llama"])
-def test_kv_cache_dtype_halves_the_cache_and_keeps_the_logits(arch, tmp_path):
+def test_kv_cache_dtype_halves_the_cache_and_keeps_the_logits(arch, tmp_path, monkeypatch):
     """kv_cache_dtype="bfloat16" on an fp32 model: bf16 pools (compressor state stays fp32),
-    about half the bytes per block, prompt logprobs within bf16 rounding of the fp32 cache's;
-    an unknown dtype is a clear error."""
+    about half the bytes per block, and the prompt's and the greedy tokens' logprobs of an fp32
+    cache whose every write is rounded through bf16 (on the Python write path) within 1e-4;
+    an unknown dtype is a clear error. Mutation check: the fp32 cache without the rounding,
+    or rounding through fp16 instead, is caught."""
+    from deepinfer.kernels.cpu import rope_store as cpu_rope_store
+
+    from deepinfer.cache import kv_dtypes
     from deepinfer.tiny import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=2)
     prompt = [5, 9, 33, 70, 12, 8, 200, 41, 3, 19, 77, 31]
-    params = SamplingParams(max_tokens=1, prompt_logprobs=3)
-    full, half = LLM(path), LLM(path, kv_cache_dtype="bfloat16")
+    half = LLM(path, kv_cache_dtype="bfloat16", enable_prefix_caching=False)
     assert all(p.window.dtype == torch.bfloat16 for p in half.engine.runner.pools)
     for p in half.engine.runner.pools:
         if p.compressor is not None:
@@ -175,14 +195,23 @@ def test_kv_cache_dtype_halves_the_cache_and_keeps_the_logits(arch, tmp_path):
 
     ratio = per_block(torch.bfloat16) / per_block(torch.float32)
     assert 0.45 <= ratio <= 0.6
-    a = full.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs[1:]
-    b = half.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs[1:]
-    diffs = [abs(x[t].logprob - y[t].logprob) for x, y in zip(a, b, strict=True) for t in x if t in y]
-    # bf16 keeps 8 bits: most logprobs move by ~1e-3, the largest (logits ~20) by a few tenths
-    assert diffs and sum(diffs) / len(diffs) <= 0.05 and max(diffs) <= 0.5, (
-        sum(diffs) / len(diffs),
-        max(diffs),
-    )
+    got = _logprobs_of(half, prompt)
+    twin = LLM(path, kv_cache_dtype="float32", enable_prefix_caching=False)
+    if arch == "llama":  # the layer path, whose writes go through kv_dtypes.store
+        twin.engine.runner.forward.stack = None
+    monkeypatch.setattr(cpu_rope_store, "supports", lambda *a: False)  # writes through kv_dtypes
+    real = kv_dtypes.store
+
+    def twin_through(dtype: torch.dtype | None) -> list[tuple[int, float]]:
+        def rounded(pool, rows, values, functional=False):
+            return real(pool, rows, values.to(dtype).float(), functional)
+
+        monkeypatch.setattr(kv_dtypes, "store", real if dtype is None else rounded)
+        return _logprobs_of(twin, prompt)
+
+    assert _worst(got, twin_through(torch.bfloat16)) <= 1e-4
+    assert _worst(got, twin_through(None)) > 1e-3  # the mutations: no rounding ...
+    assert _worst(got, twin_through(torch.float16)) > 1e-3  # ... or fp16's
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(path, kv_cache_dtype="fp4")
 

@@ -263,15 +263,35 @@ def test_with_ngram_speculation(smol_ngram, schemas, regexes):
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0
 
 
-def test_without_the_constraint_the_checks_fail(smol):
-    """Mutation check: the same kind of requests unconstrained do not all validate, so the
-    checks above can fail."""
-    schemas = NESTED * 3
-    outs = smol.generate(
-        [PROMPT] * len(schemas), SamplingParams(max_tokens=40, temperature=1.0, seed=5), use_tqdm=False
-    )
-    with pytest.raises((AssertionError, ValueError, jsonschema.ValidationError)):
-        _check_json(outs, schemas)
+def _broken(schema: dict) -> dict:
+    """``schema`` with its leaves' types changed (strings and enums to integers in 10..99,
+    integers to 10..99 past the original range): every instance of it is JSON that the
+    original schema rejects."""
+    if "$defs" in schema:
+        return {**schema, "$defs": {k: _broken(v) for k, v in schema["$defs"].items()}}
+    if "anyOf" in schema:
+        return {"anyOf": [_broken(s) for s in schema["anyOf"]]}
+    if "$ref" in schema:
+        return schema
+    if schema.get("type") == "object":
+        return {**schema, "properties": {k: _broken(v) for k, v in schema["properties"].items()}}
+    if schema.get("type") == "array":
+        return {**schema, "items": _broken(schema["items"])}
+    if schema.get("type") == "null":
+        return {"type": "boolean"}
+    return {"type": "integer", "minimum": 10, "maximum": 99}
+
+
+def test_a_wrong_grammar_fails_the_schema_check(smol):
+    """Mutation check: outputs constrained by a broken grammar (each nested schema with its
+    leaves' types changed) stop by that grammar and parse as JSON, so the check above gets
+    as far as ``jsonschema.validate``, and there each fails."""
+    broken = [_broken(s) for s in NESTED]
+    outs = smol.generate([PROMPT] * len(broken), _json_params(broken), use_tqdm=False)
+    for out, schema, wrong in zip(outs, NESTED, broken, strict=True):
+        _check_json([out], [wrong])  # stopped by its grammar, valid for what it was given
+        with pytest.raises(jsonschema.ValidationError):
+            _check_json([out], [schema])
 
 
 def test_choice_grammar_and_json_object(smol):

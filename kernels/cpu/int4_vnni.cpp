@@ -12,16 +12,16 @@ extern "C" int int8_dot_isa() {
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni"))
     return 2;
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") ? 1 : 0;
 }
 
 // A block of 16 weight rows, per group of 32 input channels: 4 x 64 bytes of nibbles (pair p:
 // lane i = row i, byte j holds element 8p + j (low) and 8p + 4 + j (high)), then the 16 rows'
-// bf16 scales and bf16 zeros: 320 bytes a group, 16 rows x (K / 2 + 4 K / 32) bytes a block.
+// fp16 scales and fp16 zeros: 320 bytes a group, 16 rows x (K / 2 + 4 K / 32) bytes a block.
 constexpr int64_t GROUP_BYTES = 320;
 static inline int64_t block_bytes(int64_t K) { return (K / 32) * GROUP_BYTES; }
 
-// q [N, K] (0..15), scale / zero [N, G] as bf16 bits -> packed [ceil(N / 16) blocks]; rows past
+// q [N, K] (0..15), scale / zero [N, G] as fp16 bits -> packed [ceil(N / 16) blocks]; rows past
 // N are zero.
 extern "C" void pack_weights(const uint8_t* q, const uint16_t* scale, const uint16_t* zero, uint8_t* packed,
                              int64_t N, int64_t K) {
@@ -68,8 +68,8 @@ __attribute__((target("avx512f,avx512bw,avx512dq"))) static void quantize_rows(
 
 constexpr int64_t PREFETCH = 4 * 1024;  // bytes ahead of each block's reads
 
-__attribute__((target("avx512f,avx512bw"))) static inline __m512 bf16_to_f32(__m256i bits) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+__attribute__((target("avx512f,avx512bw"))) static inline __m512 f16_to_f32(__m256i bits) {
+  return _mm512_cvtph_ps(bits);
 }
 
 static inline int32_t four_bytes(const int8_t* p) {
@@ -114,10 +114,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static inline void block_
     }
     for (int r = 0; r < RB; ++r) {
       const uint8_t* sc = w + (b0 + r) * block_bytes(K) + g * GROUP_BYTES + 256;  // scales, then zeros
-      const __m512 s = bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
+      const __m512 s = f16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
       // w = (q - 8) * s + z = q * s + c with c = z - 8 s, rounded once
       const __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s,
-                                        bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 32))));
+                                        f16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 32))));
       for (int m = 0; m < MC; ++m) {
         const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(sx[m * G + g]));
         acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r][m]), scale, acc[r][m]);
@@ -161,7 +161,7 @@ static void rows_block(const uint8_t* w, const float* bias, const int8_t* xq, co
 // group sums and the float steps after them are the AVX-512 path's, operation for operation, so
 // both should give the same bits (compared by the kernel test where a CPU runs both).
 
-__attribute__((target("avx2,fma"))) static void quantize_rows_avx2(
+__attribute__((target("avx2,fma,f16c"))) static void quantize_rows_avx2(
     const float* x, int8_t* xq, float* sx, float* cx, int64_t M, int64_t K) {
   const int64_t G = K / 32;
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -194,14 +194,13 @@ __attribute__((target("avx2,fma"))) static void quantize_rows_avx2(
     }
 }
 
-__attribute__((target("avx2,fma"))) static inline __m256 bf16_to_f32_avx2(const uint8_t* p) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 f16_to_f32_avx2(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 // One block (16 weight rows, two halves of 8) x MC activation rows.
 template <int MC>
-__attribute__((target("avx2,fma"))) static inline void block_pass_avx2(
+__attribute__((target("avx2,fma,f16c"))) static inline void block_pass_avx2(
     const uint8_t* w, const int8_t* xq, const float* sx, const float* cx, const float* bias, float* y, int64_t N,
     int64_t K, int64_t b) {
   const int64_t G = K / 32;
@@ -235,8 +234,8 @@ __attribute__((target("avx2,fma"))) static inline void block_pass_avx2(
     }
     _mm_prefetch(reinterpret_cast<const char*>(grp + 256 + PREFETCH), _MM_HINT_T0);
     for (int h = 0; h < 2; ++h) {
-      const __m256 s = bf16_to_f32_avx2(grp + 256 + 16 * h);
-      const __m256 c = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, bf16_to_f32_avx2(grp + 288 + 16 * h));
+      const __m256 s = f16_to_f32_avx2(grp + 256 + 16 * h);
+      const __m256 c = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, f16_to_f32_avx2(grp + 288 + 16 * h));
       for (int m = 0; m < MC; ++m) {
         const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[h][m], ones));
         const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(sx[m * G + g]));

@@ -4,8 +4,10 @@ are compute-bound.
 
 llama.cpp's Q4_0 path quantizes activations to int8 per group of 32 and multiplies bytes
 (``vpdpbusd``: 64 multiply-adds per instruction against 16 for an fp32 FMA); this kernel does
-the same with our int4 format (``w = (q - 8) * s + z`` per group of 32 with bf16 ``s`` and
-``z``, ``weight_only``). Sixteen weight rows share a vector, one per 32-bit lane, and a
+the same with our int4 format (``w = (q - 8) * s + z`` per group of 32 with fp16 ``s`` and
+``z``, ``weight_only``; fp16 as llama.cpp's Q4_1 stores its scale and minimum: bf16's 8-bit
+mantissa moved a weight by up to 4% of a step, and raised SmolLM2's perplexity by several
+percent, benchmarks/RESULTS.md). Sixteen weight rows share a vector, one per 32-bit lane, and a
 broadcast word of four activation bytes meets all sixteen: eight ``vpdpbusd`` finish one group
 for sixteen rows, which then meet their sixteen weight scales and the group's activation scale
 with one multiply and one FMA (the offsets add ``c * s_x * sum(x_q)`` the same way). The
@@ -87,7 +89,7 @@ def isas() -> list[str]:
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """int4 values [N, K] (0..15, K a multiple of 32) with bf16 ``scale`` / ``zero``
+    """int4 values [N, K] (0..15, K a multiple of 32) with fp16 ``scale`` / ``zero``
     [N, K / 32] (``w = (q - 8) * scale + zero``, PyTorch's int4 form) -> the kernel's packed
     blocks as [N rounded up to 16, K / 2 + 4 K / 32] uint8 (as many bytes per row as
     PyTorch's layout; the padding rows are zero)."""
@@ -95,8 +97,8 @@ def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tens
     assert lib is not None
     q = q.to(torch.uint8).contiguous()
     n, k = q.shape
-    s = scale.to(torch.bfloat16).contiguous().view(torch.int16)
-    c = zero.to(torch.bfloat16).contiguous().view(torch.int16)
+    s = scale.to(torch.float16).contiguous().view(torch.int16)
+    c = zero.to(torch.float16).contiguous().view(torch.int16)
     packed = torch.empty(-(-n // BLOCK) * BLOCK, k // 2 + 4 * (k // GROUP), dtype=torch.uint8)
     lib.pack_weights(q.data_ptr(), s.data_ptr(), c.data_ptr(), packed.data_ptr(), n, k)
     return packed

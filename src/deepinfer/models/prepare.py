@@ -36,8 +36,13 @@ def quantize(model: CausalLM, quantization: str | None, arena: HugePageArena | N
         found = list(projections(model))
         if not found:
             raise ValueError(f"quantization={quantization!r} is not supported for {type(model).__name__}")
+        head = getattr(model, "head", None)
         for projection in found:
-            projection.quantize(quantization, arena)
+            # the output head keeps 8 bits under int4, as llama.cpp keeps its output tensor
+            # above 4 (Q6_K): every logit reads it, and 4-bit head weights cost SmolLM2 about
+            # ten times the perplexity the 4-bit projections do (benchmarks/RESULTS.md)
+            method = "int8" if quantization == "int4" and projection is head else quantization
+            projection.quantize(method, arena)
 
 
 def pack_for_cpu(model: CausalLM, arena: HugePageArena | None = None) -> None:
