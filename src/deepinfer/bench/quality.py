@@ -6,9 +6,9 @@ the second half of each scored. Each side's modes are compared with its own full
 run on the same tokens: perplexity and its change, the mean KL divergence from the
 full-precision distributions and the share of tokens whose top-1 is unchanged (llama.cpp:
 ``--kl-divergence-base`` from its F32 file, then ``--kl-divergence``). Weights come from the
-same checkpoint (llama.cpp's converter and ``llama-quantize`` make its files). Bits per weight:
-ours over the quantized projections (scales included), llama.cpp's as its loader prints it
-for the whole file.
+same checkpoint (llama.cpp's converter and ``llama-quantize`` make its files). Bits per weight,
+scales included: ours over the quantized projections and head, llama.cpp's over its file's
+matrices (projections and the token embedding its tied head reads).
 """
 
 from __future__ import annotations
@@ -94,6 +94,15 @@ def ours(
     return out
 
 
+def gguf_bits(path: Path) -> float:
+    """Bits per weight of a GGUF file's matrices (its 2-D tensors: projections and the token
+    embedding, which a tied model's head reads), as stored."""
+    import gguf
+
+    tensors = [t for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) == 2]
+    return 8 * sum(int(t.n_bytes) for t in tensors) / sum(int(t.n_elements) for t in tensors)
+
+
 _PPL = re.compile(r"Final estimate: PPL = ([0-9.]+)")
 _KLD = re.compile(r"Mean\s+KLD:\s+(-?[0-9.]+)")
 _TOP = re.compile(r"Same top p:\s+([0-9.]+)")
@@ -155,7 +164,10 @@ def peer(
             out[mode] = out[next(m for m in out if MODES[m][1] == pair)]
             continue
         text = perplexity_run(*pair, ["--kl-divergence-base", str(base), "--kl-divergence"])
-        out[mode] = parse_llama_perplexity(text)
+        figures = parse_llama_perplexity(text)
+        if pair[0] not in ("F32", "BF16"):
+            figures = figures._replace(bits=gguf_bits(peer_gguf(root, checkpoint, pair[0], folder, run)))
+        out[mode] = figures
         print_fn(f"llama.cpp {pair[0]}{' + ' + pair[1] + ' KV' if pair[1] else ''}: {out[mode]}")
     return out
 
