@@ -6,15 +6,15 @@ llama.cpp's Q4_0 path quantizes activations to int8 per group of 32 and multipli
 (``vpdpbusd``: 64 multiply-adds per instruction against 16 for an fp32 FMA); this kernel does
 the same with our int4 format (``w = (q - 8) * s + z`` per group of 32 with fp16 ``s`` and
 ``z``, ``weight_only``; fp16 as llama.cpp's Q4_1 stores its scale and minimum: bf16's 8-bit
-mantissa moved a weight by up to 4% of a step, and raised SmolLM2's perplexity by several
-percent, benchmarks/RESULTS.md). Sixteen weight rows share a vector, one per 32-bit lane, and a
-broadcast word of four activation bytes meets all sixteen: eight ``vpdpbusd`` finish one group
-for sixteen rows, which then meet their sixteen weight scales and the group's activation scale
-with one multiply and one FMA (the offsets add ``c * s_x * sum(x_q)`` the same way). The
-results leave as whole vectors of sixteen outputs, with no horizontal sums, and any K that is a
-multiple of 32 fills every lane. (The first version put sixteen groups of one row in a vector
-and summed its lanes at the end: at K = 576 that reduction, and a tail tile of 2 groups in 16
-lanes, held it to under half this layout's rate; benchmarks/RESULTS.md.)
+mantissa moves every weight of a group by a share of its step). Sixteen weight rows share a
+vector, one per 32-bit lane, and a broadcast word of four activation bytes meets all sixteen:
+eight ``vpdpbusd`` finish one group for sixteen rows, which then meet their sixteen weight
+scales and the group's activation scale with one multiply and one FMA (the offsets add
+``c * s_x * sum(x_q)`` the same way). The results leave as whole vectors of sixteen outputs,
+with no horizontal sums, and any K that is a multiple of 32 fills every lane. (The first
+version put sixteen groups of one row in a vector and summed its lanes at the end: at K = 576
+that reduction, and a tail tile of 2 groups in 16 lanes, held it to under half this layout's
+rate; benchmarks/RESULTS.md.)
 Each block of sixteen rows is one stream: per group, its nibbles, then its scales and zeros.
 Activations round to int8 per group (``s_x = max|x| / 127``), so results differ from the
 fp32-activation loop by that rounding, as llama.cpp's do.
