@@ -8,14 +8,13 @@ import math
 
 import pytest
 import torch
-from deepinfer.kernels.cpu import attention as cpu_attention
 from deepinfer.kernels.cpu import build as cpu_build
-from deepinfer.kernels.cpu import rope_store as cpu_rope_store
 from equivalence_workloads import alone_runner, count_preemptions, together
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kv_cache_checks import count_kernel_calls, greedy_logprobs, rounded_twin
 
-from deepinfer import LLM, SamplingParams
+from deepinfer import LLM
 from deepinfer.cache import kv_dtypes
 from deepinfer.tiny import make_tiny_checkpoint
 
@@ -143,18 +142,6 @@ def test_broken_fp8_helpers_fail_the_checks(mutation):
         assert not torch.equal(_widened(broken, "e4m3")[finite], want[finite])
 
 
-def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
-    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [
-        (
-            o.outputs[0].token_ids,
-            [e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)],
-        )
-        for o in outs
-    ]
-
-
 @pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v4"])
 def test_an_fp8_cache_computes_with_the_values_it_stores(arch, kv, tmp_path, monkeypatch):
@@ -168,46 +155,25 @@ def test_an_fp8_cache_computes_with_the_values_it_stores(arch, kv, tmp_path, mon
     fp8 = LLM(path, kv_cache_dtype=kv, enable_prefix_caching=False)
     dtype = kv_dtypes.KV_CACHE_DTYPES[kv]
     assert all(p.window.dtype == dtype for p in fp8.engine.runner.pools)
-    calls = {"stack": 0, "attention": 0}
     if arch == "llama":  # the C++ paths must really run on the fp8 pools
-        stack, attention = type(fp8.engine.runner.forward.stack), cpu_attention.decode_attention
-
-        def counted_stack(self, *args):
-            calls["stack"] += 1
-            return real_stack(self, *args)
-
-        def counted_attention(*args):
-            calls["attention"] += 1
-            return attention(*args)
-
-        real_stack = stack.__call__
-        monkeypatch.setattr(stack, "__call__", counted_stack)
-        monkeypatch.setattr(cpu_attention, "decode_attention", counted_attention)
-    got = _run(fp8, prompts)
+        calls = count_kernel_calls(fp8, monkeypatch)
+    got = greedy_logprobs(fp8, prompts)
     if arch == "llama":
         layout = fp8.engine.layout
         assert layout.block_bytes(dtype) * 4 == layout.block_bytes(torch.float32)
         assert calls["stack"] > 0
         fp8.engine.runner.forward.stack = None  # the layer path's kernels too
-        assert _run(fp8, prompts) == got and calls["attention"] > 0
+        assert greedy_logprobs(fp8, prompts) == got and calls["attention"] > 0
         monkeypatch.undo()
 
-    twin = LLM(path, kv_cache_dtype="float32", enable_prefix_caching=False)
-    if arch == "llama":
-        twin.engine.runner.forward.stack = None
-    unrounded = _run(twin, prompts)  # the check can fail: without the rounding, other logprobs
+    # the check can fail: without the rounding, other logprobs
+    unrounded = greedy_logprobs(rounded_twin(path, monkeypatch, None), prompts)
     assert any(
         max(abs(a - b) for a, b in zip(x[1], y[1], strict=True)) > 1e-3
         for x, y in zip(got, unrounded, strict=True)
     )
-    real = kv_dtypes.store
-
-    def through_fp8(pool, rows, values, functional=False):
-        return real(pool, rows, kv_dtypes.to_pool(values, dtype).float(), functional)
-
-    monkeypatch.setattr(kv_dtypes, "store", through_fp8)
-    monkeypatch.setattr(cpu_rope_store, "supports", lambda *a: False)  # writes through kv_dtypes
-    want = _run(twin, prompts)
+    twin = rounded_twin(path, monkeypatch, lambda values: kv_dtypes.to_pool(values, dtype).float())
+    want = greedy_logprobs(twin, prompts)
     for (tokens, logprobs), (tokens_ref, logprobs_ref) in zip(got, want, strict=True):
         assert tokens == tokens_ref
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(logprobs_ref), rtol=0, atol=1e-4)

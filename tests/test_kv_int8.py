@@ -8,15 +8,13 @@ import ctypes
 import pytest
 import torch
 from deepinfer.kernels import kv_int8
-from deepinfer.kernels.cpu import attention as cpu_attention
 from deepinfer.kernels.cpu import build as cpu_build
-from deepinfer.kernels.cpu import rope_store as cpu_rope_store
 from equivalence_workloads import alone_runner, count_preemptions, together
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kv_cache_checks import close, count_kernel_calls, greedy_logprobs, rounded_twin
 
-from deepinfer import LLM, SamplingParams
-from deepinfer.cache import kv_dtypes
+from deepinfer import LLM
 from deepinfer.tiny import make_tiny_checkpoint
 
 # test entry points over int8_rows.h: n codes widened a vector at a time; a row encoded
@@ -144,39 +142,6 @@ def test_broken_int8_helpers_fail_the_checks(mutation):
     assert not (torch.equal(_kernel_rows(broken, x), kv_int8.encode(x)) and torch.equal(out, codes.float()))
 
 
-def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
-    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [
-        (
-            o.outputs[0].token_ids,
-            [e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)],
-        )
-        for o in outs
-    ]
-
-
-def _rounded_twin(path, monkeypatch, round_rows) -> LLM:
-    """An fp32-cache engine whose writes go through ``round_rows`` on the Python write path."""
-    twin = LLM(path, kv_cache_dtype="float32", enable_prefix_caching=False)
-    twin.engine.runner.forward.stack = None
-    real = kv_dtypes.store
-
-    def rounded(pool, rows, values, functional=False):
-        return real(pool, rows, round_rows(values), functional)
-
-    monkeypatch.setattr(kv_dtypes, "store", rounded)
-    monkeypatch.setattr(cpu_rope_store, "supports", lambda *a: False)
-    return twin
-
-
-def _close(got, want, atol: float) -> bool:
-    return all(
-        tokens == ref_tokens and max(abs(a - b) for a, b in zip(lp, ref_lp, strict=True)) <= atol
-        for (tokens, lp), (ref_tokens, ref_lp) in zip(got, want, strict=True)
-    )
-
-
 def test_an_int8_cache_computes_with_the_values_it_stores(tmp_path, monkeypatch):
     """An int8 cache, through its kernels (the one-call Llama stack, RoPE + writes, in-place
     decode and prefill attention), gives the tokens and logprobs (1e-4) of an fp32 cache whose
@@ -190,24 +155,11 @@ def test_an_int8_cache_computes_with_the_values_it_stores(tmp_path, monkeypatch)
     assert all(p.window.dtype == torch.int8 for p in llm.engine.runner.pools)
     layout = llm.engine.layout
     assert layout.block_bytes(torch.int8) * 32 == layout.block_bytes(torch.float32) * 9
-    calls = {"stack": 0, "attention": 0}
-    stack, attention = type(llm.engine.runner.forward.stack), cpu_attention.decode_attention
-
-    def counted_stack(self, *args):
-        calls["stack"] += 1
-        return real_stack(self, *args)
-
-    def counted_attention(*args):
-        calls["attention"] += 1
-        return attention(*args)
-
-    real_stack = stack.__call__
-    monkeypatch.setattr(stack, "__call__", counted_stack)
-    monkeypatch.setattr(cpu_attention, "decode_attention", counted_attention)
-    got = _run(llm, prompts)
+    calls = count_kernel_calls(llm, monkeypatch)
+    got = greedy_logprobs(llm, prompts)
     assert calls["stack"] > 0
     llm.engine.runner.forward.stack = None  # the layer path's kernels too
-    assert _run(llm, prompts) == got and calls["attention"] > 0
+    assert greedy_logprobs(llm, prompts) == got and calls["attention"] > 0
     monkeypatch.undo()
 
     def definition(values: torch.Tensor) -> torch.Tensor:
@@ -220,9 +172,9 @@ def test_an_int8_cache_computes_with_the_values_it_stores(tmp_path, monkeypatch)
         s = g.abs().amax(-1, keepdim=True) / 127
         return (torch.where(s > 0, g / s, 0.0).round() * s).view(n, dim)
 
-    assert _close(got, _run(_rounded_twin(path, monkeypatch, definition), prompts), 1e-4)
+    assert close(got, greedy_logprobs(rounded_twin(path, monkeypatch, definition), prompts), 1e-4)
     monkeypatch.undo()
-    assert not _close(got, _run(_rounded_twin(path, monkeypatch, wide_blocks), prompts), 1e-4)
+    assert not close(got, greedy_logprobs(rounded_twin(path, monkeypatch, wide_blocks), prompts), 1e-4)
 
 
 def test_batching_chunking_preemption_and_prefix_hits_are_invisible_with_an_int8_cache(tmp_path):

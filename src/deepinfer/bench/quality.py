@@ -106,14 +106,13 @@ def gguf_bits(path: Path) -> float:
 _PPL = re.compile(r"Final estimate: PPL = ([0-9.]+)")
 _KLD = re.compile(r"Mean\s+KLD:\s+(-?[0-9.]+)")
 _TOP = re.compile(r"Same top p:\s+([0-9.]+)")
-_BPW = re.compile(r"file size\s+=\s+[0-9.]+ \w+ \(([0-9.]+) BPW\)")
 _KL_PPL = re.compile(r"Mean\s+PPL\(Q\)\s+:\s+([0-9.]+)")
 
 
 def parse_llama_perplexity(output: str) -> Figures:
     """llama-perplexity's figures from what it prints (with ``--kl-divergence``: its PPL(Q),
     mean KLD and same-top-p share; otherwise its final estimate)."""
-    kl, top, bpw = _KLD.search(output), _TOP.search(output), _BPW.search(output)
+    kl, top = _KLD.search(output), _TOP.search(output)
     ppl = _KL_PPL.search(output) or _PPL.search(output)
     if ppl is None:
         tail = "\n".join(output.strip().splitlines()[-5:])
@@ -122,7 +121,7 @@ def parse_llama_perplexity(output: str) -> Figures:
         float(ppl.group(1)),
         float(kl.group(1)) if kl else None,
         float(top.group(1)) / 100 if top else None,
-        float(bpw.group(1)) if bpw else None,
+        None,  # bits: from the file itself (``gguf_bits``)
     )
 
 

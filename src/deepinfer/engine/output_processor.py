@@ -83,11 +83,11 @@ class OutputProcessor:
 
     @staticmethod
     def prompt_logprobs(
-        req: Request, logits: torch.Tensor, start: int, count: int
+        req: Request, logp: torch.Tensor, start: int, count: int
     ) -> list[dict[int, Logprob] | None]:
-        """Entries for prompt positions start+1 .. start+count from logits rows [count, V]."""
+        """Entries for prompt positions start+1 .. start+count from log-probability rows
+        [count, V]."""
         k = req.params.prompt_logprobs or 0
-        logp = logits.float().log_softmax(-1)
         targets = req.prompt_token_ids[start + 1 : start + 1 + count]
         return [top_logprobs(logp[i], t, k) for i, t in enumerate(targets)]
 

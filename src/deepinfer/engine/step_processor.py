@@ -91,14 +91,16 @@ class StepProcessor:
         for c, (first, count) in zip(prepared.chunks, prepared.prompt_rows, strict=True):
             req = c.request
             if count and not req.finished:
-                entries = self.outputs.prompt_logprobs(req, logits[first : first + count], c.start, count)
+                logp = logits[first : first + count].float().log_softmax(-1)
+                entries = self.outputs.prompt_logprobs(req, logp, c.start, count)
                 have = req.prompt_logprobs or [None]  # entry i is for prompt token i
                 new = len(have) - c.start - 1  # a recompute after preemption adds none twice
                 have += entries[new:]
                 req.prompt_logprobs = have
                 if req.params.prompt_logprobs_full and new < count:
-                    rows = logits[first + max(new, 0) : first + count].float().log_softmax(-1)
-                    req.prompt_logprobs_full = (req.prompt_logprobs_full or []) + [rows]
+                    if req.prompt_logprobs_full is None:
+                        req.prompt_logprobs_full = []
+                    req.prompt_logprobs_full.append(logp[max(new, 0) :])
 
     def _sample(self, live: list[tuple[ScheduledChunk, int]], logits: torch.Tensor) -> list[Request]:
         """One token for each chunk that reached its sequence's end (``live``: chunk and its

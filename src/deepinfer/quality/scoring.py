@@ -170,6 +170,6 @@ def perplexity(
     report = PerplexityReport(ctx, len(table), nll.count, ppl, err * ppl)
     if base is not None:
         report.kl, report.kl_err = kl.mean_err()
-        report.top1, report.top1_err = same.mean_err()
+        report.top1 = same.sum / same.count
         report.top1_err = math.sqrt(report.top1 * (1 - report.top1) / (same.count - 1))
     return report
