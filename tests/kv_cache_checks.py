@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from deepinfer.kernels import kv_int8
 from deepinfer.kernels.cpu import attention as cpu_attention
 from deepinfer.kernels.cpu import rope_store as cpu_rope_store
 
@@ -51,13 +52,20 @@ def count_kernel_calls(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> dict[str, i
 
 
 def rounded_twin(
-    path, monkeypatch: pytest.MonkeyPatch, round_rows: Callable[[torch.Tensor], torch.Tensor] | None
+    path,
+    monkeypatch: pytest.MonkeyPatch,
+    round_rows: Callable[[torch.Tensor], torch.Tensor] | None,
+    rotated: bool = False,
 ) -> LLM:
     """An fp32-cache engine on the layer path whose cache writes go through ``round_rows`` on
-    the Python write path (None: unrounded)."""
+    the Python write path (None: unrounded); with ``rotated`` its queries and keys meet in the
+    int8 cache's Hadamard basis, as the int8 cache's do."""
     twin = LLM(path, kv_cache_dtype="float32", enable_prefix_caching=False)
     if hasattr(twin.engine.runner.forward, "stack"):  # the one-call Llama stack: off
         twin.engine.runner.forward.stack = None
+    if rotated:
+        monkeypatch.setattr(kv_int8, "rotates", lambda dtype: True)
+        monkeypatch.setattr(cpu_rope_store, "supports", lambda *a: False)  # rotates on the Python path
     if round_rows is not None:
         real = kv_dtypes.store
 
