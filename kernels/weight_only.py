@@ -3,11 +3,11 @@
 Decode at small batch reads every weight once per step, so fewer weight bytes is speed.
 fp32 and int8 weights run ``cpu_packed_gemm`` on a copy packed once, at every row count (int8
 widened to fp32 in registers: fp32 activations and sums, batch-invariant); where that kernel
-did not build (no compiler), int8 runs PyTorch's ``_weight_int8pack_mm`` with bf16
-activations (PyTorch's weight-only kernels are fast only with bf16 activations:
-benchmarks/RESULTS.md, CPU decode kernels).
+did not build (no compiler), int8 multiplies by its dequantized weight (slow: PyTorch's int8
+kernel takes one scale per output).
 
-int8: symmetric per output channel. int4: asymmetric per group of ``group`` input channels
+int8: symmetric, an fp16 scale per 32 inputs of an output (llama.cpp's Q8_0 blocks; on
+SmolLM2 per-output scales lost several times more, benchmarks/RESULTS.md). int4: asymmetric per group of ``group`` input channels
 (the kernel's ``(q - 8) * scale + zero`` form). On CPUs with AVX-512 VNNI or AVX2, int4 runs
 ``cpu_int4_vnni`` at every row count (activations rounded to int8 per group, as llama.cpp's
 Q4_0 path does; its layout reads 0.625 bytes per weight, so a memory-bound B=1 step is faster
@@ -33,6 +33,7 @@ from deepinfer.kernels.cpu import int4_vnni as cpu_int4_vnni
 from deepinfer.kernels.cpu import packed_gemm as cpu_packed_gemm
 
 INT4_GROUP = 32
+INT8_GROUP = 32  # inputs per int8 scale
 # int4 rows up to which ``cpu_gemv``'s loop runs on CPUs without VNNI or AVX2 (PyTorch's kernel above)
 QUANTIZED_SMALL_ROWS = 4
 _INNER_K_TILES = 2
@@ -57,18 +58,24 @@ class WeightOnlyLinear:
         self.method = method
         self.packed_vnni: torch.Tensor | None = None  # int4 x int8 on AVX-512 VNNI or AVX2 (below)
         self.packed8: torch.Tensor | None = None  # int8 in ``cpu_packed_gemm``'s layout (below)
+        self.packed_scales: torch.Tensor | None = None  # its fp16 group scales, packed alike
         self.out_features, self.in_features = w.shape
         self.bias = None if bias is None else bias.detach().clone()
         if method == "int8":
-            scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-            q8 = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-            self.scales = scale.to(torch.bfloat16)
-            self.scales_f32 = self.scales.float()  # the same values, for the fp32 kernels
+            # symmetric, one scale per 32 inputs of an output (Q8_0's blocks; a last block may
+            # be shorter), kept in fp16 as Q8_0 does: [out, ceil(in / 32)] fp32 values
+            pad = -self.in_features % INT8_GROUP
+            groups = F.pad(w, (0, pad)).view(self.out_features, -1, INT8_GROUP)
+            scale = (groups.abs().amax(dim=-1) / 127.0).half().float()
+            q8 = torch.where(scale[..., None] > 0, groups / scale[..., None], 0.0).round().clamp(-127, 127)
+            q8 = q8.view(self.out_features, -1)[:, : self.in_features].to(torch.int8)
+            self.scales = scale
             # where the C++ kernels build, only the packed copy: fp32 activations at every row
             # count, and faster than the widening loop and PyTorch's bf16 kernel (RESULTS.md)
             self.qweight = q8
             if cpu_packed_gemm.available():
                 self.packed8, self.qweight = huge_pages.adopt(cpu_packed_gemm.pack(q8), arena), None
+                self.packed_scales = cpu_packed_gemm.pack_scales(scale)
         else:
             if self.in_features % INT4_GROUP:
                 raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}, got {self.in_features}")
@@ -107,7 +114,7 @@ class WeightOnlyLinear:
         where it built, else PyTorch's layout)."""
         q = self.qweight if self.packed8 is None else self.packed8
         assert q is not None
-        scale_bytes = 2  # bf16 (int8) or fp16 (int4) as the kernels store them
+        scale_bytes = 2  # fp16, as the kernels store them
         return q.numel() * q.element_size() + self.scales.numel() * scale_bytes
 
     def int8_values(self) -> torch.Tensor:
@@ -120,20 +127,21 @@ class WeightOnlyLinear:
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight the kernels compute with (for error reports and tests)."""
         if self.method == "int8":
-            return self.int8_values().float() * self.scales.float()[:, None]
+            scales = self.scales.repeat_interleave(INT8_GROUP, dim=1)[:, : self.in_features]
+            return self.int8_values().float() * scales
         eye = torch.eye(self.in_features)  # the kernel applied to each e_i, in fp32 (exact)
         cols = torch._weight_int4pack_mm_for_cpu(eye, self.qweight, INT4_GROUP, self.scales)
         return cols.float().T[: self.out_features]
 
     def _widening(self, flat: torch.Tensor) -> torch.Tensor | None:
-        """fp32 ``flat @ W.T``: int8 on the packed kernel at any size (without it, only widths
-        PyTorch's int8 kernel cannot take, through the dequantized weight); int4 on CPUs
-        without VNNI or AVX2 through ``cpu_gemv``'s widening loop (what the one-call decode
-        stack runs too) at decode sizes; None where PyTorch's kernels take over."""
+        """fp32 ``flat @ W.T``: int8 on the packed kernel at any size (without it, through the
+        dequantized weight: PyTorch's int8 kernel has no group scales); int4 on CPUs without
+        VNNI or AVX2 through ``cpu_gemv``'s widening loop (what the one-call decode stack runs
+        too) at decode sizes; None where PyTorch's kernels take over."""
         small = flat.shape[0] <= QUANTIZED_SMALL_ROWS
         if self.packed8 is not None:
-            return cpu_packed_gemm.gemm(flat, self.packed8, self.out_features, None, self.scales_f32)
-        if self.method == "int8" and self.in_features % 16:  # PyTorch's kernel crashes there
+            return cpu_packed_gemm.gemm(flat, self.packed8, self.out_features, None, self.packed_scales)
+        if self.method == "int8":
             return flat.float() @ self.dequantize().T
         if self.method == "int4" and small and cpu_gemv.available() and self.packed_vnni is None:
             return cpu_gemv.small_gemm_int4(flat, self.packed4, self.scale4, self.offset4)
@@ -148,11 +156,9 @@ class WeightOnlyLinear:
         if y is not None:
             y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(y.dtype)
-        if self.method == "int8":
-            y = torch._weight_int8pack_mm(flat.to(torch.bfloat16), self.qweight, self.scales)
-        else:  # fp32: the fp16 scales and zeros exactly
-            y = torch._weight_int4pack_mm_for_cpu(flat.float(), self.qweight, INT4_GROUP, self.scales)
-            y = y[:, : self.out_features]
+        # int4 (int8 always widens): fp32, the fp16 scales and zeros exactly
+        y = torch._weight_int4pack_mm_for_cpu(flat.float(), self.qweight, INT4_GROUP, self.scales)
+        y = y[:, : self.out_features]
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 

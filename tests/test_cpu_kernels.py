@@ -75,6 +75,17 @@ def _gemm_case(seed: int, rows: int, n: int, k: int, bias: bool):
     return x, w, b, expected, bound
 
 
+def _int8_case(seed: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int8 codes [n, k], their fp16-valued scales [n, ceil(k / 32)] (some zero) and the
+    weights they stand for."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(n, -(-k // 32), generator=gen) / 64).half().float()
+    scales[torch.rand(scales.shape, generator=gen) < 0.1] = 0.0
+    w = q.float() * scales.repeat_interleave(32, dim=1)[:, :k]
+    return q, scales, w
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     rows=st.integers(1, 40) | st.integers(90, 200),  # and the rows-first order (8 MR = 96 rows up)
@@ -87,22 +98,20 @@ def _gemm_case(seed: int, rows: int, n: int, k: int, bias: bool):
 )
 def test_packed_gemm_matches_fp64(rows, n, k, bias, weights, threads, seed):
     """Any shape (partial vector blocks, odd block counts, the rows left after the register
-    passes, row ranges split over threads), fp32 or bf16 weights or int8 ones with a per-row
-    scale: the fp32 result is within fp32 summation error of the fp64 product of the weights
-    as given (bf16 ones exactly widened)."""
+    passes, row ranges split over threads), fp32 or bf16 weights or int8 ones with an fp16
+    scale per 32 inputs (a last group shorter where k is off the groups): the fp32 result is
+    within fp32 summation error of the fp64 product of the weights as given (bf16 ones exactly
+    widened, int8 ones times their group's scale)."""
     x, w, b, expected, bound = _gemm_case(seed, rows, n, k, bias)
     scale = None
     if weights == "bf16":
         w = w.bfloat16()
         expected = x.double() @ w.double().T + (0 if b is None else b.double())
     if weights == "int8":
-        gen = torch.Generator().manual_seed(seed + 1)
-        q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
-        scale = torch.rand(n, generator=gen) / 64
-        w = q.float() * scale[:, None]
-        expected = x.double() @ q.double().T * scale.double() + (0 if b is None else b.double())
+        q, scales, w = _int8_case(seed, n, k)
+        expected = x.double() @ w.double().T + (0 if b is None else b.double())
         bound = 1e-5 * (x.double().abs() @ w.double().abs().T).max().item() + 1e-5
-        w = q
+        scale, w = cpu_packed_gemm.pack_scales(scales), q
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -163,6 +172,27 @@ def test_a_broken_rows_first_order_fails_the_reference_check():
     x, w, _, expected, bound = _gemm_case(4, 120, 70, 37, False)
     old = "for (int64_t t = 0; t < tiles; ++t)\n        tile<W, MR, PF_OWN>"
     y = _broken_packed_gemm(old, old.replace("t < tiles", "t + 1 < tiles"), "packed_gemm_f32", x, w, 2)
+    assert not ((y.double() - expected).abs() <= bound).all()
+
+
+def test_a_broken_int8_group_scale_fails_the_reference_check():
+    """Mutation check for int8 weights: every group of the first vector of outputs taking its
+    first group's scale gives results the fp64 check rejects."""
+    x, _, _, _, _ = _gemm_case(5, 3, 40, 100, False)
+    q, scales, w = _int8_case(5, 40, 100)
+    expected = x.double() @ w.double().T
+    bound = 1e-5 * (x.double().abs() @ w.double().abs().T).max().item() + 1e-5
+    old = "s0 = load_scales(gs + k0 / GROUP * 2 * V);"
+    source = cpu_build.source("packed_gemm.cpp").replace(old, "s0 = load_scales(gs);")
+    assert source != cpu_build.source("packed_gemm.cpp")
+    broken = cpu_build.load(source)
+    assert broken is not None
+    fn = cpu_build.bind(broken, "packed_gemm_i8", cpu_packed_gemm.ARGTYPES_I8)
+    y = torch.zeros(3, 40)
+    packed, packed_scales = cpu_packed_gemm.pack(q), cpu_packed_gemm.pack_scales(scales)
+    fn(x.data_ptr(), packed.data_ptr(), packed_scales.data_ptr(), None, y.data_ptr(), 3, 40, 100, 1)
+    good = cpu_packed_gemm.gemm(x, packed, 40, None, packed_scales)
+    assert ((good.double() - expected).abs() <= bound).all()
     assert not ((y.double() - expected).abs() <= bound).all()
 
 

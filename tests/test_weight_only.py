@@ -9,7 +9,6 @@ import pytest
 import torch
 from deepinfer.kernels.cpu import gemv as cpu_gemv
 from deepinfer.kernels.cpu import int4_vnni as cpu_int4_vnni
-from deepinfer.kernels.cpu import packed_gemm as cpu_packed_gemm
 from deepinfer.kernels.weight_only import INT4_GROUP, QUANTIZED_SMALL_ROWS, WeightOnlyLinear
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -28,16 +27,18 @@ pytestmark = pytest.mark.usefixtures("two_threads")  # the kernels' threaded pat
     groups=st.integers(1, 6),
     rows=st.integers(1, 40),
     bias=st.booleans(),
+    ragged=st.integers(0, 31),
     seed=st.integers(0, 10_000),
 )
-def test_kernels_compute_with_the_weights_they_report(method, out_features, groups, rows, bias, seed):
+def test_kernels_compute_with_the_weights_they_report(method, out_features, groups, rows, bias, ragged, seed):
     """The kernel's output equals the activations times the dequantized weight (so the error
-    report below is the whole story): int8 in fp32 at every size (``cpu_packed_gemm``), int4
+    report below is the whole story): int8 in fp32 at every size (``cpu_packed_gemm``, or the
+    dequantized weight where it did not build; widths off its 32-input groups too), int4
     in fp32 at decode sizes (``cpu_gemv``'s widening loop) and PyTorch's fp32 int4 kernel above,
     or on AVX-512 VNNI or AVX2 the activations rounded to int8 per group at every size; and the
     weight error is within the format's."""
     gen = torch.Generator().manual_seed(seed)
-    in_features = groups * INT4_GROUP * 2
+    in_features = groups * INT4_GROUP * 2 - (ragged if method == "int8" else 0)
     w = torch.randn(out_features, in_features, generator=gen)
     b = torch.randn(out_features, generator=gen) if bias else None
     x = torch.randn(rows, in_features, generator=gen)
@@ -48,12 +49,9 @@ def test_kernels_compute_with_the_weights_they_report(method, out_features, grou
     if method == "int4" and lin.packed_vnni is not None:  # every size: int8 activations
         exact = _int8_per_group(x) @ deq.T + (b if b is not None else 0)
         assert (got - exact).norm() <= 1e-5 * exact.norm()
-    elif method == "int4" or lin.packed8 is not None:  # fp32 throughout
+    else:  # fp32 throughout
         exact = x @ deq.T + (b if b is not None else 0)
         assert (got - exact).norm() <= 1e-5 * exact.norm()
-    else:  # PyTorch's kernels: bf16 activations and accumulation
-        expected = x.bfloat16().float() @ deq.T + (b if b is not None else 0)
-        assert (got - expected).norm() <= 2e-2 * expected.norm()
     weight_error = ((deq - w).norm() / w.norm()).item()
     assert weight_error <= (0.01 if method == "int8" else 0.12), weight_error
     # plus at most one packed tile of zero rows (32 on AVX-512) past out_features
@@ -62,14 +60,17 @@ def test_kernels_compute_with_the_weights_they_report(method, out_features, grou
 
 def test_a_broken_scale_fails_the_kernel_check():
     """Mutation check of the test above: scales off by 5% are caught, on int8's paths (the
-    packed kernel at every size, or PyTorch's kernel where it did not build) and int4's."""
+    packed kernel at every size, or the dequantized weight where it did not build) and
+    int4's."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(16, 64, generator=gen)
     for rows in (QUANTIZED_SMALL_ROWS, QUANTIZED_SMALL_ROWS + 8):
         x = torch.randn(rows, 64, generator=gen)
         lin = WeightOnlyLinear(w, None, "int8")
-        expected = x.bfloat16().float() @ lin.dequantize().T
-        lin.scales, lin.scales_f32 = lin.scales * 1.05, lin.scales_f32 * 1.05
+        expected = x @ lin.dequantize().T
+        lin.scales = lin.scales * 1.05
+        if lin.packed_scales is not None:
+            lin.packed_scales = (lin.packed_scales.float() * 1.05).half()
         assert (lin(x) - expected).norm() > 2e-2 * expected.norm()
     lin = WeightOnlyLinear(torch.randn(16, 64, generator=gen), None, "int4")  # int4's loop too
     x = torch.randn(QUANTIZED_SMALL_ROWS, 64, generator=gen)
@@ -85,22 +86,22 @@ def llama_path(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("wo_llama"), arch="llama", seed=7)
 
 
-# the 16-bit format each method keeps its scales (and int4 its zeros) in
-SCALE_DTYPES = {"int8": torch.bfloat16, "int4": torch.float16}
-
-
-def _quantized(weight: torch.Tensor, method: str, scale_dtype: torch.dtype | None = None) -> torch.Tensor:
+def _quantized(weight: torch.Tensor, method: str, broken: bool = False) -> torch.Tensor:
     """``weight`` as the quantization defines it, dequantized in plain torch: int8 symmetric
-    per output row (scale = max |w| / 127); int4 asymmetric per group of 32 inputs (scale =
-    (max - min) / 15, codes q = round((w - min) / scale) in 0..15, value (q - 8) * scale +
-    zero with zero = min + 8 * scale); scales and zeros kept in ``scale_dtype`` (default: the
-    method's, ``SCALE_DTYPES``)."""
-    scale_dtype = scale_dtype or SCALE_DTYPES[method]
+    per group of 32 inputs of a row (scale = max |w| / 127 kept in fp16, codes round(w / scale));
+    int4 asymmetric per group of 32 inputs (scale = (max - min) / 15, codes q = round((w - min)
+    / scale) in 0..15, value (q - 8) * scale + zero with zero = min + 8 * scale, scale and zero
+    kept in fp16). ``broken``, the mutation: int8 with one scale per row, int4 with bf16
+    scales and zeros."""
     w = weight.detach().float()
     if method == "int8":
-        scale = w.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
-        q = (w / scale).round().clamp(-127, 127)
-        return q * scale.to(scale_dtype).float()
+        cols = w.shape[1]
+        blocks = w.shape[1] if broken else 32
+        groups = torch.nn.functional.pad(w, (0, -cols % blocks)).reshape(w.shape[0], -1, blocks)
+        scale = (groups.abs().amax(-1, keepdim=True) / 127).half().float()
+        q = torch.where(scale > 0, groups / scale, 0.0).round().clamp(-127, 127)
+        return (q * scale).reshape(w.shape[0], -1)[:, :cols]
+    scale_dtype = torch.bfloat16 if broken else torch.float16
     groups = w.reshape(w.shape[0], -1, INT4_GROUP)
     low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
     scale = (high - low).clamp(min=1e-12) / 15
@@ -109,7 +110,7 @@ def _quantized(weight: torch.Tensor, method: str, scale_dtype: torch.dtype | Non
     return ((q - 8) * scale.to(scale_dtype).float() + zero.to(scale_dtype).float()).reshape(w.shape)
 
 
-def _load_quantized(twin, method: str, scale_dtype: torch.dtype | None = None) -> None:
+def _load_quantized(twin, method: str, broken: bool = False) -> None:
     """Quantize every projection of ``twin`` (and its head, untied from the embedding as the
     engine unties it) by ``_quantized``."""
     for layer in twin.model.layers:
@@ -122,7 +123,7 @@ def _load_quantized(twin, method: str, scale_dtype: torch.dtype | None = None) -
             layer.mlp.up_proj,
             layer.mlp.down_proj,
         ):
-            lin.weight.copy_(_quantized(lin.weight, method, scale_dtype))
+            lin.weight.copy_(_quantized(lin.weight, method, broken))
     head = twin.lm_head.weight if not twin.config.tie_word_embeddings else twin.model.embed_tokens.weight
     if twin.config.tie_word_embeddings:  # the engine quantizes the head, not the embedding
         twin.config.tie_word_embeddings = False
@@ -132,7 +133,7 @@ def _load_quantized(twin, method: str, scale_dtype: torch.dtype | None = None) -
     if method == "int4":
         twin.lm_head.weight.copy_(_quantized(head, "int8"))
     else:
-        twin.lm_head.weight.copy_(_quantized(head, method, scale_dtype))
+        twin.lm_head.weight.copy_(_quantized(head, method, broken))
 
 
 def _int8_per_group(x: torch.Tensor) -> torch.Tensor:
@@ -143,43 +144,29 @@ def _int8_per_group(x: torch.Tensor) -> torch.Tensor:
     return ((groups * inv).round() * scale).reshape(x.shape)
 
 
-def _kernel_rounding(model, int8_activations: bool) -> list:
-    """Round every projection's input and output (and the head's input) to bf16, as
-    PyTorch's kernels do; or, for int4 on AVX-512 VNNI, every projection's input but the int8
-    head's to int8 per group (outputs stay fp32). The caller rounds the logits."""
-    if model is None:
-        return []
+def _kernel_rounding(model) -> list:
+    """Round every projection's input but the int8 head's to int8 per group of 32, as int4 on
+    AVX-512 VNNI or AVX2 does (outputs stay fp32)."""
 
     def round_input(_module, args):
-        x = args[0]
-        return (_int8_per_group(x) if int8_activations else x.bfloat16().float(), *args[1:])
+        return (_int8_per_group(args[0]), *args[1:])
 
-    def round_output(_module, _args, out):
-        return out.bfloat16().float()
-
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    if int8_activations:  # the int8 head runs the fp32 packed kernel
-        linears = [m for m in linears if m is not model.lm_head]
-    handles = [m.register_forward_pre_hook(round_input) for m in linears]
-    if not int8_activations:
-        handles += [m.register_forward_hook(round_output) for m in linears]
-        handles.append(model.model.norm.register_forward_hook(round_output))
-    return handles
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head]
+    return [m.register_forward_pre_hook(round_input) for m in linears]
 
 
-def _reference_logprobs(path, method: str, prompt: list[int], scale_dtype: torch.dtype) -> torch.Tensor:
+def _reference_logprobs(path, method: str, prompt: list[int], broken: bool = False) -> torch.Tensor:
     """Log-softmax rows of a plain fp32 model whose weights are quantized by ``_quantized``
-    and whose projections round as the kernels do (``_kernel_rounding``)."""
+    and whose projections round their inputs as the kernels do (``_kernel_rounding``)."""
     twin = load_model(path)
     vnni = method == "int4" and cpu_int4_vnni.available()
-    bf16_kernels = method == "int8" and not cpu_packed_gemm.available()  # PyTorch's int8 kernel
     with torch.no_grad():
-        _load_quantized(twin, method, scale_dtype)
-        handles = _kernel_rounding(twin if bf16_kernels or vnni else None, vnni)
+        _load_quantized(twin, method, broken)
+        handles = _kernel_rounding(twin) if vnni else []
         logits = twin(torch.tensor([prompt])).logits[0]
         for handle in handles:
             handle.remove()
-    return (logits.bfloat16().float() if bf16_kernels else logits).log_softmax(-1)
+    return logits.log_softmax(-1)
 
 
 def _worst(out, ref: torch.Tensor) -> float:
@@ -196,21 +183,16 @@ def _worst(out, ref: torch.Tensor) -> float:
 def test_engine_runs_the_quantized_projections(llama_path, method):
     """The engine's prompt logprobs equal those of a plain fp32 model whose weights are
     quantized in the test from the format's definition (``_quantized``) and whose
-    projections' inputs and outputs are rounded as the kernels round them (none for int8 on
-    ``cpu_packed_gemm``, which computes in fp32; int8 activations per group for int4 on
-    AVX-512 VNNI or AVX2; bf16 for PyTorch's int8 kernel), within 1e-4 on the fp32 and
-    int8-activation paths. Mutation check: the same reference with its scales kept in another
-    format (int8: fp32 instead of bf16; int4: bf16 instead of fp16) is caught; and
-    quantization did change the weights."""
+    projections' inputs are rounded as the kernels round them (none for int8, which computes
+    in fp32; int8 activations per group for int4 on AVX-512 VNNI or AVX2), within 1e-4.
+    Mutation check: the reference with int8's scales one per row, or int4's scales and zeros
+    in bf16, is caught; and quantization did change the weights."""
     prompt = [5, 9, 33, 70, 12, 8, 200, 41, 3, 19]
     quantized = LLM(llama_path, quantization=method)
     out = quantized.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=5), use_tqdm=False)[0]
-    ref = _reference_logprobs(llama_path, method, prompt, SCALE_DTYPES[method])
-    exact = method == "int4" or cpu_packed_gemm.available()
-    tolerance = 1e-4 if exact else 2e-2  # PyTorch's bf16 kernels accumulate in their own order
-    assert _worst(out, ref) <= tolerance, _worst(out, ref)
-    other = torch.float32 if method == "int8" else torch.bfloat16
-    assert _worst(out, _reference_logprobs(llama_path, method, prompt, other)) > tolerance
+    ref = _reference_logprobs(llama_path, method, prompt)
+    assert _worst(out, ref) <= 1e-4, _worst(out, ref)
+    assert _worst(out, _reference_logprobs(llama_path, method, prompt, broken=True)) > 1e-4
     with torch.no_grad():
         unquantized = load_model(llama_path)(torch.tensor([prompt])).logits[0].log_softmax(-1)
     assert (ref - unquantized).abs().max().item() > 1e-3  # quantization changed the weights
@@ -225,15 +207,18 @@ def test_quantization_options_are_checked(llama_path, v4_ckpt):
         LLM(v4_ckpt, quantization="int8")
 
 
-def test_int8_widths_pytorchs_kernel_cannot_take():
-    """in_features not a multiple of 16 (PyTorch's int8 kernel crashes on them) run the
-    packed kernel at every row count."""
+def test_int8_widths_off_its_groups():
+    """in_features not a multiple of the 32-input groups: the last group is shorter, the kernel
+    computes with the weights it reports at every row count, and they are within the format's
+    error of the originals."""
     gen = torch.Generator().manual_seed(1)
     for k in (8, 24, 72, 100):
-        lin = WeightOnlyLinear(torch.randn(20, k, generator=gen), None, "int8")
+        w = torch.randn(20, k, generator=gen)
+        lin = WeightOnlyLinear(w, None, "int8")
         x = torch.randn(QUANTIZED_SMALL_ROWS + 7, k, generator=gen)
         exact = x @ lin.dequantize().T
         assert (lin(x) - exact).norm() <= 1e-5 * exact.norm()
+        assert torch.equal(lin.dequantize(), _quantized(w, "int8"))
 
 
 needs_vnni = pytest.mark.skipif(

@@ -17,14 +17,15 @@ using gemm_vnni_t = void (*)(const float*, const uint8_t*, const float*, float*,
 using packed_t = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int);
 using span_attn_t = void (*)(const float*, const void*, const void*, const int64_t*, const int64_t*, float*,
                              int64_t, int64_t, int64_t, int64_t, float, int);
-using packed_i8_t = void (*)(const float*, const int8_t*, const float*, const float*, float*, int64_t, int64_t,
-                             int64_t, int);
+using packed_i8_t = void (*)(const float*, const int8_t*, const uint16_t*, const float*, float*, int64_t,
+                             int64_t, int64_t, int);
 
 // the offset slot of an int4 weight packed for cpu_int4_vnni (no scale or offset arrays)
 constexpr int64_t VNNI_PACKED = 1;
 // the offset slot of an fp32 weight with a copy packed for cpu_packed_gemm (in the scale slot)
 constexpr int64_t F32_PACKED = 2;
-// the offset slot of int8 weights packed for cpu_packed_gemm (their per-row scale in the scale slot)
+// the offset slot of int8 weights packed for cpu_packed_gemm (their packed fp16 group scales in
+// the scale slot)
 constexpr int64_t I8_PACKED = 3;
 
 struct Fns {
@@ -35,14 +36,14 @@ struct Fns {
   void* scratch;  // cpu_int4_vnni's quantized activations
   int threads;
   // y [M, N] = x [M, K] @ W.T (+ bias): fp32 W through its packed copy (c = F32_PACKED, the copy
-  // in the scale slot); packed int8 W with a per-row scale (c = I8_PACKED, s set); int4 W packed
+  // in the scale slot); packed int8 W with its packed group scales (c = I8_PACKED, s set); int4 W packed
   // for VNNI (c = VNNI_PACKED); or int4 W with a scale and offset per group of 32 (s and c set)
   void proj(const int64_t* t, int i, const float* x, float* y, int64_t M, int64_t N, int64_t K) const {
     const auto* b = reinterpret_cast<const float*>(t[i + 1]);
     const auto* s = reinterpret_cast<const float*>(t[i + 2]);
     const auto* c = reinterpret_cast<const float*>(t[i + 3]);
     if (t[i + 3] == F32_PACKED) packed(x, s, b, y, M, N, K, threads);
-    else if (t[i + 3] == I8_PACKED) packed_i8(x, reinterpret_cast<const int8_t*>(t[i]), s, b, y, M, N, K, threads);
+    else if (t[i + 3] == I8_PACKED) packed_i8(x, reinterpret_cast<const int8_t*>(t[i]), reinterpret_cast<const uint16_t*>(t[i + 2]), b, y, M, N, K, threads);
     else if (t[i + 3] == VNNI_PACKED) gemm_vnni(x, reinterpret_cast<const uint8_t*>(t[i]), b, y, scratch, M, N, K, threads);
     else gemv_i4(x, reinterpret_cast<const uint8_t*>(t[i]), s, c, b, y, M, N, K, threads);
   }

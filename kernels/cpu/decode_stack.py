@@ -128,7 +128,7 @@ class LlamaDecodeStack:
         """``layers``: per layer ``norm1``, ``norm2`` (fp32 weights) and ``qkv``, ``o``,
         ``gate_up``, ``down`` as (weight, bias, scale, offset): fp32 weights with ``packed``,
         each projection's ``packed_gemm`` copy (``PackedLinear.packed``); int8 ones packed
-        for ``packed_gemm`` ([tiles, in, T]) with their fp32 per-row scale; or packed int4
+        for ``packed_gemm`` ([tiles, in, T]) with their fp16 group scales (``packed_gemm.pack_scales``); or packed int4
         ones (uint8) with their fp32 per-group scale and offset (``gemv.small_gemm_int4``'s
         layout), optionally with ``vnni``: each int4 projection's copy packed for
         ``int4_vnni``, which then runs every step. Raises ValueError for anything else."""
@@ -150,9 +150,11 @@ class LlamaDecodeStack:
         for row in self.tensors:
             for t in row:
                 if t is not None and (
-                    t.dtype not in kinds or not t.is_contiguous() or t.device.type != "cpu"
+                    t.dtype not in (*kinds, torch.float16) or not t.is_contiguous() or t.device.type != "cpu"
                 ):
-                    raise ValueError("LlamaDecodeStack needs contiguous fp32 / int8 / uint8 CPU tensors")
+                    raise ValueError(
+                        "LlamaDecodeStack needs contiguous fp32 / int8 / uint8 CPU tensors (fp16: int8 scales)"
+                    )
         self.weights = torch.tensor([[_ptr(t) for t in row] for row in self.tensors], dtype=torch.int64)
         self.weights_vnni = self._vnni_table(layers) if quantized else None
         packed_int8 = self._mark_packed_int8()

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <c10/util/Half.h>
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
@@ -49,6 +51,20 @@ inline Vec load_w(const uint16_t* p) {
 #endif
 }
 
+// int8 weights: inputs per scale, and V fp16 scales widened to fp32
+constexpr int64_t GROUP = 32;
+inline Vec load_scales(const uint16_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  alignas(64) float b[V];
+  for (int i = 0; i < V; ++i) b[i] = static_cast<float>(c10::Half(p[i], c10::Half::from_bits()));
+  return Vec::loadu(b);
+#endif
+}
+
 // What a pass prefetches (PF): a single pass (at most MR rows) its own tile, AHEAD_BYTES ahead
 // (PF_OWN); a pass of a few (up to SPREAD_PASSES) its share of the next tile, which the
 // following passes re-read from L2 (PF_SHARE: pass p of P covers bytes [p / P, (p + 1) / P) of
@@ -72,41 +88,55 @@ inline Prefetch share(const void* next, int64_t tile_bytes, int64_t pass, int64_
 
 // y[m, n0 + i] for i < 2V outputs and R rows; w: the tile ([K][2V], one linear stream); pf:
 // the next tile to prefetch (PF_SHARE: this pass's share; PF_WHOLE: all; unused for PF_OWN);
-// int8 weights meet their per-output scale after the sum
+// int8 weights meet their group's scale before the product (scale: every tile's fp16 scales,
+// [tiles][ceil(K / 32)][2V])
 template <typename W, int R, int PF>
-inline void tile(const float* x, const W* w, Prefetch pf, const float* scale, const float* bias, float* y,
+inline void tile(const float* x, const W* w, Prefetch pf, const uint16_t* scale, const float* bias, float* y,
                  int64_t N, int64_t K, int64_t n0) {
+  constexpr bool grouped = std::is_same_v<W, int8_t>;
+  const uint16_t* gs = grouped ? scale + n0 * ((K + GROUP - 1) / GROUP) : nullptr;
   Vec acc[2][R];
   for (int b = 0; b < 2; ++b)
     for (int m = 0; m < R; ++m) acc[b][m] = Vec(0.f);
-  for (int64_t k = 0; k < K; ++k) {
-    const W* wk = w + k * 2 * V;
-    const Vec w0 = load_w(wk), w1 = load_w(wk + V);
-    if constexpr (PF == PF_SHARE) {
-      __builtin_prefetch(pf.base + (pf.pos >> 16));
-      pf.pos += pf.inc;
-    } else if constexpr (PF == PF_WHOLE) {
-      for (int64_t line = 0; line < static_cast<int64_t>(2 * V * sizeof(W)); line += 64)
-        __builtin_prefetch(pf.base + k * 2 * V * static_cast<int64_t>(sizeof(W)) + line);
-    } else {  // every cache line of this step's 2V weights, AHEAD_BYTES on (fp32: two lines)
-      const char* ahead = reinterpret_cast<const char*>(wk) + AHEAD_BYTES;
-      for (int64_t line = 0; line < static_cast<int64_t>(2 * V * sizeof(W)); line += 64)
-        __builtin_prefetch(ahead + line);
+  for (int64_t k0 = 0; k0 < K; k0 += GROUP) {
+    Vec s0(1.f), s1(1.f);
+    if constexpr (grouped) {
+      s0 = load_scales(gs + k0 / GROUP * 2 * V);
+      s1 = load_scales(gs + k0 / GROUP * 2 * V + V);
     }
-    for (int m = 0; m < R; ++m) {
-      const Vec xv(x[m * K + k]);
-      acc[0][m] = at::vec::fmadd(w0, xv, acc[0][m]);
-      acc[1][m] = at::vec::fmadd(w1, xv, acc[1][m]);
+    const int64_t k1 = std::min(K, k0 + GROUP);
+    for (int64_t k = k0; k < k1; ++k) {
+      const W* wk = w + k * 2 * V;
+      Vec w0 = load_w(wk), w1 = load_w(wk + V);
+      if constexpr (grouped) {
+        w0 = w0 * s0;
+        w1 = w1 * s1;
+      }
+      if constexpr (PF == PF_SHARE) {
+        __builtin_prefetch(pf.base + (pf.pos >> 16));
+        pf.pos += pf.inc;
+      } else if constexpr (PF == PF_WHOLE) {
+        for (int64_t line = 0; line < static_cast<int64_t>(2 * V * sizeof(W)); line += 64)
+          __builtin_prefetch(pf.base + k * 2 * V * static_cast<int64_t>(sizeof(W)) + line);
+      } else {  // every cache line of this step's 2V weights, AHEAD_BYTES on (fp32: two lines)
+        const char* ahead = reinterpret_cast<const char*>(wk) + AHEAD_BYTES;
+        for (int64_t line = 0; line < static_cast<int64_t>(2 * V * sizeof(W)); line += 64)
+          __builtin_prefetch(ahead + line);
+      }
+      for (int m = 0; m < R; ++m) {
+        const Vec xv(x[m * K + k]);
+        acc[0][m] = at::vec::fmadd(w0, xv, acc[0][m]);
+        acc[1][m] = at::vec::fmadd(w1, xv, acc[1][m]);
+      }
     }
   }
   for (int b = 0; b < 2; ++b) {
     const int64_t n = n0 + b * V;
     if (n >= N) break;
     const int valid = static_cast<int>(std::min<int64_t>(V, N - n));
-    const Vec sv = scale ? Vec::loadu(scale + n, valid) : Vec(1.f);
     const Vec bv = bias ? Vec::loadu(bias + n, valid) : Vec(0.f);
     for (int m = 0; m < R; ++m) {
-      Vec r = scale ? acc[b][m] * sv : acc[b][m];
+      Vec r = acc[b][m];
       if (bias) r = r + bv;
       if (valid == V) r.store(y + m * N + n);
       else r.store(y + m * N + n, valid);
@@ -116,7 +146,7 @@ inline void tile(const float* x, const W* w, Prefetch pf, const float* scale, co
 
 // the last r < MR rows of a pass sequence
 template <typename W, int R, int PF>
-inline void tail(int64_t r, const float* x, const W* w, Prefetch pf, const float* scale, const float* bias,
+inline void tail(int64_t r, const float* x, const W* w, Prefetch pf, const uint16_t* scale, const float* bias,
                  float* y, int64_t N, int64_t K, int64_t n0) {
   if constexpr (R > 0) {
     if (r == R) tile<W, R, PF>(x, w, pf, scale, bias, y, N, K, n0);
@@ -125,7 +155,7 @@ inline void tail(int64_t r, const float* x, const W* w, Prefetch pf, const float
 }
 
 template <typename W>
-inline void passes(const float* x, const W* w, const W* next, const float* scale, const float* bias, float* y,
+inline void passes(const float* x, const W* w, const W* next, const uint16_t* scale, const float* bias, float* y,
                    int64_t M, int64_t N, int64_t K, int64_t n0) {
   if (M <= MR) {  // one pass: read the tile once, prefetching along it
     tail<W, MR, PF_OWN>(M, x, w, Prefetch{}, scale, bias, y, N, K, n0);
@@ -155,7 +185,7 @@ constexpr int64_t ROWS_FIRST_MAX_BYTES = 128 * 1024;
 constexpr int64_t ROWS_FIRST_MIN_ROWS = 8 * MR;
 
 template <typename W>
-void rows_first(const float* x, const W* p, const float* scale, const float* bias, float* y, int64_t M,
+void rows_first(const float* x, const W* p, const uint16_t* scale, const float* bias, float* y, int64_t M,
                 int64_t N, int64_t K, int64_t tiles, int threads) {
   const int64_t blocks = (M + MR - 1) / MR;
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -172,10 +202,11 @@ void rows_first(const float* x, const W* p, const float* scale, const float* bia
   }
 }
 
-// y [M, N] = x [M, K] @ W.T (* scale [N]) (+ bias [N]), W packed as [ceil(N / 2V)][K][2V]. Work
+// y [M, N] = x [M, K] @ W.T (+ bias [N]), W packed as [ceil(N / 2V)][K][2V] (int8: each weight
+// times its group's scale). Work
 // items are tiles, and also row ranges (multiples of MR) when there are few tiles per thread.
 template <typename W>
-void packed_gemm(const float* x, const W* p, const float* scale, const float* bias, float* y, int64_t M,
+void packed_gemm(const float* x, const W* p, const uint16_t* scale, const float* bias, float* y, int64_t M,
                  int64_t N, int64_t K, int threads) {
   if (M <= 0 || N <= 0) return;
   const int64_t tiles = (N + 2 * V - 1) / (2 * V);
@@ -208,7 +239,7 @@ extern "C" void packed_gemm_bf16(const float* x, const uint16_t* p, const float*
 }
 
 // int8 weights with one fp32 scale per output: y = scale * (x . q) + bias
-extern "C" void packed_gemm_i8(const float* x, const int8_t* p, const float* scale, const float* bias, float* y,
+extern "C" void packed_gemm_i8(const float* x, const int8_t* p, const uint16_t* scale, const float* bias, float* y,
                                int64_t M, int64_t N, int64_t K, int threads) {
   packed_gemm<int8_t>(x, p, scale, bias, y, M, N, K, threads);
 }

@@ -21,13 +21,15 @@ It runs SmolLM2's projection stack faster than oneDNN at every row count measure
 1-64 rows; against the fp32 loop it replaced (``gemv``'s, which read the unpacked weights)
 it is level at one row, where both stream at the memory bound, and ahead at 4-16 rows
 (``benchmarks/cpu_packed_gemm.py``; figures in benchmarks/RESULTS.md).
-int8 weights (weight-only ``quantization="int8"``) widen to fp32 in registers and meet their
-per-output scale after the sum: fp32 activations and accumulation, a quarter of the bytes.
+int8 weights (weight-only ``quantization="int8"``) widen to fp32 in registers, times the fp16
+scale of their group of 32 inputs (Q8_0's blocks): fp32 activations and accumulation, 8.5 bits
+a weight.
 bf16 weights (``dtype="bfloat16"``) widen exactly (a shift) with fp32 activations and sums, the
 precision of oneDNN's bf16 product: small row counts stream half the bytes of fp32, where
 oneDNN's AMX kernel read the same weights below the memory bound (benchmarks/RESULTS.md).
 
-Each output is one FMA chain over k in order, started at zero, then the scale and the bias:
+Each output is one FMA chain over k in order, started at zero (an int8 weight scaled before
+its FMA), then the bias:
 the same operations whatever the row count, tile or thread split, so a row's result is bitwise
 the same alone, batched, or inside a prefill (batch-invariant at every M).
 
@@ -43,8 +45,10 @@ import functools
 import torch
 from deepinfer.kernels.cpu import build
 
-# weight dtypes the kernel reads: fp32, bf16 (widened exactly), int8 (meets a per-output scale)
+# weight dtypes the kernel reads: fp32, bf16 (widened exactly), int8 (times an fp16 scale per
+# GROUP inputs of an output)
 DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+GROUP = 32
 ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 ARGTYPES_I8 = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 
@@ -82,7 +86,7 @@ def supports(weight: torch.Tensor) -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [N, K] (fp32, bf16, or int8 values that meet a per-row scale in ``gemm``) as the
+    """``weight`` [N, K] (fp32, bf16, or int8 values that meet their group scales in ``gemm``) as the
     kernel reads it: [ceil(N / T), K, T] of the same dtype with T = ``width()`` outputs per
     tile, output channels past N zero. A copy, without autograd."""
     if not supports(weight):
@@ -102,6 +106,17 @@ def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:out_features]
 
 
+def pack_scales(scales: torch.Tensor) -> torch.Tensor:
+    """int8 weights' scales [N, ceil(K / 32)] (one per 32 inputs of an output) as the kernel
+    reads them: fp16, [ceil(N / T), ceil(K / 32), T], outputs past N zero."""
+    n, groups = scales.shape
+    v = width()
+    blocks = -(-n // v)
+    padded = torch.zeros(blocks * v, groups, dtype=torch.float16)
+    padded[:n] = scales.detach().to(torch.float16)
+    return padded.view(blocks, v, groups).transpose(1, 2).contiguous()
+
+
 def gemm(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -109,9 +124,10 @@ def gemm(
     bias: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ W.T * scale + bias`` for ``x`` [M, K] (any float dtype, computed in fp32), ``W``
-    packed by ``pack`` (``out_features`` rows; int8 ones need ``scale``, fp32 [out_features],
-    fp32 and bf16 ones take none), ``bias`` [out_features] or None. Returns fp32 [M, N]."""
+    """``x @ W.T + bias`` for ``x`` [M, K] (any float dtype, computed in fp32), ``W`` packed by
+    ``pack`` (``out_features`` rows; int8 ones need ``scale``, their group scales packed by
+    ``pack_scales``; fp32 and bf16 ones take none), ``bias`` [out_features] or None. Returns
+    fp32 [M, N]."""
     lib = _library()
     if lib is None:
         raise RuntimeError("the packed CPU kernel did not build on this machine")
@@ -125,7 +141,17 @@ def gemm(
         raise ValueError("packed gemm: the packed weight must be contiguous fp32, bf16 or int8 (from pack())")
     if (scale is None) != (packed.dtype != torch.int8):
         raise ValueError(
-            "packed gemm: int8 weights need their per-output fp32 scale, fp32 and bf16 weights none"
+            "packed gemm: int8 weights need their packed group scales, fp32 and bf16 weights none"
+        )
+    groups = -(-k // GROUP)
+    if scale is not None and (
+        scale.dtype != torch.float16
+        or scale.shape != (packed.shape[0], groups, v)
+        or not scale.is_contiguous()
+    ):
+        raise ValueError(
+            f"packed gemm: int8 scales must be pack_scales' fp16 {(packed.shape[0], groups, v)}, "
+            f"got {scale.dtype} {tuple(scale.shape)}"
         )
     xf = x.float().contiguous()
     bf = None if bias is None else bias.float().contiguous()  # kept alive across the call
@@ -137,8 +163,7 @@ def gemm(
     elif scale is None:
         lib.packed_gemm_f32(xf.data_ptr(), packed.data_ptr(), b, y.data_ptr(), m, out_features, k, threads)
     else:
-        sf = scale.float().contiguous()
         lib.packed_gemm_i8(
-            xf.data_ptr(), packed.data_ptr(), sf.data_ptr(), b, y.data_ptr(), m, out_features, k, threads
+            xf.data_ptr(), packed.data_ptr(), scale.data_ptr(), b, y.data_ptr(), m, out_features, k, threads
         )
     return y

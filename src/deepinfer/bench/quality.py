@@ -55,7 +55,7 @@ def quantized_bits(llm: LLM) -> float | None:
         codes = 8 if proj.method == "int8" else 4
         stored += (
             proj.out_features * proj.in_features * codes
-            + proj.scales.numel() * 16  # bf16 (int8) or fp16 (int4) scales and zeros
+            + proj.scales.numel() * 16  # fp16 scales (int8), fp16 scales and zeros (int4)
         )
     return stored / weights if weights else None
 

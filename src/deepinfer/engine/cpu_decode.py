@@ -32,7 +32,7 @@ def _driver_weights(projection: Projection) -> tuple[Any, Any, Any, Any]:
         if engine.bias is not None:
             raise ValueError("the stack runs quantized weights without bias")
         if engine.method == "int8":  # the packed copy (built wherever the stack is)
-            return engine.packed8, None, engine.scales_f32, None
+            return engine.packed8, None, engine.packed_scales, None
         return engine.packed4, None, engine.scale4, engine.offset4
     weight, bias = projection.weight_and_bias()
     return weight, bias, None, None
