@@ -1,20 +1,22 @@
-"""The engine's CPU projections: weight-only int8/int4 and packed float linears.
+"""The engine's CPU projections: weight-only int8/int4/bf16 and packed float linears.
 
 Decode at small batch reads every weight once per step, so fewer weight bytes is speed.
-fp32 and int8 weights run ``cpu_packed_gemm`` on a copy packed once, at every row count (int8
-widened to fp32 in registers: fp32 activations and sums, batch-invariant); where that kernel
-did not build (no compiler), int8 multiplies by its dequantized weight (slow: PyTorch's int8
-kernel takes one scale per output).
+fp32, int8 and bf16 weights run ``cpu_packed_gemm`` on a copy packed once, at every row count
+(int8 and bf16 widened to fp32 in registers: fp32 activations and sums, batch-invariant); where
+that kernel did not build (no compiler), they multiply by the dequantized weight (slow:
+PyTorch's int8 kernel takes one scale per output).
 
-int8: symmetric, an fp16 scale per 32 inputs of an output (llama.cpp's Q8_0 blocks; on
-SmolLM2 per-output scales lost several times more, benchmarks/RESULTS.md). int4: asymmetric per group of ``group`` input channels
-(the kernel's ``(q - 8) * scale + zero`` form). On CPUs with AVX-512 VNNI or AVX2, int4 runs
+int8: symmetric, an fp16 scale per 32 inputs of an output (llama.cpp's Q8_0 blocks; on SmolLM2
+per-output scales lost several times more, benchmarks/RESULTS.md). bf16: the weights rounded to
+bf16, activations kept in fp32 (what llama.cpp computes for a BF16 file; ``dtype="bfloat16"``
+rounds the activations too). int4: asymmetric per group of ``group`` input channels (the
+kernel's ``(q - 8) * scale + zero`` form). On CPUs with AVX-512 VNNI or AVX2, int4 runs
 ``cpu_int4_vnni`` at every row count (activations rounded to int8 per group, as llama.cpp's
 Q4_0 path does; its layout reads 0.625 bytes per weight, so a memory-bound B=1 step is faster
-than with the widening loop's 0.75, benchmarks/RESULTS.md), and int4
-results are then the same whatever the batch size. Elsewhere int4 runs ``cpu_gemv``'s widening
-loop up to ``QUANTIZED_SMALL_ROWS`` rows (a second copy in that loop's layout) and PyTorch's
-kernel above, so those results are not batch-invariant across that row count.
+than with the widening loop's 0.75, benchmarks/RESULTS.md), and int4 results are then the
+same whatever the batch size. Elsewhere int4 runs ``cpu_gemv``'s widening loop up to
+``QUANTIZED_SMALL_ROWS`` rows (a second copy in that loop's layout) and PyTorch's kernel above,
+so those results are not batch-invariant across that row count.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ _INT4_ROWS = 16  # the int4 packing takes output rows in multiples of 16 (zero r
 
 
 class WeightOnlyLinear:
-    """``x @ W.T + b`` with ``W`` stored as int8 or packed int4 (not an ``nn.Module``: the
+    """``x @ W.T + b`` with ``W`` stored as int8, packed int4 or bf16 (not an ``nn.Module``: the
     engine's copy beside the model's float parameters, which research code keeps using)."""
 
     def __init__(
@@ -52,16 +54,21 @@ class WeightOnlyLinear:
         arena: huge_pages.HugePageArena | None = None,
     ) -> None:
         """``arena``: where the packed copies go (huge pages; None: ordinary memory)."""
-        if method not in ("int8", "int4"):
-            raise ValueError(f"quantization must be 'int8' or 'int4', got {method!r}")
+        if method not in ("int8", "int4", "bf16"):
+            raise ValueError(f"quantization must be 'int8', 'int4' or 'bf16', got {method!r}")
         w = weight.detach().float()
         self.method = method
         self.packed_vnni: torch.Tensor | None = None  # int4 x int8 on AVX-512 VNNI or AVX2 (below)
-        self.packed8: torch.Tensor | None = None  # int8 in ``cpu_packed_gemm``'s layout (below)
+        self.packed8: torch.Tensor | None = None  # int8 or bf16 in ``cpu_packed_gemm``'s layout
         self.packed_scales: torch.Tensor | None = None  # its fp16 group scales, packed alike
         self.out_features, self.in_features = w.shape
         self.bias = None if bias is None else bias.detach().clone()
-        if method == "int8":
+        if method == "bf16":  # rounded to nearest even; no scales
+            self.qweight = w.bfloat16()
+            self.scales = torch.empty(0)
+            if cpu_packed_gemm.available():
+                self.packed8, self.qweight = huge_pages.adopt(cpu_packed_gemm.pack(self.qweight), arena), None
+        elif method == "int8":
             # symmetric, one scale per 32 inputs of an output (Q8_0's blocks; a last block may
             # be shorter), kept in fp16 as Q8_0 does: [out, ceil(in / 32)] fp32 values
             pad = -self.in_features % INT8_GROUP
@@ -118,7 +125,7 @@ class WeightOnlyLinear:
         return q.numel() * q.element_size() + self.scales.numel() * scale_bytes
 
     def int8_values(self) -> torch.Tensor:
-        """int8 weights as [out, in] (from whichever copy is kept)."""
+        """int8 (or bf16) weights as [out, in] (from whichever copy is kept)."""
         if self.packed8 is not None:
             return cpu_packed_gemm.unpack(self.packed8, self.out_features)
         assert self.qweight is not None
@@ -126,6 +133,8 @@ class WeightOnlyLinear:
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight the kernels compute with (for error reports and tests)."""
+        if self.method == "bf16":
+            return self.int8_values().float()
         if self.method == "int8":
             scales = self.scales.repeat_interleave(INT8_GROUP, dim=1)[:, : self.in_features]
             return self.int8_values().float() * scales
@@ -141,7 +150,7 @@ class WeightOnlyLinear:
         small = flat.shape[0] <= QUANTIZED_SMALL_ROWS
         if self.packed8 is not None:
             return cpu_packed_gemm.gemm(flat, self.packed8, self.out_features, None, self.packed_scales)
-        if self.method == "int8":
+        if self.method in ("int8", "bf16"):
             return flat.float() @ self.dequantize().T
         if self.method == "int4" and small and cpu_gemv.available() and self.packed_vnni is None:
             return cpu_gemv.small_gemm_int4(flat, self.packed4, self.scale4, self.offset4)

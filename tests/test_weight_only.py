@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("two_threads")  # the kernels' threaded pat
 
 @settings(max_examples=12, deadline=None)
 @given(
-    method=st.sampled_from(["int8", "int4"]),
+    method=st.sampled_from(["int8", "int4", "bf16"]),
     out_features=st.integers(1, 70),
     groups=st.integers(1, 6),
     rows=st.integers(1, 40),
@@ -38,7 +38,7 @@ def test_kernels_compute_with_the_weights_they_report(method, out_features, grou
     or on AVX-512 VNNI or AVX2 the activations rounded to int8 per group at every size; and the
     weight error is within the format's."""
     gen = torch.Generator().manual_seed(seed)
-    in_features = groups * INT4_GROUP * 2 - (ragged if method == "int8" else 0)
+    in_features = groups * INT4_GROUP * 2 - (ragged if method != "int4" else 0)
     w = torch.randn(out_features, in_features, generator=gen)
     b = torch.randn(out_features, generator=gen) if bias else None
     x = torch.randn(rows, in_features, generator=gen)
@@ -53,9 +53,12 @@ def test_kernels_compute_with_the_weights_they_report(method, out_features, grou
         exact = x @ deq.T + (b if b is not None else 0)
         assert (got - exact).norm() <= 1e-5 * exact.norm()
     weight_error = ((deq - w).norm() / w.norm()).item()
-    assert weight_error <= (0.01 if method == "int8" else 0.12), weight_error
+    assert weight_error <= {"int8": 0.01, "int4": 0.12, "bf16": 2**-8}[method], weight_error
+    if method == "bf16":
+        assert torch.equal(deq, w.bfloat16().float())
     # plus at most one packed tile of zero rows (32 on AVX-512) past out_features
-    assert lin.nbytes < w.numel() * (1.1 if method == "int8" else 0.7) + 32 * in_features
+    per_weight = {"int8": 1.1, "int4": 0.7, "bf16": 2.0}[method]
+    assert lin.nbytes <= w.numel() * per_weight + 32 * in_features * (2 if method == "bf16" else 1)
 
 
 def test_a_broken_scale_fails_the_kernel_check():
@@ -87,13 +90,16 @@ def llama_path(tmp_path_factory):
 
 
 def _quantized(weight: torch.Tensor, method: str, broken: bool = False) -> torch.Tensor:
-    """``weight`` as the quantization defines it, dequantized in plain torch: int8 symmetric
+    """``weight`` as the quantization defines it, dequantized in plain torch: bf16 rounded to
+    nearest even; int8 symmetric
     per group of 32 inputs of a row (scale = max |w| / 127 kept in fp16, codes round(w / scale));
     int4 asymmetric per group of 32 inputs (scale = (max - min) / 15, codes q = round((w - min)
     / scale) in 0..15, value (q - 8) * scale + zero with zero = min + 8 * scale, scale and zero
-    kept in fp16). ``broken``, the mutation: int8 with one scale per row, int4 with bf16
-    scales and zeros."""
+    kept in fp16). ``broken``, the mutation: bf16 rounded as fp16 instead, int8 with one scale
+    per row, int4 with bf16 scales and zeros."""
     w = weight.detach().float()
+    if method == "bf16":
+        return w.half().float() if broken else w.bfloat16().float()
     if method == "int8":
         cols = w.shape[1]
         blocks = w.shape[1] if broken else 32
@@ -179,14 +185,14 @@ def _worst(out, ref: torch.Tensor) -> float:
     return worst
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "bf16"])
 def test_engine_runs_the_quantized_projections(llama_path, method):
     """The engine's prompt logprobs equal those of a plain fp32 model whose weights are
     quantized in the test from the format's definition (``_quantized``) and whose
     projections' inputs are rounded as the kernels round them (none for int8, which computes
-    in fp32; int8 activations per group for int4 on AVX-512 VNNI or AVX2), within 1e-4.
-    Mutation check: the reference with int8's scales one per row, or int4's scales and zeros
-    in bf16, is caught; and quantization did change the weights."""
+    in fp32, as does bf16; int8 activations per group for int4 on AVX-512 VNNI or AVX2), within
+    1e-4. Mutation check: the reference with int8's scales one per row, int4's scales and zeros
+    in bf16, or bf16 weights rounded as fp16, is caught; and quantization did change the weights."""
     prompt = [5, 9, 33, 70, 12, 8, 200, 41, 3, 19]
     quantized = LLM(llama_path, quantization=method)
     out = quantized.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=5), use_tqdm=False)[0]

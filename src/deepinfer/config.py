@@ -12,7 +12,7 @@ from deepinfer.cache import kv_dtypes
 from deepinfer.speculative.config import SpeculativeConfig
 
 KV_CACHE_DTYPES = ("auto", *kv_dtypes.KV_CACHE_DTYPES)
-QUANTIZATIONS = (None, "none", "fp8", "int8", "int4")
+QUANTIZATIONS = (None, "none", "fp8", "int8", "int4", "bf16")
 COMPILE_AFTER_ENV = "DEEPINFER_CPU_COMPILE_AFTER_S"
 KV_CACHE_SPACE_ENV = "DEEPINFER_KV_CACHE_SPACE_GB"
 
@@ -288,7 +288,7 @@ class EngineConfig:
             "kv_cache_dtype",
             f"one of {', '.join(repr(k) for k in KV_CACHE_DTYPES)}",
         )
-        if self.quantization in ("int8", "int4") and self.device != "cpu":
+        if self.quantization in ("int8", "int4", "bf16") and self.device != "cpu":
             raise ValueError(
                 f"quantization={self.quantization!r} runs on the CPU only, got device={self.device!r}"
             )
@@ -300,5 +300,5 @@ class EngineConfig:
             for name in ("compile", "capture_graphs", "speculative_config"):
                 if getattr(self, name):
                     raise ValueError(f"{option} > 1 runs eager steps without {name} so far")
-            if self.quantization in ("int8", "int4"):
+            if self.quantization in ("int8", "int4", "bf16"):
                 raise ValueError(f"{option} > 1 with quantization={self.quantization!r} is not supported")

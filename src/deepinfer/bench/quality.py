@@ -29,7 +29,8 @@ from deepinfer.quality import perplexity
 # our mode -> (engine options, the llama.cpp mode beside it: (file type, K/V cache type))
 MODES: dict[str, tuple[dict[str, Any], tuple[str, str | None] | None]] = {
     "fp32": ({}, ("F32", None)),
-    "bf16": ({"dtype": "bfloat16"}, ("BF16", None)),
+    "bf16": ({"quantization": "bf16"}, ("BF16", None)),  # bf16 weights, fp32 activations
+    "bf16-activations": ({"dtype": "bfloat16"}, ("BF16", None)),  # activations rounded too
     "int8": ({"quantization": "int8"}, ("Q8_0", None)),
     "int4": ({"quantization": "int4"}, ("Q4_1", None)),  # 5 bits a weight, as ours
     "int4-vs-q4_0": ({"quantization": "int4"}, ("Q4_0", None)),
@@ -52,7 +53,7 @@ def quantized_bits(llm: LLM) -> float | None:
     engine_forms = (p.engine for p in projections(llm.engine.model))
     for proj in (f for f in engine_forms if isinstance(f, WeightOnlyLinear)):
         weights += proj.out_features * proj.in_features
-        codes = 8 if proj.method == "int8" else 4
+        codes = {"int8": 8, "int4": 4, "bf16": 16}[proj.method]
         stored += (
             proj.out_features * proj.in_features * codes
             + proj.scales.numel() * 16  # fp16 scales (int8), fp16 scales and zeros (int4)

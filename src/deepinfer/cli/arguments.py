@@ -76,7 +76,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, offline: bool) -> N
     parser.add_argument("--dtype", default="float32")
     parser.add_argument(
         "--quantization",
-        choices=["none", "fp8", "int8", "int4"],
+        choices=["none", "fp8", "int8", "int4", "bf16"],
         default=None,
         help="default: as stored (fp8/fp4 stay resident); none: dequantize on load; fp8: quantize "
         "linears to fp8 blocks; int8/int4: weight-only, dense models on CPU",

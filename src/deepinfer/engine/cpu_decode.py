@@ -31,6 +31,8 @@ def _driver_weights(projection: Projection) -> tuple[Any, Any, Any, Any]:
     if isinstance(engine, WeightOnlyLinear):
         if engine.bias is not None:
             raise ValueError("the stack runs quantized weights without bias")
+        if engine.method == "bf16":
+            raise ValueError("the stack runs fp32, int8 and int4 weights")
         if engine.method == "int8":  # the packed copy (built wherever the stack is)
             return engine.packed8, None, engine.packed_scales, None
         return engine.packed4, None, engine.scale4, engine.offset4

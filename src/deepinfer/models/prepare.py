@@ -21,12 +21,12 @@ from deepinfer.models.layers.projection import projections
 
 # scale blocks of ``quantization="fp8"`` (the released V4 checkpoints' weight_block_size)
 FP8_BLOCK = (128, 128)
-WEIGHT_ONLY = ("int8", "int4")
+WEIGHT_ONLY = ("int8", "int4", "bf16")
 
 
 def quantize(model: CausalLM, quantization: str | None, arena: HugePageArena | None = None) -> None:
     """Fuse the model's projections, then apply ``quantization`` (``EngineConfig``'s: "fp8",
-    "int8", "int4"; None and "none" change nothing more, the loader having chosen the
+    "int8", "int4", "bf16"; None and "none" change nothing more, the loader having chosen the
     stored formats); refuses a method the model does not take."""
     if quantization == "fp8":
         model.quantize_fp8(FP8_BLOCK)

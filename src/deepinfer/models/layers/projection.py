@@ -106,7 +106,7 @@ class Projection:
         self.engine = functools.partial(F.linear, weight=weight, bias=bias)
 
     def quantize(self, method: str, arena: HugePageArena | None = None) -> None:
-        """Weight-only ``method`` ("int8", "int4") copy for engine steps."""
+        """Weight-only ``method`` ("int8", "int4", "bf16") copy for engine steps."""
         weight, bias = self.weight_and_bias()
         self.engine = WeightOnlyLinear(weight, bias, method, arena)
 
