@@ -121,3 +121,14 @@ def test_plan_cli_prints_json(capsys):
     assert out["tensor_parallel_size"] == 8 and out["max_model_len"] == 8192
     assert out["sequences_that_fit"] >= 1
     assert 0 < out["weight_bytes_per_device"] < 131 * GIB
+
+
+def test_plan_refuses_an_int8_cache_where_the_engine_does(tmp_path, capsys):
+    """V4's windowed and compressed rows have no int8 reader: ``deepinfer plan`` says so as the
+    engine does, and a full-attention model plans an int8 cache at 9/32 of fp32's bytes."""
+    assert main(["plan", "deepseek-v4-flash", "--max-model-len", "8192", "--kv-cache-dtype", "int8"]) != 0
+    assert "kv_cache_dtype='int8'" in capsys.readouterr().err
+    path = make_tiny_checkpoint(tmp_path / "llama", arch="llama", seed=1, head_dim=32)
+    model, _ = _meta(json.loads((path / "config.json").read_text()))
+    int8, fp32 = (plan(model, None, 256, kv_dtype=d, packed_kv=False) for d in (torch.int8, torch.float32))
+    assert int8.kv_bytes_per_token * 32 == fp32.kv_bytes_per_token * 9

@@ -146,6 +146,14 @@ def _compressor_pools(
     return pools
 
 
+def check_pool_dtype(layout: CacheLayout, dtype: torch.dtype) -> None:
+    """Refuse a K/V element type the layout's rows have no reader for: int8 only for
+    full-attention layers (windowed and compressed rows are read through paths that know no
+    scales). The engine and ``plan`` both ask."""
+    if dtype == torch.int8 and any(s.window or s.ratio for s in layout.specs):
+        raise ValueError("kv_cache_dtype='int8' is supported for full-attention models (Llama family) only")
+
+
 def allocate_pools(
     layout: CacheLayout,
     num_blocks: int,
@@ -165,9 +173,7 @@ def allocate_pools(
     a row left by an earlier owner of the block is finite. Compressor state stays fp32 (V4.1
     pools in fp32, and a group split across steps must not round half of itself).
     """
-    if dtype == torch.int8 and any(s.window or s.ratio for s in layout.specs):
-        # windowed and compressed layers read their rows through paths that know no scales
-        raise ValueError("kv_cache_dtype='int8' is supported for full-attention models (Llama family) only")
+    check_pool_dtype(layout, dtype)
     for i, spec in enumerate(layout.specs):
         src = spec.shared_from
         owner = layout.specs[src] if src is not None and 0 <= src < i else None

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from deepinfer.cache.layer_spec import LayerCacheSpec
-from deepinfer.cache.pools import CacheLayout
+from deepinfer.cache.pools import CacheLayout, check_pool_dtype
 from deepinfer.weights.writer import stored_format
 
 GIB = 1 << 30
@@ -180,6 +180,7 @@ def plan(
     layout = CacheLayout.from_specs(
         model.cache_spec(), block_size, bounded_window=bounded_window, packed_kv=packed_kv
     )
+    check_pool_dtype(layout, kv_dtype)
     per_token = layout.block_bytes(kv_dtype) / layout.block_size
     window = layout.window_blocks_per_sequence() * layout.window_block_bytes(kv_dtype)
     slot = layout.slot_bytes(kv_dtype) + window  # what a sequence holds whatever its length
