@@ -192,6 +192,43 @@ def test_generate_until_equals_llm_generate_and_hf(ours, hf_results):
     assert got != ours["unstopped"]  # the stop string cut at least one generation
 
 
+def contexts(results: dict, task: str) -> list[str]:
+    """Every request's first argument (the text scored or continued), in document order."""
+    samples = sorted(results["samples"][task], key=lambda s: s["doc_id"])
+    return [str(a[0] if isinstance(a, list | tuple) else a) for s in samples for a in s["arguments"]]
+
+
+def test_chat_templates_score_as_the_hf_backend(env, monkeypatch):
+    """With ``apply_chat_template``, each question goes through SmolLM2's template (its turn
+    markers in every context), the contexts equal the ``hf`` backend's, and so do the
+    loglikelihoods (1e-4). Mutation check: a backend that renders without the generation
+    prompt scores other contexts past the tolerance."""
+    from deepinfer.integrations import lm_eval_backend
+
+    smol = resolve_model("smollm2-135m")
+    hf = evaluate(
+        "hf",
+        env,
+        ["di_choice"],
+        model_args={"pretrained": str(smol), "dtype": "float32"},
+        device="cpu",
+        batch_size=4,
+        apply_chat_template=True,
+    )
+    run = evaluate(env[2], env, ["di_choice"], apply_chat_template=True)
+    assert len(contexts(run, "di_choice")) == 9 and contexts(run, "di_choice") == contexts(hf, "di_choice")
+    assert all("<|im_start|>assistant" in c for c in contexts(run, "di_choice"))
+    assert max_gap(responses(run, "di_choice"), responses(hf, "di_choice")) < TOL
+    real = lm_eval_backend.DeepInferLM.apply_chat_template
+    monkeypatch.setattr(
+        lm_eval_backend.DeepInferLM,
+        "apply_chat_template",
+        lambda self, history, add_generation_prompt=True: real(self, history, False),
+    )
+    broken = evaluate(env[2], env, ["di_choice"], apply_chat_template=True)
+    assert max_gap(responses(broken, "di_choice"), responses(hf, "di_choice")) > TOL
+
+
 @pytest.fixture(scope="module")
 def served(env, ours):
     """``deepinfer serve``'s app over the backend's engine (after its offline runs)."""
