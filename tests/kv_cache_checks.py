@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from deepinfer.kernels import kv_int8
+from deepinfer.kernels import kv_rotation
 from deepinfer.kernels.cpu import attention as cpu_attention
 from deepinfer.kernels.cpu import rope_store as cpu_rope_store
 
@@ -64,7 +64,7 @@ def rounded_twin(
     if hasattr(twin.engine.runner.forward, "stack"):  # the one-call Llama stack: off
         twin.engine.runner.forward.stack = None
     if rotated:
-        monkeypatch.setattr(kv_int8, "rotates", lambda dtype: True)
+        monkeypatch.setattr(kv_rotation, "rotates", lambda dtype: True)
         monkeypatch.setattr(cpu_rope_store, "supports", lambda *a: False)  # rotates on the Python path
     if round_rows is not None:
         real = kv_dtypes.store

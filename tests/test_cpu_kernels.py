@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch._dynamo.testing
 import torch.nn.functional as F
-from deepinfer.kernels import kv_int8, weight_only
+from deepinfer.kernels import kv_int8, kv_rotation, weight_only
 from deepinfer.kernels.cpu import attention as cpu_attention
 from deepinfer.kernels.cpu import build as cpu_build
 from deepinfer.kernels.cpu import decode_stack as cpu_decode_stack
@@ -438,8 +438,8 @@ def test_a_broken_attention_kernel_fails_the_reference_check():
 @example(tokens=9, kv_heads=1, group=3, half=8, act=torch.bfloat16, pool=torch.float8_e5m2, seed=6)
 @example(tokens=80, kv_heads=3, group=3, half=32, act=torch.bfloat16, pool=torch.int8, seed=7)
 def test_rope_store_is_bitwise_the_reference(tokens, kv_heads, group, half, act, pool, seed):
-    """Rotated q, and k and v in the pools, equal ``rotate_half_rope`` (then, for an int8
-    pool, ``kv_int8.rotate``) plus the two cache writes (``kv_dtypes.store``) bit for bit, for every activation/pool dtype pair, one thread
+    """Rotated q, and k and v in the pools, equal ``rotate_half_rope`` (then, for an int8 or
+    fp8 pool, ``kv_rotation.rotate``) plus the two cache writes (``kv_dtypes.store``) bit for bit, for every activation/pool dtype pair, one thread
     or (from 64 tokens) several; fp8 pools saturate values past their range (a few scaled up
     to reach it)."""
     gen = torch.Generator().manual_seed(seed)
@@ -457,8 +457,8 @@ def test_rope_store_is_bitwise_the_reference(tokens, kv_heads, group, half, act,
     k_ref, v_ref = k_pool.clone(), v_pool.clone()
     q = cpu_rope_store.rope_store(qkv, cos, sin, rows, k_pool, v_pool, heads, kv_heads, d)
     qk = rotate_half_rope(qkv[:, : (heads + kv_heads) * d].reshape(tokens, -1, d), cos, sin)
-    if pool == torch.int8:  # an int8 cache's basis
-        qk = kv_int8.rotate(qk)
+    if kv_rotation.rotates(pool):  # an 8-bit cache's basis
+        qk = kv_rotation.rotate(qk)
     kv_dtypes.store(k_ref, rows, qk[:, heads:].reshape(tokens, -1))
     kv_dtypes.store(v_ref, rows, qkv[:, (heads + kv_heads) * d :])
     assert torch.equal(q, qk[:, :heads].to(act))

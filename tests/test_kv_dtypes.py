@@ -12,7 +12,7 @@ from deepinfer.kernels.cpu import build as cpu_build
 from equivalence_workloads import alone_runner, count_preemptions, together
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kv_cache_checks import count_kernel_calls, greedy_logprobs, rounded_twin
+from kv_cache_checks import close, count_kernel_calls, greedy_logprobs, rounded_twin
 
 from deepinfer import LLM
 from deepinfer.cache import kv_dtypes
@@ -147,8 +147,9 @@ def test_broken_fp8_helpers_fail_the_checks(mutation):
 def test_an_fp8_cache_computes_with_the_values_it_stores(arch, kv, tmp_path, monkeypatch):
     """An fp8 cache (its kernels: the one-call Llama stack, RoPE + writes, in-place attention)
     gives the tokens and logprobs of an fp32 cache whose writes round every value through the
-    same fp8 format, on the Python write path; a quarter of the fp32 cache's bytes for Llama
-    (V4 keeps its compressor state in fp32)."""
+    same fp8 format, on the Python write path (for Llama, with queries and keys in the rotated
+    basis); a quarter of the fp32 cache's bytes for Llama (V4 keeps its compressor state in
+    fp32). Mutation check for Llama: the twin rounding unrotated keys differs."""
     path = make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=3)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, 258, (int(n),), generator=gen).tolist() for n in (5, 17, 30)]
@@ -172,11 +173,18 @@ def test_an_fp8_cache_computes_with_the_values_it_stores(arch, kv, tmp_path, mon
         max(abs(a - b) for a, b in zip(x[1], y[1], strict=True)) > 1e-3
         for x, y in zip(got, unrounded, strict=True)
     )
-    twin = rounded_twin(path, monkeypatch, lambda values: kv_dtypes.to_pool(values, dtype).float())
-    want = greedy_logprobs(twin, prompts)
+
+    def fp8(values: torch.Tensor) -> torch.Tensor:
+        return kv_dtypes.to_pool(values, dtype).float()
+
+    rotated = arch == "llama"  # a Llama cache holds keys in the rotated basis (kv_rotation)
+    want = greedy_logprobs(rounded_twin(path, monkeypatch, fp8, rotated=rotated), prompts)
     for (tokens, logprobs), (tokens_ref, logprobs_ref) in zip(got, want, strict=True):
         assert tokens == tokens_ref
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(logprobs_ref), rtol=0, atol=1e-4)
+    if rotated:
+        monkeypatch.undo()
+        assert not close(got, greedy_logprobs(rounded_twin(path, monkeypatch, fp8), prompts), 1e-4)
 
 
 @pytest.mark.parametrize(("arch", "blocks", "budget"), [("llama", 48, 96), ("deepseek_v4", 8, 256)])

@@ -142,55 +142,11 @@ def test_broken_int8_helpers_fail_the_checks(mutation):
     assert not (torch.equal(_kernel_rows(broken, x), kv_int8.encode(x)) and torch.equal(out, codes.float()))
 
 
-def _hadamard(n: int) -> torch.Tensor:
-    """The orthonormal Sylvester Hadamard matrix of order n (a power of two), built by
-    Kronecker products, apart from ``kv_int8``."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.kron(torch.tensor([[1.0, 1.0], [1.0, -1.0]]), h)
-    return h / n**0.5
-
-
-@settings(max_examples=20, deadline=None)
-@given(
-    seed=st.integers(0, 10_000), lead=st.integers(1, 5), head_dim=st.sampled_from([8, 32, 64, 96, 128, 192])
-)
-def test_rotate_is_the_blockwise_hadamard_matrix_and_its_own_inverse(seed, lead, head_dim):
-    """``rotate`` multiplies each head by the orthonormal Hadamard matrix of its largest
-    power-of-two block (96 -> three blocks of 32), keeps query-key products, and undoes
-    itself."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(lead, 3, head_dim, generator=gen)
-    n = head_dim & -head_dim
-    want = (x.view(lead, 3, head_dim // n, n) @ _hadamard(n)).view(x.shape)
-    got = kv_int8.rotate(x)
-    assert got.shape == x.shape and torch.allclose(got, want, atol=1e-5)
-    assert torch.allclose(kv_int8.rotate(got), x, atol=1e-5)
-    q, k = torch.randn(head_dim, generator=gen), x[0, 0]
-    assert torch.allclose(kv_int8.rotate(q) @ got[0, 0], q @ k, atol=1e-4)
-
-
-def test_rotation_spreads_an_outlier_channel_over_the_block():
-    """Why keys are rotated: a head whose one channel is 100x the others loses most of its
-    small channels to a shared scale; rotated, the same codes keep them. Mutation check: the
-    unrotated round trip is many times worse."""
-    gen = torch.Generator().manual_seed(0)
-    k = torch.randn(256, 64, generator=gen)
-    k[:, 5] *= 100.0
-
-    def round_trip(x: torch.Tensor) -> torch.Tensor:
-        return kv_int8.read(kv_int8.encode(x), torch.float32)
-
-    plain = (round_trip(k) - k)[:, [i for i in range(64) if i != 5]].pow(2).mean()
-    rotated = (kv_int8.rotate(round_trip(kv_int8.rotate(k))) - k)[:, [i for i in range(64) if i != 5]]
-    assert rotated.pow(2).mean() * 10 < plain
-
-
 def test_an_int8_cache_computes_with_the_values_it_stores(tmp_path, monkeypatch):
     """An int8 cache, through its kernels (the one-call Llama stack, RoPE + writes, in-place
     decode and prefill attention), gives the tokens and logprobs (1e-4) of an fp32 cache whose
     writes round every row through the format's definition on the Python path, with queries
-    and keys meeting in the Hadamard basis (``kv_int8.rotate``); its blocks take 9/32 of the fp32 cache's
+    and keys meeting in the Hadamard basis (``kv_rotation``); its blocks take 9/32 of the fp32 cache's
     bytes. Mutation checks: rounding with one scale per 64 values instead of 32, or rounding
     the keys unrotated, moves the logprobs past the tolerance."""
     path = make_tiny_checkpoint(tmp_path / "llama", arch="llama", seed=3, head_dim=32, hidden_size=128)

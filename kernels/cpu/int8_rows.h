@@ -2,8 +2,7 @@
 // them): a row of n values is n int8 codes, then n / 32 fp32 scales. row_elems<T>(n) (a
 // row's width in pool elements), head_scales<T>(row, n, first) (the scales of the values from
 // `first` on; nullptr for other pool types), i8_load(p) (one Vectorized<float> of codes) and
-// i8_store_row(row, x, n) (encode n values, bitwise kv_int8.encode) and fwht(x, n) (a head's
-// keys or query into the cache's rotated basis, bitwise kv_int8.rotate).
+// i8_store_row(row, x, n) (encode n values, bitwise kv_int8.encode).
 #ifndef DEEPINFER_KERNELS_CPU_INT8_ROWS_H
 #define DEEPINFER_KERNELS_CPU_INT8_ROWS_H
 
@@ -59,26 +58,6 @@ inline void i8_store_row(int8_t* row, const float* x, int64_t n) {
       row[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, c)));
     }
     scales[b / I8_BLOCK] = s;
-  }
-}
-
-// a head's n values times the orthonormal Hadamard matrix of each block of n & -n values, in
-// place: kv_int8.rotate's butterflies in its order, then its fp32 scale
-inline void fwht(float* x, int64_t n) {
-  const int64_t m = n & -n;
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(m)));
-  for (int64_t b = 0; b < n; b += m) {
-    float* y = x + b;
-    for (int64_t s = 1; s < m; s *= 2) {
-      for (int64_t j = 0; j < m; j += 2 * s) {
-        for (int64_t i = j; i < j + s; ++i) {
-          const float a = y[i], c = y[i + s];
-          y[i] = a + c;
-          y[i + s] = a - c;
-        }
-      }
-    }
-    for (int64_t i = 0; i < m; ++i) y[i] *= scale;
   }
 }
 

@@ -1,6 +1,7 @@
 // Llama RoPE plus the K/V cache writes in one call; built and called by rope_store.py.
 
 #include "fp8.h"
+#include "hadamard.h"
 #include "int8_rows.h"
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
@@ -18,11 +19,13 @@ void rope_store(const A* qkv, const float* cos, const float* sin, const int64_t*
   // tokens are independent: a prefill's split over ATen's threads (as many as PyTorch is set
   // to), a decode step's few run inline on the calling thread
   at::parallel_for(0, T, PARALLEL_TOKENS, [&](int64_t first, int64_t last) {
-  std::vector<float> kbuf, vbuf, head;  // an int8 row is encoded whole, from its values in fp32
+  // an 8-bit pool meets q and k rotated (kv_rotation.py), a head at a time; an int8 row is
+  // encoded whole, from its values in fp32
+  constexpr bool rotated = is_i8_v<P> || is_fp8_v<P>;
+  std::vector<float> kbuf, vbuf, head(rotated ? d : 0);
   if constexpr (is_i8_v<P>) {
     kbuf.resize(KV * d);
     vbuf.resize(KV * d);
-    head.resize(d);
   }
   for (int64_t t = first; t < last; ++t) {
     const A* x = qkv + t * width;
@@ -36,7 +39,7 @@ void rope_store(const A* qkv, const float* cos, const float* sin, const int64_t*
         const float x1 = static_cast<float>(xh[i]), x2 = static_cast<float>(xh[i + half]);
         const float p1 = x1 * c[i], p2 = x2 * s[i], p3 = x2 * c[i], p4 = x1 * s[i];
         const A a = static_cast<A>(p1 - p2), b = static_cast<A>(p3 + p4);
-        if constexpr (is_i8_v<P>) {
+        if constexpr (rotated) {
           head[i] = static_cast<float>(a);
           head[i + half] = static_cast<float>(b);
         } else if (h < H) {
@@ -47,12 +50,14 @@ void rope_store(const A* qkv, const float* cos, const float* sin, const int64_t*
           kr[(h - H) * d + i + half] = to_pool<P>(static_cast<float>(b));
         }
       }
-      if constexpr (is_i8_v<P>) {  // an int8 cache holds keys, and meets queries, rotated
+      if constexpr (rotated) {
         fwht(head.data(), d);
         if (h < H) {
           for (int64_t i = 0; i < d; ++i) q_out[(t * H + h) * d + i] = static_cast<A>(head[i]);
-        } else {
+        } else if constexpr (is_i8_v<P>) {
           std::copy(head.begin(), head.end(), kbuf.begin() + (h - H) * d);
+        } else {
+          for (int64_t i = 0; i < d; ++i) kr[(h - H) * d + i] = to_pool<P>(head[i]);
         }
       }
     }

@@ -6,8 +6,8 @@ than in arithmetic. This kernel does the same arithmetic in one pass: each head'
 rotated in fp32 exactly as ``rotate_half_rope`` does (a product, a product, a sum: no fused
 multiply-add, as Inductor's flags forbid contraction), rounded to the activations' dtype, and
 k and v are stored at the step's pool rows in the pool's dtype (fp8 saturated, as
-``kv_dtypes.store`` does; for an int8 pool q and k are first rotated as ``kv_int8.rotate``
-does, and each row is encoded whole). Results are bitwise the reference's. A prefill's tokens (64 or
+``kv_dtypes.store`` does; for an int8 or fp8 pool q and k are first rotated as
+``kv_rotation.rotate`` does, and an int8 row is encoded whole). Results are bitwise the reference's. A prefill's tokens (64 or
 more) split over ATen's threads; decode runs on the calling one. Built once per machine by
 ``build``.
 """

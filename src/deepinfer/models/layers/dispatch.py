@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.cache.forward_batch import ForwardBatch, LayerPools
-from deepinfer.kernels import kv_int8
+from deepinfer.kernels import kv_rotation
 from deepinfer.kernels.cpu import norm_act, rope_store
 from deepinfer.kernels.paged_attention import paged_attention, paged_attention_reference
 from deepinfer.models.layers.norms import RMSNorm
@@ -61,7 +61,7 @@ def rope_and_store(
     """Rotate q and k of ``qkv`` ([T, (n_heads + 2 n_kv) head_dim]: q, k, v heads side by
     side) and write k and v to the layer's pools; returns q [T, n_heads, head_dim] and the
     keys and values to attend (the pools, or under the research binding new tensors). An int8
-    cache meets q and k in its rotated basis (``kv_int8.rotate``)."""
+    or fp8 cache meets q and k in its rotated basis (``kv_rotation.rotate``)."""
     assert pools.values is not None
     if _eager_engine(batch) and rope_store.supports(qkv, pools.window, pools.values):
         q = rope_store.rope_store(
@@ -71,8 +71,8 @@ def rope_and_store(
     t = qkv.shape[0]
     # q and k heads sit side by side: one RoPE call rotates both
     qk = rotate_half_rope(qkv[:, : (n_heads + n_kv) * head_dim].reshape(t, -1, head_dim), cos, sin)
-    if kv_int8.rotates(pools.window.dtype):  # keys are encoded from the rotation's fp32 values
-        qk = kv_int8.rotate(qk)
+    if kv_rotation.rotates(pools.window.dtype):  # keys are encoded from the rotation's fp32 values
+        qk = kv_rotation.rotate(qk)
     q, k = qk[:, :n_heads].to(qkv.dtype), qk[:, n_heads:]
     v = qkv[:, (n_heads + n_kv) * head_dim :]
     keys = batch.write(pools.window, batch.window_write, k.reshape(t, -1))
