@@ -143,13 +143,28 @@ def test_packed_gemm_rows_do_not_depend_on_their_batch(n, k, rows, seed):
         assert torch.equal(cpu_packed_gemm.gemm(x[i : i + 1], packed, n, b)[0], together[i])
 
 
-def _broken_packed_gemm(old: str, new: str, symbol: str, x: torch.Tensor, w: torch.Tensor, threads: int):
-    """``x @ w.T`` through the packed GEMM built from its source with ``old`` replaced by ``new``
-    (a mutation check's kernel); asserts that the source changed."""
-    source = cpu_build.source("packed_gemm.cpp").replace(old, new)
-    assert source != cpu_build.source("packed_gemm.cpp")
+# the packed GEMM's inline and template functions: a mutant renames them, or the dynamic linker may bind
+# its calls to the same functions of a copy already loaded with global symbols (the compiled op's)
+_PACKED_TEMPLATES = ("load_w", "load_scales", "tile", "tail", "passes", "rows_first", "packed_gemm")
+
+
+def _packed_gemm_mutant(old: str, new: str) -> ctypes.CDLL:
+    """The packed GEMM built from its source with ``old`` replaced by ``new`` and its templates
+    renamed (a mutation check's kernel); asserts that the source changed."""
+    good = cpu_build.source("packed_gemm.cpp")
+    source = good.replace(old, new)
+    assert source != good
+    renames = "".join(f"#define {name} {name}_mutant\n" for name in _PACKED_TEMPLATES)
+    source = source.replace("using Vec = ", renames + "using Vec = ", 1)
     broken = cpu_build.load(source)
     assert broken is not None
+    return broken
+
+
+def _broken_packed_gemm(old: str, new: str, symbol: str, x: torch.Tensor, w: torch.Tensor, threads: int):
+    """``x @ w.T`` through the packed GEMM built from its source with ``old`` replaced by ``new``
+    (a mutation check's kernel)."""
+    broken = _packed_gemm_mutant(old, new)
     fn = cpu_build.bind(broken, symbol, cpu_packed_gemm.ARGTYPES)
     (rows, k), n = x.shape, w.shape[0]
     y = torch.zeros(rows, n)
@@ -182,11 +197,7 @@ def test_a_broken_int8_group_scale_fails_the_reference_check():
     q, scales, w = _int8_case(5, 40, 100)
     expected = x.double() @ w.double().T
     bound = 1e-5 * (x.double().abs() @ w.double().abs().T).max().item() + 1e-5
-    old = "s0 = load_scales(gs + k0 / GROUP * 2 * V);"
-    source = cpu_build.source("packed_gemm.cpp").replace(old, "s0 = load_scales(gs);")
-    assert source != cpu_build.source("packed_gemm.cpp")
-    broken = cpu_build.load(source)
-    assert broken is not None
+    broken = _packed_gemm_mutant("s0 = load_scales(gs + k0 / GROUP * 2 * V);", "s0 = load_scales(gs);")
     fn = cpu_build.bind(broken, "packed_gemm_i8", cpu_packed_gemm.ARGTYPES_I8)
     y = torch.zeros(3, 40)
     packed, packed_scales = cpu_packed_gemm.pack(q), cpu_packed_gemm.pack_scales(scales)
