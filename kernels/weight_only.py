@@ -73,7 +73,8 @@ class WeightOnlyLinear:
             # be shorter), kept in fp16 as Q8_0 does: [out, ceil(in / 32)] fp32 values
             pad = -self.in_features % INT8_GROUP
             groups = F.pad(w, (0, pad)).view(self.out_features, -1, INT8_GROUP)
-            scale = (groups.abs().amax(dim=-1) / 127.0).half().float()
+            fp16_max = torch.finfo(torch.float16).max  # larger weights saturate, never inf
+            scale = (groups.abs().amax(dim=-1) / 127.0).clamp(max=fp16_max).half().float()
             q8 = torch.where(scale[..., None] > 0, groups / scale[..., None], 0.0).round().clamp(-127, 127)
             q8 = q8.view(self.out_features, -1)[:, : self.in_features].to(torch.int8)
             self.scales = scale

@@ -203,8 +203,8 @@ void rows_first(const float* x, const W* p, const uint16_t* scale, const float* 
 }
 
 // y [M, N] = x [M, K] @ W.T (+ bias [N]), W packed as [ceil(N / 2V)][K][2V] (int8: each weight
-// times its group's scale). Work
-// items are tiles, and also row ranges (multiples of MR) when there are few tiles per thread.
+// times its group's scale). Work items are tiles, and also row ranges (multiples of MR) when
+// there are few tiles per thread.
 template <typename W>
 void packed_gemm(const float* x, const W* p, const uint16_t* scale, const float* bias, float* y, int64_t M,
                  int64_t N, int64_t K, int threads) {
@@ -238,7 +238,8 @@ extern "C" void packed_gemm_bf16(const float* x, const uint16_t* p, const float*
   packed_gemm<uint16_t>(x, p, nullptr, bias, y, M, N, K, threads);
 }
 
-// int8 weights with one fp32 scale per output: y = scale * (x . q) + bias
+// int8 weights with an fp16 scale per 32 inputs of an output (Q8_0's blocks), packed as
+// [tiles][ceil(K / 32)][2V]: y = x . (q * scale) + bias
 extern "C" void packed_gemm_i8(const float* x, const int8_t* p, const uint16_t* scale, const float* bias, float* y,
                                int64_t M, int64_t N, int64_t K, int threads) {
   packed_gemm<int8_t>(x, p, scale, bias, y, M, N, K, threads);
