@@ -149,3 +149,19 @@ def test_inductor_decode_with_every_fusion_pass_equals_eager_past_group_boundari
             for t, p, q in zip(x.token_ids, x.logprobs, y.logprobs, strict=True)
         )
         assert diff <= 1e-4, diff
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_compiled_llama_on_an_8bit_cache_equals_eager(kv, tmp_path):
+    """A compiled Llama step writes and reads an int8 or fp8 cache through the Python path
+    (RoPE, the Hadamard rotation of queries and keys, the row encoding) that Inductor
+    compiles; the eager engine runs the C++ kernels: the same greedy tokens."""
+    from deepinfer import LLM, SamplingParams
+
+    path = make_tiny_checkpoint(tmp_path / "llama", arch="llama", seed=5, head_dim=32, hidden_size=128)
+    prompts = [[3, 17, 99, 4, 250, 31, 7], [12, 5, 88]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    eager = LLM(path, kv_cache_dtype=kv, enable_prefix_caching=False)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(path, kv_cache_dtype=kv, compile=True, enable_prefix_caching=False, max_num_batched_tokens=64)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
