@@ -104,6 +104,7 @@ class LLM:
             ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(by_dtype.items())),
         )
         self._counter = itertools.count()
+        self._asleep = False
         if self._replicas is not None:
             self._replicas.wait_ready()
 
@@ -114,6 +115,31 @@ class LLM:
             self._replicas.close()
             self._replicas = None
         self.engine.close()
+
+    def sleep(self, level: int = 1) -> None:
+        """Give the K/V cache's memory back to the system until ``wake_up`` (an RL trainer's
+        use between rollouts). Level 1 zeroes the CPU cache pools and returns their pages,
+        forgetting every cached prefix; the weights stay. Refused while requests are unfinished,
+        and where the cache is not this process's CPU memory."""
+        if level != 1:
+            raise ValueError(f"sleep: level must be 1 (free the K/V cache), got {level!r}")
+        cfg = self.config
+        if cfg.device != "cpu" or self._replicas is not None:
+            raise ValueError(
+                "sleep: frees the K/V cache of a CPU engine in one process (device='cpu', no replicas)"
+            )
+        if cfg.tensor_parallel_size != 1 or cfg.data_parallel_size != 1:
+            raise ValueError("sleep: not supported with tensor_parallel_size or data_parallel_size > 1")
+        self.engine.release_cache()
+        self._asleep = True
+
+    def wake_up(self) -> None:
+        """Take requests again after ``sleep``; the cache fills again as requests use it."""
+        self._asleep = False
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._asleep
 
     def memory_report(self) -> dict[str, Any]:
         """Where the memory goes: resident weight bytes by dtype, and the KV cache (bytes
@@ -215,6 +241,8 @@ class LLM:
 
     def _add(self, prompt: PromptType, index: int, params: SamplingParams) -> list[Request]:
         """Queue one prompt (n siblings for n > 1); on a bad prompt nothing is queued."""
+        if self._asleep:
+            raise RuntimeError("the engine is asleep (LLM.sleep): call wake_up() before adding requests")
         text, ids = self._prompt_ids(prompt, index)
         base = str(next(self._counter))
         child = replace(params, n=1) if params.n > 1 else params

@@ -108,6 +108,13 @@ class BlockPool:
         self._hash_of[block] = h
         self._block_of[h] = block
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the blocks' contents are gone); no block may be held."""
+        if any(self.ref_count):
+            raise RuntimeError("reset_prefix_cache: blocks are still held by requests")
+        self._hash_of.clear()
+        self._block_of.clear()
+
     def _forget(self, block: int) -> None:
         h = self._hash_of.pop(block, None)
         if h is not None:

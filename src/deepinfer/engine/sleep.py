@@ -1,0 +1,59 @@
+"""Sleep mode: hand the K/V cache's memory back to the system between uses of an engine, as
+RL trainers do between rollouts (vLLM's ``LLM.sleep``, SGLang's
+``release_memory_occupation``).
+
+The pools stay where they are: every page wholly inside a CPU pool is returned with
+``madvise(MADV_DONTNEED)``, which a private mapping refills with zeros on the next touch, and
+the partial pages at a pool's ends are zeroed. Addresses never change, so the one-call decode
+stack's tables and compiled steps stay valid, and the cache is as a new engine's: zeroed, with
+no prefix cached (its blocks no longer hold what their hashes name).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import mmap
+import sys
+
+import torch
+
+from deepinfer.cache.forward_batch import CompressorPools, LayerPools
+from deepinfer.cache.kv_formats import PackedRows
+
+_MADV_DONTNEED = 4  # Linux
+
+
+def cache_tensors(pools: list[LayerPools]) -> list[torch.Tensor]:
+    """Every tensor the layers' pools hold, each once (layers may share entries)."""
+    found: dict[int, torch.Tensor] = {}
+
+    def visit(value: object) -> None:
+        if isinstance(value, torch.Tensor):
+            found.setdefault(value.data_ptr(), value)
+        elif isinstance(value, PackedRows):
+            visit(value.data)
+        elif isinstance(value, LayerPools | CompressorPools):
+            for field in dataclasses.fields(value):
+                visit(getattr(value, field.name))
+
+    for layer in pools:
+        visit(layer)
+    return list(found.values())
+
+
+def release(t: torch.Tensor) -> None:
+    """Zero ``t``, returning the pages wholly inside it to the system (a CPU tensor on Linux)."""
+    page = mmap.PAGESIZE
+    start, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    first = -(-start // page) * page
+    last = (start + nbytes) // page * page
+    flat = t.view(-1).view(torch.uint8) if t.is_contiguous() else None
+    if t.device.type != "cpu" or flat is None or last <= first or not sys.platform.startswith("linux"):
+        t.zero_()
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) != 0:
+        raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed on a cache pool")
+    flat[: first - start].zero_()
+    flat[last - start :].zero_()
