@@ -20,6 +20,7 @@ from deepinfer.distributed.replicas import ReplicaPool, RequestSpec, balanced_sh
 from deepinfer.engine.engine import Engine
 from deepinfer.engine.memory import weight_bytes
 from deepinfer.engine.request import Request
+from deepinfer.engine.sleep import release_cache
 from deepinfer.models.loading import load_model
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
@@ -130,7 +131,7 @@ class LLM:
             )
         if cfg.tensor_parallel_size != 1 or cfg.data_parallel_size != 1:
             raise ValueError("sleep: not supported with tensor_parallel_size or data_parallel_size > 1")
-        self.engine.release_cache()
+        release_cache(self.engine)
         self._asleep = True
 
     def wake_up(self) -> None:

@@ -25,7 +25,7 @@ from deepinfer.cache.pools import CacheLayout
 from deepinfer.config import EngineConfig
 from deepinfer.distributed.eplb import ExpertPlacement
 from deepinfer.distributed.workers import CacheSetup, TensorParallelGroup
-from deepinfer.engine import setup, sleep
+from deepinfer.engine import setup
 from deepinfer.engine.admission import check_request
 from deepinfer.engine.block_pool import BlockPool
 from deepinfer.engine.dp_scheduler import DataParallelScheduler
@@ -268,16 +268,6 @@ class Engine:
         """End one request that went wrong (finish reason "error", ``error`` saying why); its
         cache is freed unpublished and the other requests go on."""
         self.processor.fail(request, error)
-
-    def release_cache(self) -> None:
-        """Zero the K/V pools and give their pages back to the system, forgetting every cached
-        prefix (``sleep.py``); refused while requests are unfinished."""
-        if self.has_unfinished():
-            raise RuntimeError("sleep: requests are unfinished; let them finish or abort them first")
-        for tensor in sleep.cache_tensors(self.runner.pools):
-            sleep.release(tensor)
-        for pool in [*self.pools, *(self.window_pools or [])]:
-            pool.reset_prefix_cache()
 
     def has_unfinished(self) -> bool:
         return (

@@ -15,11 +15,15 @@ import ctypes
 import dataclasses
 import mmap
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
 from deepinfer.cache.forward_batch import CompressorPools, LayerPools
 from deepinfer.cache.kv_formats import PackedRows
+
+if TYPE_CHECKING:
+    from deepinfer.engine.engine import Engine
 
 _MADV_DONTNEED = 4  # Linux
 
@@ -57,3 +61,14 @@ def release(t: torch.Tensor) -> None:
         raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed on a cache pool")
     flat[: first - start].zero_()
     flat[last - start :].zero_()
+
+
+def release_cache(engine: Engine) -> None:
+    """Zero ``engine``'s K/V pools and give their pages back to the system, forgetting every
+    cached prefix; refused while requests are unfinished."""
+    if engine.has_unfinished():
+        raise RuntimeError("sleep: requests are unfinished; let them finish or abort them first")
+    for tensor in cache_tensors(engine.runner.pools):
+        release(tensor)
+    for pool in [*engine.pools, *(engine.window_pools or [])]:
+        pool.reset_prefix_cache()
