@@ -35,7 +35,7 @@ from deepinfer.kernels.cpu import int4_vnni as cpu_int4_vnni
 from deepinfer.kernels.cpu import packed_gemm as cpu_packed_gemm
 
 INT4_GROUP = 32
-INT8_GROUP = 32  # inputs per int8 scale
+INT8_GROUP = cpu_packed_gemm.GROUP  # inputs per int8 scale: the kernel's
 # int4 rows up to which ``cpu_gemv``'s loop runs on CPUs without VNNI or AVX2 (PyTorch's kernel above)
 QUANTIZED_SMALL_ROWS = 4
 _INNER_K_TILES = 2

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.engine import sleep
 from deepinfer.engine.block_pool import BlockPool
+from deepinfer.engine.memory import cache_tensors
 from deepinfer.tiny import make_tiny_checkpoint
 
 
@@ -41,13 +41,13 @@ def test_sleep_returns_the_cache_pages_and_waking_computes_afresh(setup):
     llm = LLM(path, kv_cache_memory_bytes=64 << 20)
     _run(llm, prompts[:1])  # caches the shared prefix
     assert _run(llm, prompts) == fresh and llm.engine.pool.hit_blocks > 0
-    for t in sleep.cache_tensors(llm.engine.runner.pools):
+    for t in cache_tensors(llm.engine.runner.pools):
         t.view(-1).view(torch.uint8).fill_(1)  # every page of the cache resident
-    held = sum(t.numel() * t.element_size() for t in sleep.cache_tensors(llm.engine.runner.pools))
+    held = sum(t.numel() * t.element_size() for t in cache_tensors(llm.engine.runner.pools))
     before = _rss()
     llm.sleep()
     assert llm.is_sleeping and before - _rss() >= 0.9 * held
-    assert all(not t.any() for t in sleep.cache_tensors(llm.engine.runner.pools))
+    assert all(not t.any() for t in cache_tensors(llm.engine.runner.pools))
     with pytest.raises(RuntimeError, match="asleep"):
         llm.generate([prompts[0]])
     llm.wake_up()

@@ -39,25 +39,26 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
     return out
 
 
-def pool_bytes(pools: list[Any]) -> int:
-    """Bytes of the cache tensors in ``pools`` (``LayerPools``, nested ``CompressorPools``),
-    each tensor once (V4.1's layers share entries)."""
-    seen: set[int] = set()
-    total = 0
+def cache_tensors(pools: list[Any]) -> list[torch.Tensor]:
+    """Every cache tensor in ``pools`` (``LayerPools``, nested ``CompressorPools`` and packed
+    rows), each once (V4.1's layers share entries)."""
+    found: dict[int, torch.Tensor] = {}
 
     def visit(obj: Any) -> None:
-        nonlocal total
         if isinstance(obj, torch.Tensor):
-            if obj.data_ptr() not in seen:
-                seen.add(obj.data_ptr())
-                total += obj.untyped_storage().nbytes()
+            found.setdefault(obj.data_ptr(), obj)
         elif is_dataclass(obj):
             for f in fields(obj):
                 visit(getattr(obj, f.name))
 
     for layer in pools:
         visit(layer)
-    return total
+    return list(found.values())
+
+
+def pool_bytes(pools: list[Any]) -> int:
+    """Bytes of the cache tensors in ``pools`` (``cache_tensors``)."""
+    return sum(t.untyped_storage().nbytes() for t in cache_tensors(pools))
 
 
 def layer_kind(spec: LayerCacheSpec) -> str:

@@ -12,38 +12,16 @@ no prefix cached (its blocks no longer hold what their hashes name).
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import mmap
 import sys
 from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer.cache.forward_batch import CompressorPools, LayerPools
-from deepinfer.cache.kv_formats import PackedRows
+from deepinfer.engine.memory import cache_tensors
 
 if TYPE_CHECKING:
     from deepinfer.engine.engine import Engine
-
-_MADV_DONTNEED = 4  # Linux
-
-
-def cache_tensors(pools: list[LayerPools]) -> list[torch.Tensor]:
-    """Every tensor the layers' pools hold, each once (layers may share entries)."""
-    found: dict[int, torch.Tensor] = {}
-
-    def visit(value: object) -> None:
-        if isinstance(value, torch.Tensor):
-            found.setdefault(value.data_ptr(), value)
-        elif isinstance(value, PackedRows):
-            visit(value.data)
-        elif isinstance(value, LayerPools | CompressorPools):
-            for field in dataclasses.fields(value):
-                visit(getattr(value, field.name))
-
-    for layer in pools:
-        visit(layer)
-    return list(found.values())
 
 
 def release(t: torch.Tensor) -> None:
@@ -57,7 +35,7 @@ def release(t: torch.Tensor) -> None:
         t.zero_()
         return
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) != 0:
+    if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED) != 0:
         raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed on a cache pool")
     flat[: first - start].zero_()
     flat[last - start :].zero_()
