@@ -116,6 +116,12 @@ class WeightOnlyLinear:
                 packed = cpu_int4_vnni.pack(q4[:rows], sz[:rows, :, 0], sz[:rows, :, 1])
                 self.packed_vnni = huge_pages.adopt(packed, arena)
 
+    def refresh(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Quantize new values of the same shape into this copy's own tensors, in place: the
+        addresses the one-call decode stack and compiled steps hold stay valid."""
+        fresh = WeightOnlyLinear(weight, bias, self.method)
+        copy_tensors_into(self, fresh)
+
     @property
     def nbytes(self) -> int:
         """Bytes a step reads (weights and scales; int8 in ``cpu_packed_gemm``'s padded tiles
@@ -213,6 +219,18 @@ class PackedLinear:
         )
         _register_packed(self, self.weight, (self.packed, self.small))
 
+    def refresh(self) -> None:
+        """Pack the weight's current values again, in place where the copy is a plain tensor
+        (its address, which the decode stack and the compiled op's registry hold, stays);
+        oneDNN's opaque copy is rebuilt and registered again."""
+        if self.packed.is_mkldnn:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
+        else:
+            self.packed.copy_(cpu_packed_gemm.pack(self.weight))
+        if self.small is not None:
+            self.small.copy_(cpu_packed_gemm.pack(self.weight))
+        _PACKED[_packed_key(self.weight)] = (self.packed, self.small)
+
     @staticmethod
     def available(weight: torch.Tensor) -> bool:
         """Whether a packed copy can be built: fp32 everywhere oneDNN is, bf16 only where
@@ -232,6 +250,14 @@ class PackedLinear:
         else:
             y = _packed_linear(flat, self.packed, self.small, self.out_features, self.bias).to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
+
+
+def copy_tensors_into(target: object, fresh: object) -> None:
+    """Copy every tensor attribute of ``fresh`` into ``target``'s tensor of the same name, in
+    place (same shapes and dtypes: the same form built from new values)."""
+    for name, value in vars(fresh).items():
+        if isinstance(value, torch.Tensor):
+            getattr(target, name).copy_(value)
 
 
 @functools.cache

@@ -1,6 +1,8 @@
 """``LLM.sleep`` / ``wake_up``: the K/V cache's pages go back to the system (resident memory
-falls by what the cache held), requests are refused while asleep, and after waking the engine
-gives the outputs of a fresh one: no prefix cached before sleep is reused over zeroed blocks."""
+falls by what the cache held; at level 2 also by the weights and their packed copies),
+requests are refused while asleep, and after waking the engine gives the outputs of a fresh
+one: no prefix cached before sleep is reused over zeroed blocks, and level 2's weights are
+read again (an engine over a trainer's module keeps the trainer's parameters)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.block_pool import BlockPool
 from deepinfer.engine.memory import cache_tensors
+from deepinfer.models.layers.projection import Projection, projections
+from deepinfer.models.loading import load_model
 from deepinfer.tiny import make_tiny_checkpoint
 
 
@@ -73,8 +77,62 @@ def test_sleep_is_refused_where_it_cannot_hold(setup):
     path, prompts = setup
     llm = LLM(path)
     with pytest.raises(ValueError, match="level"):
-        llm.sleep(level=2)
+        llm.sleep(level=3)
     llm.engine.add_request("r", prompts[0], SamplingParams(max_tokens=4))
     with pytest.raises(RuntimeError, match="unfinished"):
         llm.sleep()
     assert not llm.is_sleeping
+
+
+def _weight_bytes(llm: LLM) -> int:
+    """Bytes of every distinct storage under the parameters and the engine's weight copies."""
+    seen, total = set(), 0
+    tensors = list(llm.model.parameters())
+    for p in projections(llm.model):
+        if p.engine is not None and not hasattr(p.engine, "func"):
+            tensors += [t for t in vars(p.engine).values() if isinstance(t, torch.Tensor) and not t.is_mkldnn]
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    return total
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("options", [{}, {"quantization": "int8"}])
+def test_level_two_returns_the_weights_pages_and_waking_reads_them_again(setup, options):
+    path, prompts = setup
+    fresh = _run(LLM(path, **options), prompts)
+    llm = LLM(path, **options)
+    assert _run(llm, prompts) == fresh
+    held = _weight_bytes(llm)
+    before = _rss()
+    llm.sleep(level=2)
+    assert before - _rss() >= 0.8 * held
+    assert all(not p.any() for p in llm.model.parameters())
+    llm.wake_up()
+    assert _run(llm, prompts) == fresh and llm.weight_version == "0"
+
+
+def test_level_two_over_a_trainers_module_keeps_its_parameters(setup):
+    path, prompts = setup
+    fresh = _run(LLM(path), prompts)
+    model = load_model(path, requires_grad=True)
+    saved = [p.detach().clone() for p in model.parameters()]
+    llm = LLM.from_model(model)
+    llm.sleep(level=2)
+    assert all(torch.equal(p, s) for p, s in zip(model.parameters(), saved, strict=True))
+    llm.wake_up()
+    assert _run(llm, prompts) == fresh
+
+
+def test_a_copy_left_empty_after_level_two_is_caught(setup, monkeypatch):
+    """Mutation check: waking without remaking the packed copies computes with zeros."""
+    path, prompts = setup
+    fresh = _run(LLM(path), prompts)
+    llm = LLM(path)
+    llm.sleep(level=2)
+    monkeypatch.setattr(Projection, "refresh", lambda self: None)
+    llm.wake_up()
+    assert _run(llm, prompts) != fresh

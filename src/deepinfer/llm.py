@@ -18,9 +18,10 @@ import torch
 from deepinfer.config import EngineConfig
 from deepinfer.distributed.replicas import ReplicaPool, RequestSpec, balanced_shares, serve
 from deepinfer.engine.engine import Engine
-from deepinfer.engine.memory import weight_bytes
+from deepinfer.engine.memory import engine_kv_report, weight_bytes
 from deepinfer.engine.request import Request
-from deepinfer.engine.sleep import release_cache
+from deepinfer.llm_rollout import RolloutMixin, check_trainer_model
+from deepinfer.models.base import CausalLM
 from deepinfer.models.loading import load_model
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
@@ -59,12 +60,13 @@ def engine_config(**kwargs: Any) -> EngineConfig:
     return config
 
 
-class LLM:
+class LLM(RolloutMixin):
     """Load a checkpoint directory and generate from it.
 
     ``LLM(path, **EngineConfig fields).generate(prompts, SamplingParams(...))`` returns one
     ``RequestOutput`` per prompt, in order. Prompts may be text (needs a tokenizer in the
     checkpoint), token ids, ``{"prompt_token_ids": [...]}``, or a list of those.
+    ``LLM.from_model(module)`` generates from a module being trained (``llm_rollout.py``).
     """
 
     def __init__(self, model: str | Path, **engine_kwargs: Any) -> None:
@@ -96,8 +98,35 @@ class LLM:
             fake_quant=self.config.fake_quant,
             keep_quantized=quantization in (None, "fp8"),
         )
-        self.tokenizer = self._load_tokenizer()
-        self.engine = Engine(self.model, self.config, self.tokenizer, checkpoint=self.path)
+        self._start_engine(self._load_tokenizer(), following=False)
+        if self._replicas is not None:
+            self._replicas.wait_ready()
+
+    @classmethod
+    def from_model(cls, model: CausalLM, tokenizer: Any = None, **engine_kwargs: Any) -> LLM:
+        """An engine over a live module (``load_model(..., requires_grad=True)``) that shares
+        its parameters' storage: what the trainer writes in place (optimizer steps,
+        ``param.copy_``) is what the next step computes with; the engine's derived copies
+        follow its version counters (``engine/weight_sync.py``). ``tokenizer``: a tokenizer
+        or a directory holding one (None: token-id prompts only). ``dtype`` and ``device``
+        are the module's."""
+        self = cls.__new__(cls)
+        self.config = engine_config(**check_trainer_model(model, engine_kwargs))
+        self.path, self._replicas = None, None
+        self._replica_threads = torch.get_num_threads()
+        self.model = model
+        if isinstance(tokenizer, str | Path):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+        self._start_engine(tokenizer, following=True)
+        return self
+
+    def _start_engine(self, tokenizer: Any, following: bool) -> None:
+        self.tokenizer = tokenizer
+        self.engine = Engine(
+            self.model, self.config, tokenizer, checkpoint=self.path, follow_parameters=following
+        )
         by_dtype = weight_bytes(self.model)
         logger.info(
             "weights: %.1f MiB resident (%s)",
@@ -105,9 +134,7 @@ class LLM:
             ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(by_dtype.items())),
         )
         self._counter = itertools.count()
-        self._asleep = False
-        if self._replicas is not None:
-            self._replicas.wait_ready()
+        self._init_rollout(following)
 
     def close(self) -> None:
         """Release what outlives this object otherwise: tensor-parallel worker processes and
@@ -117,38 +144,13 @@ class LLM:
             self._replicas = None
         self.engine.close()
 
-    def sleep(self, level: int = 1) -> None:
-        """Give the K/V cache's memory back to the system until ``wake_up`` (an RL trainer's
-        use between rollouts). Level 1 zeroes the CPU cache pools and returns their pages,
-        forgetting every cached prefix; the weights stay. Refused while requests are unfinished,
-        and where the cache is not this process's CPU memory."""
-        if level != 1:
-            raise ValueError(f"sleep: level must be 1 (free the K/V cache), got {level!r}")
-        cfg = self.config
-        if cfg.device != "cpu" or self._replicas is not None:
-            raise ValueError(
-                "sleep: frees the K/V cache of a CPU engine in one process (device='cpu', no replicas)"
-            )
-        if cfg.tensor_parallel_size != 1 or cfg.data_parallel_size != 1:
-            raise ValueError("sleep: not supported with tensor_parallel_size or data_parallel_size > 1")
-        release_cache(self.engine)
-        self._asleep = True
-
-    def wake_up(self) -> None:
-        """Take requests again after ``sleep``; the cache fills again as requests use it."""
-        self._asleep = False
-
-    @property
-    def is_sleeping(self) -> bool:
-        return self._asleep
-
     def memory_report(self) -> dict[str, Any]:
         """Where the memory goes: resident weight bytes by dtype, and the KV cache (bytes
         allocated and in use, bytes per token by layer kind; ``Engine.memory_report``)."""
         by_dtype = weight_bytes(self.model)
         return {
             "weights": {"bytes": sum(by_dtype.values()), "by_dtype": by_dtype},
-            "kv_cache": self.engine.memory_report(),
+            "kv_cache": engine_kv_report(self.engine),
         }
 
     def kv_cache_usage(self) -> float:
@@ -165,7 +167,7 @@ class LLM:
 
     def moe_lb(self) -> float:
         """Slowest rank / mean rank of the counted routed-expert load (EPLB's balance)."""
-        return self.engine.moe_lb()
+        return self.engine.executor.moe_lb()
 
     @functools.cached_property
     def chat_format(self) -> ChatFormat:
@@ -218,7 +220,7 @@ class LLM:
         where = f"prompts[{index}]"
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"{where} is text but {self.path} has no tokenizer; pass token ids instead")
+                raise ValueError(f"{where} is text but this engine has no tokenizer; pass token ids instead")
             return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
@@ -308,7 +310,7 @@ class LLM:
             spec.closed_batch = True
         try:
             while pending:
-                for req in self.engine.step():
+                for req in self._step():
                     if req.finished and req.request_id in pending:
                         pending.discard(req.request_id)
                         if on_finished is not None:
@@ -441,7 +443,7 @@ class LLM:
         sent_tokens, sent_text = 0, ""
         try:
             while True:
-                updated = self.engine.step()
+                updated = self._step()
                 if req not in updated:
                     if req.finished:
                         break

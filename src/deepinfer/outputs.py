@@ -69,3 +69,11 @@ class RequestOutput:
     prompt_logprobs_full: torch.Tensor | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # the engine's weights when this output was made (``LLM.weight_version``: "0" as loaded,
+    # moved on by every weight update; a request computed across an update was computed
+    # again from its first token under the new weights)
+    weight_version: str | None = None
+    # enable_return_routed_experts: the routed experts each token ran through, [tokens, MoE
+    # layers, top-k] int32 for the prompt and completion tokens the model read (all but the
+    # last completion token); None otherwise
+    routed_experts: torch.Tensor | None = None

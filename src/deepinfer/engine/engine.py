@@ -23,20 +23,19 @@ import torch
 from deepinfer.cache import kv_dtypes
 from deepinfer.cache.pools import CacheLayout
 from deepinfer.config import EngineConfig
-from deepinfer.distributed.eplb import ExpertPlacement
 from deepinfer.distributed.workers import CacheSetup, TensorParallelGroup
 from deepinfer.engine import setup
 from deepinfer.engine.admission import check_request
 from deepinfer.engine.block_pool import BlockPool
 from deepinfer.engine.dp_scheduler import DataParallelScheduler
 from deepinfer.engine.executor import Executor
-from deepinfer.engine.memory import kv_cache_report
 from deepinfer.engine.model_runner import PreparedStep
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
 from deepinfer.engine.step_processor import StepProcessor
 from deepinfer.engine.structured_requests import StructuredRequests
+from deepinfer.engine.weight_sync import WeightSync
 from deepinfer.errors import EngineDeadError
 from deepinfer.models.base import CausalLM
 from deepinfer.outputs import RequestOutput
@@ -56,10 +55,17 @@ class Engine:
     the model runs a step on a worker thread while this thread prepares the next."""
 
     def __init__(
-        self, model: CausalLM, config: EngineConfig, tokenizer: Any = None, checkpoint: Path | None = None
+        self,
+        model: CausalLM,
+        config: EngineConfig,
+        tokenizer: Any = None,
+        checkpoint: Path | None = None,
+        follow_parameters: bool = False,
     ) -> None:
         """``checkpoint``: the directory the model came from; compiled steps are saved beside
-        it unless ``config.compile_cache_dir`` says otherwise."""
+        it unless ``config.compile_cache_dir`` says otherwise. ``follow_parameters``: the model
+        is a trainer's, whose parameters stay as they are and change between steps
+        (``engine/weight_sync.py``)."""
         config.validate()
         self.model = model
         self.config = config
@@ -73,7 +79,7 @@ class Engine:
         # anything reads the model's (now local) shapes
         self.tp: TensorParallelGroup | None = None
         self.data_parallel = config.data_parallel_size > 1
-        setup.prepare_weights(model, config)
+        setup.prepare_weights(model, config, share=not follow_parameters)
         if config.world_size > 1:
             self.tp = setup.start_tensor_parallel(model, config, self.device, checkpoint)
             weakref.finalize(self, self.tp.close)
@@ -87,6 +93,7 @@ class Engine:
         platform = platform_for(self.device)
         modes = setup.execution_modes(config, model, platform, checkpoint)
         eager_step = None
+        self.registers_packed = self.device.type == "cpu" and modes.compile
         if self.device.type == "cpu":
             eager_step = setup.prepare_cpu_weights(model, config, modes.compile)
         drafter = setup.drafter_for(model, config)
@@ -179,6 +186,7 @@ class Engine:
         )
         self._inflight: tuple[PreparedStep, Future] | None = None
         self._open_steps: list[list[ScheduledChunk]] = []  # scheduled, not yet processed
+        self.weights = WeightSync(model, follow_parameters)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers and the grammar compiler's thread."""
@@ -189,18 +197,6 @@ class Engine:
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
-
-    def memory_report(self) -> dict[str, Any]:
-        """The KV cache's bytes allocated and in use and what a token costs per layer kind
-        (``LLM.memory_report``); under data parallel per rank, blocks in use summed."""
-        return kv_cache_report(
-            self.layout,
-            self.kv_dtype,
-            self.runner.pools,
-            self.pools,
-            self.window_pools,
-            self.config.data_parallel_size,
-        )
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -344,15 +340,8 @@ class Engine:
         self._open_steps.clear()
         return list(reported.values())
 
-    def rebalance_experts(self) -> ExpertPlacement:
-        """Re-place the experts over the ranks for the counted load now (EPLB)."""
-        return self.executor.rebalance_experts()
-
-    def moe_lb(self) -> float:
-        """Slowest rank / mean rank of the counted expert load (``deepinfer:moe_lb``)."""
-        return self.executor.moe_lb()
-
     def _schedule(self) -> PreparedStep | None:
+        self.weights.before_step(self)
         self._admit_compiled()
         drafts = None
         if self.spec is not None:  # planned as data before the scheduler runs
@@ -390,7 +379,9 @@ class Engine:
     # ---- outputs --------------------------------------------------------------------------
 
     def make_output(self, req: Request) -> RequestOutput:
-        return self.output_processor.make_output(req)
+        out = self.output_processor.make_output(req)
+        out.weight_version = self.weights.version
+        return out
 
     def shutdown(self) -> None:
         if self._inflight is not None:

@@ -113,10 +113,11 @@ def huge_page_arena(config: EngineConfig) -> HugePageArena | None:
     return HugePageArena() if config.cpu_huge_pages and config.device == "cpu" else None
 
 
-def prepare_weights(model: CausalLM, config: EngineConfig) -> None:
+def prepare_weights(model: CausalLM, config: EngineConfig, share: bool = True) -> None:
     """The engine's forms of the weights before sharding: fused projections, fp8 or
-    weight-only int8/int4 (``models/prepare.py``)."""
-    prepare.quantize(model, config.quantization, huge_page_arena(config))
+    weight-only int8/int4 (``models/prepare.py``). ``share=False``: the parameters stay as
+    they are (a trainer's); fused weights are copies."""
+    prepare.quantize(model, config.quantization, huge_page_arena(config), share)
 
 
 def prepare_cpu_weights(model: CausalLM, config: EngineConfig, use_compile: bool) -> OneCallDecode | None:

@@ -1,6 +1,6 @@
-"""Sleep mode: hand the K/V cache's memory back to the system between uses of an engine, as
-RL trainers do between rollouts (vLLM's ``LLM.sleep``, SGLang's
-``release_memory_occupation``).
+"""Sleep mode: hand the K/V cache's memory (level 1) and the weights' (level 2) back to the
+system between uses of an engine, as RL trainers do between rollouts (vLLM's ``LLM.sleep``,
+SGLang's ``release_memory_occupation``).
 
 The pools stay where they are: every page wholly inside a CPU pool is returned with
 ``madvise(MADV_DONTNEED)``, which a private mapping refills with zeros on the next touch, and
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepinfer.engine.memory import cache_tensors
+from deepinfer.models.layers.projection import projections
 
 if TYPE_CHECKING:
     from deepinfer.engine.engine import Engine
@@ -50,3 +51,25 @@ def release_cache(engine: Engine) -> None:
         release(tensor)
     for pool in [*engine.pools, *(engine.window_pools or [])]:
         pool.reset_prefix_cache()
+
+
+def release_weights(engine: Engine, params: bool) -> None:
+    """Give back the pages of the engine's own weight copies (fused, packed, quantized) and,
+    with ``params``, of the model's parameters: each storage once, whole. The addresses stay;
+    waking writes the values again in place (``LLM.wake_up``)."""
+    tensors: list[torch.Tensor] = list(engine.model.parameters()) if params else []
+    for projection in projections(engine.model):
+        if not projection.shares:
+            tensors += [t for t in (projection.fused_weight, projection.fused_bias) if t is not None]
+        if projection.engine is not None and not callable(getattr(projection.engine, "func", None)):
+            tensors += [t for t in vars(projection.engine).values() if isinstance(t, torch.Tensor)]
+    owned = {p.untyped_storage().data_ptr() for p in engine.model.parameters()} if not params else set()
+    seen: set[int] = set()
+    for t in tensors:
+        if t.layout != torch.strided or t.is_mkldnn:
+            continue  # oneDNN's opaque copies are made again, not emptied
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen or storage.data_ptr() in owned or storage.nbytes() == 0:
+            continue
+        seen.add(storage.data_ptr())
+        release(torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage))

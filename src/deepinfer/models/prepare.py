@@ -24,14 +24,20 @@ FP8_BLOCK = (128, 128)
 WEIGHT_ONLY = ("int8", "int4", "bf16")
 
 
-def quantize(model: CausalLM, quantization: str | None, arena: HugePageArena | None = None) -> None:
+def quantize(
+    model: CausalLM, quantization: str | None, arena: HugePageArena | None = None, share: bool = True
+) -> None:
     """Fuse the model's projections, then apply ``quantization`` (``EngineConfig``'s: "fp8",
     "int8", "int4", "bf16"; None and "none" change nothing more, the loader having chosen the
-    stored formats); refuses a method the model does not take."""
+    stored formats); refuses a method the model does not take. ``share=False`` keeps the
+    parameters as they are (a trainer's): fused weights are copies, and "fp8", which replaces
+    linears, is refused."""
     if quantization == "fp8":
+        if not share:
+            raise ValueError("quantization='fp8' replaces the model's linears; a trainer's model keeps them")
         model.quantize_fp8(FP8_BLOCK)
     for projection in projections(model):
-        projection.fuse()
+        projection.fuse(share)
     if quantization in WEIGHT_ONLY:
         found = list(projections(model))
         if not found:

@@ -329,6 +329,39 @@ def _load_all(
         )
 
 
+def read_checkpoint(model: LoadableModel, path: Path, quant: Any) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint at ``path`` that ``model`` holds, as read (fp8 and fp4
+    dequantized with their scales), all read before the caller writes any
+    (``LLM.load_weights_from_disk``). A tensor the model does not hold raises as loading
+    does; tensors the checkpoint lacks are not part of the update."""
+    reader = _Reader(checkpoint_files(path))
+    try:
+        held = set(model.state_dict(keep_vars=True))
+        found: list[tuple[str, torch.Tensor]] = []
+        consumed: set[str] = set()
+        for name in sorted(reader.names):
+            if name in held:
+                tensor, scales = _read_weight(reader, name, quant)
+                consumed |= scales | {name}
+                found.append((name, tensor))
+        ignored = (*model.ignored_checkpoint_prefixes, *model.skipped_checkpoint_prefixes)
+        unexpected = sorted(
+            n
+            for n in reader.names
+            if n not in consumed
+            and not n.startswith(ignored)
+            and not n.endswith(model.skipped_checkpoint_suffixes)
+        )
+        if unexpected:
+            raise CheckpointError(
+                f"{path}: {len(unexpected)} tensor(s) this model does not hold, e.g. {unexpected[0]!r} "
+                f"({reader.file_of(unexpected[0]).name})"
+            )
+        return found
+    finally:
+        reader.close()
+
+
 def _keep_stored(
     model: LoadableModel, reader: _Reader, name: str, device: torch.device, quant: dict[str, Any] | None
 ) -> bool:

@@ -58,6 +58,7 @@ class Projection:
         self.engine: EngineForm | None = None
         self.fused_weight: torch.Tensor | None = None
         self.fused_bias: torch.Tensor | None = None
+        self.shares = True  # the fused weight is the linears' storage (``fuse``)
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if self.engine is not None and not batch.functional:
@@ -86,17 +87,22 @@ class Projection:
 
     # -- the engine's forms (weight preparation) -------------------------------------------
 
-    def fuse(self) -> None:
+    def fuse(self, share: bool = True) -> None:
         """One weight for several linears, with each linear's parameters re-pointed at its
         slice: one matmul instead of several, names unchanged. A single linear runs as it is.
-        Called again after the linears' parameters were replaced (tensor parallel sharding)."""
+        Called again after the linears' parameters were replaced (tensor parallel sharding).
+        ``share=False`` leaves the linears' parameters alone (a trainer's optimizer holds
+        them) and keeps the fused weight as a copy, which ``refresh`` renews."""
         self.fused_weight = self.fused_bias = None
         self.engine = None
+        self.shares = share
         if len(self.linears) == 1:
             return
         weight, bias = self.weight_and_bias()
+        if not share:
+            weight, bias = weight.clone(), None if bias is None else bias.clone()
         start = 0
-        for linear in self.linears:
+        for linear in self.linears if share else ():
             rows = linear.weight.shape[0]
             linear.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
             if bias is not None:
@@ -104,6 +110,24 @@ class Projection:
             start += rows
         self.fused_weight, self.fused_bias = weight, bias
         self.engine = functools.partial(F.linear, weight=weight, bias=bias)
+
+    def sources(self) -> list[torch.Tensor]:
+        """The parameters the engine's forms are made from."""
+        return [t for linear in self.linears for t in (linear.weight, linear.bias) if t is not None]
+
+    def refresh(self) -> None:
+        """Remake the engine's forms from the linears' current values, in place (every copy
+        keeps its address)."""
+        with torch.no_grad():
+            if self.fused_weight is not None and not self.shares:
+                self.fused_weight.copy_(torch.cat([linear.weight for linear in self.linears]))
+                if self.fused_bias is not None:
+                    self.fused_bias.copy_(torch.cat([linear.bias for linear in self.linears]))
+            engine = self.engine
+            if isinstance(engine, PackedLinear):
+                engine.refresh()
+            elif isinstance(engine, WeightOnlyLinear):
+                engine.refresh(*self.weight_and_bias())
 
     def quantize(self, method: str, arena: HugePageArena | None = None) -> None:
         """Weight-only ``method`` ("int8", "int4", "bf16") copy for engine steps."""
