@@ -29,6 +29,7 @@ import ctypes
 import functools
 
 import torch
+from deepinfer.kernels import batch_invariant
 from deepinfer.kernels.cpu import build
 
 # Rows * entries * heads * dim from which the kernel runs on every thread (below, one).
@@ -91,7 +92,7 @@ def _library() -> ctypes.CDLL | None:
 
 def takes(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> bool:
     """Whether the C++ kernel runs these inputs (fp32 on the CPU, no autograd)."""
-    return all(
+    return not batch_invariant.active() and all(
         t.device.type == "cpu" and t.dtype == torch.float32 and not t.requires_grad
         for t in (q, keys, weights)
     )

@@ -93,3 +93,64 @@ paged_attention = torch.library.custom_op("deepinfer::paged_attention", mutates_
 @paged_attention.register_fake
 def _(q, k_pool, v_pool, decode_rows, decode_kv, decode_valid, span_meta, span_kv_rows):
     return torch.empty_like(q)
+
+
+def _prefix_attention(
+    q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, last: torch.Tensor
+) -> torch.Tensor:
+    """Each of ``q``'s rows [n, H, d] over its keys and values [n, L, kv, d], of which positions
+    0 .. ``last`` [n] are its own: the scores' maximum is exact in any order, and the
+    softmax's sums run through ``cumsum`` over positions, so a row's result depends on its own
+    positions alone, never on how many rows or padded positions share the call."""
+    n, h, d = q.shape
+    group = h // keys.shape[2]
+    keys = keys.repeat_interleave(group, dim=2)  # [n, L, H, d]
+    vals = vals.repeat_interleave(group, dim=2)
+    scores = (q.unsqueeze(1) * keys).sum(-1) * d**-0.5  # [n, L, H]
+    own = torch.arange(keys.shape[1], device=q.device) <= last.unsqueeze(1)
+    scores = scores.masked_fill(~own.unsqueeze(-1), float("-inf"))
+    weights = (scores - scores.amax(1, keepdim=True)).exp()
+    rows = torch.arange(n, device=q.device)
+    total = weights.cumsum(1)[rows, last]  # [n, H]
+    summed = (weights.unsqueeze(-1) * vals).cumsum(1)[rows, last]  # [n, H, d]
+    return (summed / total.unsqueeze(-1)).to(q.dtype)
+
+
+def paged_attention_invariant(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    decode_rows: torch.Tensor,
+    decode_kv: torch.Tensor,
+    decode_valid: torch.Tensor,
+    span_meta: torch.Tensor,
+    span_kv_rows: torch.Tensor,
+) -> torch.Tensor:
+    """``paged_attention_reference``'s result by a formula whose every row is the same whether
+    it is a decode row, a row of a prefill chunk of any size, or a row of the research
+    forward's whole sequence (``batch_invariant``: the engine's logprobs are then a training
+    forward's bitwise). Differentiable; memory grows with rows x positions, so it suits the
+    short sequences of RL rollouts rather than long prefills."""
+    t, h, d = q.shape
+    n_kv = kv_int8.values_per_row(k_pool) // d
+    out = q.new_zeros(t + 1, h, d)
+    n = decode_rows.shape[0]
+    if n:
+        rows = torch.where(decode_rows >= 0, decode_rows, t)
+        keys = kv_int8.read(k_pool[decode_kv], q.dtype).view(n, -1, n_kv, d)
+        vals = kv_int8.read(v_pool[decode_kv], q.dtype).view(n, -1, n_kv, d)
+        last = (decode_valid.long().sum(1) - 1).clamp(min=0)
+        out = out.index_copy(0, rows, _prefix_attention(q[rows.clamp(max=t - 1)], keys, vals, last))
+    for first, count, start, offset in span_meta.tolist():
+        if count == 0:
+            continue
+        end = start + count
+        kv_rows = span_kv_rows[offset : offset + end]
+        keys = kv_int8.read(k_pool.index_select(0, kv_rows), q.dtype).view(1, end, n_kv, d)
+        vals = kv_int8.read(v_pool.index_select(0, kv_rows), q.dtype).view(1, end, n_kv, d)
+        last = start + torch.arange(count, device=q.device)
+        part = _prefix_attention(
+            q[first : first + count], keys.expand(count, -1, -1, -1), vals.expand(count, -1, -1, -1), last
+        )
+        out = out.index_copy(0, torch.arange(first, first + count, device=q.device), part)
+    return out[:t]

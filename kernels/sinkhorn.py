@@ -16,6 +16,7 @@ import functools
 
 import numpy as np
 import torch
+from deepinfer.kernels import batch_invariant
 from deepinfer.kernels.cpu import build
 
 
@@ -89,6 +90,6 @@ def _(comb, iters, eps):
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """fp32 [..., n, n] logits -> doubly-stochastic (up to eps) mixing matrices."""
-    if comb.requires_grad:
+    if comb.requires_grad or batch_invariant.active():
         return reference(comb, iters, eps)
     return sinkhorn_op(comb, iters, eps)

@@ -22,7 +22,7 @@ import functools
 import math
 
 import torch
-from deepinfer.kernels import kv_int8
+from deepinfer.kernels import batch_invariant, kv_int8
 from deepinfer.kernels.cpu import build, fp8
 
 _ENTRY = {dtype: f"decode_attention_{name}" for dtype, name in fp8.POOL_NAMES.items()}
@@ -44,6 +44,7 @@ def supports(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> boo
     return (
         q.device.type == "cpu"
         and not (q.requires_grad or k_pool.requires_grad or v_pool.requires_grad)
+        and not batch_invariant.active()
         and k_pool.dtype == v_pool.dtype
         and fp8.reads_heads(k_pool.dtype, q.shape[-1])
         and k_pool.is_contiguous()

@@ -27,6 +27,7 @@ import functools
 import weakref
 
 import torch
+from deepinfer.kernels import batch_invariant
 from deepinfer.kernels.cpu import build
 
 # Tokens per call up to which the per-pair dot products beat the sorted GEMM dispatch.
@@ -83,6 +84,7 @@ def supports(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tens
         and x.dtype == torch.float32
         and all(w.dtype == torch.float32 and w.is_contiguous() and w.dim() == 3 for w in (w1, w2, w3))
         and not x.requires_grad
+        and not batch_invariant.active()
         and _library() is not None
     )
 

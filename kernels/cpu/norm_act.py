@@ -18,6 +18,7 @@ import ctypes
 import functools
 
 import torch
+from deepinfer.kernels import batch_invariant
 from deepinfer.kernels.cpu import build
 
 _NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -48,6 +49,7 @@ def supports(x: torch.Tensor) -> bool:
         and (x.shape[0] <= MAX_ROWS or x.dtype == torch.float32)
         and x.dtype in _NAMES
         and not x.requires_grad
+        and not batch_invariant.active()
         and _library() is not None
     )
 

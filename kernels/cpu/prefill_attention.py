@@ -23,7 +23,7 @@ import functools
 import math
 
 import torch
-from deepinfer.kernels import kv_int8
+from deepinfer.kernels import batch_invariant, kv_int8
 from deepinfer.kernels.cpu import build, fp8
 
 _ENTRY = {dtype: f"prefill_attention_{name}" for dtype, name in fp8.POOL_NAMES.items()}
@@ -44,6 +44,8 @@ def supports(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> boo
     """CPU, no autograd (the research path keeps the differentiable reference), pools of one
     dtype the kernel reads, contiguous, a head size of 1, 2, 4 or 8 vectors."""
     if q.device.type != "cpu" or q.requires_grad or k_pool.requires_grad or v_pool.requires_grad:
+        return False
+    if batch_invariant.active():
         return False
     if k_pool.dtype != v_pool.dtype or not fp8.reads_heads(k_pool.dtype, q.shape[-1]):
         return False

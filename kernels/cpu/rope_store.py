@@ -18,6 +18,7 @@ import ctypes
 import functools
 
 import torch
+from deepinfer.kernels import batch_invariant
 from deepinfer.kernels.cpu import build, fp8
 
 _NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # activations
@@ -38,6 +39,7 @@ def supports(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> b
     return (
         qkv.device.type == "cpu"
         and not qkv.requires_grad
+        and not batch_invariant.active()
         and qkv.dtype in _NAMES
         and k_pool.dtype == v_pool.dtype
         and k_pool.dtype in fp8.POOL_NAMES

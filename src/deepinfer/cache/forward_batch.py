@@ -127,6 +127,9 @@ class ForwardBatch:
     decoder_rows: torch.Tensor | None = None
     decoder_window_valid: torch.Tensor | None = None
     functional: bool = False
+    # research binding only: projections multiply on the engine's row-invariant kernel (with
+    # the linear's gradients), so logits equal a ``batch_invariant`` engine's bitwise
+    invariant: bool = False
     grid: Grid | None = None
     hidden_states: list[torch.Tensor] | None = None
 

@@ -26,6 +26,7 @@ from deepinfer.distributed.eplb import (
 )
 from deepinfer.distributed.workers import TensorParallelGroup, gather_rows, reduce_expert_load
 from deepinfer.engine.model_runner import ModelRunner, PreparedStep
+from deepinfer.kernels.batch_invariant import invariant_products
 from deepinfer.models.base import CausalLM
 
 logger = logging.getLogger("deepinfer")
@@ -68,6 +69,10 @@ class Executor:
         if self.tp is None:
             if self.config.batch_invariant and len(prepared.chunks) > 1:
                 return self._run_each_chunk(prepared)
+            if self.config.batch_invariant:
+                prepared.batch.invariant = True
+                with invariant_products():
+                    return self.runner.execute(prepared, input_ids)
             return self.runner.execute(prepared, input_ids)
         if self.data_parallel:
             return self._run_data_parallel(self.tp, prepared, input_ids)
@@ -80,7 +85,9 @@ class Executor:
         parts = []
         for chunk in prepared.chunks:
             alone = self.runner.prepare([chunk])
-            logits, _ = self.runner.execute(alone, self.runner.input_ids(alone))
+            alone.batch.invariant = True
+            with invariant_products():
+                logits, _ = self.runner.execute(alone, self.runner.input_ids(alone))
             rows = len(alone.seq_chunks[0].logits_offsets) if alone.seq_chunks else 0
             parts.append(logits[:rows])
         return torch.cat(parts), None

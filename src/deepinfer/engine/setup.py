@@ -132,7 +132,8 @@ def prepare_cpu_weights(model: CausalLM, config: EngineConfig, use_compile: bool
     if use_compile:
         model.register_packed_projections()
         return None
-    return one_call_decode(model)
+    # batch_invariant steps compute as the research forward does, layer by layer
+    return None if config.batch_invariant else one_call_decode(model)
 
 
 def available_memory_bytes(device: torch.device) -> int:

@@ -13,6 +13,7 @@ from torch import nn
 from deepinfer.cache.forward_batch import ForwardBatch
 from deepinfer.cache.layer_spec import LayerCacheSpec
 from deepinfer.cache.session import research_batch
+from deepinfer.kernels.batch_invariant import invariant_products
 from deepinfer.models.layers.moe import MoE
 from deepinfer.models.layers.quantized_linear import Fp8BlockLinear, quantize_linears_fp8, replace_linear
 
@@ -214,14 +215,21 @@ class CausalLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         output_hidden_states: bool = False,
+        batch_invariant: bool = False,
     ) -> CausalLMOutput:
+        """``batch_invariant``: compute as a ``batch_invariant=True`` engine step does
+        (matrix products on the row-invariant packed kernel, ``kernels/batch_invariant.py``;
+        plain torch elsewhere), so on float weights the logits, and their ``log_softmax``,
+        equal the engine's bit for bit (an RL trainer's logprobs are then the rollout's)."""
         flat_ids, positions, batch = research_batch(self, input_ids, attention_mask)
+        batch.invariant = batch_invariant
         vocab = self.config.vocab_size
         if flat_ids.numel() and (int(flat_ids.min()) < 0 or int(flat_ids.max()) >= vocab):
             raise ValueError(f"input_ids: token ids must lie in [0, {vocab})")
         if output_hidden_states:
             batch.hidden_states = []
-        out = self.step(flat_ids, positions, batch)
+        with invariant_products(batch_invariant):
+            out = self.step(flat_ids, positions, batch)
         logits = batch.to_grid(out[0] if isinstance(out, tuple) else out)
         loss = causal_lm_loss(logits, labels) if labels is not None else None
         hidden = tuple(batch.hidden_states) if batch.hidden_states is not None else None

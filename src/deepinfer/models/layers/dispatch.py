@@ -4,7 +4,8 @@ A model reads as math: it calls ``add_rms_norm``, ``silu_and_mul``, ``rope_and_s
 ``attend``. Which code runs is decided here, not in the model (the pattern of vLLM's custom
 ops):
 - an eager engine step on the CPU runs the C++ kernel where it supports the tensors
-  (``kernels/cpu``), bitwise the plain form below;
+  (``kernels/cpu``), the plain form below to rounding (a ``batch_invariant`` step runs the
+  plain form itself, so its logits are the research forward's, bitwise);
 - a compiled step runs the custom op, which the tracer keeps opaque, or plain torch that
   Inductor fuses;
 - the research binding (``ForwardBatch.functional``) runs plain torch, which autograd and
@@ -19,14 +20,19 @@ import torch.nn.functional as F
 from deepinfer.cache.forward_batch import ForwardBatch, LayerPools
 from deepinfer.kernels import kv_rotation
 from deepinfer.kernels.cpu import norm_act, rope_store
-from deepinfer.kernels.paged_attention import paged_attention, paged_attention_reference
+from deepinfer.kernels.paged_attention import (
+    paged_attention,
+    paged_attention_invariant,
+    paged_attention_reference,
+)
 from deepinfer.models.layers.norms import RMSNorm
 from deepinfer.models.layers.rope import rotate_half_rope
 
 
 def _eager_engine(batch: ForwardBatch) -> bool:
-    """An engine step run eagerly: where the C++ CPU kernels may run."""
-    return not batch.functional and not torch.compiler.is_compiling()
+    """An engine step run eagerly: where the C++ CPU kernels may run (not under
+    ``batch_invariant``, whose steps compute as the research binding's plain torch does)."""
+    return not batch.functional and not batch.invariant and not torch.compiler.is_compiling()
 
 
 def add_rms_norm(
@@ -86,7 +92,10 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: For
     backward) call its implementation directly."""
     meta = batch.full
     assert meta is not None
-    fn = paged_attention if torch.compiler.is_compiling() else paged_attention_reference
+    if batch.invariant:
+        fn = paged_attention_invariant
+    else:
+        fn = paged_attention if torch.compiler.is_compiling() else paged_attention_reference
     return fn(
         q,
         keys,

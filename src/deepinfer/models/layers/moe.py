@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.kernels import batch_invariant
 from deepinfer.kernels.moe import routed_experts, routed_experts_reference
 from deepinfer.kernels.quantized import routed_experts_fp4
 from deepinfer.models.deepseek_v4_config import DeepseekV4Config
@@ -190,6 +191,10 @@ class MoE(nn.Module):
             return routed_experts_fp4(flat, weights, ids, *fp4, self.limit)
         if self.w1_stacked is None:
             self.stack_experts()
+        if batch_invariant.active():  # the plain form, whose products the mode makes invariant
+            return routed_experts_reference(
+                flat, weights, ids, self.w1_stacked, self.w2_stacked, self.w3_stacked, self.limit
+            )
         return routed_experts(
             flat, weights, ids, self.w1_stacked, self.w2_stacked, self.w3_stacked, self.limit
         )
