@@ -125,6 +125,11 @@ class EngineConfig:
     # (engine/scheduler.grid_size), so every row is computed by the same kernels on the same
     # shapes whatever else is scheduled. Eager steps on one rank; costs batching (RESULTS.md)
     batch_invariant: bool = False
+    # Each output carries the routed experts every token it read went through, per MoE layer
+    # (``RequestOutput.routed_experts``; vLLM's and SGLang's option), so a trainer replays the
+    # rollout's routing (``model(..., routed_experts=...)``). Eager synchronous steps on one
+    # rank; prefix-cache hits report the routing their blocks were computed with
+    enable_return_routed_experts: bool = False
     # torch.compile the model step (compilation.py). None = the platform's default: on for
     # CUDA; on the CPU, for models whose compiled step beats eager (V4, V4.1), the compiled
     # step an earlier run saved, and a step no saved variant covers runs eagerly until such
@@ -195,6 +200,16 @@ class EngineConfig:
         need(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "a bool")
         need(isinstance(self.ced_prefill, bool), "ced_prefill", "a bool")
         need(isinstance(self.batch_invariant, bool), "batch_invariant", "a bool")
+        need(isinstance(self.enable_return_routed_experts, bool), "enable_return_routed_experts", "a bool")
+        if self.enable_return_routed_experts:
+            for name in ("compile", "capture_graphs", "async_scheduling", "ced_prefill"):
+                if getattr(self, name):
+                    raise ValueError(
+                        f"enable_return_routed_experts=True records the routing in eager synchronous "
+                        f"steps: turn {name} off"
+                    )
+            if self.world_size > 1:
+                raise ValueError("enable_return_routed_experts=True runs on one rank")
         if self.batch_invariant:
             for name in (
                 "compile",

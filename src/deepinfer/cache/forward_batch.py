@@ -101,6 +101,37 @@ class Grid:
 
 
 @dataclass
+class RoutingTrace:
+    """The routed experts of one forward's MoE layers, in the order they run: each layer's
+    gate hands its own choice [T, k] to ``route``, which records the choice it keeps:
+    ``replay``'s [T, layers, k] where given (entries < 0: the layer's own), else its own
+    (R3, routing replay: a trainer computes its loss under the rollout's routing)."""
+
+    replay: torch.Tensor | None = None
+    recorded: list[torch.Tensor] = field(default_factory=list)
+
+    def route(self, ids: torch.Tensor) -> torch.Tensor:
+        layer = len(self.recorded)
+        if self.replay is not None:
+            if layer >= self.replay.shape[1]:
+                raise ValueError(
+                    f"routed_experts: holds {self.replay.shape[1]} MoE layers, the model has more"
+                )
+            given = self.replay[:, layer].to(device=ids.device, dtype=ids.dtype)
+            if given.shape != ids.shape:
+                raise ValueError(
+                    f"routed_experts: layer {layer} has {tuple(given.shape)} ids, the gate chose {tuple(ids.shape)}"
+                )
+            ids = torch.where(given >= 0, given, ids)
+        self.recorded.append(ids)
+        return ids
+
+    def stacked(self) -> torch.Tensor:
+        """[T, layers, k] of the choices kept."""
+        return torch.stack(self.recorded, dim=1)
+
+
+@dataclass
 class ForwardBatch:
     """Everything besides token ids and positions that one forward step reads or writes.
 
@@ -132,6 +163,9 @@ class ForwardBatch:
     invariant: bool = False
     grid: Grid | None = None
     hidden_states: list[torch.Tensor] | None = None
+    # the MoE layers' expert choices: recorded (``enable_return_routed_experts``) or replayed
+    # (the research forward's ``routed_experts=``); None: neither
+    routing: RoutingTrace | None = None
 
     def write(
         self,

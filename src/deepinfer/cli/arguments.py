@@ -91,6 +91,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, offline: bool) -> N
     )
     add_parallel_arguments(parser, replicas=offline)
     parser.add_argument("--batch-invariant", action="store_true", help=BI_HELP)
+    parser.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="each output carries the experts every token was routed to, per MoE layer (eager steps)",
+    )
     if not offline:
         parser.add_argument("--max-model-len", type=int, default=None)
         parser.add_argument("--max-num-seqs", type=int, default=None)

@@ -21,6 +21,7 @@ _PASSED = (
     "data_parallel_size",
     "data_parallel_replicas",
     "batch_invariant",
+    "enable_return_routed_experts",
 )
 # passed only when given, so the engine's own default holds otherwise
 _WHEN_GIVEN = ("max_model_len", "max_num_seqs")

@@ -32,6 +32,7 @@ from deepinfer.engine.executor import Executor
 from deepinfer.engine.model_runner import PreparedStep
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import Request
+from deepinfer.engine.routed_experts import RoutedExpertsRecorder
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
 from deepinfer.engine.step_processor import StepProcessor
 from deepinfer.engine.structured_requests import StructuredRequests
@@ -128,6 +129,8 @@ class Engine:
             eager_step,
         )
         self.executor = Executor(self.runner, model, config, self.tp)
+        if config.enable_return_routed_experts:
+            self.executor.routing = RoutedExpertsRecorder(self.layout.block_size, size.num_blocks)
         if self.tp is not None:
             self.tp.setup(
                 CacheSetup(
@@ -168,6 +171,8 @@ class Engine:
         self.scheduler: Scheduler | DataParallelScheduler = (
             DataParallelScheduler(schedulers) if self.data_parallel else schedulers[0]
         )
+        if self.executor.routing is not None:
+            schedulers[0].block_published = self.executor.routing.published
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.structured = StructuredRequests(tokenizer, self.vocab_size, self.eos_token_ids)
         self._ended: list[Request] = []  # ended outside a step (reported by the next one)
@@ -381,6 +386,8 @@ class Engine:
     def make_output(self, req: Request) -> RequestOutput:
         out = self.output_processor.make_output(req)
         out.weight_version = self.weights.version
+        if self.executor.routing is not None:
+            out.routed_experts = self.executor.routing.rows_of(req)
         return out
 
     def shutdown(self) -> None:

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from deepinfer.cache.forward_batch import RoutingTrace
 from deepinfer.config import EngineConfig
 from deepinfer.distributed.eplb import (
     ExpertLoadWindow,
@@ -26,6 +27,7 @@ from deepinfer.distributed.eplb import (
 )
 from deepinfer.distributed.workers import TensorParallelGroup, gather_rows, reduce_expert_load
 from deepinfer.engine.model_runner import ModelRunner, PreparedStep
+from deepinfer.engine.routed_experts import RoutedExpertsRecorder
 from deepinfer.kernels.batch_invariant import invariant_products
 from deepinfer.models.base import CausalLM
 
@@ -54,6 +56,8 @@ class Executor:
         self.eplb = ExpertLoadWindow(model, config.eplb_window_size) if config.enable_eplb else None
         self.placement: ExpertPlacement | None = None
         self.steps_counted = 0
+        # enable_return_routed_experts: the engine sets the recorder (it knows the cache size)
+        self.routing: RoutedExpertsRecorder | None = None
 
     def run(self, prepared: PreparedStep, input_ids: torch.Tensor) -> StepResult:
         """Run a step. On the CPU its wall time is recorded in ``prepared.forward_s`` (there the
@@ -69,15 +73,30 @@ class Executor:
         if self.tp is None:
             if self.config.batch_invariant and len(prepared.chunks) > 1:
                 return self._run_each_chunk(prepared)
-            if self.config.batch_invariant:
-                prepared.batch.invariant = True
-                with invariant_products():
-                    return self.runner.execute(prepared, input_ids)
-            return self.runner.execute(prepared, input_ids)
+            return self._execute(prepared, input_ids)
         if self.data_parallel:
             return self._run_data_parallel(self.tp, prepared, input_ids)
         self.tp.step(prepared.seq_chunks or [], input_ids, prepared.padding)
         return self.tp.checked(lambda: self.runner.execute(prepared, input_ids))
+
+    def _execute(self, prepared: PreparedStep, input_ids: torch.Tensor) -> StepResult:
+        """One forward on this rank, ``batch_invariant``'s products and the routing record
+        as configured."""
+        batch = prepared.batch
+        batch.invariant = self.config.batch_invariant
+        if self.routing is not None:
+            batch.routing = RoutingTrace()
+        with invariant_products(self.config.batch_invariant):
+            out = self.runner.execute(prepared, input_ids)
+        if self.routing is not None and batch.routing is not None and prepared.seq_chunks is not None:
+            seq = prepared.seq_chunks
+            self.routing.record(
+                [c.request for c in prepared.chunks],
+                [s.start for s in seq],
+                [s.num_tokens for s in seq],
+                batch.routing,
+            )
+        return out
 
     def _run_each_chunk(self, prepared: PreparedStep) -> StepResult:
         """``batch_invariant``: every chunk as a forward of its own (the kernels then see the
@@ -85,9 +104,7 @@ class Executor:
         parts = []
         for chunk in prepared.chunks:
             alone = self.runner.prepare([chunk])
-            alone.batch.invariant = True
-            with invariant_products():
-                logits, _ = self.runner.execute(alone, self.runner.input_ids(alone))
+            logits, _ = self._execute(alone, self.runner.input_ids(alone))
             rows = len(alone.seq_chunks[0].logits_offsets) if alone.seq_chunks else 0
             parts.append(logits[:rows])
         return torch.cat(parts), None

@@ -61,6 +61,10 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     sampling_row: SamplingRow | None = None  # the sampler's view of this request, made once
+    # enable_return_routed_experts: expert ids [positions, MoE layers, k] by position (-1 not
+    # known yet), and which positions were computed by this request (``engine/routed_experts``)
+    routed_experts: torch.Tensor | None = None
+    routed_known: torch.Tensor | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

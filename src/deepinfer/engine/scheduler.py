@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from deepinfer.config import EngineConfig
@@ -111,6 +111,8 @@ class Scheduler:
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.window_pool = window_pool
         self.window = window
+        # told of each block as it is published: (request, block index, prefix hash)
+        self.block_published: Callable[[Request, int, bytes], None] | None = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -230,6 +232,8 @@ class Scheduler:
             parent = block_hash(parent, tokens[k * bs : (k + 1) * bs], request.cache_salt)
             request.block_hashes.append(parent)
             self.pool.cache(request.block_ids[k], parent)
+            if self.block_published is not None:
+                self.block_published(request, k, parent)
             window = request.window_block_ids
             if self.window_pool is not None and k < len(window) and window[k] >= 0:
                 self.window_pool.cache(window[k], parent)

@@ -59,6 +59,8 @@ def execution_modes(
     else:
         use_compile = platform.compile_by_default if config.compile is None else config.compile
         use_graphs = platform.capture is not None if config.capture_graphs is None else config.capture_graphs
+        if config.enable_return_routed_experts:  # the routing is recorded by eager steps
+            use_compile = use_graphs = False
         if use_graphs and platform.capture is None:
             raise ValueError(f"capture_graphs=True: the {platform.name} platform has no graph mode")
         if config.ced_prefill and model.ced_split is None:
@@ -86,6 +88,7 @@ def cpu_default_compiles(
         or config.compile_backend != "inductor"
         or config.world_size > 1
         or config.batch_invariant  # eager steps by definition
+        or config.enable_return_routed_experts
     ):
         return False
     if config.cpu_compile_after_s is not None:

@@ -110,6 +110,8 @@ def forget_computed_cache(engine: Engine) -> None:
             rank.preempt(request)
     for pool in [*engine.pools, *(engine.window_pools or [])]:
         pool.reset_prefix_cache()
+    if engine.executor.routing is not None:
+        engine.executor.routing.forget()
 
 
 @torch.no_grad()

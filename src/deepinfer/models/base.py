@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.cache.forward_batch import ForwardBatch
+from deepinfer.cache.forward_batch import ForwardBatch, Grid, RoutingTrace
 from deepinfer.cache.layer_spec import LayerCacheSpec
 from deepinfer.cache.session import research_batch
 from deepinfer.kernels.batch_invariant import invariant_products
@@ -216,13 +217,20 @@ class CausalLM(nn.Module):
         labels: torch.Tensor | None = None,
         output_hidden_states: bool = False,
         batch_invariant: bool = False,
+        routed_experts: torch.Tensor | Sequence[torch.Tensor] | None = None,
     ) -> CausalLMOutput:
         """``batch_invariant``: compute as a ``batch_invariant=True`` engine step does
         (matrix products on the row-invariant packed kernel, ``kernels/batch_invariant.py``;
         plain torch elsewhere), so on float weights the logits, and their ``log_softmax``,
-        equal the engine's bit for bit (an RL trainer's logprobs are then the rollout's)."""
+        equal the engine's bit for bit (an RL trainer's logprobs are then the rollout's).
+        ``routed_experts``: the MoE layers route each token to these experts (R3, routing
+        replay): [B, S', layers, k], or one [S'_b, layers, k] per row (an output's
+        ``routed_experts``), S' <= S; positions past them, and entries < 0, route as the
+        model does."""
         flat_ids, positions, batch = research_batch(self, input_ids, attention_mask)
         batch.invariant = batch_invariant
+        if routed_experts is not None:
+            batch.routing = RoutingTrace(replay=replay_rows(routed_experts, input_ids.shape, batch.grid))
         vocab = self.config.vocab_size
         if flat_ids.numel() and (int(flat_ids.min()) < 0 or int(flat_ids.max()) >= vocab):
             raise ValueError(f"input_ids: token ids must lie in [0, {vocab})")
@@ -230,7 +238,36 @@ class CausalLM(nn.Module):
             batch.hidden_states = []
         with invariant_products(batch_invariant):
             out = self.step(flat_ids, positions, batch)
+        if batch.routing is not None and batch.routing.replay is not None:
+            if len(batch.routing.recorded) != batch.routing.replay.shape[1]:
+                raise ValueError(
+                    f"routed_experts: holds {batch.routing.replay.shape[1]} MoE layers, "
+                    f"the model has {len(batch.routing.recorded)}"
+                )
         logits = batch.to_grid(out[0] if isinstance(out, tuple) else out)
         loss = causal_lm_loss(logits, labels) if labels is not None else None
         hidden = tuple(batch.hidden_states) if batch.hidden_states is not None else None
         return CausalLMOutput(logits, loss, hidden)
+
+
+def replay_rows(
+    routed: torch.Tensor | Sequence[torch.Tensor], shape: tuple[int, ...], grid: Grid | None
+) -> torch.Tensor:
+    """The research forward's ``routed_experts`` as [T, layers, k] rows in step order (the
+    grid's real cells), -1 where a row routes itself."""
+    b, s = shape
+    rows = list(routed) if not isinstance(routed, torch.Tensor) else list(routed.unbind(0))
+    if len(rows) != b or any(not isinstance(r, torch.Tensor) or r.dim() != 3 for r in rows):
+        raise ValueError(
+            f"routed_experts: {b} tensors of [positions, MoE layers, top-k] (or one [B, S, L, k])"
+        )
+    if len({tuple(r.shape[1:]) for r in rows}) != 1 or any(r.shape[0] > s for r in rows):
+        raise ValueError(
+            f"routed_experts: rows must share [MoE layers, top-k] and hold at most {s} positions"
+        )
+    layers, k = rows[0].shape[1:]
+    out = torch.full((b, s, layers, k), -1, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r.long()
+    flat = out.view(b * s, layers, k)
+    return flat if grid is None or grid.rows is None else flat[grid.rows.cpu()]

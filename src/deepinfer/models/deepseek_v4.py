@@ -52,7 +52,7 @@ class Block(HyperConnectedBlock):
         y = self.attn(self.attn_norm(hc_collapse(streams, pre)), positions, pools, batch)
         streams = hc_expand(y, streams, post, comb)
         pre, post, comb = self.mixes(streams, "ffn")
-        y = self.ffn(self.ffn_norm(hc_collapse(streams, pre)), input_ids, batch.functional)
+        y = self.ffn(self.ffn_norm(hc_collapse(streams, pre)), input_ids, batch.functional, batch.routing)
         return batch.to_grid(hc_expand(y, streams, post, comb))
 
 

@@ -174,7 +174,9 @@ class LaggedBlock(HyperConnectedBlock):
         y = self.attn(x, positions, pools, batch, shared, compressed)
         streams = hc_expand(y, streams, post, comb)
         ffn_pre, post, comb = self.mixes(streams, "ffn")
-        y = self.ffn(self.ffn_norm(hc_collapse(streams, attn_pre)), input_ids, batch.functional)
+        y = self.ffn(
+            self.ffn_norm(hc_collapse(streams, attn_pre)), input_ids, batch.functional, batch.routing
+        )
         return batch.to_grid(hc_expand(y, streams, post, comb)), batch.to_grid(ffn_pre)
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.cache.forward_batch import RoutingTrace
 from deepinfer.kernels import batch_invariant
 from deepinfer.kernels.moe import routed_experts, routed_experts_reference
 from deepinfer.kernels.quantized import routed_experts_fp4
@@ -65,8 +66,11 @@ class Gate(nn.Module):
         else:
             self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, d] -> (weights [N, k], expert ids [N, k])."""
+    def forward(
+        self, x: torch.Tensor, input_ids: torch.Tensor, routing: RoutingTrace | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, d] -> (weights [N, k], expert ids [N, k]); ``routing`` records the choice or
+        replays a given one (the weights are then the scores of the replayed experts)."""
         logits = F.linear(x, self.weight.to(x.dtype))
         if self.scoring == "sqrtsoftplus":
             scores = F.softplus(logits).sqrt()
@@ -78,6 +82,8 @@ class Gate(nn.Module):
             ids = self.tid2eid[input_ids.reshape(-1)].long()
         else:
             ids = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
+        if routing is not None:
+            ids = routing.route(ids)
         weights = scores.gather(1, ids)
         if self.normalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -204,13 +210,20 @@ class MoE(nn.Module):
         for i, expert in enumerate(self.experts):
             getattr(expert, name).weight = nn.Parameter(stacked[i], requires_grad=False)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, functional: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        input_ids: torch.Tensor,
+        functional: bool = False,
+        routing: RoutingTrace | None = None,
+    ) -> torch.Tensor:
         """``functional`` (the research binding): the experts run from their own parameters
         through the op's differentiable reference, so gradients and ``functional_call``
-        reach them; the engine runs the op on the stacked copies."""
+        reach them; the engine runs the op on the stacked copies. ``routing``: the step's
+        record or replay of expert choices (``ForwardBatch.routing``)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, ids = self.gate(flat, input_ids)
+        weights, ids = self.gate(flat, input_ids, routing)
         if self.expert_load is not None and not torch.compiler.is_compiling():
             self.expert_load.index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
         if self.dispatch is not None:
