@@ -103,6 +103,16 @@ class RolloutMixin:
             self.path, self._disk_version = path, version
         return version
 
+    def sync_weights(self, weight_version: str | None = None) -> str:
+        """Apply now what the next step would find: the copies of every parameter written in
+        place since the last sync are made again (an engine over a trainer's module does this
+        before each step by itself; calling it after an optimizer step puts the cost there).
+        Returns the weight version."""
+        with self._step_lock:
+            sync = self.engine.weights
+            sync.apply(self.engine, None, weight_version)
+            return sync.version
+
     def refresh_weights(self, weight_version: str | None = None) -> str:
         """Announce writes PyTorch's version counters do not see (through ``p.data`` or raw
         pointers): every copy the engine derives from the parameters is made again."""

@@ -3,7 +3,8 @@
 Endpoints and field names follow vLLM's OpenAI-compatible server:
 ``/v1/completions`` and ``/v1/chat/completions`` (streaming as ``data: {...}`` events ending in
 ``data: [DONE]``), ``/v1/models`` (``routes_openai.py``), ``/tokenize``, ``/detokenize``,
-``/health``, ``/version``, ``/metrics`` (``routes_admin.py``). Every error is OpenAI's JSON shape
+``/health``, ``/version``, ``/metrics`` (``routes_admin.py``), and the RL control endpoints
+(weight updates, sleep, pausing: ``routes_rl.py``). Every error is OpenAI's JSON shape
 ``{"error": {"message", "type", "param", "code"}}``, ``param`` naming the field
 (``error_handlers.py``): 400 for bad input (and for a request that could never run: more
 sequences than the server runs at once, or more tokens than the context holds), 401 for a wrong
@@ -27,7 +28,7 @@ from fastapi import FastAPI
 
 import deepinfer
 from deepinfer.llm import LLM
-from deepinfer.server import routes_admin, routes_openai
+from deepinfer.server import routes_admin, routes_openai, routes_rl
 from deepinfer.server.asgi_guards import RequestGuard
 from deepinfer.server.async_llm import AsyncLLM
 from deepinfer.server.engine_client import LocalEngineClient
@@ -73,4 +74,5 @@ def build_app(
     install_error_handlers(app)
     app.include_router(routes_admin.router)
     app.include_router(routes_openai.router)
+    app.include_router(routes_rl.router)
     return app

@@ -56,8 +56,22 @@ async def send_error(send: Send, status: int, message: str, param: str | None = 
     await send({"type": "http.response.body", "body": payload})
 
 
+# the RL control endpoints (``routes_rl.py``), guarded by the key as ``/v1/*`` is
+CONTROL_PATHS = frozenset(
+    {
+        "/update_weights_from_disk",
+        "/sleep",
+        "/wake_up",
+        "/is_sleeping",
+        "/pause_generation",
+        "/continue_generation",
+        "/get_weight_version",
+    }
+)
+
+
 class RequestGuard:
-    """``api_key`` on ``/v1/*`` (401); bodies over ``max_body_bytes`` (413, from the declared
+    """``api_key`` on ``/v1/*`` and the control endpoints (401); bodies over ``max_body_bytes`` (413, from the declared
     length before reading, or as they arrive); bodies that take longer than ``body_timeout_s``
     to arrive (408)."""
 
@@ -72,7 +86,8 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.expected is not None and scope["path"].startswith("/v1"):
+        path = scope["path"]
+        if self.expected is not None and (path.startswith("/v1") or path in CONTROL_PATHS):
             if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
                 await send_error(send, 401, "Invalid API key")
                 return

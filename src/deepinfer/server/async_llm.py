@@ -37,6 +37,10 @@ class RequestFailedError(RuntimeError):
     """This request alone failed inside the engine (finish reason "error"): answer 500."""
 
 
+class EngineAsleepError(RuntimeError):
+    """The engine sleeps (``/sleep``): new requests get 503 until ``/wake_up``."""
+
+
 class ShuttingDownError(RuntimeError):
     """The server is shutting down: new requests get 503, and requests still running when the
     grace period ends get this as their last event."""
@@ -70,6 +74,7 @@ class AsyncLLM:
         self.shutting_down = False  # no new requests; running ones end by ``_drain_deadline``
         self._drain_deadline: float | None = None
         self.stats_callbacks: list[Any] = []  # called in the engine thread with each finished output
+        self.paused = False  # ``pause_generation``: commands are taken, no step runs
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -151,6 +156,13 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id, None))
 
+    async def between_steps(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine thread between two steps (weight updates, sleep, pausing);
+        its result or exception comes back to the caller."""
+        done: Future = Future()
+        self._commands.put(("call", fn, done))
+        return await asyncio.wrap_future(done)
+
     def num_requests(self) -> tuple[int, int]:
         """(running, waiting) as the engine thread last left them."""
         running = len(self.engine.scheduler.running)
@@ -173,7 +185,7 @@ class AsyncLLM:
         while not self._stopping and not self._until():
             if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
                 self._end_all(ShuttingDownError("the server is shutting down; this request was ended"))
-            if not self.engine.has_unfinished():  # idle: wait for a command
+            if not self.engine.has_unfinished() or self.paused:  # idle: wait for a command
                 try:
                     self._apply(self._commands.get(timeout=0.5))
                 except queue.Empty:
@@ -183,7 +195,7 @@ class AsyncLLM:
                     self._apply(self._commands.get_nowait())
                 except queue.Empty:
                     break
-            if self.engine.has_unfinished():
+            if self.engine.has_unfinished() and not self.paused:
                 self._step()
 
     def _apply(self, command: tuple[str, Any, Future | None]) -> None:
@@ -193,11 +205,20 @@ class AsyncLLM:
         if kind == "drain":
             self._drain_deadline = payload
             return
+        if kind == "call":
+            assert done is not None
+            try:
+                done.set_result(payload())
+            except Exception as exc:  # the caller gets it; the loop goes on
+                done.set_exception(exc)
+            return
         if kind == "add":
             request_id, ids, params, offset, salt, stream = payload
             try:
                 if self.shutting_down:
                     raise ShuttingDownError("the server is shutting down")
+                if self.llm.is_sleeping:
+                    raise EngineAsleepError("the engine is asleep (/sleep); call /wake_up first")
                 # requests past the running slots wait: 429 only once those fill the queue (a
                 # request that arrived since the last step is not waiting while a slot is free)
                 if len(self._streams) >= self.engine.config.max_num_seqs + self.max_queued_requests:

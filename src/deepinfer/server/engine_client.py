@@ -84,6 +84,23 @@ class EngineClient(Protocol):
         """Call ``callback`` with each finished request's output (in the engine thread)."""
         ...
 
+    async def control(self, action: str, **options: Any) -> Any:
+        """An RL control action between two steps (``CONTROL_ACTIONS``): its result, or the
+        engine's error for it."""
+        ...
+
+
+# what ``EngineClient.control`` does: the ``LLM`` methods it calls (``llm_rollout.py``)
+CONTROL_ACTIONS = (
+    "load_weights_from_disk",
+    "sleep",
+    "wake_up",
+    "is_sleeping",
+    "pause_generation",
+    "continue_generation",
+    "weight_version",
+)
+
 
 class LocalEngineClient:
     """``EngineClient`` over an in-process ``LLM`` driven by an ``AsyncLLM``, through their
@@ -143,3 +160,21 @@ class LocalEngineClient:
 
     def on_finished(self, callback: Callable[[RequestOutput], None]) -> None:
         self._async_llm.stats_callbacks.append(callback)
+
+    async def control(self, action: str, **options: Any) -> Any:
+        if action not in CONTROL_ACTIONS:
+            raise ValueError(f"unknown control action {action!r}")
+        llm, loop = self._llm, self._async_llm
+
+        def run() -> Any:
+            if action == "pause_generation":
+                loop.paused = True  # between steps: the step in progress has ended
+                return None
+            if action == "continue_generation":
+                loop.paused = False
+                return None
+            if action in ("is_sleeping", "weight_version"):
+                return getattr(llm, action)
+            return getattr(llm, action)(**options)
+
+        return await loop.between_steps(run)

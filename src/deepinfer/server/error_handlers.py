@@ -9,7 +9,12 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepinfer.server.asgi_guards import error_body
-from deepinfer.server.async_llm import QueueFullError, RequestFailedError, ShuttingDownError
+from deepinfer.server.async_llm import (
+    EngineAsleepError,
+    QueueFullError,
+    RequestFailedError,
+    ShuttingDownError,
+)
 from deepinfer.server.protocol import RequestError
 
 
@@ -46,7 +51,7 @@ async def _failed(_request: Request, exc: RequestFailedError) -> JSONResponse:
     return error_response(500, f"this request failed in the engine: {exc}")
 
 
-async def _shutting_down(_request: Request, exc: ShuttingDownError) -> JSONResponse:
+async def _shutting_down(_request: Request, exc: ShuttingDownError | EngineAsleepError) -> JSONResponse:
     return error_response(503, str(exc))
 
 
@@ -64,6 +69,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(RequestFailedError, _failed)
     app.add_exception_handler(ShuttingDownError, _shutting_down)
+    app.add_exception_handler(EngineAsleepError, _shutting_down)
     app.add_exception_handler(Exception, _internal)
     app.add_exception_handler(QueueFullError, _queue_full)
 
