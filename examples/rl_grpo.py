@@ -16,7 +16,7 @@ for bit, so the importance ratio of an on-policy step is exactly 1: the script p
 largest gap it saw (0.0). It prints the split of time per step and, with ``--plot``, draws the
 reward curve.
 
-    python examples/rl_grpo.py --steps 30
+    python examples/rl_grpo.py --steps 20 --plot reward.png
 """
 
 from __future__ import annotations
@@ -94,14 +94,14 @@ def grpo_step(
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
-    return float(loss), gap
+    return float(loss.detach()), gap
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
     parser.add_argument("--group", type=int, default=8, help="completions per prompt")
     parser.add_argument("--high", type=int, default=9, help="the largest addend")
     parser.add_argument("--lr", type=float, default=2e-5)

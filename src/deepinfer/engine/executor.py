@@ -71,7 +71,8 @@ class Executor:
 
     def _run(self, prepared: PreparedStep, input_ids: torch.Tensor) -> StepResult:
         if self.tp is None:
-            if self.config.batch_invariant and len(prepared.chunks) > 1:
+            alone = self.config.batch_invariant and not self.model.invariant_rows
+            if alone and len(prepared.chunks) > 1:
                 return self._run_each_chunk(prepared)
             return self._execute(prepared, input_ids)
         if self.data_parallel:

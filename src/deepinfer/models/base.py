@@ -149,6 +149,11 @@ class CausalLM(nn.Module):
         """After loading the weights of the checkpoint at ``path`` (fusions, tokenizer-bound
         tables)."""
 
+    # Under ``batch_invariant``, whether every op of a step computes each token's row alone
+    # (row-wise ops, ``invariant_products``' matrix products, the prefix attention): the
+    # step then runs its chunks together. False: each chunk runs as a forward of its own.
+    invariant_rows: ClassVar[bool] = False
+
     # For a model whose compiled CPU steps run projections on packed copies: the parameters
     # besides ``nn.Linear`` weights that its step multiplies with through ``F.linear`` (name
     # suffixes, possibly none). None: the model packs nothing.

@@ -169,6 +169,8 @@ class LlamaForCausalLM(CausalLM):
     ``model.layers[i].self_attn.q_proj``, ``lm_head``), so checkpoints load by name and
     research code finds what it expects."""
 
+    invariant_rows = True  # norms, RoPE and SwiGLU are row-wise; attention is per row
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.config = cfg
