@@ -10,6 +10,7 @@ layout travels as tensors (``span_meta``). The reference implementation runs on 
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from deepinfer.kernels import kv_int8
 from deepinfer.kernels.cpu import attention as cpu_attention
@@ -116,6 +117,15 @@ def _prefix_attention(
     return (summed / total.unsqueeze(-1)).to(q.dtype)
 
 
+def _prefix_rows(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """``_prefix_attention``, recomputed in the backward pass when it takes part in one: its
+    [rows, positions, heads, head_dim] intermediates would otherwise stay saved for every layer
+    (a training forward over a batch of rollouts)."""
+    if torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or vals.requires_grad):
+        return torch.utils.checkpoint.checkpoint(_prefix_attention, q, keys, vals, last, use_reentrant=False)
+    return _prefix_attention(q, keys, vals, last)
+
+
 def paged_attention_invariant(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -140,7 +150,7 @@ def paged_attention_invariant(
         keys = kv_int8.read(k_pool[decode_kv], q.dtype).view(n, -1, n_kv, d)
         vals = kv_int8.read(v_pool[decode_kv], q.dtype).view(n, -1, n_kv, d)
         last = (decode_valid.long().sum(1) - 1).clamp(min=0)
-        out = out.index_copy(0, rows, _prefix_attention(q[rows.clamp(max=t - 1)], keys, vals, last))
+        out = out.index_copy(0, rows, _prefix_rows(q[rows.clamp(max=t - 1)], keys, vals, last))
     for first, count, start, offset in span_meta.tolist():
         if count == 0:
             continue
@@ -149,7 +159,7 @@ def paged_attention_invariant(
         keys = kv_int8.read(k_pool.index_select(0, kv_rows), q.dtype).view(1, end, n_kv, d)
         vals = kv_int8.read(v_pool.index_select(0, kv_rows), q.dtype).view(1, end, n_kv, d)
         last = start + torch.arange(count, device=q.device)
-        part = _prefix_attention(
+        part = _prefix_rows(
             q[first : first + count], keys.expand(count, -1, -1, -1), vals.expand(count, -1, -1, -1), last
         )
         out = out.index_copy(0, torch.arange(first, first + count, device=q.device), part)
