@@ -2,7 +2,8 @@
 being trained.
 
 The task is generated here: few-shot sums of two small numbers (``"6+8="``), rewarded 1 when
-the completion is the right number followed by a newline. Each step:
+the completion is the right number followed by a newline. Every ``--eval-every`` steps, greedy accuracy on a fixed held-out set of sums is
+measured (the clean signal; the per-step reward is a small, noisy sample). Each step:
 
 1. rollout: ``LLM.from_model(model)`` samples a group of completions per prompt from the
    current weights (no copy, no reload: the engine computes with the module's parameters);
@@ -48,6 +49,15 @@ def reward(text: str, answer: int) -> float:
     """1 for the right number followed by a newline, else 0."""
     found = ANSWER.match(text)
     return 1.0 if found is not None and int(found.group(1)) == answer else 0.0
+
+
+def accuracy(llm: LLM, tasks: list[tuple[str, int]]) -> float:
+    """Greedy exact-answer rate on ``tasks`` (a fixed held-out set: the curve's clean signal)."""
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    outputs = llm.generate([text for text, _ in tasks], params, use_tqdm=False)
+    return sum(
+        reward(o.outputs[0].text, answer) for o, (_, answer) in zip(outputs, tasks, strict=True)
+    ) / len(tasks)
 
 
 def grpo_step(
@@ -108,6 +118,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--clip", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--eval-every", type=int, default=5, help="greedy accuracy on held-out sums every N steps"
+    )
+    parser.add_argument("--eval-prompts", type=int, default=64)
     parser.add_argument("--log", type=Path, default=None, help="write each step's figures as JSON lines")
     parser.add_argument("--plot", type=Path, default=None, help="draw the reward curve to this PNG")
     args = parser.parse_args(argv)
@@ -117,8 +131,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model = load_model(args.model, requires_grad=True)
     llm = LLM.from_model(model, tokenizer=resolve_model(args.model), batch_invariant=args.batch_invariant)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    held_out = make_prompts(random.Random(args.seed + 1), args.eval_prompts, args.high)
     history: list[dict] = []
     for step in range(args.steps):
+        evaluated = None
+        if args.eval_every and step % args.eval_every == 0:
+            evaluated = accuracy(llm, held_out)
         tasks = make_prompts(rng, args.prompts, args.high)
         prompt_ids = [llm.tokenizer(text).input_ids for text, _ in tasks]
         params = SamplingParams(
@@ -148,23 +166,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "train_s": train_s,
             "sync_s": sync_s,
             "weight_version": outputs[0].weight_version,
+            "held_out_accuracy": evaluated,
         }
         history.append(row)
+        held = f"  held-out accuracy {evaluated:.3f}" if evaluated is not None else ""
         print(
-            f"step {step:3d}  reward {row['reward']:.3f}  loss {loss:+.4f}  logprob gap {gap:.2e}  "
-            f"rollout {rollout_s:.2f}s  train {train_s:.2f}s  sync {sync_s * 1e3:.1f}ms",
+            f"step {step:3d}  reward {row['reward']:.3f}  loss {loss:+.2e}  logprob gap {gap:.2e}  "
+            f"rollout {rollout_s:.2f}s  train {train_s:.2f}s  sync {sync_s * 1e3:.1f}ms{held}",
             flush=True,
         )
         if args.log is not None:
             with args.log.open("a") as f:
                 f.write(json.dumps(row) + "\n")
+    if args.eval_every:
+        final = accuracy(llm, held_out)
+        history[-1]["final_held_out_accuracy"] = final
+        print(f"after {args.steps} steps: held-out accuracy {final:.3f}", flush=True)
     if args.plot is not None:
         plot_rewards(history, args.plot)
     return history
 
 
 def plot_rewards(history: list[dict], path: Path) -> None:
-    """The mean reward per step, and its running mean over five steps."""
+    """The mean reward per step, its running mean over five steps, and the held-out accuracy."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -178,6 +202,11 @@ def plot_rewards(history: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, rewards, "o", alpha=0.4, label="mean reward of the step")
     ax.plot(steps, smooth, "-", label="running mean (5 steps)")
+    held = [(r["step"], r["held_out_accuracy"]) for r in history if r.get("held_out_accuracy") is not None]
+    if "final_held_out_accuracy" in history[-1]:
+        held.append((history[-1]["step"] + 1, history[-1]["final_held_out_accuracy"]))
+    if held:
+        ax.plot([s for s, _ in held], [a for _, a in held], "s--", label="greedy accuracy, held-out sums")
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("reward (exact sums)")
     ax.set_ylim(0, 1)

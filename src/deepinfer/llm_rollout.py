@@ -251,4 +251,5 @@ def check_trainer_model(model: Any, engine_kwargs: dict[str, Any]) -> dict[str, 
         raise ValueError(
             "LLM.from_model: async_scheduling runs steps while the trainer could write the weights"
         )
+    kwargs["async_scheduling"] = False  # also where the platform's default would be on (CUDA)
     return kwargs

@@ -73,6 +73,11 @@ class WeightSync:
         changed = self.changed() if changed is None else changed
         if not changed and version is None:
             return False
+        if engine._inflight is not None:
+            raise RuntimeError(
+                "weights cannot change while an asynchronous step is in flight; let the requests "
+                "finish, or run the engine with async_scheduling=False"
+            )
         now = self._state()
         replaced = [self.names[i] for i in changed if now[i][1] != self.seen[i][1]]
         if replaced:
