@@ -10,8 +10,8 @@ layout travels as tensors (``span_meta``). The reference implementation runs on 
 from __future__ import annotations
 
 import torch
-import torch.utils.checkpoint
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from deepinfer.kernels import kv_int8
 from deepinfer.kernels.cpu import attention as cpu_attention
 from deepinfer.kernels.cpu import prefill_attention as cpu_prefill_attention
