@@ -36,7 +36,9 @@ def gaps(model: torch.nn.Module, invariant: bool, prompts: list[list[int]], max_
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args()
@@ -51,7 +53,9 @@ def main() -> None:
         for name, source in sources.items():
             model = load_model(source, requires_grad=True)
             vocab = min(model.config.vocab_size, 30000)
-            prompts = [[rng.randrange(2, vocab) for _ in range(rng.randrange(8, 80))] for _ in range(args.prompts)]
+            prompts = [
+                [rng.randrange(2, vocab) for _ in range(rng.randrange(8, 80))] for _ in range(args.prompts)
+            ]
             for invariant in (True, False):
                 found = gaps(model, invariant, prompts, args.max_tokens)
                 mode = "batch_invariant" if invariant else "default"
