@@ -2,7 +2,8 @@
 forward): while ``invariant_products()`` is active, every fp32 ``mm``, ``addmm``, ``bmm``,
 ``baddbmm`` and ``mv`` on CPU tensors runs the packed kernel (``cpu_packed_gemm``), whose
 every output is one FMA chain over the inner dimension, the same whatever the row and column
-counts. BLAS kernels pick their blocking, and so their summation order, by shape: a token's
+counts; elementwise transcendental ops and softmaxes run so that no element's result depends
+on the tensor's size (``_aligned``, ``_softmax``). BLAS kernels pick their blocking, and so their summation order, by shape: a token's
 result would then depend on how many tokens share the product, and the engine's decode rows
 would differ in the last bits from a trainer's forward over the whole sequence.
 
@@ -79,6 +80,40 @@ def _mv(a, v):
     return invariant_mm(a, v.unsqueeze(1)).squeeze(1)
 
 
+# Elementwise transcendental ops run a vector loop and a scalar tail, whose results can differ
+# in the last bit (the vector exp is not the C library's): which elements fall in the tail
+# depends on the tensor's size, so a token's value would depend on how many share the call.
+# Under the mode they run on a buffer padded to a multiple of ``_ALIGN`` elements (a multiple
+# of every vector width and of the threads' shares), so every element takes the vector path.
+_ALIGN = 1024
+_ELEMENTWISE_NAMES = (
+    "exp", "exp2", "expm1", "log", "log1p", "log2", "sigmoid", "silu", "tanh", "erf", "softplus",
+    "gelu", "rsqrt", "sin", "cos",
+)  # fmt: skip
+_ELEMENTWISE = {getattr(aten, n).default for n in _ELEMENTWISE_NAMES} | {aten.pow.Tensor_Scalar}
+_IN_PLACE = {
+    getattr(aten, n + "_").default: getattr(aten, n).default
+    for n in _ELEMENTWISE_NAMES
+    if hasattr(aten, n + "_")
+}
+
+
+def _aligned(func: Any, x: torch.Tensor, *rest: Any, **kwargs: Any) -> torch.Tensor:
+    """``func(x, ...)`` computed on ``x`` flattened and zero-padded to a multiple of ``_ALIGN``."""
+    n = x.numel()
+    flat = x.reshape(-1)
+    pad = -n % _ALIGN
+    flat = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat.contiguous()
+    return func(flat, *rest, **kwargs)[:n].view(x.shape)
+
+
+def _softmax(func: Any, x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+    """A softmax over any dim as one over contiguous last-dim rows (each row then runs the same
+    loop whatever the row count)."""
+    moved = x.movedim(dim, -1).contiguous()
+    return func(moved, -1, half_to_float).movedim(-1, dim).contiguous()
+
+
 _PRODUCTS = {
     aten.mm.default: _mm,
     aten.addmm.default: _addmm,
@@ -92,10 +127,18 @@ class _InvariantProducts(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         handler = _PRODUCTS.get(func)
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        on_cpu = first is not None and first.device.type == "cpu" and first.is_floating_point()
         if handler is not None:
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
                 return handler(*args, **kwargs)
+        elif on_cpu and func in _ELEMENTWISE:
+            return _aligned(func, *args, **kwargs)
+        elif on_cpu and func in _IN_PLACE:
+            return args[0].copy_(_aligned(_IN_PLACE[func], *args, **kwargs))
+        elif on_cpu and func in (aten._softmax.default, aten._log_softmax.default):
+            return _softmax(func, *args, **kwargs)
         elif _composite(func):  # under inference mode ``linear`` and ``matmul`` arrive whole
             with self:
                 return func.decompose(*args, **kwargs)

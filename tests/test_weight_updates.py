@@ -89,7 +89,10 @@ def test_an_engine_over_the_trainers_module_follows_its_steps(tmp_path_factory, 
     model = load_model(path, requires_grad=True)
     llm = LLM.from_model(model, **options)
 
-    @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
+    # V4 compiles its step (the CPU default), twice an example: one example there
+    @settings(
+        max_examples=1 if arch == "deepseek_v4" else 2, deadline=None, suppress_health_check=list(HealthCheck)
+    )
     @given(seed=st.integers(0, 2**16))
     def check(seed):
         prompts = _prompts(seed)
