@@ -10,7 +10,7 @@ expert after it stay in the compiled graph, and no graph break is left in a MoE 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,14 @@ def _sort_by_expert(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, t
     flat_ids = ids.flatten()
     order = flat_ids.argsort(stable=True)
     return flat_ids, order, x[order // ids.shape[1]]
+
+
+# a served adapter's term on one expert matrix: (expert, matrix name, rows, their tokens) -> term
+ExpertTerm = Callable[[int, str, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+
+
+def _plus(product: torch.Tensor, term: torch.Tensor | None) -> torch.Tensor:
+    return product if term is None else product + term
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -46,18 +54,27 @@ def routed_experts_reference(
     w2: torch.Tensor | Sequence[torch.Tensor],
     w3: torch.Tensor | Sequence[torch.Tensor],
     limit: float,
+    adapter: ExpertTerm | None = None,
 ) -> torch.Tensor:
     """The op's contract in plain, differentiable PyTorch (sorted dispatch; runs on every
     device). The expert weights may be stacked tensors or per-expert sequences (the research
     path passes each expert's own parameters, so gradients and ``functional_call`` reach
-    them)."""
+    them). ``adapter(expert, "w1"|"w2"|"w3", rows, tokens)``: a term added to that matrix's
+    product on ``rows`` (the rows of tokens ``tokens``), or None (served LoRA adapters)."""
     flat_ids, order, picked = _sort_by_expert(x, ids)
     counts = torch.bincount(flat_ids, minlength=len(w1)).tolist()
     outs, start = [], 0
     for e, count in enumerate(counts):
         if count:
             rows = picked[start : start + count]
-            outs.append(F.linear(_swiglu(F.linear(rows, w1[e]), F.linear(rows, w3[e]), limit), w2[e]))
+            gate, up = F.linear(rows, w1[e]), F.linear(rows, w3[e])
+            if adapter is None:
+                outs.append(F.linear(_swiglu(gate, up, limit), w2[e]))
+            else:
+                tokens = order[start : start + count] // ids.shape[1]
+                gate, up = (_plus(p, adapter(e, n, rows, tokens)) for p, n in ((gate, "w1"), (up, "w3")))
+                act = _swiglu(gate, up, limit)
+                outs.append(_plus(F.linear(act, w2[e]), adapter(e, "w2", act, tokens)))
             start += count
     if not outs:
         return torch.zeros_like(x)

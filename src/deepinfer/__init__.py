@@ -2,6 +2,7 @@
 
 from deepinfer.errors import CheckpointError
 from deepinfer.llm import LLM
+from deepinfer.lora import LoRARequest
 from deepinfer.models.loading import load_model
 from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.sampling_params import SamplingParams
@@ -9,6 +10,7 @@ from deepinfer.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",
+    "LoRARequest",
     "CheckpointError",
     "CompletionOutput",
     "Logprob",

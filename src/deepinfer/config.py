@@ -4,6 +4,7 @@ configuration lives with the model (``deepinfer.models``)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,13 @@ class EngineConfig:
     # rollout's routing (``model(..., routed_experts=...)``). Eager synchronous steps on one
     # rank; prefix-cache hits report the routing their blocks were computed with
     enable_return_routed_experts: bool = False
+    # Serve LoRA adapters (PEFT's format) per request, many in one batch (vLLM's names):
+    # up to max_loras adapters run at once, each of rank <= max_lora_rank, and max_cpu_loras
+    # are kept loaded by name (lora/). Eager synchronous steps on one rank
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
     # torch.compile the model step (compilation.py). None = the platform's default: on for
     # CUDA; on the CPU, for models whose compiled step beats eager (V4, V4.1), the compiled
     # step an earlier run saved, and a step no saved variant covers runs eagerly until such
@@ -169,6 +177,27 @@ class EngineConfig:
     def world_size(self) -> int:
         """Ranks the engine runs on (tensor x data parallel)."""
         return self.tensor_parallel_size * self.data_parallel_size
+
+    def _validate_lora(self, positive_int: Callable[[str], None]) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be a bool, got {self.enable_lora!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            positive_int(name)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        positive_int("max_cpu_loras")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if not self.enable_lora:
+            return
+        for name in ("compile", "capture_graphs", "async_scheduling", "speculative_config", "ced_prefill"):
+            if getattr(self, name):
+                raise ValueError(f"enable_lora=True runs eager synchronous steps so far: turn {name} off")
+        for name in ("batch_invariant", "enable_return_routed_experts"):
+            if getattr(self, name):
+                raise ValueError(f"enable_lora=True with {name}=True is not built yet")
+        if self.world_size > 1 or self.data_parallel_replicas > 1:
+            raise ValueError("enable_lora=True runs on one rank and one replica so far")
 
     def validate(self) -> None:
         def need(ok: bool, name: str, rule: str) -> None:
@@ -210,6 +239,7 @@ class EngineConfig:
                     )
             if self.world_size > 1:
                 raise ValueError("enable_return_routed_experts=True runs on one rank")
+        self._validate_lora(positive_int)
         if self.batch_invariant:
             for name in (
                 "compile",

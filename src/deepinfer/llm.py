@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
@@ -16,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from deepinfer.config import EngineConfig
-from deepinfer.distributed.replicas import ReplicaPool, RequestSpec, balanced_shares, serve
+from deepinfer.distributed.replicas import ReplicaPool, RequestSpec, balanced_shares, serve, torch_threads
 from deepinfer.engine.engine import Engine
 from deepinfer.engine.memory import engine_kv_report, weight_bytes
 from deepinfer.engine.request import Request
 from deepinfer.llm_rollout import RolloutMixin, check_trainer_model
+from deepinfer.lora.request import LoRARequest, per_prompt
 from deepinfer.models.base import CausalLM
 from deepinfer.models.loading import load_model
 from deepinfer.outputs import RequestOutput
@@ -242,7 +242,9 @@ class LLM(RolloutMixin):
             raise ValueError(f"sampling_params must be one SamplingParams or a list of {n} of them")
         return params
 
-    def _add(self, prompt: PromptType, index: int, params: SamplingParams) -> list[Request]:
+    def _add(
+        self, prompt: PromptType, index: int, params: SamplingParams, lora: LoRARequest | None = None
+    ) -> list[Request]:
         """Queue one prompt (n siblings for n > 1); on a bad prompt nothing is queued."""
         if self._asleep:
             raise RuntimeError("the engine is asleep (LLM.sleep): call wake_up() before adding requests")
@@ -253,7 +255,9 @@ class LLM(RolloutMixin):
         try:
             for i in range(params.n):
                 rid = base if params.n == 1 else f"{base}-{i}"
-                req = self.engine.add_request(rid, ids, child, prompt=text, generator_offset=i)
+                req = self.engine.add_request(
+                    rid, ids, child, prompt=text, generator_offset=i, lora_request=lora
+                )
                 req.parent_id = base if params.n > 1 else None
                 added.append(req)
         except ValueError as exc:
@@ -268,15 +272,19 @@ class LLM(RolloutMixin):
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt. All inputs are validated before any work starts: a bad
-        prompt raises ValueError naming it, and nothing of the call is queued."""
+        prompt raises ValueError naming it, and nothing of the call is queued.
+        ``lora_request``: the adapter every prompt runs with, or one per prompt (None: the
+        base model; needs ``enable_lora=True``)."""
         items = self._normalize_prompts(prompts)
         params = self._params_list(sampling_params, len(items))
+        adapters = per_prompt(lora_request, len(items))
         groups: list[list[Request]] = []
         try:
             for i, (prompt, p) in enumerate(zip(items, params, strict=True)):
-                groups.append(self._add(prompt, i, p))
+                groups.append(self._add(prompt, i, p, adapters[i]))
         except ValueError:
             self._drop(groups)
             raise
@@ -344,7 +352,7 @@ class LLM(RolloutMixin):
                 self._drop([groups[g] for g in share])  # validated here; computed there
                 pool.submit(k, specs, report_progress=on_finished is not None)
             drain = (lambda: pool.drain_progress(on_finished)) if on_finished is not None else None
-            with _torch_threads(self._replica_threads):
+            with torch_threads(self._replica_threads):
                 local = self._run([groups[g] for g in shares[0]], on_finished, drain)
         except BaseException:
             self._drop(groups)  # a failed call leaves nothing queued here ...
@@ -411,6 +419,7 @@ class LLM(RolloutMixin):
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or
         several, in the checkpoint's chat format (its template; DeepSeek-V4's message format,
@@ -429,17 +438,20 @@ class LLM(RolloutMixin):
             except ValueError as exc:
                 raise ValueError(f"messages[{i}]: {exc}" if len(conversations) > 1 else str(exc)) from exc
             prompts.append({"prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def stream(
-        self, prompt: PromptType, sampling_params: SamplingParams | None = None
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Iterator[RequestOutput]:
         """Yield one ``RequestOutput`` per new token holding only that step's delta (new token
         ids, logprobs and newly decodable text); the last one has ``finished=True``."""
         params = sampling_params or SamplingParams()
         if params.n != 1:
             raise ValueError("stream supports n=1 only")
-        (req,) = self._add(prompt, 0, params)
+        (req,) = self._add(prompt, 0, params, lora_request)
         sent_tokens, sent_text = 0, ""
         try:
             while True:
@@ -470,20 +482,6 @@ class LLM(RolloutMixin):
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
-
-
-@contextlib.contextmanager
-def _torch_threads(count: int) -> Iterator[None]:
-    """This process's torch threads set to ``count`` for the body, restored afterwards."""
-    previous = torch.get_num_threads()
-    if count == previous:
-        yield
-        return
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _replica_worker(

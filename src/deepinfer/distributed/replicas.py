@@ -17,15 +17,18 @@ worker's entry point is passed in), so the package keeps importing downward."""
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import multiprocessing
 import multiprocessing.connection
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from deepinfer.sampling_params import SamplingParams
 
@@ -212,3 +215,18 @@ def child_main() -> None:
     conn = multiprocessing.connection.Connection(int(os.environ.pop(_FD_ENV)))
     target, args = conn.recv()
     target(conn, *args)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """This process's torch threads set to ``count`` for the body (a replica's share of the
+    CPU), restored afterwards."""
+    previous = torch.get_num_threads()
+    if count == previous:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

@@ -1,12 +1,11 @@
 """The engine loop: add requests, step, collect outputs.
 
-A step is schedule (``Scheduler``), prepare (``ModelRunner.prepare``), run
-(``Executor.run``), then process: sampling, speculative verification and outputs. How the
-engine is built is decided in ``engine/setup.py``.
+A step is schedule (``Scheduler``), prepare (``ModelRunner.prepare``), run (``Executor.run``),
+then process: sampling, speculative verification and outputs; ``engine/setup.py`` builds it.
 
-With ``async_scheduling`` the model runs step N on a worker thread while this thread
-schedules and prepares step N+1 (torch releases the GIL inside kernels). Tokens sampled by
-step N reach step N+1's inputs just before it launches, so outputs equal synchronous mode.
+With ``async_scheduling`` the model runs step N on a worker thread while this thread schedules
+and prepares step N+1 (torch releases the GIL inside kernels). Tokens sampled by step N reach
+step N+1's inputs just before it launches, so outputs equal synchronous mode.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ from deepinfer.engine.step_processor import StepProcessor
 from deepinfer.engine.structured_requests import StructuredRequests
 from deepinfer.engine.weight_sync import WeightSync
 from deepinfer.errors import EngineDeadError
+from deepinfer.lora.registry import LoRARequest, adapter_for
 from deepinfer.models.base import CausalLM
 from deepinfer.outputs import RequestOutput
 from deepinfer.platforms import platform_for
@@ -63,10 +63,9 @@ class Engine:
         checkpoint: Path | None = None,
         follow_parameters: bool = False,
     ) -> None:
-        """``checkpoint``: the directory the model came from; compiled steps are saved beside
-        it unless ``config.compile_cache_dir`` says otherwise. ``follow_parameters``: the model
-        is a trainer's, whose parameters stay as they are and change between steps
-        (``engine/weight_sync.py``)."""
+        """``checkpoint``: the directory the model came from; compiled steps are saved beside it
+        unless ``config.compile_cache_dir`` says otherwise. ``follow_parameters``: the model is a
+        trainer's, whose parameters stay as they are and change between steps (weight_sync.py)."""
         config.validate()
         self.model = model
         self.config = config
@@ -111,9 +110,8 @@ class Engine:
         ranks = config.data_parallel_size  # each data-parallel rank has pools of its own
         self.pools = [BlockPool(size.num_blocks) for _ in range(ranks)]
         self.pool = self.pools[0]
-        self.window_pools: list[BlockPool] | None = None
-        if size.num_window_blocks is not None:
-            self.window_pools = [BlockPool(size.num_window_blocks) for _ in range(ranks)]
+        windows = size.num_window_blocks
+        self.window_pools = None if windows is None else [BlockPool(windows) for _ in range(ranks)]
         self.window_pool = self.window_pools[0] if self.window_pools is not None else None
         self.runner = setup.model_runner(
             model,
@@ -129,6 +127,7 @@ class Engine:
             eager_step,
         )
         self.executor = Executor(self.runner, model, config, self.tp)
+        self.lora = self.executor.lora = setup.lora_registry(model, config)
         if config.enable_return_routed_experts:
             self.executor.routing = RoutedExpertsRecorder(self.layout.block_size, size.num_blocks)
         if self.tp is not None:
@@ -213,9 +212,11 @@ class Engine:
         prompt: str | None = None,
         generator_offset: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Validate and queue a request; raises ValueError naming the bad field.
-        ``cache_salt`` (vLLM's): only requests with the same salt share prefix-cache blocks."""
+        ``cache_salt`` (vLLM's): only requests with the same salt share prefix-cache blocks;
+        ``lora_request``: the adapter it runs with (``enable_lora``)."""
         check_request(
             request_id,
             prompt_token_ids,
@@ -239,6 +240,7 @@ class Engine:
             generator=None if params.greedy else make_generator(params, self.device, generator_offset),
             arrival_time=time.perf_counter(),
             cache_salt=cache_salt,
+            lora=adapter_for(self.lora, lora_request),
         )
         self.requests[request_id] = req
         if structured is not None:

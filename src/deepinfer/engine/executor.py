@@ -6,7 +6,8 @@ executor decides how many forwards a step is and where they run: one forward on 
 ``batch_invariant`` steps chunk by chunk (each chunk sees the shapes it would alone); tensor
 parallel with the step's chunks broadcast to the worker ranks first; data parallel with each
 rank running its own chunks and rank 0 gathering the logits rows. It also counts the routed
-experts' load for EPLB after each step and re-places the experts every interval.
+experts' load for EPLB after each step and re-places the experts every interval, and sets
+the rows' LoRA adapter slots around a forward.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from deepinfer.distributed.workers import TensorParallelGroup, gather_rows, redu
 from deepinfer.engine.model_runner import ModelRunner, PreparedStep
 from deepinfer.engine.routed_experts import RoutedExpertsRecorder
 from deepinfer.kernels.batch_invariant import invariant_products
+from deepinfer.lora import step as lora_step
+from deepinfer.lora.registry import LoraRegistry
 from deepinfer.models.base import CausalLM
 
 logger = logging.getLogger("deepinfer")
@@ -58,6 +61,7 @@ class Executor:
         self.steps_counted = 0
         # enable_return_routed_experts: the engine sets the recorder (it knows the cache size)
         self.routing: RoutedExpertsRecorder | None = None
+        self.lora: LoraRegistry | None = None  # enable_lora: the served adapters
 
     def run(self, prepared: PreparedStep, input_ids: torch.Tensor) -> StepResult:
         """Run a step. On the CPU its wall time is recorded in ``prepared.forward_s`` (there the
@@ -87,7 +91,12 @@ class Executor:
         batch.invariant = self.config.batch_invariant
         if self.routing is not None:
             batch.routing = RoutingTrace()
-        with invariant_products(self.config.batch_invariant):
+        adapters = None
+        if self.lora is not None and prepared.seq_chunks is not None:  # the rows' adapter slots
+            lengths = [s.num_tokens for s in prepared.seq_chunks]
+            rows = prepared.positions.shape[0]
+            adapters = self.lora.step([c.request.lora for c in prepared.chunks], lengths, rows)
+        with invariant_products(self.config.batch_invariant), lora_step.running(adapters):
             out = self.runner.execute(prepared, input_ids)
         if self.routing is not None and batch.routing is not None and prepared.seq_chunks is not None:
             seq = prepared.seq_chunks

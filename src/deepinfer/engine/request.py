@@ -36,6 +36,7 @@ class Request:
     window_block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks published so far
     cache_salt: str | None = None  # prefix-cache isolation: only equal salts share blocks
+    lora: Any = None  # the served adapter it runs with (``lora.registry.LoadedAdapter``)
     parent_id: str | None = None  # the id of the n > 1 request this one is a sibling of
     slot: int | None = None
     dp_rank: int = 0  # data-parallel attention: the rank holding this request's cache
@@ -80,6 +81,14 @@ class Request:
         if end <= n:
             return prompt[start:end]
         return prompt[start:] + self.output_token_ids[: end - n]
+
+    @property
+    def prefix_salt(self) -> str | None:
+        """What seeds its first block's hash: the cache salt and the adapter, so blocks are
+        shared only between requests with equal salts and the same adapter."""
+        if self.lora is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x00{self.lora.cache_key}"
 
     @property
     def num_tokens(self) -> int:

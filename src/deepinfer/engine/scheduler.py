@@ -186,7 +186,7 @@ class Scheduler:
         bs = self.block_size
         hashes, parent = [], None
         for k in range((len(tokens) - 1) // bs):
-            parent = block_hash(parent, tokens[k * bs : (k + 1) * bs], request.cache_salt)
+            parent = block_hash(parent, tokens[k * bs : (k + 1) * bs], request.prefix_salt)
             hashes.append(parent)
         hit = self.pool.lookup(hashes)
         hit = self._window_for_hit(request, hit, hashes)
@@ -229,7 +229,7 @@ class Scheduler:
         tokens = request.all_token_ids
         parent = request.block_hashes[-1] if request.block_hashes else None
         for k in range(len(request.block_hashes), full):
-            parent = block_hash(parent, tokens[k * bs : (k + 1) * bs], request.cache_salt)
+            parent = block_hash(parent, tokens[k * bs : (k + 1) * bs], request.prefix_salt)
             request.block_hashes.append(parent)
             self.pool.cache(request.block_ids[k], parent)
             if self.block_published is not None:
@@ -344,6 +344,8 @@ class Scheduler:
             self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and self.free_slots
         ):
             request = self.waiting[0]
+            if request.lora is not None and not self._adapter_fits(request):
+                break  # max_loras adapters run already: it waits for one of them to end
             self._prefix_hit(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if self.config.batch_invariant:
@@ -360,6 +362,12 @@ class Scheduler:
             chunks.append(_take_chunk(request, request.num_computed_tokens, num_new, request.num_tokens, ()))
             budget -= num_new
         return chunks
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether ``request``'s adapter may run beside the running requests' adapters (at
+        most ``max_loras`` distinct ones run at once: each step's adapters hold a slot)."""
+        running = {id(r.lora) for r in self.running if r.lora is not None}
+        return id(request.lora) in running or len(running) < self.config.max_loras
 
     def _grid_chunk(self, request: Request, todo: int, budget: int) -> int:
         """``batch_invariant``: the next chunk is the rest of the current grid cell (of

@@ -25,6 +25,7 @@ from deepinfer.engine.cpu_decode import OneCallDecode, one_call_decode
 from deepinfer.engine.graph_runner import measure_step_memory
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.kernels.huge_pages import HugePageArena
+from deepinfer.lora.registry import LoraRegistry
 from deepinfer.models import prepare
 from deepinfer.models.base import CausalLM
 from deepinfer.models.llama import LlamaForCausalLM
@@ -59,7 +60,7 @@ def execution_modes(
     else:
         use_compile = platform.compile_by_default if config.compile is None else config.compile
         use_graphs = platform.capture is not None if config.capture_graphs is None else config.capture_graphs
-        if config.enable_return_routed_experts:  # the routing is recorded by eager steps
+        if config.enable_return_routed_experts or config.enable_lora:  # eager steps
             use_compile = use_graphs = False
         if use_graphs and platform.capture is None:
             raise ValueError(f"capture_graphs=True: the {platform.name} platform has no graph mode")
@@ -89,6 +90,7 @@ def cpu_default_compiles(
         or config.world_size > 1
         or config.batch_invariant  # eager steps by definition
         or config.enable_return_routed_experts
+        or config.enable_lora
     ):
         return False
     if config.cpu_compile_after_s is not None:
@@ -350,3 +352,11 @@ def model_runner(
 def graph_batch_size(config: EngineConfig) -> int:
     """The largest batch a captured decode graph covers."""
     return min(config.max_graph_batch_size, config.max_num_seqs)
+
+
+def lora_registry(model: CausalLM, config: EngineConfig) -> LoraRegistry | None:
+    """The served adapters' registry (``enable_lora``), over the model's target linears."""
+    if not config.enable_lora:
+        return None
+    assert config.max_cpu_loras is not None  # set by validate
+    return LoraRegistry(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)

@@ -18,6 +18,8 @@ from deepinfer.cache.forward_batch import RoutingTrace
 from deepinfer.kernels import batch_invariant
 from deepinfer.kernels.moe import routed_experts, routed_experts_reference
 from deepinfer.kernels.quantized import routed_experts_fp4
+from deepinfer.lora import step as lora_step
+from deepinfer.lora.stacks import ExpertStack
 from deepinfer.models.deepseek_v4_config import DeepseekV4Config
 
 # The router's weight (``Gate.weight``), a projection the step multiplies with through
@@ -123,6 +125,8 @@ class MoE(nn.Module):
         # with EPLB: (logical -> its physical slots [E, R] (-1 padded), replica counts [E]);
         # expert_offset is then this rank's first physical slot (None: slot = expert id)
         self.replica_maps: tuple[torch.Tensor, torch.Tensor] | None = None
+        # served adapters' slots on the routed experts (``lora/stacks.ExpertStack``)
+        self.lora_experts: ExpertStack | None = None
 
     @torch.no_grad()
     def stack_experts(self) -> None:
@@ -197,6 +201,15 @@ class MoE(nn.Module):
             return routed_experts_fp4(flat, weights, ids, *fp4, self.limit)
         if self.w1_stacked is None:
             self.stack_experts()
+        step = lora_step.current() if self.lora_experts is not None and self.lora_experts.any else None
+        if step is not None:  # the reference form, with each pair's low-rank term in its SwiGLU
+            mask, stack = step.rows(flat), self.lora_experts
+
+            def term(expert: int, name: str, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:
+                return stack.term(expert, name, rows, mask[tokens])
+
+            stacked = (self.w1_stacked, self.w2_stacked, self.w3_stacked)
+            return routed_experts_reference(flat, weights, ids, *stacked, self.limit, adapter=term)
         if batch_invariant.active():  # the plain form, whose products the mode makes invariant
             return routed_experts_reference(
                 flat, weights, ids, self.w1_stacked, self.w2_stacked, self.w3_stacked, self.limit

@@ -24,6 +24,7 @@ from torch import nn
 from deepinfer.cache.forward_batch import ForwardBatch
 from deepinfer.kernels.huge_pages import HugePageArena
 from deepinfer.kernels.weight_only import PackedLinear, WeightOnlyLinear
+from deepinfer.lora import step as lora_step
 
 EngineForm = Callable[[torch.Tensor], torch.Tensor]
 
@@ -59,11 +60,15 @@ class Projection:
         self.fused_weight: torch.Tensor | None = None
         self.fused_bias: torch.Tensor | None = None
         self.shares = True  # the fused weight is the linears' storage (``fuse``)
+        self.lora: Any = None  # served adapters' slots (``lora/stacks.LinearStack``)
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        if self.engine is not None and not batch.functional:
-            return self.engine(x)
-        return self.plain(x)
+        y = self.engine(x) if self.engine is not None and not batch.functional else self.plain(x)
+        if self.lora is not None:
+            step = lora_step.current()
+            if step is not None:
+                return self.lora.add_to(y, x, step.rows(x))
+        return y
 
     def plain(self, x: torch.Tensor) -> torch.Tensor:
         """The checkpoint's linears, each called as a module (hooks run)."""

@@ -1,0 +1,190 @@
+"""The engine's adapters: loaded by name, given one of ``max_loras`` slots while a step uses
+them, and turned into each step's per-row slot mask.
+
+Adapters stay in host memory by name, at most ``max_cpu_loras`` of them: the ones loaded by
+name (``load``: the server's ``--lora-modules`` and load endpoint) stay until unloaded; the
+ones a ``LoRARequest`` brought are dropped least recently used first (a request holds its
+adapter until it ends, and a later request reads the path again). A step's adapters take slots
+in the targets' stacks; a slot whose adapter the step does not use is reused least recently
+used first. The scheduler never runs more than ``max_loras`` adapters at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from deepinfer.lora.peft_format import Adapter, read_adapter
+from deepinfer.lora.request import LoRARequest
+from deepinfer.lora.step import LoraStep
+from deepinfer.lora.targets import Target, find_targets, stack_for
+
+
+@dataclass(eq=False)
+class LoadedAdapter:
+    """An adapter the engine holds. ``uid`` is unique per load: it keys the prefix cache, so
+    blocks computed with one adapter (or one load of it) are never served to another."""
+
+    name: str
+    int_id: int
+    uid: int
+    adapter: Adapter
+    pinned: bool  # loaded by name: stays until unloaded
+    stacks: list[Any] = field(default_factory=list)  # the stacks its slot touched
+
+    @property
+    def cache_key(self) -> str:
+        return f"lora:{self.uid}"
+
+
+class LoraRegistry:
+    """Adapters by name, their slots, and the step mask (``EngineConfig.enable_lora``)."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: int) -> None:
+        self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
+        param = next(model.parameters())
+        self.dtype, self.device = getattr(model, "compute_dtype", param.dtype), param.device
+        self.targets: dict[str, Target] = find_targets(model)
+        self.linears = {n: (t.in_features, t.out_features) for n, t in self.targets.items()}
+        self.adapters: OrderedDict[str, LoadedAdapter] = OrderedDict()
+        self.slots: list[LoadedAdapter | None] = [None] * max_loras
+        self._slot_order: list[int] = list(range(max_loras))  # least recently used first
+        self._uids = itertools.count(1)
+        self._lock = threading.Lock()  # the server loads from its own thread
+        self._columns = torch.arange(max_loras, device=self.device).repeat_interleave(max_lora_rank)
+
+    # ---- adapters by name -----------------------------------------------------------------
+
+    def load(self, name: str, path: str, int_id: int | None = None, pinned: bool = True) -> LoadedAdapter:
+        """Read and check the adapter at ``path`` and hold it as ``name``; a bad adapter
+        raises ``ValueError`` and leaves the held ones as they were."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"lora_name must be a non-empty string, got {name!r}")
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"lora_path must be a non-empty string, got {path!r}")
+        if name in self.adapters:
+            raise ValueError(f"lora_name {name!r} is loaded already; unload it first")
+        adapter = read_adapter(path, self.linears, self.max_rank, self.dtype)
+        with self._lock:
+            if name in self.adapters:
+                raise ValueError(f"lora_name {name!r} is loaded already; unload it first")
+            if len(self.adapters) >= self.max_cpu_loras and not self._drop_unpinned():
+                raise ValueError(
+                    f"max_cpu_loras={self.max_cpu_loras} adapters are loaded by name; unload one first"
+                )
+            if int_id is None:
+                int_id = max((a.int_id for a in self.adapters.values()), default=0) + 1
+            loaded = LoadedAdapter(name, int_id, next(self._uids), adapter, pinned)
+            self.adapters[name] = loaded
+        return loaded
+
+    def unload(self, name: str) -> None:
+        """Forget ``name``: new requests cannot use it; running ones finish with it."""
+        with self._lock:
+            if name not in self.adapters:
+                raise ValueError(
+                    f"lora_name {name!r} is not loaded (loaded: {', '.join(self.adapters) or 'none'})"
+                )
+            del self.adapters[name]
+
+    def _drop_unpinned(self) -> bool:
+        """Make room by dropping the least recently used adapter a request brought."""
+        for name, loaded in self.adapters.items():
+            if not loaded.pinned:
+                del self.adapters[name]
+                return True
+        return False
+
+    def resolve(self, request: object) -> LoadedAdapter:
+        """The adapter a request's ``lora_request`` names, read from its path the first time."""
+        if not isinstance(request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
+        loaded = self.adapters.get(request.lora_name)
+        if loaded is not None:
+            if loaded.int_id != request.lora_int_id:
+                raise ValueError(
+                    f"lora_request: {request.lora_name!r} is loaded with lora_int_id {loaded.int_id}, "
+                    f"not {request.lora_int_id}"
+                )
+            with self._lock:
+                self.adapters.move_to_end(request.lora_name)
+            return loaded
+        if request.lora_path is None:
+            raise ValueError(f"lora_request: {request.lora_name!r} is not loaded and names no lora_path")
+        return self.load(request.lora_name, request.lora_path, request.lora_int_id, pinned=False)
+
+    def request_for(self, name: str) -> LoRARequest:
+        """The ``LoRARequest`` of a loaded adapter (the server's ``model`` names it)."""
+        loaded = self.adapters[name]
+        return LoRARequest(name, loaded.int_id, str(loaded.adapter.path))
+
+    # ---- slots and steps ------------------------------------------------------------------
+
+    def _place(self, loaded: LoadedAdapter, keep: set[int]) -> int:
+        """The slot holding ``loaded``, loading it into the least recently used slot outside
+        ``keep`` (the step's other adapters) if it has none."""
+        if loaded in self.slots:
+            slot = self.slots.index(loaded)
+        else:
+            slot = next(s for s in self._slot_order if s not in keep)
+            previous = self.slots[slot]
+            if previous is not None:
+                for stack in previous.stacks:
+                    stack.clear(slot)
+                previous.stacks = []
+            for module, update in loaded.adapter.updates.items():
+                target = self.targets[module]
+                stack = stack_for(target, self.max_loras, self.max_rank, self.dtype, self.device)
+                if target.kind == "expert":
+                    stack.load(slot, target.index, target.name, update)
+                else:
+                    stack.load(slot, target.index, update)
+                if stack not in loaded.stacks:
+                    loaded.stacks.append(stack)
+            self.slots[slot] = loaded
+        self._slot_order.remove(slot)
+        self._slot_order.append(slot)
+        return slot
+
+    def step(
+        self, adapters: Sequence[LoadedAdapter | None], lengths: Sequence[int], rows: int
+    ) -> LoraStep | None:
+        """The step's mask: chunk ``i`` has ``lengths[i]`` rows with ``adapters[i]`` (None:
+        the base model), in order, then padding up to ``rows``. None when no row has one."""
+        if all(a is None for a in adapters):
+            return None
+        distinct = list(dict.fromkeys(a for a in adapters if a is not None))
+        if len(distinct) > self.max_loras:
+            raise RuntimeError(f"a step holds {len(distinct)} adapters; max_loras is {self.max_loras}")
+        keep: set[int] = {self.slots.index(a) for a in distinct if a in self.slots}
+        slot_of = {}
+        for loaded in distinct:
+            slot_of[loaded] = self._place(loaded, keep)
+            keep.add(slot_of[loaded])
+        per_chunk = torch.tensor([-1 if a is None else slot_of[a] for a in adapters], dtype=torch.long)
+        slot_rows = torch.full((rows,), -1, dtype=torch.long)
+        used = sum(lengths)
+        slot_rows[:used] = per_chunk.repeat_interleave(torch.tensor(list(lengths), dtype=torch.long))
+        mask = slot_rows.to(self.device).unsqueeze(1) == self._columns.unsqueeze(0)
+        return LoraStep(mask.to(self.dtype))
+
+    def running(self, adapters: Sequence[LoadedAdapter | None]) -> list[str]:
+        """The distinct adapter names among ``adapters`` (a metric's view of running requests)."""
+        return list(dict.fromkeys(a.name for a in adapters if a is not None))
+
+
+def adapter_for(registry: LoraRegistry | None, lora_request: object) -> LoadedAdapter | None:
+    """The adapter a new request runs with (None: the base model); ``ValueError`` when it
+    names one and the engine serves none."""
+    if lora_request is None:
+        return None
+    if registry is None:
+        raise ValueError("lora_request: this engine serves no adapters (start it with enable_lora=True)")
+    return registry.resolve(lora_request)
