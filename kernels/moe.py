@@ -29,6 +29,12 @@ def _sort_by_expert(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, t
 ExpertTerm = Callable[[int, str, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 
+def _product(rows: torch.Tensor, w: torch.Tensor | Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``rows @ w.T``, or ``w(rows)`` for a module (the research path's expert linears, which
+    a wrapper such as PEFT's LoRA layer may have replaced)."""
+    return F.linear(rows, w) if isinstance(w, torch.Tensor) else w(rows)
+
+
 def _plus(product: torch.Tensor, term: torch.Tensor | None) -> torch.Tensor:
     return product if term is None else product + term
 
@@ -50,16 +56,16 @@ def routed_experts_reference(
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    w1: torch.Tensor | Sequence[torch.Tensor],
-    w2: torch.Tensor | Sequence[torch.Tensor],
-    w3: torch.Tensor | Sequence[torch.Tensor],
+    w1: torch.Tensor | Sequence[torch.Tensor] | Sequence[Callable[[torch.Tensor], torch.Tensor]],
+    w2: torch.Tensor | Sequence[torch.Tensor] | Sequence[Callable[[torch.Tensor], torch.Tensor]],
+    w3: torch.Tensor | Sequence[torch.Tensor] | Sequence[Callable[[torch.Tensor], torch.Tensor]],
     limit: float,
     adapter: ExpertTerm | None = None,
 ) -> torch.Tensor:
     """The op's contract in plain, differentiable PyTorch (sorted dispatch; runs on every
-    device). The expert weights may be stacked tensors or per-expert sequences (the research
-    path passes each expert's own parameters, so gradients and ``functional_call`` reach
-    them). ``adapter(expert, "w1"|"w2"|"w3", rows, tokens)``: a term added to that matrix's
+    device). The expert weights may be stacked tensors or per-expert sequences of weights or
+    of linear modules (the research path passes each expert's own linears, so gradients,
+    ``functional_call`` and wrappers such as PEFT's reach them). ``adapter(expert, "w1"|"w2"|"w3", rows, tokens)``: a term added to that matrix's
     product on ``rows`` (the rows of tokens ``tokens``), or None (served LoRA adapters)."""
     flat_ids, order, picked = _sort_by_expert(x, ids)
     counts = torch.bincount(flat_ids, minlength=len(w1)).tolist()
@@ -67,14 +73,14 @@ def routed_experts_reference(
     for e, count in enumerate(counts):
         if count:
             rows = picked[start : start + count]
-            gate, up = F.linear(rows, w1[e]), F.linear(rows, w3[e])
+            gate, up = _product(rows, w1[e]), _product(rows, w3[e])
             if adapter is None:
-                outs.append(F.linear(_swiglu(gate, up, limit), w2[e]))
+                outs.append(_product(_swiglu(gate, up, limit), w2[e]))
             else:
                 tokens = order[start : start + count] // ids.shape[1]
                 gate, up = (_plus(p, adapter(e, n, rows, tokens)) for p, n in ((gate, "w1"), (up, "w3")))
                 act = _swiglu(gate, up, limit)
-                outs.append(_plus(F.linear(act, w2[e]), adapter(e, "w2", act, tokens)))
+                outs.append(_plus(_product(act, w2[e]), adapter(e, "w2", act, tokens)))
             start += count
     if not outs:
         return torch.zeros_like(x)

@@ -30,9 +30,9 @@ from deepinfer.distributed.workers import TensorParallelGroup, gather_rows, redu
 from deepinfer.engine.model_runner import ModelRunner, PreparedStep
 from deepinfer.engine.routed_experts import RoutedExpertsRecorder
 from deepinfer.kernels.batch_invariant import invariant_products
-from deepinfer.lora import step as lora_step
 from deepinfer.lora.registry import LoraRegistry
 from deepinfer.models.base import CausalLM
+from deepinfer.models.layers.lora import running_step
 
 logger = logging.getLogger("deepinfer")
 
@@ -96,7 +96,7 @@ class Executor:
             lengths = [s.num_tokens for s in prepared.seq_chunks]
             rows = prepared.positions.shape[0]
             adapters = self.lora.step([c.request.lora for c in prepared.chunks], lengths, rows)
-        with invariant_products(self.config.batch_invariant), lora_step.running(adapters):
+        with invariant_products(self.config.batch_invariant), running_step(adapters):
             out = self.runner.execute(prepared, input_ids)
         if self.routing is not None and batch.routing is not None and prepared.seq_chunks is not None:
             seq = prepared.seq_chunks

@@ -23,8 +23,8 @@ from torch import nn
 
 from deepinfer.lora.peft_format import Adapter, read_adapter
 from deepinfer.lora.request import LoRARequest
-from deepinfer.lora.step import LoraStep
 from deepinfer.lora.targets import Target, find_targets, stack_for
+from deepinfer.models.layers.lora import LoraStep
 
 
 @dataclass(eq=False)
@@ -143,9 +143,9 @@ class LoraRegistry:
                 target = self.targets[module]
                 stack = stack_for(target, self.max_loras, self.max_rank, self.dtype, self.device)
                 if target.kind == "expert":
-                    stack.load(slot, target.index, target.name, update)
+                    stack.load(slot, target.index, target.name, update.a, update.b, update.scale)
                 else:
-                    stack.load(slot, target.index, update)
+                    stack.load(slot, target.index, update.a, update.b, update.scale)
                 if stack not in loaded.stacks:
                     loaded.stacks.append(stack)
             self.slots[slot] = loaded

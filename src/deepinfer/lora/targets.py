@@ -3,13 +3,13 @@
 Three ways, by how the engine computes the linear:
 - a linear inside a ``Projection`` (Llama's q/k/v, o, gate/up, down): the projection adds the
   term after its engine form (fused, packed or quantized weight), one stack per projection;
-- a linear the model calls as a module (DeepSeek-V4 attention's ``wq_a``, ``wq_b``, ``wkv``,
-  ``wo_b``; the shared expert's ``w1``/``w2``/``w3``): a forward hook adds it;
+- a linear the model calls as a module on the step's rows (DeepSeek-V4 attention's ``wq_a``,
+  ``wq_b``, ``wkv``, ``wo_b``; the compressors' ``wkv``/``wgate``; the indexers' ``wq_b`` and
+  ``weights_proj``; the shared expert's ``w1``/``w2``/``w3``): a forward hook adds it;
 - a routed expert's ``w1``/``w2``/``w3``: the MoE layer runs its experts with the term inside
   the SwiGLU (``MoE.run_routed``), one stack per layer.
-Linears whose weight the model reads directly (V4's grouped ``wo_a``, the router, compressor
-and indexer projections) and the output head are not targets: an adapter naming them is
-refused when it loads.
+Linears whose weight the model reads directly (V4's grouped ``wo_a``, the router) and the
+output head are not targets: an adapter naming them is refused when it loads.
 """
 
 from __future__ import annotations
@@ -20,13 +20,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepinfer.lora import step as lora_step
-from deepinfer.lora.stacks import ExpertStack, LinearStack
 from deepinfer.models.layers.attention import LatentAttention
+from deepinfer.models.layers.compressor import Compressor
+from deepinfer.models.layers.indexer import Indexer
+from deepinfer.models.layers.lora import ExpertStack, LinearStack, current_step
 from deepinfer.models.layers.moe import MoE
 from deepinfer.models.layers.projection import Projection
+from deepinfer.models.layers.shared_indexer import SharedIndexer
 
-HOOKED_ATTENTION = ("wq_a", "wq_b", "wkv", "wo_b")
+# the linears each module type calls as modules on every row of the step
+HOOKED = {
+    LatentAttention: ("wq_a", "wq_b", "wkv", "wo_b"),
+    Compressor: ("wkv", "wgate"),
+    Indexer: ("wq_b", "weights_proj"),
+    SharedIndexer: ("wq_b", "weights_proj"),
+}
 
 
 @dataclass(frozen=True)
@@ -57,9 +65,12 @@ def find_targets(model: nn.Module) -> dict[str, Target]:
                 for i, linear in enumerate(value.linears):
                     if isinstance(linear, nn.Linear) and id(linear) in names:
                         add("projection", linear, value, i)
-        if isinstance(module, LatentAttention):
-            for attr in HOOKED_ATTENTION:
-                add("module", getattr(module, attr), getattr(module, attr))
+        for kind, attrs in HOOKED.items():
+            if isinstance(module, kind):
+                for attr in attrs:
+                    linear = getattr(module, attr)
+                    if isinstance(linear, nn.Linear):  # a compressor of ratio 1 has no wgate
+                        add("module", linear, linear)
         if isinstance(module, MoE):
             for attr in ExpertStack.NAMES:
                 add("module", getattr(module.shared_experts, attr), getattr(module.shared_experts, attr))
@@ -72,7 +83,7 @@ def find_targets(model: nn.Module) -> dict[str, Target]:
 
 def _hook(module: nn.Linear, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor | None:
     """A hooked linear's forward: its output plus the step's low-rank term."""
-    step = lora_step.current()
+    step = current_step()
     if step is None:
         return None
     x = inputs[0]

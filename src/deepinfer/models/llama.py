@@ -104,8 +104,8 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.attention_bias)
-        self.qkv = Projection(self.q_proj, self.k_proj, self.v_proj)
-        self.out = Projection(self.o_proj)
+        self.qkv = Projection(self.q_proj, self.k_proj, self.v_proj, owner=self)
+        self.out = Projection(self.o_proj, owner=self)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pools: LayerPools, batch: ForwardBatch
@@ -125,8 +125,8 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
-        self.gate_up = Projection(self.gate_proj, self.up_proj)
-        self.down = Projection(self.down_proj)
+        self.gate_up = Projection(self.gate_proj, self.up_proj, owner=self)
+        self.down = Projection(self.down_proj, owner=self)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.down(dispatch.silu_and_mul(self.gate_up(x, batch), batch), batch)

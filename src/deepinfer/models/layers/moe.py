@@ -18,9 +18,8 @@ from deepinfer.cache.forward_batch import RoutingTrace
 from deepinfer.kernels import batch_invariant
 from deepinfer.kernels.moe import routed_experts, routed_experts_reference
 from deepinfer.kernels.quantized import routed_experts_fp4
-from deepinfer.lora import step as lora_step
-from deepinfer.lora.stacks import ExpertStack
 from deepinfer.models.deepseek_v4_config import DeepseekV4Config
+from deepinfer.models.layers.lora import ExpertStack, current_step
 
 # The router's weight (``Gate.weight``), a projection the step multiplies with through
 # ``F.linear``, packed for compiled CPU steps.
@@ -125,7 +124,7 @@ class MoE(nn.Module):
         # with EPLB: (logical -> its physical slots [E, R] (-1 padded), replica counts [E]);
         # expert_offset is then this rank's first physical slot (None: slot = expert id)
         self.replica_maps: tuple[torch.Tensor, torch.Tensor] | None = None
-        # served adapters' slots on the routed experts (``lora/stacks.ExpertStack``)
+        # served adapters' slots on the routed experts (``layers/lora.ExpertStack``)
         self.lora_experts: ExpertStack | None = None
 
     @torch.no_grad()
@@ -201,7 +200,7 @@ class MoE(nn.Module):
             return routed_experts_fp4(flat, weights, ids, *fp4, self.limit)
         if self.w1_stacked is None:
             self.stack_experts()
-        step = lora_step.current() if self.lora_experts is not None and self.lora_experts.any else None
+        step = current_step() if self.lora_experts is not None and self.lora_experts.any else None
         if step is not None:  # the reference form, with each pair's low-rank term in its SwiGLU
             mask, stack = step.rows(flat), self.lora_experts
 
@@ -244,7 +243,7 @@ class MoE(nn.Module):
         if self.reduce is not None:
             return self._expert_parallel(flat, weights, ids).view(shape)
         if functional and not self.holds_fp4:  # fp4 experts have no float parameters
-            w1, w2, w3 = ([getattr(e, name).weight for e in self.experts] for name in ("w1", "w2", "w3"))
+            w1, w2, w3 = ([getattr(e, name) for e in self.experts] for name in ("w1", "w2", "w3"))
             routed = routed_experts_reference(flat, weights, ids, w1, w2, w3, self.limit)
             return (routed + self.shared_experts(flat)).view(shape)
         return (self.run_routed(flat, weights, ids) + self.shared_experts(flat)).view(shape)

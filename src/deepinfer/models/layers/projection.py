@@ -24,7 +24,7 @@ from torch import nn
 from deepinfer.cache.forward_batch import ForwardBatch
 from deepinfer.kernels.huge_pages import HugePageArena
 from deepinfer.kernels.weight_only import PackedLinear, WeightOnlyLinear
-from deepinfer.lora import step as lora_step
+from deepinfer.models.layers.lora import current_step
 
 EngineForm = Callable[[torch.Tensor], torch.Tensor]
 
@@ -54,27 +54,34 @@ class Projection:
     ``fused_weight``/``fused_bias``: the linears' weights as one tensor, whose slices the
     linears' parameters now are (set by ``fuse``, no extra memory)."""
 
-    def __init__(self, *linears: Any) -> None:
+    def __init__(self, *linears: Any, owner: nn.Module | None = None) -> None:
         self.linears = linears
+        # ``owner``: the module the linears are registered on. The research form calls what is
+        # registered there now, so a wrapper put in a linear's place (PEFT's LoRA layers) runs
+        self.owner = owner
+        self.names = (
+            [next(n for n, m in owner.named_children() if m is li) for li in linears] if owner else []
+        )
         self.engine: EngineForm | None = None
         self.fused_weight: torch.Tensor | None = None
         self.fused_bias: torch.Tensor | None = None
         self.shares = True  # the fused weight is the linears' storage (``fuse``)
-        self.lora: Any = None  # served adapters' slots (``lora/stacks.LinearStack``)
+        self.lora: Any = None  # served adapters' slots (``layers/lora.LinearStack``)
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         y = self.engine(x) if self.engine is not None and not batch.functional else self.plain(x)
         if self.lora is not None:
-            step = lora_step.current()
+            step = current_step()
             if step is not None:
                 return self.lora.add_to(y, x, step.rows(x))
         return y
 
     def plain(self, x: torch.Tensor) -> torch.Tensor:
         """The checkpoint's linears, each called as a module (hooks run)."""
-        if len(self.linears) == 1:
-            return self.linears[0](x)
-        return torch.cat([linear(x) for linear in self.linears], dim=-1)
+        linears = self.linears if self.owner is None else [getattr(self.owner, n) for n in self.names]
+        if len(linears) == 1:
+            return linears[0](x)
+        return torch.cat([linear(x) for linear in linears], dim=-1)
 
     def weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The projection's weight [sum of outputs, in] and bias (detached)."""

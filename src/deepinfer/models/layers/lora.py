@@ -1,20 +1,62 @@
-"""Every adapter slot's A and B of one target, and the batch's low-rank term in one product.
+"""The low-rank terms of served LoRA adapters, as the layers compute them in a step.
 
-Slot ``s`` owns rank columns ``s * R .. s * R + R`` (``R = max_lora_rank``; a smaller rank is
-zero-padded). For rows ``x`` [T, in] of a step whose rows use different slots, the term is
-``((x @ A_all.T) * mask) @ B_all.T``: one shrink over all slots, the step's per-row slot mask
-(``step.LoraStep``), one expand, with each slot's scale folded into its B. Mixed adapters and
-base rows run as one grouped product (the punica/SGMV idea, as two dense products: with a
-handful of slots and small ranks these cost a fraction of the base matmul, and every row is
-computed the same way whichever other slots the step holds).
+``LoraStep`` is the running step's per-row slot mask, set by the engine around one forward
+(``running``) and read by ``Projection``, the hooked linears and the routed experts; outside
+a step (research calls, drafters) nothing is set and the base weights alone compute.
+
+A stack holds every slot's A and B of one target. Slot ``s`` owns rank columns
+``s * R .. s * R + R`` (``R = max_lora_rank``; a smaller rank is zero-padded). For rows ``x``
+[T, in] of a step whose rows use different slots, the term is
+``((x @ A_all.T) * mask) @ B_all.T``: one shrink over all slots, the step's per-row slot mask,
+one expand, with each slot's scale folded into its B. Mixed adapters and base rows run as one
+grouped product (the punica/SGMV idea, as two dense products: with a handful of slots and small
+ranks these cost a fraction of the base matmul, and every row is computed the same way
+whichever other slots the step holds). Which adapters hold which slots is ``deepinfer.lora``'s.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from deepinfer.lora.peft_format import ModuleUpdate
+
+@dataclass(frozen=True)
+class LoraStep:
+    """``mask`` [T, max_loras * max_rank]: row t is 1 over the rank columns of its request's
+    adapter slot and 0 elsewhere (a base-model row is all 0)."""
+
+    mask: torch.Tensor
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The mask for an input of ``x.shape[0]`` rows (the step's tokens)."""
+        if x.shape[0] != self.mask.shape[0]:
+            raise RuntimeError(
+                f"a LoRA target ran on {x.shape[0]} rows in a step of {self.mask.shape[0]} tokens"
+            )
+        return self.mask
+
+
+_current: ContextVar[LoraStep | None] = ContextVar("deepinfer_lora_step", default=None)
+
+
+def current_step() -> LoraStep | None:
+    """The running step's adapter rows (None: no adapter in the step, or no step)."""
+    return _current.get()
+
+
+@contextlib.contextmanager
+def running_step(step: LoraStep | None) -> Iterator[None]:
+    """Make ``step`` current for one forward."""
+    token = _current.set(step)
+    try:
+        yield
+    finally:
+        _current.reset(token)
 
 
 class LinearStack:
@@ -36,15 +78,15 @@ class LinearStack:
         self.b = [torch.zeros(out, width, dtype=dtype, device=device) for out in outs]
         self.filled = [set[int]() for _ in outs]  # slots holding an update, per linear
 
-    def load(self, slot: int, index: int, update: ModuleUpdate) -> None:
-        """Slot ``slot`` of linear ``index`` takes ``update`` (scale folded into B)."""
-        width, r = self.slots * self.rank, update.rank
+    def load(self, slot: int, index: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+        """Slot ``slot`` of linear ``index`` takes ``scale * b @ a`` (scale folded into B)."""
+        width, r = self.slots * self.rank, a.shape[0]
         first = index * width + slot * self.rank
         with torch.no_grad():
             self.a[first : first + self.rank].zero_()
-            self.a[first : first + r].copy_(update.a)
+            self.a[first : first + r].copy_(a)
             self.b[index][:, slot * self.rank : (slot + 1) * self.rank].zero_()
-            self.b[index][:, slot * self.rank : slot * self.rank + r].copy_(update.b * update.scale)
+            self.b[index][:, slot * self.rank : slot * self.rank + r].copy_(b * scale)
         self.filled[index].add(slot)
 
     def clear(self, slot: int) -> None:
@@ -93,13 +135,13 @@ class ExpertStack:
         }
         self.filled: dict[tuple[int, str], set[int]] = {}
 
-    def load(self, slot: int, expert: int, name: str, update: ModuleUpdate) -> None:
-        cols, r = slice(slot * self.rank, (slot + 1) * self.rank), update.rank
+    def load(self, slot: int, expert: int, name: str, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+        cols, r = slice(slot * self.rank, (slot + 1) * self.rank), a.shape[0]
         with torch.no_grad():
             self.a[name][expert, cols].zero_()
-            self.a[name][expert, slot * self.rank : slot * self.rank + r].copy_(update.a)
+            self.a[name][expert, slot * self.rank : slot * self.rank + r].copy_(a)
             self.b[name][expert, :, cols].zero_()
-            self.b[name][expert, :, slot * self.rank : slot * self.rank + r].copy_(update.b * update.scale)
+            self.b[name][expert, :, slot * self.rank : slot * self.rank + r].copy_(b * scale)
         self.filled.setdefault((expert, name), set()).add(slot)
 
     def clear(self, slot: int) -> None:

@@ -1,0 +1,325 @@
+"""Served LoRA adapters against transformers + PEFT, and mixed-adapter batches against each
+request alone.
+
+References: SmolLM2 and a tiny Llama run in transformers wrapped by PEFT (unmerged, and merged
+with ``merge_and_unload``); the tiny DeepSeek-V4 with adapters on attention, compressors,
+indexers, shared and routed experts runs in transformers' own DeepseekV4ForCausalLM on the
+merged weights, and in deepinfer's research module wrapped by PEFT (unmerged).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from lora_adapters import (
+    LLAMA_TARGETS,
+    V4_TARGETS,
+    hf_llama,
+    make_adapter,
+    merged_checkpoint,
+    random_lora_config,
+)
+from safetensors.torch import load_file, save_file
+
+from deepinfer import LLM, LoRARequest, SamplingParams, load_model
+from deepinfer.tiny import make_tiny_checkpoint
+from deepinfer.weights.catalog import resolve_model
+
+TOL = 1e-4
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
+
+
+def _check_against(reference: torch.nn.Module, prompt: list[int], out, tol: float = TOL) -> None:
+    """``out``'s greedy tokens are the reference's argmax at every position, and its logprobs
+    equal the reference's within ``tol``."""
+    tokens = out.outputs[0].token_ids
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt + tokens])).logits[0].float()
+    logprobs = logits.log_softmax(-1)[len(prompt) - 1 : -1]
+    assert logprobs.argmax(-1).tolist() == tokens
+    ours = torch.tensor([out.outputs[0].logprobs[k][t].logprob for k, t in enumerate(tokens)])
+    theirs = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
+    assert (ours - theirs).abs().max().item() < tol
+
+
+# ---- SmolLM2 and a tiny Llama against transformers + PEFT --------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_adapters(tmp_path_factory):
+    path = resolve_model("smollm2-135m")
+    base = hf_llama(path)
+    rng = random.Random(5)
+    adapters = []
+    for i in range(3):
+        config = random_lora_config(rng, LLAMA_TARGETS)
+        out = tmp_path_factory.mktemp(f"smol{i}")
+        adapters.append((out, make_adapter(base, out, config, seed=i)))
+    return path, base, adapters
+
+
+def test_smollm2_adapters_match_transformers_peft(smollm2_adapters):
+    """Three random adapters and the base model in one mixed batch: each row equals
+    transformers + PEFT unmerged and merged (tokens, and logprobs within 1e-4)."""
+    path, base, adapters = smollm2_adapters
+    llm = LLM(path, enable_lora=True, max_loras=3)
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 17, 2893, 30, 4521, 11, 198, 42, 1100, 3, 86]]
+    requests = [None] + [LoRARequest(f"a{i}", i + 1, str(p)) for i, (p, _) in enumerate(adapters)]
+    jobs = [(prompt, r) for prompt in prompts for r in requests]
+    outs = llm.generate([p for p, _ in jobs], _greedy(8), lora_request=[r for _, r in jobs])
+    references = [base] + [m for _, m in adapters]
+    merged = [None] + [copy.deepcopy(m).merge_and_unload().eval() for _, m in adapters]
+    for k, ((prompt, _), out) in enumerate(zip(jobs, outs, strict=True)):
+        _check_against(references[k % len(requests)], prompt, out)
+        if merged[k % len(requests)] is not None:
+            _check_against(merged[k % len(requests)], prompt, out)
+    # the adapters change what is generated (the comparison above is not vacuous)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs[: len(requests)]}) > 1
+
+
+@pytest.fixture(scope="module")
+def llama_setup(tmp_path_factory):
+    """A tiny Llama and eight PEFT adapters of random setups."""
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), arch="llama", seed=4)
+    base = hf_llama(ckpt)
+    rng = random.Random(11)
+    adapters = []
+    for i in range(8):
+        out = tmp_path_factory.mktemp(f"ad{i}")
+        model = make_adapter(base, out, random_lora_config(rng, LLAMA_TARGETS), seed=100 + i, b_scale=1.0)
+        adapters.append((LoRARequest(f"ad{i}", i + 1, str(out)), model))
+    return ckpt, base, adapters
+
+
+def test_scale_mutation_is_caught(llama_setup, monkeypatch):
+    """Mutation check: an engine that ignores the adapter's scale (alpha / r) disagrees with
+    PEFT, so the comparison above can fail."""
+    from deepinfer.lora import peft_format
+
+    ckpt, _, adapters = llama_setup
+    request, model = adapters[0]
+    prompt = [5, 77, 12, 140, 3, 61]
+    good = LLM(ckpt, enable_lora=True).generate([prompt], _greedy(6), lora_request=request)[0]
+    _check_against(model, prompt, good)
+    original = peft_format.ModuleUpdate
+    monkeypatch.setattr(peft_format, "ModuleUpdate", lambda a, b, scale: original(a, b, 1.0))
+    bad = LLM(ckpt, enable_lora=True).generate([prompt], _greedy(6), lora_request=request)[0]
+    with pytest.raises(AssertionError):
+        _check_against(model, prompt, bad)
+
+
+# ---- mixed batches: batching, chunking, preemption, slot reuse ----------------------------
+
+ENGINE_MODES = {
+    "batched": {"max_loras": 8},
+    "chunked": {"max_loras": 8, "max_num_batched_tokens": 7},
+    "preempted": {"max_loras": 8, "num_cache_blocks": 10, "block_size": 4},
+    "three_slots": {"max_loras": 3, "max_cpu_loras": 4, "max_num_batched_tokens": 16},
+}
+
+
+@pytest.fixture(scope="module")
+def mixed_engines(llama_setup):
+    ckpt = llama_setup[0]
+    alone = LLM(ckpt, enable_lora=True, max_loras=1)
+    return alone, {name: LLM(ckpt, enable_lora=True, **opts) for name, opts in ENGINE_MODES.items()}
+
+
+workloads = st.lists(
+    st.tuples(
+        st.lists(st.integers(3, 250), min_size=1, max_size=14),  # prompt
+        st.integers(-1, 7),  # adapter (-1: the base model)
+        st.integers(1, 9),  # max_tokens
+    ),
+    min_size=8,
+    max_size=12,
+)
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(workload=workloads)
+def test_mixed_adapter_batch_equals_each_alone(llama_setup, mixed_engines, workload):
+    """A batch mixing up to eight adapters and the base model gives every request the tokens
+    it gets alone, batched, chunked, preempted, and with fewer slots than adapters."""
+    _, _, adapters = llama_setup
+    alone, modes = mixed_engines
+    workload = workload + [([9, 8, 7, 6], a, 3) for a in range(8)]  # all eight adapters at once
+    requests = [None if a < 0 else adapters[a][0] for _, a, _ in workload]
+    params = [_greedy(n) for _, _, n in workload]
+    prompts = [p for p, _, _ in workload]
+    expected = [
+        alone.generate([p], sp, lora_request=r)[0].outputs[0].token_ids
+        for p, sp, r in zip(prompts, params, requests, strict=True)
+    ]
+    for name, llm in modes.items():
+        outs = llm.generate(prompts, params, lora_request=requests)
+        got = [o.outputs[0].token_ids for o in outs]
+        assert got == expected, name
+
+
+def test_preemption_happens_in_the_preempted_mode(llama_setup, mixed_engines):
+    """The "preempted" engine does preempt mixed-adapter requests (the mode is not vacuous)."""
+    _, _, adapters = llama_setup
+    llm = mixed_engines[1]["preempted"]
+    prompts = [[3 + i, 40, 50, 60, 70, 80, 90] for i in range(8)]
+    seen = []
+    add = llm.engine.scheduler.preempt
+
+    def spy(request):
+        seen.append(request.lora)
+        add(request)
+
+    llm.engine.scheduler.preempt = spy
+    try:
+        llm.generate(prompts, _greedy(9), lora_request=[a for a, _ in adapters])
+    finally:
+        llm.engine.scheduler.preempt = add
+    assert any(lora is not None for lora in seen)
+
+
+def test_slot_mutation_is_caught(llama_setup, mixed_engines, monkeypatch):
+    """Mutation check: rows given the wrong adapter slot (one chunk's slot for every row) make
+    the mixed batch differ from the requests alone."""
+    from deepinfer.lora.registry import LoraRegistry
+
+    _, _, adapters = llama_setup
+    alone, _ = mixed_engines
+    prompts = [[11, 12, 13, 14, 15], [21, 22, 23, 24], [31, 32, 33]]
+    requests = [adapters[0][0], adapters[1][0], adapters[2][0]]
+    expected = [
+        alone.generate([p], _greedy(6), lora_request=r)[0].outputs[0].token_ids
+        for p, r in zip(prompts, requests, strict=True)
+    ]
+    original = LoraRegistry.step
+
+    def first_slot_everywhere(self, chunk_adapters, lengths, rows):
+        return original(self, [chunk_adapters[0]] * len(chunk_adapters), lengths, rows)
+
+    monkeypatch.setattr(LoraRegistry, "step", first_slot_everywhere)
+    llm = LLM(llama_setup[0], enable_lora=True, max_loras=3)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(6), lora_request=requests)]
+    assert got != expected
+
+
+def test_prefix_cache_is_keyed_by_adapter(llama_setup):
+    """Blocks computed with one adapter are never served to another (or to the base model);
+    the same adapter reuses them."""
+    ckpt, _, adapters = llama_setup
+    llm = LLM(ckpt, enable_lora=True, max_loras=2, block_size=4)
+    prompt = list(range(10, 30))
+    a, b = adapters[0][0], adapters[1][0]
+    first = llm.generate([prompt], _greedy(2), lora_request=a)[0]
+    same = llm.generate([prompt], _greedy(2), lora_request=a)[0]
+    other = llm.generate([prompt], _greedy(2), lora_request=b)[0]
+    base = llm.generate([prompt], _greedy(2))[0]
+    assert first.num_cached_tokens == 0 and same.num_cached_tokens > 0
+    assert other.num_cached_tokens == 0 and base.num_cached_tokens == 0
+    assert same.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+# ---- the tiny DeepSeek-V4: attention, compressors, indexers and experts --------------------
+
+
+def test_v4_adapters_on_experts_match_merged_weights_and_peft(v4_ckpt, hf_reference, tmp_path):
+    """An adapter on every V4 target (routed experts included) served beside the base model
+    equals transformers' DeepseekV4 on the merged weights and deepinfer's research module
+    wrapped by PEFT (unmerged)."""
+    research = load_model(v4_ckpt)
+    config = {"r": 4, "lora_alpha": 8, "target_modules": list(V4_TARGETS), "init_lora_weights": False}
+    peft_model = make_adapter(research, tmp_path / "ad", config, seed=3, b_scale=0.5)
+    merged = hf_reference(merged_checkpoint(Path(v4_ckpt), tmp_path / "ad", tmp_path / "merged"))
+    llm = LLM(v4_ckpt, enable_lora=True, max_loras=2)
+    request = LoRARequest("v4", 1, str(tmp_path / "ad"))
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, 250, (n,), generator=gen).tolist() for n in (3, 9, 21)]
+    outs = llm.generate(prompts * 2, _greedy(10), lora_request=[request] * 3 + [None] * 3)
+    for prompt, out in zip(prompts, outs[:3], strict=True):
+        _check_against(merged, prompt, out)
+        _check_against(peft_model, prompt, out)
+    assert [o.outputs[0].token_ids for o in outs[:3]] != [o.outputs[0].token_ids for o in outs[3:]]
+    registry = llm.engine.lora  # the adapter reached every kind of target, routed experts too
+    kinds = {registry.targets[m].kind for m in registry.adapters["v4"].adapter.updates}
+    assert kinds == {"module", "expert"}
+
+
+# ---- bad input -------------------------------------------------------------------------
+
+
+def test_bad_adapters_are_refused_and_leave_the_served_ones(llama_setup, tmp_path):
+    ckpt, base, adapters = llama_setup
+    llm = LLM(ckpt, enable_lora=True, max_loras=2, max_lora_rank=8)
+    good, _ = adapters[0]
+    prompt = [5, 6, 7, 8]
+    before = llm.generate([prompt], _greedy(5), lora_request=good)[0].outputs[0].token_ids
+    registry = llm.engine.lora
+    with pytest.raises(ValueError, match="not a directory"):
+        registry.load("missing", str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="adapter_config.json"):
+        registry.load("empty", str(tmp_path / "empty"))
+    wide = make_adapter(base, tmp_path / "wide", {"r": 16, "lora_alpha": 16, "target_modules": ["q_proj"]}, 0)
+    assert wide is not None
+    with pytest.raises(ValueError, match="max_lora_rank=8"):
+        registry.load("wide", str(tmp_path / "wide"))
+    other = hf_llama(make_tiny_checkpoint(tmp_path / "other", arch="llama_untied_llama3_rope", seed=0))
+    make_adapter(other, tmp_path / "other_ad", {"r": 2, "lora_alpha": 2, "target_modules": ["o_proj"]}, 0)
+    if other.config.hidden_size != base.config.hidden_size:
+        with pytest.raises(ValueError, match="base-model mismatch"):
+            registry.load("other", str(tmp_path / "other_ad"))
+    unknown = tmp_path / "unknown"  # a good adapter with one module renamed
+    unknown.mkdir()
+    source = Path(good.lora_path)
+    (unknown / "adapter_config.json").write_text((source / "adapter_config.json").read_text())
+    tensors = load_file(str(source / "adapter_model.safetensors"))
+    key = next(iter(tensors))
+    renamed = key.replace("layers.0.", "layers.0.extra.", 1)
+    tensors = {(renamed if k == key else k): v for k, v in tensors.items()}
+    save_file(tensors, str(unknown / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="not a linear this model serves"):
+        registry.load("unknown", str(unknown))
+    with pytest.raises(ValueError, match="lora_int_id"):
+        llm.generate([prompt], _greedy(2), lora_request=LoRARequest(good.lora_name, 99, good.lora_path))
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("x", 0, "p")
+    with pytest.raises(ValueError, match="lora_request must be"):
+        llm.generate([prompt, prompt], _greedy(2), lora_request=[good])
+    assert sorted(registry.adapters) == [good.lora_name]
+    after = llm.generate([prompt], _greedy(5), lora_request=good)[0].outputs[0].token_ids
+    assert after == before
+
+
+def test_lora_needs_enable_lora_and_eager_steps(llama_setup):
+    ckpt, _, adapters = llama_setup
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        LLM(ckpt).generate([[5, 6]], _greedy(2), lora_request=adapters[0][0])
+    with pytest.raises(ValueError, match="turn compile off"):
+        LLM(ckpt, enable_lora=True, compile=True)
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        LLM(ckpt, enable_lora=True, max_loras=4, max_cpu_loras=2)
+
+
+def test_unloaded_adapter_lets_running_requests_finish(llama_setup):
+    """Unloading refuses new requests naming the adapter; requests already queued finish
+    with it."""
+    ckpt, _, adapters = llama_setup
+    llm = LLM(ckpt, enable_lora=True)
+    request, model = adapters[3]
+    llm.engine.lora.load(request.lora_name, request.lora_path, request.lora_int_id)
+    named = LoRARequest(request.lora_name, request.lora_int_id)  # no path: must be loaded
+    req = llm.engine.add_request("r", [5, 6, 7], _greedy(4), lora_request=named)
+    llm.engine.lora.unload(request.lora_name)
+    with pytest.raises(ValueError, match="not loaded"):
+        llm.generate([[5, 6, 7]], _greedy(4), lora_request=named)
+    while not req.finished:
+        llm.engine.step()
+    out = llm.engine.make_output(req)
+    _check_against(model, [5, 6, 7], out)
