@@ -10,6 +10,7 @@ import torch
 
 from deepinfer.cache import kv_dtypes
 from deepinfer.cli.engine_args import COMPILE_CHOICES
+from deepinfer.server.lora_modules import LoraModule, parse_lora_module
 
 TP_HELP = (
     "ranks in worker processes the engine starts (Llama heads; MoE experts with --enable-expert-parallel)"
@@ -46,6 +47,14 @@ def json_object(text: str) -> dict:
     return value
 
 
+def lora_module(text: str) -> LoraModule:
+    """An argparse type: one ``--lora-modules`` entry (``name=path`` or vLLM's JSON form)."""
+    try:
+        return parse_lora_module(text)
+    except ValueError as exc:  # argparse shows an ArgumentTypeError's own words
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an integer of at least 1."""
     value = int(text)
@@ -67,6 +76,35 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, *, replicas: bool) -
     parser.add_argument("--data-parallel-size", type=int, default=1, help=DP_HELP)
     if replicas:
         parser.add_argument("--data-parallel-replicas", type=int, default=1, help=REPLICAS_HELP)
+
+
+def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    """Serving LoRA adapters (vLLM's flags): the engine's limits, and ``--lora-modules``, the
+    adapters served by name from the start."""
+    parser.add_argument(
+        "--enable-lora", action="store_true", help="serve LoRA adapters (PEFT directories) per request"
+    )
+    parser.add_argument(
+        "--max-loras", type=positive_int, default=None, help="adapters running at once (default 4)"
+    )
+    parser.add_argument(
+        "--max-lora-rank", type=positive_int, default=None, help="highest adapter rank served (default 16)"
+    )
+    parser.add_argument(
+        "--max-cpu-loras",
+        type=positive_int,
+        default=None,
+        help="adapters kept loaded in host memory (default: --max-loras)",
+    )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="adapters served from the start, each chosen by its name as a request's model: "
+        'name=path or \'{"name": ..., "path": ..., "base_model_name": ...}\' (needs --enable-lora)',
+    )
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, offline: bool) -> None:

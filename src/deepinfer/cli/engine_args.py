@@ -22,9 +22,10 @@ _PASSED = (
     "data_parallel_replicas",
     "batch_invariant",
     "enable_return_routed_experts",
+    "enable_lora",
 )
 # passed only when given, so the engine's own default holds otherwise
-_WHEN_GIVEN = ("max_model_len", "max_num_seqs")
+_WHEN_GIVEN = ("max_model_len", "max_num_seqs", "max_loras", "max_lora_rank", "max_cpu_loras")
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:

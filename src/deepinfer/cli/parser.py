@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from deepinfer.cache import kv_dtypes
-from deepinfer.cli.arguments import add_engine_arguments, add_sampling_arguments
+from deepinfer.cli.arguments import add_engine_arguments, add_lora_arguments, add_sampling_arguments
 from deepinfer.cli.bench import add_bench_parser
 from deepinfer.cli.chat import chat
 from deepinfer.cli.generate import generate
@@ -107,6 +107,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     serve_.add_argument("--log-level", default="warning")
     add_engine_arguments(serve_, offline=False)
+    add_lora_arguments(serve_)
     serve_.set_defaults(func=serve)
 
 

@@ -25,6 +25,8 @@ def serve(args: argparse.Namespace) -> int:
 
     if args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     limits = ServerLimits(
         max_request_bytes=args.max_request_bytes,
         max_messages=args.max_messages,
@@ -45,6 +47,7 @@ def serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         engine_thread=False,
         limits=limits,
+        lora_modules=args.lora_modules or (),
     )
     config = uvicorn.Config(
         app,

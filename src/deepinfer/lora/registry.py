@@ -58,7 +58,6 @@ class LoraRegistry:
         self._slot_order: list[int] = list(range(max_loras))  # least recently used first
         self._uids = itertools.count(1)
         self._lock = threading.Lock()  # the server loads from its own thread
-        self._columns = torch.arange(max_loras, device=self.device).repeat_interleave(max_lora_rank)
 
     # ---- adapters by name -----------------------------------------------------------------
 
@@ -172,8 +171,7 @@ class LoraRegistry:
         slot_rows = torch.full((rows,), -1, dtype=torch.long)
         used = sum(lengths)
         slot_rows[:used] = per_chunk.repeat_interleave(torch.tensor(list(lengths), dtype=torch.long))
-        mask = slot_rows.to(self.device).unsqueeze(1) == self._columns.unsqueeze(0)
-        return LoraStep(mask.to(self.dtype))
+        return LoraStep.build(slot_rows, self.max_loras, self.max_rank, self.dtype, self.device)
 
     def running(self, adapters: Sequence[LoadedAdapter | None]) -> list[str]:
         """The distinct adapter names among ``adapters`` (a metric's view of running requests)."""

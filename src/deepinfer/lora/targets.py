@@ -89,7 +89,7 @@ def _hook(module: nn.Linear, inputs: tuple[torch.Tensor, ...], output: torch.Ten
     x = inputs[0]
     flat = x.reshape(-1, x.shape[-1])
     y = output.reshape(-1, output.shape[-1])
-    return module.lora_stack.add_to(y, flat, step.rows(flat)).view(output.shape)
+    return module.lora_stack.add_to(y, flat, step).view(output.shape)
 
 
 def stack_for(target: Target, slots: int, rank: int, dtype: torch.dtype, device: torch.device) -> Any:

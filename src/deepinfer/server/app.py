@@ -3,9 +3,11 @@
 Endpoints and field names follow vLLM's OpenAI-compatible server:
 ``/v1/completions`` and ``/v1/chat/completions`` (streaming as ``data: {...}`` events ending in
 ``data: [DONE]``), ``/v1/models`` (``routes_openai.py``), ``/tokenize``, ``/detokenize``,
-``/health``, ``/version``, ``/metrics`` (``routes_admin.py``), and the RL control endpoints
-(weight updates, sleep, pausing: ``routes_rl.py``). Every error is OpenAI's JSON shape
-``{"error": {"message", "type", "param", "code"}}``, ``param`` naming the field
+``/health``, ``/version``, ``/metrics`` (``routes_admin.py``), the RL control endpoints
+(weight updates, sleep, pausing: ``routes_rl.py``), and, with ``--enable-lora``, LoRA adapters
+chosen by ``model``, loaded at start (``--lora-modules``) or while serving
+(``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``: ``routes_lora.py``). Every error is
+OpenAI's JSON shape ``{"error": {"message", "type", "param", "code"}}``, ``param`` naming the field
 (``error_handlers.py``): 400 for bad input (and for a request that could never run: more
 sequences than the server runs at once, or more tokens than the context holds), 401 for a wrong
 key, 404 for an unknown model or route, 405 for a wrong method, 408 for a body too slow to
@@ -21,19 +23,20 @@ abandoned requests are aborted (``asgi_guards.py``), and slow headers time out
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
 import deepinfer
 from deepinfer.llm import LLM
-from deepinfer.server import routes_admin, routes_openai, routes_rl
+from deepinfer.server import routes_admin, routes_lora, routes_openai, routes_rl
 from deepinfer.server.asgi_guards import RequestGuard
 from deepinfer.server.async_llm import AsyncLLM
 from deepinfer.server.engine_client import LocalEngineClient
 from deepinfer.server.error_handlers import install_error_handlers
 from deepinfer.server.limits import ServerLimits
+from deepinfer.server.lora_modules import LoraModule
 from deepinfer.server.state import ServerState
 
 
@@ -55,15 +58,19 @@ def build_app(
     max_queued_requests: int = 256,
     engine_thread: bool = True,
     limits: ServerLimits | None = None,
+    lora_modules: Sequence[LoraModule] = (),
 ) -> FastAPI:
     """The app over ``llm``. ``engine_thread``: run the engine loop on a background thread
     started with the app; False leaves it to the caller (``AsyncLLM.run_here`` on
-    ``app.state.server.engine``)."""
+    ``app.state.server.engine``). ``lora_modules``: adapters served from the start (the
+    engine needs ``enable_lora``); one that cannot be served is a ``ValueError`` naming it."""
     limits = limits or ServerLimits()
     engine = AsyncLLM(llm, max_queued_requests)
     client = LocalEngineClient(llm, engine)
+    state = ServerState(engine, client, served_model_name, api_key, limits)
+    _load_lora_modules(state, client, lora_modules)
     app = FastAPI(title="deepinfer", version=deepinfer.__version__, lifespan=_lifespan)
-    app.state.server = ServerState(engine, client, served_model_name, api_key, limits)
+    app.state.server = state
     app.state.engine_thread = engine_thread
     app.add_middleware(
         RequestGuard,
@@ -75,4 +82,16 @@ def build_app(
     app.include_router(routes_admin.router)
     app.include_router(routes_openai.router)
     app.include_router(routes_rl.router)
+    app.include_router(routes_lora.router)
     return app
+
+
+def _load_lora_modules(state: ServerState, client: LocalEngineClient, modules: Sequence[LoraModule]) -> None:
+    """Load the start-up adapters before the engine loop runs (so on this thread); a bad one
+    stops the start with its reason rather than serving without it."""
+    for module in modules:
+        try:
+            state.check_lora_name(module.name)
+            client.load_lora_now(module.name, module.path, module.base_model_name)
+        except (ValueError, OSError) as exc:
+            raise ValueError(f"--lora-modules {module.name}={module.path}: {exc}") from exc

@@ -56,7 +56,8 @@ async def send_error(send: Send, status: int, message: str, param: str | None = 
     await send({"type": "http.response.body", "body": payload})
 
 
-# the RL control endpoints (``routes_rl.py``), guarded by the key as ``/v1/*`` is
+# the control endpoints (RL: ``routes_rl.py``; adapters: ``routes_lora.py``, which ``/v1``
+# covers already, named so that the guard does not rest on their prefix), guarded by the key
 CONTROL_PATHS = frozenset(
     {
         "/update_weights_from_disk",
@@ -66,6 +67,8 @@ CONTROL_PATHS = frozenset(
         "/pause_generation",
         "/continue_generation",
         "/get_weight_version",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
     }
 )
 

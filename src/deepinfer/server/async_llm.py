@@ -23,6 +23,7 @@ from typing import Any
 
 from deepinfer.errors import EngineDeadError
 from deepinfer.llm import LLM
+from deepinfer.lora.request import LoRARequest
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 
@@ -125,8 +126,10 @@ class AsyncLLM:
         params: SamplingParams,
         seed_offset: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Queue a request; once the engine took it, return the iterator of its outputs (the
+        """Queue a request (``lora_request``: the adapter it runs with, None: the base model);
+        once the engine took it, return the iterator of its outputs (the
         ``RequestOutput`` with the whole text so far, after every step that changed it; the
         last has ``finished=True``). Raises ``ValueError`` for a bad request and
         ``QueueFullError`` when the waiting queue is full. Leaving the iteration early (a
@@ -134,7 +137,8 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         added: Future = Future()
-        self._commands.put(("add", (request_id, prompt_ids, params, seed_offset, cache_salt, stream), added))
+        payload = (request_id, prompt_ids, params, seed_offset, cache_salt, lora_request, stream)
+        self._commands.put(("add", payload, added))
         await asyncio.wrap_future(added)
         return self._outputs(request_id, stream)
 
@@ -157,7 +161,8 @@ class AsyncLLM:
         self._commands.put(("abort", request_id, None))
 
     async def between_steps(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the engine thread between two steps (weight updates, sleep, pausing);
+        """Run ``fn`` on the engine thread between two steps (weight updates, sleep, pausing,
+        loading and unloading adapters);
         its result or exception comes back to the caller."""
         done: Future = Future()
         self._commands.put(("call", fn, done))
@@ -213,7 +218,7 @@ class AsyncLLM:
                 done.set_exception(exc)
             return
         if kind == "add":
-            request_id, ids, params, offset, salt, stream = payload
+            request_id, ids, params, offset, salt, lora, stream = payload
             try:
                 if self.shutting_down:
                     raise ShuttingDownError("the server is shutting down")
@@ -223,7 +228,9 @@ class AsyncLLM:
                 # request that arrived since the last step is not waiting while a slot is free)
                 if len(self._streams) >= self.engine.config.max_num_seqs + self.max_queued_requests:
                     raise QueueFullError(f"the waiting queue is full ({self.max_queued_requests} requests)")
-                self.engine.add_request(request_id, ids, params, generator_offset=offset, cache_salt=salt)
+                self.engine.add_request(
+                    request_id, ids, params, generator_offset=offset, cache_salt=salt, lora_request=lora
+                )
             except Exception as exc:  # the caller gets it; the engine is untouched
                 assert done is not None
                 done.set_exception(exc)

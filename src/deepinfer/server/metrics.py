@@ -1,21 +1,28 @@
 """Prometheus metrics (``deepinfer:`` prefix, vLLM's names where vLLM has one, labelled with the
 served model's name), in a registry of the app's own so two servers in one process (tests) do
-not collide."""
+not collide. A server with ``--enable-lora`` also reports its adapters: how many are loaded,
+how many the running requests use, and vLLM's ``lora_requests_info`` (the running and waiting
+requests' adapters as labels, the time of the scrape as its value)."""
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from deepinfer.outputs import RequestOutput
 
+if TYPE_CHECKING:
+    from deepinfer.server.engine_client import LoraLoad
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, lora: bool = False) -> None:
         self.registry = CollectorRegistry()
+        self.model_name = model_name
         self._prompt_total = 0  # for the hit rate (prompt tokens, and those served from cache)
         self._cached_total = 0
 
@@ -57,6 +64,21 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.finished = lambda reason: finished.labels(model_name, reason)
+        if lora:
+            self._add_lora_metrics(metric)
+
+    def _add_lora_metrics(self, metric: Any) -> None:
+        """The adapter gauges, only on a server that serves adapters (as vLLM does)."""
+        self.lora_loaded = metric(Gauge, "lora_adapters_loaded", "LoRA adapters loaded")
+        self.lora_running = metric(
+            Gauge, "lora_adapters_running", "Distinct LoRA adapters the running requests use"
+        )
+        self.lora_info = Gauge(
+            "deepinfer:lora_requests_info",
+            "The running and waiting requests' LoRA adapters (comma-separated); value: scrape time",
+            ["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=self.registry,
+        )
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Per-request figures, called once per finished request."""
@@ -85,3 +107,12 @@ class ServerMetrics:
         self.waiting.set(waiting)
         self.kv_usage.set(kv_usage)
         self.prefix_hit.set(self._cached_total / self._prompt_total if self._prompt_total else 0.0)
+
+    def refresh_lora(self, load: LoraLoad) -> None:
+        """The adapter gauges; the info series is replaced, so it always shows the last scrape."""
+        self.lora_loaded.set(load.loaded)
+        self.lora_running.set(len(load.running))
+        self.lora_info.clear()
+        self.lora_info.labels(
+            self.model_name, str(load.max_loras), ",".join(load.running), ",".join(load.waiting)
+        ).set(time.time())

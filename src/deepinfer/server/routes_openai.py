@@ -1,7 +1,9 @@
 """The OpenAI endpoints: ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``
 (vLLM's field names; streamed as server-sent events when ``stream`` is set). Completions take
 ``echo``: the prompt comes back before the completion, with ``logprobs`` for its tokens too
-(what lm-eval's ``local-completions`` scores with ``max_tokens=1``, ``logprobs=1``)."""
+(what lm-eval's ``local-completions`` scores with ``max_tokens=1``, ``logprobs=1``). A request
+whose ``model`` names a loaded LoRA adapter runs with it (``/v1/models`` lists them after the
+served model, each with its directory as ``root`` and its base model as ``parent``)."""
 
 from __future__ import annotations
 
@@ -37,24 +39,31 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def models(server: StateDep) -> dict:
+    created = int(time.time())
+    cards = [_model_card(server, server.name, server.client.model_path, None, created)]
+    for adapter in server.client.lora_adapters():
+        parent = adapter.parent or server.name
+        cards.append(_model_card(server, adapter.name, adapter.path, parent, created))
+    return {"object": "list", "data": cards}
+
+
+def _model_card(server: ServerState, name: str, root: str, parent: str | None, created: int) -> dict:
+    """One ``/v1/models`` entry: ``parent`` is None for the served model, its base for an adapter."""
     return {
-        "object": "list",
-        "data": [
-            {
-                "id": server.name,
-                "object": "model",
-                "created": int(time.time()),
-                "owned_by": "deepinfer",
-                "root": server.client.model_path,
-                "max_model_len": server.client.max_model_len,
-            }
-        ],
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "deepinfer",
+        "root": root,
+        "parent": parent,
+        "max_model_len": server.client.max_model_len,
     }
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, server: StateDep):
-    server.check_model(body.model)
+    lora = server.resolve_model(body.model)
+    model = server.response_model(lora)
     check_body(body.model_dump())
     if body.echo and body.stream:
         raise RequestError("echo is not supported with stream=true", "echo")
@@ -75,7 +84,7 @@ async def completions(body: CompletionRequest, request: Request, server: StateDe
         server.check_fits([len(ids) for ids in id_lists], body.max_tokens, "max_tokens", "prompt")
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    streams = await server.add_all(rid, id_lists, body.n, params, body.cache_salt, "prompt")
+    streams = await server.add_all(rid, id_lists, body.n, params, body.cache_salt, "prompt", lora)
 
     def choice(
         index: int, c: CompletionOutput, text: str, ids: list[int], lps, finished: bool, start: int | None
@@ -96,7 +105,7 @@ async def completions(body: CompletionRequest, request: Request, server: StateDe
     if body.stream:
         entries = completion_entries(lambda *args: choice(*args, None))
         return event_stream(
-            server.name, streams, rid, created, "text_completion", entries, prompt_tokens, body.stream_options
+            model, streams, rid, created, "text_completion", entries, prompt_tokens, body.stream_options
         )
     finals = await collect(streams, request)
     if prompt_only:
@@ -112,7 +121,7 @@ async def completions(body: CompletionRequest, request: Request, server: StateDe
         # a one-token prompt has no position to score: its single entry is the null one
         lps = None if body.logprobs is None else [*(f.prompt_logprobs or [None]), *(c.logprobs or [])]
         choices.append(choice(i, c, prompt_text + c.text, [*id_lists[p], *c.token_ids], lps, True, 0))
-    return whole_response(server.name, rid, "text_completion", created, choices, prompt_tokens, finals)
+    return whole_response(model, rid, "text_completion", created, choices, prompt_tokens, finals)
 
 
 def _decode(server: ServerState, ids: list[int]) -> str:
@@ -137,7 +146,8 @@ def _without_completion(out: RequestOutput) -> RequestOutput:
 
 @router.post("/v1/chat/completions")
 async def chat(body: ChatCompletionRequest, request: Request, server: StateDep):
-    server.check_model(body.model)
+    lora = server.resolve_model(body.model)
+    model = server.response_model(lora)
     chars = check_body(body.model_dump())
     server.check_width(1, body.n, "n")
     if body.tool_choice not in (None, "auto", "none"):
@@ -178,7 +188,7 @@ async def chat(body: ChatCompletionRequest, request: Request, server: StateDep):
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     try:
-        streams = await server.add_all(rid, [ids], body.n, params, body.cache_salt, "messages")
+        streams = await server.add_all(rid, [ids], body.n, params, body.cache_salt, "messages", lora)
     except RequestError as exc:
         if exc.param == "logprobs":  # the engine's name for what chat calls top_logprobs
             exc.param = "top_logprobs"
@@ -211,7 +221,7 @@ async def chat(body: ChatCompletionRequest, request: Request, server: StateDep):
     if body.stream:
         entries = chat_entries(logprobs_of, parsers)
         return event_stream(
-            server.name,
+            model,
             streams,
             rid,
             created,
@@ -234,7 +244,7 @@ async def chat(body: ChatCompletionRequest, request: Request, server: StateDep):
                 "stop_reason": c.stop_reason,
             }
         )
-    return whole_response(server.name, rid, "chat.completion", created, choices, len(ids), finals)
+    return whole_response(model, rid, "chat.completion", created, choices, len(ids), finals)
 
 
 def _chat_message(c: CompletionOutput, parser: Any) -> tuple[dict[str, Any], str | None]:

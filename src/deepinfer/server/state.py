@@ -12,6 +12,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 
 from deepinfer.chat import ChatOptions
+from deepinfer.lora.request import LoRARequest
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.async_llm import AsyncLLM
@@ -47,7 +48,7 @@ class ServerState:
         self.prompts = PromptPreparer(
             client.tokenizer, client.max_model_len, limits.max_messages, limits.prompt_timeout_s
         )
-        self.metrics = ServerMetrics(served_model_name)
+        self.metrics = ServerMetrics(served_model_name, lora=client.lora_enabled)
         client.on_finished(self.metrics.observe_finished)
         self.warm_up()
 
@@ -65,9 +66,28 @@ class ServerState:
 
     # ---- checks ---------------------------------------------------------------------------
 
+    def resolve_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names (None: the base model); a name that is
+        neither the served model nor a loaded adapter is a 404."""
+        if model is None or model == self.name:
+            return None
+        lora = self.client.lora_request(model)
+        if lora is None:
+            raise _unknown_model(model)
+        return lora
+
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.name:
-            raise RequestError(f"The model `{model}` does not exist.", "model", 404)
+        """``model`` is the served model or one of its adapters (they share the tokenizer)."""
+        self.resolve_model(model)
+
+    def response_model(self, lora: LoRARequest | None) -> str:
+        """The ``model`` a response names: the adapter the request ran with, or the served model."""
+        return self.name if lora is None else lora.lora_name
+
+    def check_lora_name(self, name: str) -> None:
+        """An adapter may not take the served model's name: ``model`` could not tell them apart."""
+        if name == self.name:
+            raise RequestError(f"lora_name {name!r} is the served model's own name", "lora_name")
 
     def default_max_tokens(self, prompt_len: int) -> int:
         return max(1, self.client.cache_capacity - prompt_len)
@@ -148,27 +168,36 @@ class ServerState:
         params: SamplingParams,
         salt: str | None,
         field: str,
+        lora: LoRARequest | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
-        """Queue ``n`` siblings of every prompt (seeds offset per sibling, as ``LLM`` does).
+        """Queue ``n`` siblings of every prompt (seeds offset per sibling, as ``LLM`` does),
+        run with the adapter ``lora`` (None: the base model).
         All or nothing: if one is refused the others are aborted; add errors become
-        ``RequestError`` naming ``field`` for the prompt, or the sampling field."""
+        ``RequestError`` naming ``field`` for the prompt, or the sampling field, and an
+        adapter unloaded before the engine took the request is the 404 of an unknown model."""
         streams: list[AsyncIterator[RequestOutput]] = []
         ids_added: list[str] = []
         try:
             for p, ids in enumerate(prompts):
                 for j in range(n):
                     rid = f"{base_id}-{p}-{j}"
-                    streams.append(await self.client.add(rid, ids, params, j, salt))
+                    streams.append(await self.client.add(rid, ids, params, j, salt, lora))
                     ids_added.append(rid)
         except Exception as exc:
             for rid in ids_added:
                 self.client.abort(rid)
+            if lora is not None and self.client.lora_request(lora.lora_name) != lora:
+                raise _unknown_model(lora.lora_name) from exc
             if isinstance(exc, ValueError) and not isinstance(exc, RequestError):
                 msg = str(exc)
                 param = field if msg.startswith("prompt_token_ids") else param_of(msg)
                 raise RequestError(msg, param) from exc
             raise
         return streams
+
+
+def _unknown_model(model: str) -> RequestError:
+    return RequestError(f"The model `{model}` does not exist.", "model", 404)
 
 
 def _chat_param(message: str) -> str:

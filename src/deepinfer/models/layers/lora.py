@@ -27,17 +27,63 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class LoraStep:
-    """``mask`` [T, max_loras * max_rank]: row t is 1 over the rank columns of its request's
-    adapter slot and 0 elsewhere (a base-model row is all 0)."""
+    """A step's rows by adapter slot (a base-model row has none), in the two forms the
+    layers use.
 
+    Grouped (dense layers): the adapter rows sorted by slot. ``padded``: every slot gets
+    ``width`` positions, ``index`` [slots * width] names each position's row (padding: row 0,
+    its term zeroed by ``valid`` [slots, width, 1]), and one batched product per matrix covers
+    all slots (decode steps: a few rows per adapter). Otherwise ``index`` lists the rows and
+    ``segments`` (slot, start, end) the slots' runs in it, one product per run (prefill: long
+    runs, where padding would cost). ``mask`` [T, slots * rank]: row t is 1 over its slot's
+    rank columns (the routed experts' form)."""
+
+    rows: int
+    active: frozenset[int]
+    padded: bool
+    index: torch.Tensor
+    valid: torch.Tensor | None
+    width: int
+    segments: tuple[tuple[int, int, int], ...]
     mask: torch.Tensor
 
-    def rows(self, x: torch.Tensor) -> torch.Tensor:
-        """The mask for an input of ``x.shape[0]`` rows (the step's tokens)."""
-        if x.shape[0] != self.mask.shape[0]:
-            raise RuntimeError(
-                f"a LoRA target ran on {x.shape[0]} rows in a step of {self.mask.shape[0]} tokens"
-            )
+    @staticmethod
+    def build(
+        slot_rows: torch.Tensor, slots: int, rank: int, dtype: torch.dtype, device: torch.device
+    ) -> LoraStep:
+        """From each row's slot (``slot_rows`` [T] on the host, -1 for the base model)."""
+        lora_rows = (slot_rows >= 0).nonzero().flatten()
+        by_slot = torch.argsort(slot_rows[lora_rows], stable=True)
+        rows, row_slots = lora_rows[by_slot], slot_rows[lora_rows][by_slot]
+        counts = torch.bincount(row_slots, minlength=slots)
+        width, n = int(counts.max()), int(rows.numel())
+        padded = slots * width <= 2 * n + slots
+        starts = torch.cumsum(counts, 0) - counts
+        valid = None
+        if padded:
+            position = row_slots * width + torch.arange(n) - starts[row_slots]
+            index = torch.zeros(slots * width, dtype=torch.long)
+            index[position] = rows
+            flags = torch.zeros(slots * width, dtype=dtype)
+            flags[position] = 1
+            valid = flags.view(slots, width, 1).to(device)
+        else:
+            index = rows
+        segments = tuple((s, int(starts[s]), int(starts[s] + counts[s])) for s in range(slots) if counts[s])
+        columns = torch.arange(slots).repeat_interleave(rank)
+        mask = (slot_rows.unsqueeze(1) == columns.unsqueeze(0)).to(dtype)
+        active = frozenset(s for s, _, _ in segments)
+        return LoraStep(
+            slot_rows.shape[0], active, padded, index.to(device), valid, width, segments, mask.to(device)
+        )
+
+    def check(self, x: torch.Tensor) -> None:
+        """An input must hold the step's rows (its tokens), or the slots would be misread."""
+        if x.shape[0] != self.rows:
+            raise RuntimeError(f"a LoRA target ran on {x.shape[0]} rows in a step of {self.rows} tokens")
+
+    def rows_mask(self, x: torch.Tensor) -> torch.Tensor:
+        self.check(x)
         return self.mask
 
 
@@ -61,7 +107,8 @@ def running_step(step: LoraStep | None) -> Iterator[None]:
 
 class LinearStack:
     """The slots of ``len(outs)`` linears that read one input (a fused projection: q, k, v),
-    their outputs concatenated in that order."""
+    their outputs concatenated in that order. Per slot, A is [in, n * R] (the linears' A side
+    by side: one shrink serves them all) and each linear's B is [R, out]."""
 
     def __init__(
         self,
@@ -73,47 +120,54 @@ class LinearStack:
         device: torch.device,
     ) -> None:
         self.outs, self.slots, self.rank = outs, slots, rank
-        width = slots * rank
-        self.a = torch.zeros(len(outs) * width, in_features, dtype=dtype, device=device)
-        self.b = [torch.zeros(out, width, dtype=dtype, device=device) for out in outs]
-        self.filled = [set[int]() for _ in outs]  # slots holding an update, per linear
+        self.offsets = [sum(outs[:i]) for i in range(len(outs))]
+        self.a = torch.zeros(slots, in_features, len(outs) * rank, dtype=dtype, device=device)
+        self.b = [torch.zeros(slots, rank, out, dtype=dtype, device=device) for out in outs]
+        self.filled: set[int] = set()  # slots holding an update
 
     def load(self, slot: int, index: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
         """Slot ``slot`` of linear ``index`` takes ``scale * b @ a`` (scale folded into B)."""
-        width, r = self.slots * self.rank, a.shape[0]
-        first = index * width + slot * self.rank
+        r = a.shape[0]
         with torch.no_grad():
-            self.a[first : first + self.rank].zero_()
-            self.a[first : first + r].copy_(a)
-            self.b[index][:, slot * self.rank : (slot + 1) * self.rank].zero_()
-            self.b[index][:, slot * self.rank : slot * self.rank + r].copy_(b * scale)
-        self.filled[index].add(slot)
+            self.a[slot, :, index * self.rank : (index + 1) * self.rank].zero_()
+            self.a[slot, :, index * self.rank : index * self.rank + r].copy_(a.T)
+            self.b[index][slot].zero_()
+            self.b[index][slot, :r].copy_((b * scale).T)
+        self.filled.add(slot)
 
     def clear(self, slot: int) -> None:
         """Slot ``slot`` back to zero in every linear."""
-        width = self.slots * self.rank
-        with torch.no_grad():
-            for index, b in enumerate(self.b):
-                if slot in self.filled[index]:
-                    first = index * width + slot * self.rank
-                    self.a[first : first + self.rank].zero_()
-                    b[:, slot * self.rank : (slot + 1) * self.rank].zero_()
-                    self.filled[index].discard(slot)
+        if slot in self.filled:
+            with torch.no_grad():
+                self.a[slot].zero_()
+                for b in self.b:
+                    b[slot].zero_()
+            self.filled.discard(slot)
 
-    def add_to(self, y: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _columns(self, y: torch.Tensor, index: int) -> torch.Tensor:
+        """Linear ``index``'s output columns of ``y``."""
+        return y[:, self.offsets[index] : self.offsets[index] + self.outs[index]]
+
+    def add_to(self, y: torch.Tensor, x: torch.Tensor, step: LoraStep) -> torch.Tensor:
         """``y`` [T, sum(outs)] plus the rows' low-rank terms (in place; returns ``y``)."""
-        if not any(self.filled):
+        step.check(x)
+        if not self.filled & step.active:
             return y
-        width, n = self.slots * self.rank, len(self.outs)
-        shrunk = F.linear(x, self.a)  # [T, n * width]
-        if n == 1:
-            return y.add_(F.linear(shrunk * mask, self.b[0]))
-        shrunk = (shrunk.view(-1, n, width) * mask.unsqueeze(1)).view(-1, n * width)
-        start = 0
-        for index, (out, b) in enumerate(zip(self.outs, self.b, strict=True)):
-            if self.filled[index]:
-                y[..., start : start + out].add_(F.linear(shrunk[:, index * width : (index + 1) * width], b))
-            start += out
+        r = self.rank
+        if step.padded:
+            grouped = x.index_select(0, step.index).view(self.slots, step.width, -1)
+            shrunk = torch.bmm(grouped, self.a).mul_(step.valid)
+            if len(self.b) == 1:
+                return y.index_add_(0, step.index, torch.bmm(shrunk, self.b[0]).view(-1, y.shape[-1]))
+            terms = [torch.bmm(shrunk[..., i * r : (i + 1) * r], b) for i, b in enumerate(self.b)]
+            return y.index_add_(0, step.index, torch.cat(terms, dim=-1).view(-1, y.shape[-1]))
+        picked = x.index_select(0, step.index)
+        for slot, start, end in step.segments:
+            if slot in self.filled:
+                shrunk = torch.mm(picked[start:end], self.a[slot])
+                rows = step.index[start:end]
+                for i, b in enumerate(self.b):
+                    self._columns(y, i).index_add_(0, rows, torch.mm(shrunk[:, i * r : (i + 1) * r], b[slot]))
         return y
 
 

@@ -202,7 +202,7 @@ class MoE(nn.Module):
             self.stack_experts()
         step = current_step() if self.lora_experts is not None and self.lora_experts.any else None
         if step is not None:  # the reference form, with each pair's low-rank term in its SwiGLU
-            mask, stack = step.rows(flat), self.lora_experts
+            mask, stack = step.rows_mask(flat), self.lora_experts
 
             def term(expert: int, name: str, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:
                 return stack.term(expert, name, rows, mask[tokens])

@@ -73,7 +73,7 @@ class Projection:
         if self.lora is not None:
             step = current_step()
             if step is not None:
-                return self.lora.add_to(y, x, step.rows(x))
+                return self.lora.add_to(y, x, step)
         return y
 
     def plain(self, x: torch.Tensor) -> torch.Tensor:
