@@ -116,7 +116,8 @@ def test_offline_inference_example_on_a_checkpoint_dir(tmp_path):
 
 def test_research_example_runs():
     """examples/research.py: the logit lens on SmolLM2 ends on the model's own prediction,
-    and LoRA steps on tiny V4 lower the loss."""
+    LoRA steps on tiny V4 lower the loss, and the engine serves the saved adapter with the
+    PEFT module's logprobs."""
     run = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "research.py"), "--steps", "4"],
         capture_output=True,
@@ -129,6 +130,7 @@ def test_research_example_runs():
     assert len(lens) == 30 and "model   :" in run.stdout
     losses = [float(x) for x in lines[-1].split("loss")[1].split("->")]
     assert len(losses) == 4 and losses[-1] < losses[0]
+    assert float(lines[-2].rsplit(" ", 1)[1]) < 1e-4  # served adapter vs PEFT
 
 
 def test_chat_cli_and_generate_answer_an_instruct_question():

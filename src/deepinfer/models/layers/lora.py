@@ -1,17 +1,18 @@
 """The low-rank terms of served LoRA adapters, as the layers compute them in a step.
 
-``LoraStep`` is the running step's per-row slot mask, set by the engine around one forward
-(``running``) and read by ``Projection``, the hooked linears and the routed experts; outside
-a step (research calls, drafters) nothing is set and the base weights alone compute.
+``LoraStep`` is the running step's rows by adapter slot, set by the engine around one forward
+(``running_step``) and read by ``Projection``, the hooked linears and the routed experts;
+outside a step (research calls, drafters) nothing is set and the base weights alone compute.
 
-A stack holds every slot's A and B of one target. Slot ``s`` owns rank columns
-``s * R .. s * R + R`` (``R = max_lora_rank``; a smaller rank is zero-padded). For rows ``x``
-[T, in] of a step whose rows use different slots, the term is
-``((x @ A_all.T) * mask) @ B_all.T``: one shrink over all slots, the step's per-row slot mask,
-one expand, with each slot's scale folded into its B. Mixed adapters and base rows run as one
-grouped product (the punica/SGMV idea, as two dense products: with a handful of slots and small
-ranks these cost a fraction of the base matmul, and every row is computed the same way
-whichever other slots the step holds). Which adapters hold which slots is ``deepinfer.lora``'s.
+A stack holds every slot's A and B of one target (rank ``R = max_lora_rank``; a smaller rank
+is zero-padded, and each slot's scale is folded into its B). A step's adapter rows are grouped
+by slot and each group multiplies only its own adapter's matrices: the punica/S-LoRA grouped
+product (SGMV), here as one batched shrink and expand over all slots at once with the groups
+padded to one size (decode: a few rows per adapter), or one product pair per group (prefill:
+long groups). Mixed adapters and base rows run in one step, a row costs its own rank only, and
+every row's term is computed the same way whichever other slots the step holds. The routed
+experts use a per-row slot mask instead (``ExpertStack``). Which adapters hold which slots is
+``deepinfer.lora``'s.
 """
 
 from __future__ import annotations
