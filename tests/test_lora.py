@@ -251,6 +251,24 @@ def test_v4_adapters_on_experts_match_merged_weights_and_peft(v4_ckpt, hf_refere
     assert kinds == {"module", "expert"}
 
 
+def test_v41_adapters_match_the_peft_wrapped_research_module(v41_ckpt, tmp_path):
+    """V4.1 (shared-KV attention, Engram, two-level indexer): an adapter on every target the
+    registry finds, served beside the base model, equals the PEFT-wrapped research module."""
+    from deepinfer.lora.targets import find_targets
+
+    research = load_model(v41_ckpt)
+    targets = sorted({name.rsplit(".", 1)[1] for name in find_targets(research)})
+    config = {"r": 3, "lora_alpha": 6, "target_modules": targets, "init_lora_weights": False}
+    peft_model = make_adapter(research, tmp_path / "ad", config, seed=4, b_scale=0.5)
+    llm = LLM(v41_ckpt, enable_lora=True)
+    request = LoRARequest("v41", 1, str(tmp_path / "ad"))
+    prompts = [[5, 17, 99, 3, 42, 7, 8, 9], [200, 4, 61]]
+    outs = llm.generate(prompts * 2, _greedy(8), lora_request=[request] * 2 + [None] * 2)
+    for prompt, out in zip(prompts, outs[:2], strict=True):
+        _check_against(peft_model, prompt, out)
+    assert [o.outputs[0].token_ids for o in outs[:2]] != [o.outputs[0].token_ids for o in outs[2:]]
+
+
 # ---- bad input -------------------------------------------------------------------------
 
 

@@ -5,7 +5,8 @@ Three ways, by how the engine computes the linear:
   term after its engine form (fused, packed or quantized weight), one stack per projection;
 - a linear the model calls as a module on the step's rows (DeepSeek-V4 attention's ``wq_a``,
   ``wq_b``, ``wkv``, ``wo_b``; the compressors' ``wkv``/``wgate``; the indexers' ``wq_b`` and
-  ``weights_proj``; the shared expert's ``w1``/``w2``/``w3``): a forward hook adds it;
+  ``weights_proj``; V4.1's Engram ``wkv``; the shared expert's ``w1``/``w2``/``w3``): a
+  forward hook adds it;
 - a routed expert's ``w1``/``w2``/``w3``: the MoE layer runs its experts with the term inside
   the SwiGLU (``MoE.run_routed``), one stack per layer.
 Linears whose weight the model reads directly (V4's grouped ``wo_a``, the router) and the
@@ -22,6 +23,7 @@ from torch import nn
 
 from deepinfer.models.layers.attention import LatentAttention
 from deepinfer.models.layers.compressor import Compressor
+from deepinfer.models.layers.engram import Engram
 from deepinfer.models.layers.indexer import Indexer
 from deepinfer.models.layers.lora import ExpertStack, LinearStack, current_step
 from deepinfer.models.layers.moe import MoE
@@ -32,6 +34,7 @@ from deepinfer.models.layers.shared_indexer import SharedIndexer
 HOOKED = {
     LatentAttention: ("wq_a", "wq_b", "wkv", "wo_b"),
     Compressor: ("wkv", "wgate"),
+    Engram: ("wkv",),
     Indexer: ("wq_b", "weights_proj"),
     SharedIndexer: ("wq_b", "weights_proj"),
 }
