@@ -12,7 +12,7 @@ model's throughput, in one run, on the same requests.
 
 Every request has the same prompt length and generates ``--tokens`` tokens (``ignore_eos``),
 so every form computes the same tokens. Throughput is generated tokens per second; each form
-is the best of ``--repeats`` runs after a warm-up.
+is the best of ``--repeats`` rounds that alternate the forms, after a warm-up round.
 
     python benchmarks/lora_throughput.py [--requests 32] [--tokens 64] [--rank 16]
         [--targets all|qv] [--peer/--no-peer]
@@ -69,13 +69,21 @@ def make_adapters(path: Path, out: Path, rank: int, targets: list[str]) -> tuple
 
 def best_of(fn: Callable[[], int], repeats: int) -> float:
     """Generated tokens per second of ``fn`` (which returns its token count), best run."""
-    fn()  # warm-up
-    rates = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        tokens = fn()
-        rates.append(tokens / (time.perf_counter() - start))
-    return max(rates)
+    return alternated({"fn": fn}, repeats)["fn"]
+
+
+def alternated(forms: dict[str, Callable[[], int]], repeats: int) -> dict[str, float]:
+    """Each form's generated tokens per second (each returns its token count), the best of
+    ``repeats`` rounds that run every form in turn (after one warm-up round), so a slow
+    stretch of the machine falls on all of them alike."""
+    best = dict.fromkeys(forms, 0.0)
+    for round_ in range(repeats + 1):
+        for name, fn in forms.items():
+            start = time.perf_counter()
+            tokens = fn()
+            if round_:
+                best[name] = max(best[name], tokens / (time.perf_counter() - start))
+    return best
 
 
 def main() -> None:
@@ -103,18 +111,8 @@ def main() -> None:
         spread = [requests[i % ADAPTERS] for i in range(args.requests)]
 
         base = LLM(path, max_num_seqs=args.requests)
-        rates = {
-            "base": best_of(
-                lambda: len(base.generate(prompts, params, use_tqdm=False)) * args.tokens, args.repeats
-            )
-        }
-        base.close()
         lora = LLM(
             path, enable_lora=True, max_loras=ADAPTERS, max_lora_rank=args.rank, max_num_seqs=args.requests
-        )
-        rates["mixed"] = best_of(
-            lambda: len(lora.generate(prompts, params, use_tqdm=False, lora_request=spread)) * args.tokens,
-            args.repeats,
         )
 
         def one_at_a_time() -> int:
@@ -123,7 +121,14 @@ def main() -> None:
                 lora.generate(mine, params, use_tqdm=False, lora_request=r)
             return total
 
-        rates["one adapter at a time"] = best_of(one_at_a_time, args.repeats)
+        forms: dict[str, Callable[[], int]] = {
+            "base": lambda: len(base.generate(prompts, params, use_tqdm=False)) * args.tokens,
+            "mixed": lambda: (
+                len(lora.generate(prompts, params, use_tqdm=False, lora_request=spread)) * args.tokens
+            ),
+            "one adapter at a time": one_at_a_time,
+        }
+        rates = alternated(forms, args.repeats)
         if args.peer:
             names = [f"a{i % ADAPTERS}" for i in range(args.requests)]
             ids = torch.tensor(prompts)

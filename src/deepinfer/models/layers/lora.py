@@ -33,7 +33,7 @@ class LoraStep:
 
     Grouped (dense layers): the adapter rows sorted by slot. ``padded``: every slot gets
     ``width`` positions, ``index`` [slots * width] names each position's row (padding: row 0,
-    its term zeroed by ``valid`` [slots, width, 1]), and one batched product per matrix covers
+    its term zeroed by ``valid`` [slots, width, 1]; None: no padding), and one batched product per matrix covers
     all slots (decode steps: a few rows per adapter). Otherwise ``index`` lists the rows and
     ``segments`` (slot, start, end) the slots' runs in it, one product per run (prefill: long
     runs, where padding would cost). ``mask`` [T, slots * rank]: row t is 1 over its slot's
@@ -65,9 +65,10 @@ class LoraStep:
             position = row_slots * width + torch.arange(n) - starts[row_slots]
             index = torch.zeros(slots * width, dtype=torch.long)
             index[position] = rows
-            flags = torch.zeros(slots * width, dtype=dtype)
-            flags[position] = 1
-            valid = flags.view(slots, width, 1).to(device)
+            if n < slots * width:
+                flags = torch.zeros(slots * width, dtype=dtype)
+                flags[position] = 1
+                valid = flags.view(slots, width, 1).to(device)
         else:
             index = rows
         segments = tuple((s, int(starts[s]), int(starts[s] + counts[s])) for s in range(slots) if counts[s])
@@ -157,7 +158,9 @@ class LinearStack:
         r = self.rank
         if step.padded:
             grouped = x.index_select(0, step.index).view(self.slots, step.width, -1)
-            shrunk = torch.bmm(grouped, self.a).mul_(step.valid)
+            shrunk = torch.bmm(grouped, self.a)
+            if step.valid is not None:  # padding positions add nothing
+                shrunk.mul_(step.valid)
             if len(self.b) == 1:
                 return y.index_add_(0, step.index, torch.bmm(shrunk, self.b[0]).view(-1, y.shape[-1]))
             terms = [torch.bmm(shrunk[..., i * r : (i + 1) * r], b) for i, b in enumerate(self.b)]
