@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from deepinfer.lora.peft_format import Adapter, read_adapter
-from deepinfer.lora.request import LoRARequest
+from deepinfer.lora.request import LoRARequest  # re-exported: what ``adapter_for`` takes
 from deepinfer.lora.targets import Target, find_targets, stack_for
 from deepinfer.models.layers.lora import LoraStep
 
