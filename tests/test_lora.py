@@ -353,30 +353,43 @@ def test_unloaded_adapter_lets_running_requests_finish(llama_setup):
     outs=st.lists(st.integers(1, 9), min_size=1, max_size=3),
     rows=st.lists(st.integers(-1, 4), min_size=1, max_size=40),
     seed=st.integers(0, 2**16),
-    dtype=st.sampled_from([torch.float64, torch.float32]),
+    form=st.sampled_from(["aten-fp64", "aten-fp32", "kernel-fp32"]),
 )
-def test_grouped_product_equals_each_rows_own_adapter(slots, rank, outs, rows, seed, dtype):
-    """Any mix of slots, ranks and row counts (the padded and per-run forms, float64 and
-    float32): every row gets ``scale * x @ A.T @ B.T`` of its own slot's adapter and a base
-    row gets nothing."""
+def test_grouped_product_equals_each_rows_own_adapter(slots, rank, outs, rows, seed, form):
+    """Any mix of slots, ranks and row counts (ATen's padded and per-run forms in float64 and
+    float32, the CPU kernel in float32): every row gets ``scale * x @ A.T @ B.T`` of its own
+    slot's adapter and a base row gets nothing."""
+    from unittest import mock
+
+    from deepinfer.kernels.cpu import lora as cpu_lora
+
     from deepinfer.models.layers.lora import LinearStack, LoraStep
+
+    dtype = torch.float64 if form == "aten-fp64" else torch.float32
 
     gen = torch.Generator().manual_seed(seed)
     slot_rows = torch.tensor([r if r < slots else -1 for r in rows])
-    stack = LinearStack(7, outs, slots, rank, dtype, torch.device("cpu"))
+    width = 7 if seed % 2 else 150  # within one of the kernel's blocks of products, or over three
+    stack = LinearStack(width, outs, slots, rank, dtype, torch.device("cpu"))
     updates = {}
     for slot in range(slots):
         for i, out in enumerate(outs):
             r = int(torch.randint(1, rank + 1, (1,), generator=gen))
-            a, b = torch.randn(r, 7, generator=gen).double(), torch.randn(out, r, generator=gen).double()
+            a, b = torch.randn(r, width, generator=gen).double(), torch.randn(out, r, generator=gen).double()
             scale = float(torch.rand(1, generator=gen)) + 0.5
             stack.load(slot, i, a.to(dtype), b.to(dtype), scale)
             updates[slot, i] = scale * b @ a
     stack.clear(slots - 1)  # a cleared slot adds nothing
-    x = torch.randn(len(rows), 7, generator=gen).double()
+    x = torch.randn(len(rows), width, generator=gen).double()
     y = torch.randn(len(rows), sum(outs), generator=gen).double()
     step = LoraStep.build(slot_rows, slots, rank, dtype, torch.device("cpu"))
-    got = stack.add_to(y.to(dtype, copy=True), x.to(dtype), step).double()
+    assert form != "kernel-fp32" or cpu_lora.supports(x.to(dtype), y.to(dtype))
+    if form == "aten-fp32":
+        path = mock.patch.object(cpu_lora, "supports", side_effect=lambda *_: False)
+    else:  # the kernel takes every group size here, not only decode-sized ones
+        path = mock.patch.object(cpu_lora, "BLOCK_ROWS", 10**6)
+    with path:
+        got = stack.add_to(y.to(dtype, copy=True), x.to(dtype), step).double()
     expected = y.clone()
     for t, slot in enumerate(slot_rows.tolist()):
         if slot >= 0 and slot != slots - 1:

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from deepinfer.kernels.cpu import lora as cpu_lora
+
 
 @dataclass(frozen=True)
 class LoraStep:
@@ -47,6 +49,11 @@ class LoraStep:
     width: int
     segments: tuple[tuple[int, int, int], ...]
     mask: torch.Tensor
+    # the CPU kernel's form: the adapter rows sorted by slot, each group's slot, and each
+    # group's start with the end after the last (int64, on the host)
+    order: torch.Tensor
+    group_slots: torch.Tensor
+    group_starts: torch.Tensor
 
     @staticmethod
     def build(
@@ -75,8 +82,20 @@ class LoraStep:
         columns = torch.arange(slots).repeat_interleave(rank)
         mask = (slot_rows.unsqueeze(1) == columns.unsqueeze(0)).to(dtype)
         active = frozenset(s for s, _, _ in segments)
+        group_slots = torch.tensor([s for s, _, _ in segments], dtype=torch.long)
+        group_starts = torch.tensor([start for _, start, _ in segments] + [n], dtype=torch.long)
         return LoraStep(
-            slot_rows.shape[0], active, padded, index.to(device), valid, width, segments, mask.to(device)
+            slot_rows.shape[0],
+            active,
+            padded,
+            index.to(device),
+            valid,
+            width,
+            segments,
+            mask.to(device),
+            rows,
+            group_slots,
+            group_starts,
         )
 
     def check(self, x: torch.Tensor) -> None:
@@ -126,6 +145,7 @@ class LinearStack:
         self.a = torch.zeros(slots, in_features, len(outs) * rank, dtype=dtype, device=device)
         self.b = [torch.zeros(slots, rank, out, dtype=dtype, device=device) for out in outs]
         self.filled: set[int] = set()  # slots holding an update
+        self.matrices = cpu_lora.Matrices(self.a, self.b, rank)
 
     def load(self, slot: int, index: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
         """Slot ``slot`` of linear ``index`` takes ``scale * b @ a`` (scale folded into B)."""
@@ -155,6 +175,8 @@ class LinearStack:
         step.check(x)
         if not self.filled & step.active:
             return y
+        if step.width <= cpu_lora.BLOCK_ROWS and cpu_lora.supports(x, y):  # decode-sized groups
+            return cpu_lora.sgmv(y, x, step.order, step.group_slots, step.group_starts, self.matrices)
         r = self.rank
         if step.padded:
             grouped = x.index_select(0, step.index).view(self.slots, step.width, -1)
