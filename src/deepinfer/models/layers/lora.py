@@ -7,9 +7,9 @@ outside a step (research calls, drafters) nothing is set and the base weights al
 A stack holds every slot's A and B of one target (rank ``R = max_lora_rank``; a smaller rank
 is zero-padded, and each slot's scale is folded into its B). A step's adapter rows are grouped
 by slot and each group multiplies only its own adapter's matrices: the punica/S-LoRA grouped
-product (SGMV), here as one batched shrink and expand over all slots at once with the groups
-padded to one size (decode: a few rows per adapter), or one product pair per group (prefill:
-long groups). Mixed adapters and base rows run in one step, a row costs its own rank only, and
+product (SGMV). Decode-sized groups on the CPU in fp32 take one kernel call per target
+(``kernels/cpu/lora.cpp``); otherwise one batched shrink and expand cover all slots at once, with
+the groups padded to one size (decode), or one product pair runs per group (prefill). Mixed adapters and base rows run in one step, a row costs its own rank only, and
 every row's term is computed the same way whichever other slots the step holds. The routed
 experts use a per-row slot mask instead (``ExpertStack``). Which adapters hold which slots is
 ``deepinfer.lora``'s.
