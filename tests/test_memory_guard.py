@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import mmap
 import subprocess
 import sys
 import textwrap
@@ -30,11 +31,17 @@ def make_guard():
         guard.close()
 
 
-def grow(chunks: list[bytearray], most: int) -> None:
-    """Allocates (and touches) 16 MiB at a time, up to ``most`` bytes, with a pause between
-    chunks so the guard's thread gets its turn however loaded the machine is."""
+def grow(chunks: list[mmap.mmap], most: int) -> None:
+    """Maps (and touches every page of) 16 MiB at a time, up to ``most`` bytes, with a pause
+    between chunks so the guard's thread gets its turn however loaded the machine is. Fresh
+    anonymous mappings, not the heap: memory that earlier tests freed stays resident in the
+    allocator (the engine keeps freed heap memory mapped), and heap chunks would reuse it
+    without growing the resident size."""
     while len(chunks) * 16 * _MIB < most:
-        chunks.append(bytearray(b"\x01" * (16 * _MIB)))
+        chunk = mmap.mmap(-1, 16 * _MIB)
+        for offset in range(0, 16 * _MIB, mmap.PAGESIZE):
+            chunk[offset] = 1
+        chunks.append(chunk)
         time.sleep(0.01)
 
 
@@ -48,25 +55,27 @@ def settled_rss() -> int:
 def test_a_test_past_the_bound_fails_with_its_name(make_guard) -> None:
     base = settled_rss()
     guard = make_guard(base + 128 * _MIB, base + 8192 * _MIB)
-    chunks: list[bytearray] = []
+    chunks: list[mmap.mmap] = []
     with pytest.raises(MemoryBoundExceeded, match="runaway-test grew this process to"):
         with guard.watching("runaway-test"):
             grow(chunks, 2048 * _MIB)
     # raised before the whole 2 GiB were taken (how far past the bound depends on how soon a
     # loaded machine schedules the guard's thread)
     assert len(chunks) * 16 * _MIB < 2048 * _MIB
-    chunks.clear()
+    for chunk in chunks:
+        chunk.close()
 
 
 def test_a_test_under_the_bound_runs_to_its_end(make_guard) -> None:
     # the mutation of the check above: the same growth under a bound it never reaches
     base = settled_rss()
     guard = make_guard(base + 4096 * _MIB, base + 8192 * _MIB)
-    chunks: list[bytearray] = []
+    chunks: list[mmap.mmap] = []
     with guard.watching("bounded-test"):
         grow(chunks, 256 * _MIB)
     assert len(chunks) * 16 * _MIB >= 256 * _MIB
-    chunks.clear()
+    for chunk in chunks:
+        chunk.close()
 
 
 def test_between_tests_nothing_is_raised(make_guard) -> None:
