@@ -288,11 +288,11 @@ def test_bad_adapters_are_refused_and_leave_the_served_ones(llama_setup, tmp_pat
     assert wide is not None
     with pytest.raises(ValueError, match="max_lora_rank=8"):
         registry.load("wide", str(tmp_path / "wide"))
-    other = hf_llama(make_tiny_checkpoint(tmp_path / "other", arch="llama_untied_llama3_rope", seed=0))
-    make_adapter(other, tmp_path / "other_ad", {"r": 2, "lora_alpha": 2, "target_modules": ["o_proj"]}, 0)
-    if other.config.hidden_size != base.config.hidden_size:
-        with pytest.raises(ValueError, match="base-model mismatch"):
-            registry.load("other", str(tmp_path / "other_ad"))
+    wider = base.config.intermediate_size + 32  # an adapter trained on a model of another shape
+    other = hf_llama(make_tiny_checkpoint(tmp_path / "other", arch="llama", seed=0, intermediate_size=wider))
+    make_adapter(other, tmp_path / "other_ad", {"r": 2, "lora_alpha": 2, "target_modules": ["down_proj"]}, 0)
+    with pytest.raises(ValueError, match="base-model mismatch"):
+        registry.load("other", str(tmp_path / "other_ad"))
     unknown = tmp_path / "unknown"  # a good adapter with one module renamed
     unknown.mkdir()
     source = Path(good.lora_path)

@@ -53,6 +53,7 @@ class LoraRegistry:
         self.dtype, self.device = getattr(model, "compute_dtype", param.dtype), param.device
         self.targets: dict[str, Target] = find_targets(model)
         self.linears = {n: (t.in_features, t.out_features) for n, t in self.targets.items()}
+        self._experts = any(t.kind == "expert" for t in self.targets.values())  # steps need the mask
         self.adapters: OrderedDict[str, LoadedAdapter] = OrderedDict()
         self.slots: list[LoadedAdapter | None] = [None] * max_loras
         self._slot_order: list[int] = list(range(max_loras))  # least recently used first
@@ -119,11 +120,6 @@ class LoraRegistry:
             raise ValueError(f"lora_request: {request.lora_name!r} is not loaded and names no lora_path")
         return self.load(request.lora_name, request.lora_path, request.lora_int_id, pinned=False)
 
-    def request_for(self, name: str) -> LoRARequest:
-        """The ``LoRARequest`` of a loaded adapter (the server's ``model`` names it)."""
-        loaded = self.adapters[name]
-        return LoRARequest(name, loaded.int_id, str(loaded.adapter.path))
-
     # ---- slots and steps ------------------------------------------------------------------
 
     def _place(self, loaded: LoadedAdapter, keep: set[int]) -> int:
@@ -171,7 +167,9 @@ class LoraRegistry:
         slot_rows = torch.full((rows,), -1, dtype=torch.long)
         used = sum(lengths)
         slot_rows[:used] = per_chunk.repeat_interleave(torch.tensor(list(lengths), dtype=torch.long))
-        return LoraStep.build(slot_rows, self.max_loras, self.max_rank, self.dtype, self.device)
+        return LoraStep.build(
+            slot_rows, self.max_loras, self.max_rank, self.dtype, self.device, self._experts
+        )
 
     def running(self, adapters: Sequence[LoadedAdapter | None]) -> list[str]:
         """The distinct adapter names among ``adapters`` (a metric's view of running requests)."""

@@ -9,8 +9,10 @@ is zero-padded, and each slot's scale is folded into its B). A step's adapter ro
 by slot and each group multiplies only its own adapter's matrices: the punica/S-LoRA grouped
 product (SGMV). Decode-sized groups on the CPU in fp32 take one kernel call per target
 (``kernels/cpu/lora.cpp``); otherwise one batched shrink and expand cover all slots at once, with
-the groups padded to one size (decode), or one product pair runs per group (prefill). Mixed adapters and base rows run in one step, a row costs its own rank only, and
-every row's term is computed the same way whichever other slots the step holds. The routed
+the groups padded to one size (decode), or one product pair runs per group (prefill). Mixed
+adapters and base rows run in one step and a row costs its own rank only. Which form runs
+depends on the step's largest group, so a row's term may round differently in another batch
+(as the base matmuls' do); it never mixes in another slot's matrices. The routed
 experts use a per-row slot mask instead (``ExpertStack``). Which adapters hold which slots is
 ``deepinfer.lora``'s.
 """
@@ -39,7 +41,7 @@ class LoraStep:
     all slots (decode steps: a few rows per adapter). Otherwise ``index`` lists the rows and
     ``segments`` (slot, start, end) the slots' runs in it, one product per run (prefill: long
     runs, where padding would cost). ``mask`` [T, slots * rank]: row t is 1 over its slot's
-    rank columns (the routed experts' form)."""
+    rank columns (the routed experts' form; None in a model without routed experts)."""
 
     rows: int
     active: frozenset[int]
@@ -48,7 +50,7 @@ class LoraStep:
     valid: torch.Tensor | None
     width: int
     segments: tuple[tuple[int, int, int], ...]
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     # the CPU kernel's form: the adapter rows sorted by slot, each group's slot, and each
     # group's start with the end after the last (int64, on the host)
     order: torch.Tensor
@@ -57,9 +59,15 @@ class LoraStep:
 
     @staticmethod
     def build(
-        slot_rows: torch.Tensor, slots: int, rank: int, dtype: torch.dtype, device: torch.device
+        slot_rows: torch.Tensor,
+        slots: int,
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        experts: bool = True,
     ) -> LoraStep:
-        """From each row's slot (``slot_rows`` [T] on the host, -1 for the base model)."""
+        """From each row's slot (``slot_rows`` [T] on the host, -1 for the base model);
+        ``experts``: the model has routed experts, which read the mask."""
         lora_rows = (slot_rows >= 0).nonzero().flatten()
         by_slot = torch.argsort(slot_rows[lora_rows], stable=True)
         rows, row_slots = lora_rows[by_slot], slot_rows[lora_rows][by_slot]
@@ -79,8 +87,10 @@ class LoraStep:
         else:
             index = rows
         segments = tuple((s, int(starts[s]), int(starts[s] + counts[s])) for s in range(slots) if counts[s])
-        columns = torch.arange(slots).repeat_interleave(rank)
-        mask = (slot_rows.unsqueeze(1) == columns.unsqueeze(0)).to(dtype)
+        mask = None
+        if experts:
+            columns = torch.arange(slots).repeat_interleave(rank)
+            mask = (slot_rows.unsqueeze(1) == columns.unsqueeze(0)).to(dtype).to(device)
         active = frozenset(s for s, _, _ in segments)
         group_slots = torch.tensor([s for s, _, _ in segments], dtype=torch.long)
         group_starts = torch.tensor([start for _, start, _ in segments] + [n], dtype=torch.long)
@@ -92,7 +102,7 @@ class LoraStep:
             valid,
             width,
             segments,
-            mask.to(device),
+            mask,
             rows,
             group_slots,
             group_starts,
@@ -105,6 +115,7 @@ class LoraStep:
 
     def rows_mask(self, x: torch.Tensor) -> torch.Tensor:
         self.check(x)
+        assert self.mask is not None, "built without the routed experts' mask"
         return self.mask
 
 
