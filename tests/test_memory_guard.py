@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import mmap
 import subprocess
@@ -106,3 +107,27 @@ def test_a_native_call_past_the_hard_bound_ends_the_process_naming_the_test() ->
     assert done.returncode == 70, (done.returncode, done.stdout, done.stderr)
     assert "native-runaway grew this process to" in done.stderr
     assert "survived" not in done.stdout
+
+
+def test_freed_heap_memory_the_allocator_keeps_is_not_counted(make_guard) -> None:
+    # the engine keeps up to 1 GiB of freed heap memory mapped per arena (platforms/cpu.py):
+    # a test that runs after engines freed theirs must not fail for memory nobody holds
+    from deepinfer.platforms.cpu import tune_malloc
+
+    if not tune_malloc():
+        pytest.skip("needs glibc's mallopt")
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = [libc.malloc(_MIB) for _ in range(512)]
+    for block in blocks:
+        ctypes.memset(block, 1, _MIB)
+    held = rss_bytes()
+    for block in reversed(blocks):
+        libc.free(block)
+    assert rss_bytes() > held - 128 * _MIB, "the allocator handed the freed heap back at once"
+    guard = make_guard(held - 256 * _MIB, held + 8192 * _MIB)
+    with guard.watching("after-engines-test"):
+        time.sleep(0.5)
+    assert rss_bytes() < held - 256 * _MIB
