@@ -138,6 +138,14 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
+    # Prefix-cache tiers below the KV pool (cache/tiers): every full block the prefix cache
+    # publishes is also kept in a host tier of kv_offload_bytes (pinned memory on CUDA) and in
+    # files under kv_cache_dir, bounded by kv_disk_bytes (least recently used out first); a
+    # prompt whose prefix the pool evicted is loaded back from them, and the files serve later
+    # processes over the same weights. 0 / None: no such tier. One rank
+    kv_offload_bytes: int = 0
+    kv_cache_dir: str | None = None
+    kv_disk_bytes: int = 16 << 30
     # torch.compile the model step (compilation.py). None = the platform's default: on for
     # CUDA; on the CPU, for models whose compiled step beats eager (V4, V4.1), the compiled
     # step an earlier run saved, and a step no saved variant covers runs eagerly until such
@@ -199,6 +207,29 @@ class EngineConfig:
         if self.world_size > 1 or self.data_parallel_replicas > 1:
             raise ValueError("enable_lora=True runs on one rank and one replica so far")
 
+    @property
+    def kv_tiers(self) -> bool:
+        """Whether the prefix cache has a host or disk tier."""
+        return self.kv_offload_bytes > 0 or self.kv_cache_dir is not None
+
+    def _validate_tiers(self) -> None:
+        for name in ("kv_offload_bytes", "kv_disk_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0 (bytes), got {value!r}")
+        if self.kv_cache_dir is not None and not isinstance(self.kv_cache_dir, (str, os.PathLike)):
+            raise ValueError(f"kv_cache_dir must be a directory path or None, got {self.kv_cache_dir!r}")
+        if not self.kv_tiers:
+            return
+        if self.kv_cache_dir is not None and self.kv_disk_bytes == 0:
+            raise ValueError("kv_disk_bytes must be > 0 with kv_cache_dir set")
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_offload_bytes / kv_cache_dir tier the prefix cache: enable_prefix_caching must be True")
+        if self.enable_return_routed_experts:
+            raise ValueError("kv_offload_bytes / kv_cache_dir with enable_return_routed_experts=True is not built yet")
+        if self.world_size > 1:
+            raise ValueError("kv_offload_bytes / kv_cache_dir run on one rank so far")
+
     def validate(self) -> None:
         def need(ok: bool, name: str, rule: str) -> None:
             if not ok:
@@ -240,6 +271,7 @@ class EngineConfig:
             if self.world_size > 1:
                 raise ValueError("enable_return_routed_experts=True runs on one rank")
         self._validate_lora(positive_int)
+        self._validate_tiers()
         if self.batch_invariant:
             for name in (
                 "compile",

@@ -101,6 +101,10 @@ class BlockPool:
             self.ref_count[block] += 1
         return blocks  # type: ignore[return-value]
 
+    def cached(self, h: bytes) -> bool:
+        """Whether a block is cached under ``h`` (no reference taken, not counted)."""
+        return h in self._block_of
+
     def cache(self, block: int, h: bytes) -> None:
         """Publish a full, computed block under its prefix hash (first writer wins)."""
         if block in self._hash_of or h in self._block_of:

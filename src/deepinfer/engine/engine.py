@@ -108,11 +108,9 @@ class Engine:
             setup.graph_batch_size(config) if modes.graphs else None,
         )
         ranks = config.data_parallel_size  # each data-parallel rank has pools of its own
-        self.pools = [BlockPool(size.num_blocks) for _ in range(ranks)]
-        self.pool = self.pools[0]
-        windows = size.num_window_blocks
+        self.pools, windows = [BlockPool(size.num_blocks) for _ in range(ranks)], size.num_window_blocks
         self.window_pools = None if windows is None else [BlockPool(windows) for _ in range(ranks)]
-        self.window_pool = self.window_pools[0] if self.window_pools is not None else None
+        self.pool, self.window_pool = self.pools[0], self.window_pools[0] if self.window_pools else None
         self.runner = setup.model_runner(
             model,
             config,
@@ -127,6 +125,7 @@ class Engine:
             eager_step,
         )
         self.executor = Executor(self.runner, model, config, self.tp)
+        self.tiers = setup.kv_tiers(config, model, self.layout, self.runner, dtype, checkpoint)
         self.lora = self.executor.lora = setup.lora_registry(model, config)
         if config.enable_return_routed_experts:
             self.executor.routing = RoutedExpertsRecorder(self.layout.block_size, size.num_blocks)
@@ -164,14 +163,14 @@ class Engine:
                 drafts_after_recompute=self.spec is not None and self.spec.rollback.drafts_after_recompute,
                 window_pool=self.window_pools[rank] if self.window_pools is not None else None,
                 window=self.layout.window,
+                tiers=self.tiers,
             )
             for rank in range(ranks)
         ]
         self.scheduler: Scheduler | DataParallelScheduler = (
             DataParallelScheduler(schedulers) if self.data_parallel else schedulers[0]
         )
-        if self.executor.routing is not None:
-            schedulers[0].block_published = self.executor.routing.published
+        schedulers[0].block_published = self.executor.routing.published if self.executor.routing else None
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.structured = StructuredRequests(tokenizer, self.vocab_size, self.eos_token_ids)
         self._ended: list[Request] = []  # ended outside a step (reported by the next one)
@@ -193,10 +192,11 @@ class Engine:
         self.weights = WeightSync(model, follow_parameters)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers and the grammar compiler's thread."""
-        self.structured.close()
-        if self.tp is not None:
-            self.tp.close()
+        """Stop the grammar compiler's thread, the KV tiers' threads (their queued writes done)
+        and the tensor-parallel workers."""
+        for part in (self.structured, self.tiers, self.tp):
+            if part is not None:
+                part.close()
 
     @property
     def num_blocks(self) -> int:

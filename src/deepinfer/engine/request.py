@@ -41,6 +41,11 @@ class Request:
     slot: int | None = None
     dp_rank: int = 0  # data-parallel attention: the rank holding this request's cache
     restore_overlap: bool = False  # the next chunk follows a prefix-cache hit
+    # a prefix hit in the host or disk tier: the load filling its blocks, the (hash, block,
+    # window block) entries it fills, and whether a load of this request failed already
+    tier_load: Future | None = None
+    tier_items: list[tuple[bytes, int | None, int | None]] = field(default_factory=list)
+    tier_failed: bool = False
     num_cached_tokens: int = 0  # prefix-cache hit at first schedule
     num_preemptions: int = 0
     num_draft_tokens: int = 0  # speculative decoding: drafted for this request so far ...

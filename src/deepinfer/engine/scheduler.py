@@ -20,7 +20,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from deepinfer.config import EngineConfig
+from deepinfer.cache.tiers import KVTiers
 from deepinfer.engine.block_pool import BlockPool, block_hash
+from deepinfer.engine.tier_hits import TierHits
 from deepinfer.engine.request import Request, Status
 
 BATCH_INVARIANT_GRID = 32  # prefill chunk positions under batch_invariant (a block's divisor)
@@ -94,6 +96,7 @@ class Scheduler:
         drafts_after_recompute: bool = False,
         window_pool: BlockPool | None = None,
         window: int = 0,
+        tiers: KVTiers | None = None,
     ) -> None:
         """``drafts_after_recompute``: a chunk that recomputes the last few accepted tokens after
         a rejection may carry drafts (when a rejection never rolls back past the chunk's own
@@ -101,7 +104,9 @@ class Scheduler:
         ``window_pool``: the blocks of a bounded window cache (``window`` tokens): a request
         holds those covering its last ``window - 1`` positions and the ones its next chunk
         writes, gives older ones back (kept, hashed, as evictable prefix-cache entries), and
-        takes a prefix hit only where the window before the hit is still cached."""
+        takes a prefix hit only where the window before the hit is still cached. ``tiers``:
+        host and disk tiers below the pool, which every published block is copied to and a
+        prefix hit continues into (``tier_hits``)."""
         self.config = config
         self.drafts_after_recompute = drafts_after_recompute
         self.pool = pool
@@ -113,13 +118,17 @@ class Scheduler:
         self.window = window
         # told of each block as it is published: (request, block index, prefix hash)
         self.block_published: Callable[[Request, int, bytes], None] | None = None
+        self.tier_hits = (
+            None if tiers is None else TierHits(tiers, pool, window_pool, block_size, window)
+        )
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        loading = self.tier_hits.num_loading if self.tier_hits is not None else 0
+        return len(self.waiting) + len(self.running) + loading
 
     # ---- cache ownership ------------------------------------------------------------------
 
@@ -189,6 +198,8 @@ class Scheduler:
             parent = block_hash(parent, tokens[k * bs : (k + 1) * bs], request.prefix_salt)
             hashes.append(parent)
         hit = self.pool.lookup(hashes)
+        if self.tier_hits is not None and len(hit) < len(hashes) and self.tier_hits.extend(request, hit, hashes):
+            return
         hit = self._window_for_hit(request, hit, hashes)
         request.block_ids = hit
         request.block_hashes = hashes[: len(hit)]
@@ -235,8 +246,11 @@ class Scheduler:
             if self.block_published is not None:
                 self.block_published(request, k, parent)
             window = request.window_block_ids
-            if self.window_pool is not None and k < len(window) and window[k] >= 0:
-                self.window_pool.cache(window[k], parent)
+            window_block = window[k] if k < len(window) and window[k] >= 0 else None
+            if self.window_pool is not None and window_block is not None:
+                self.window_pool.cache(window_block, parent)
+            if self.tier_hits is not None:
+                self.tier_hits.publish(parent, request.block_ids[k], window_block)
 
     def after_step(self, requests: list[Request]) -> None:
         """After a step, for each of its running requests (only they moved): publish the blocks
@@ -263,6 +277,8 @@ class Scheduler:
                 last = min(max(0, computed - window + 1) // bs, len(ids)) - 1  # before the window
                 if last >= 0 and ids[last] >= 0:
                     self._give_back_window(request, last)
+        if self.tier_hits is not None:
+            self.tier_hits.tiers.flush()  # before a later step may reuse the published blocks
 
     # ---- the policy -----------------------------------------------------------------------
 
@@ -278,8 +294,13 @@ class Scheduler:
     def finish(self, request: Request, computed: int | None = None) -> None:
         """``computed``: the rows written validly; their full blocks stay in the prefix cache
         (a request that ends with its prefill still shares its prompt). None publishes none."""
+        if request.tier_load is not None:  # its blocks are being filled: released once they are
+            request.status = Status.FINISHED
+            return
         if computed is not None:
             self.publish_full_blocks(request, computed)
+            if self.tier_hits is not None:
+                self.tier_hits.tiers.flush()
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -291,6 +312,8 @@ class Scheduler:
         """This step's chunks. ``drafts``: speculative tokens to verify after a decoding
         request's newest token, by request id; a request takes those that fit the budget
         left once its own token is counted."""
+        if self.tier_hits is not None:
+            self.tier_hits.poll(self.waiting, self._release)
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
@@ -347,6 +370,9 @@ class Scheduler:
             if request.lora is not None and not self._adapter_fits(request):
                 break  # max_loras adapters run already: it waits for one of them to end
             self._prefix_hit(request)
+            if request.tier_load is not None:  # waits for its blocks, holding them
+                self.waiting.popleft()
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if self.config.batch_invariant:
                 num_new = self._grid_chunk(request, request.num_tokens - request.num_computed_tokens, budget)
@@ -361,6 +387,8 @@ class Scheduler:
             self.running.append(request)
             chunks.append(_take_chunk(request, request.num_computed_tokens, num_new, request.num_tokens, ()))
             budget -= num_new
+        if not chunks and self.tier_hits is not None:
+            self.tier_hits.wait()  # nothing runs until a load ends: wait for it, not spin
         return chunks
 
     def _adapter_fits(self, request: Request) -> bool:

@@ -18,6 +18,9 @@ from typing import Any
 import torch
 
 from deepinfer.cache.pools import CacheLayout
+from deepinfer.cache.tiers import KVTiers
+from deepinfer.cache.tiers.codec import BlockCodec
+from deepinfer.cache.tiers.fingerprint import checkpoint_fingerprint, module_fingerprint, namespace
 from deepinfer.config import EngineConfig
 from deepinfer.distributed.tensor_parallel import check_divisible
 from deepinfer.distributed.workers import TensorParallelGroup, parallel_mode, shard
@@ -360,3 +363,27 @@ def lora_registry(model: CausalLM, config: EngineConfig) -> LoraRegistry | None:
         return None
     assert config.max_cpu_loras is not None  # set by validate
     return LoraRegistry(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+
+
+def kv_tiers(
+    config: EngineConfig,
+    model: CausalLM,
+    layout: CacheLayout,
+    runner: ModelRunner,
+    dtype: torch.dtype,
+    checkpoint: Path | None,
+) -> KVTiers | None:
+    """The prefix cache's host and disk tiers, when configured. The disk tier's files are
+    bound to the checkpoint's files (or, for a module with none, its parameters), the cache
+    layout and its element type."""
+    if not config.kv_tiers:
+        return None
+    codec = BlockCodec(layout, runner.pools)
+    model_id = checkpoint_fingerprint(checkpoint) if checkpoint is not None else module_fingerprint(model)
+    return KVTiers(
+        codec,
+        config.kv_offload_bytes,
+        config.kv_cache_dir,
+        config.kv_disk_bytes,
+        namespace(model_id, layout, dtype, codec.entry_bytes),
+    )

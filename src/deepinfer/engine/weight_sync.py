@@ -113,6 +113,9 @@ def forget_computed_cache(engine: Engine) -> None:
     for rank in sched.ranks if not isinstance(sched, Scheduler) else [sched]:
         for request in list(rank.running):
             rank.preempt(request)
+        if rank.tier_hits is not None:
+            rank.tier_hits.drop_loads(rank.waiting, rank._release)
+            rank.tier_hits.tiers.weights_changed()
     for pool in [*engine.pools, *(engine.window_pools or [])]:
         pool.reset_prefix_cache()
     if engine.executor.routing is not None:

@@ -1,0 +1,197 @@
+"""Host and disk tiers under the device pool, keyed by the prefix cache's block hashes.
+
+Every full block the prefix cache publishes is copied to the host tier as it is published
+(write-through; a later eviction from the pool then costs nothing) and, on a writer thread,
+to the disk tier. A request whose prefix continues past the pool's hit into the tiers gets
+fresh blocks, which a loader thread fills while other requests' steps run; the scheduler
+publishes them once the load is done (``Scheduler``). A load that meets a missing or corrupt
+entry reports failure and the scheduler looks the prefix up again, without it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from deepinfer.cache.tiers.codec import BlockCodec
+from deepinfer.cache.tiers.disk import DiskTier
+from deepinfer.cache.tiers.host import HostTier
+
+logger = logging.getLogger("deepinfer")
+
+_MAX_WRITE_BACKLOG = 256 << 20  # bytes queued for the disk writer; past it new blocks skip disk
+
+
+@dataclass
+class TierStats:
+    """Counters since the engine started; ``hit_blocks`` / ``loaded_bytes`` by tier."""
+
+    hit_blocks: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
+    loaded_bytes: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
+    stored_bytes: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
+    loads: int = 0
+    failed_loads: int = 0
+    load_seconds: float = 0.0
+    disk_writes_dropped: int = 0
+    corrupt_files: int = 0
+    disk_write_errors: int = 0
+    disk_full: bool = False
+    host_used_bytes: int = 0
+    host_capacity_bytes: int = 0
+    disk_used_bytes: int = 0
+    disk_capacity_bytes: int = 0
+
+
+class KVTiers:
+    """The tiers of one pool set. The scheduler speaks to it in block ids and hashes only."""
+
+    def __init__(
+        self,
+        codec: BlockCodec,
+        host_bytes: int,
+        disk_dir: str | Path | None,
+        disk_bytes: int,
+        namespace: str,
+    ) -> None:
+        self.codec = codec
+        self.host = HostTier(host_bytes, codec.entry_bytes, codec.device.type == "cuda") if host_bytes else None
+        self.disk = DiskTier(Path(disk_dir), namespace, disk_bytes) if disk_dir is not None else None
+        self._namespace = namespace
+        self._stats = TierStats()
+        self._lock = threading.Lock()
+        self._pending: list[tuple[bytes, int, int | None]] = []
+        self._backlog = 0
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-kv-load")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-kv-write")
+
+    # ---- the scheduler's side -------------------------------------------------------------
+
+    def has(self, key: bytes) -> bool:
+        """Whether a tier holds the block (a load may still find it gone or corrupt)."""
+        return (self.host is not None and self.host.has(key)) or (self.disk is not None and self.disk.has(key))
+
+    def store(self, key: bytes, block: int, window_block: int | None) -> None:
+        """Queue a just-published block (``window_block``: its window-pool block, when the
+        window is bounded); copied at the next ``flush``, before any step may reuse it."""
+        if self.codec.window and window_block is None:
+            return  # a hit needs the window part; a block without it is not kept
+        if self.host is not None and self.host.touch(key):
+            return
+        if self.host is None and self.disk is not None and self.disk.has(key):
+            return
+        self._pending.append((key, block, window_block))
+
+    def flush(self) -> None:
+        """Copy the queued blocks out of the pools (host tier now, disk on the writer thread)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        rows = self.codec.gather([b for _, b, _ in pending], [w for _, _, w in pending])
+        keys = [k for k, _, _ in pending]
+        if self.host is not None:
+            for key, row in zip(keys, rows, strict=True):
+                self.host.put(key, row)
+            with self._lock:
+                self._stats.stored_bytes["host"] += rows.numel()
+        if self.disk is None:
+            return
+        with self._lock:
+            if self._backlog + rows.numel() > _MAX_WRITE_BACKLOG:
+                self._stats.disk_writes_dropped += len(keys)
+                return
+            self._backlog += rows.numel()
+        self._writer.submit(self._write, self.disk, keys, rows)
+
+    def load(self, items: Sequence[tuple[bytes, int | None, int | None]]) -> Future:
+        """Fill blocks from the tiers on the loader thread: for each (hash, block, window
+        block), the main part into ``block`` and the window part into ``window block`` (None:
+        not needed). The future's result is whether every entry was found and intact."""
+        return self._loader.submit(self._load, list(items))
+
+    # ---- the threads ------------------------------------------------------------------------
+
+    def _write(self, disk: DiskTier, keys: list[bytes], rows: torch.Tensor) -> None:
+        written = 0
+        try:
+            for key, row in zip(keys, rows, strict=True):
+                if disk.write(key, row.numpy().tobytes(), self.codec.main_bytes):
+                    written += row.numel()
+        except Exception:  # a tier never takes the engine down
+            logger.exception("KV disk tier: a write failed")
+        with self._lock:
+            self._backlog -= rows.numel()
+            self._stats.stored_bytes["disk"] += written
+
+    def _load(self, items: list[tuple[bytes, int | None, int | None]]) -> bool:
+        start = time.perf_counter()
+        rows, sources = [], []
+        for key, _, _ in items:
+            row = self.host.get(key) if self.host is not None else None
+            source = "host"
+            if row is None and self.disk is not None:
+                payload = self.disk.read(key, self.codec.main_bytes)
+                if payload is not None and len(payload) == self.codec.entry_bytes:
+                    row, source = torch.frombuffer(bytearray(payload), dtype=torch.uint8), "disk"
+                    if self.host is not None:
+                        self.host.put(key, row)
+            if row is None:
+                with self._lock:
+                    self._stats.failed_loads += 1
+                return False
+            rows.append(row)
+            sources.append(source)
+        self.codec.scatter(torch.stack(rows), [b for _, b, _ in items], [w for _, _, w in items])
+        if self.codec.device.type == "cuda":
+            torch.cuda.current_stream(self.codec.device).synchronize()
+        with self._lock:
+            self._stats.loads += 1
+            self._stats.load_seconds += time.perf_counter() - start
+            for source in sources:
+                self._stats.hit_blocks[source] += 1
+                self._stats.loaded_bytes[source] += self.codec.entry_bytes
+        return True
+
+    # ---- the engine's side ------------------------------------------------------------------
+
+    def weights_changed(self) -> None:
+        """The weights were written in place: what the tiers hold is for the old ones. The
+        host tier is emptied and the disk tier moves to a namespace of this process alone
+        (no later process can know these weights by their files)."""
+        self.flush()
+        if self.host is not None:
+            self.host.clear()
+        if self.disk is not None:
+            self._writer.submit(lambda: None).result()  # the old namespace's writes end first
+            self.disk = DiskTier(self.disk.root, f"{self._namespace}-{uuid.uuid4().hex[:12]}", self.disk.limit_bytes)
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            s = TierStats(
+                dict(self._stats.hit_blocks),
+                dict(self._stats.loaded_bytes),
+                dict(self._stats.stored_bytes),
+                self._stats.loads,
+                self._stats.failed_loads,
+                self._stats.load_seconds,
+                self._stats.disk_writes_dropped,
+            )
+        if self.host is not None:
+            s.host_used_bytes = self.host.used_bytes
+            s.host_capacity_bytes = self.host.num_entries * self.host.entry_bytes
+        if self.disk is not None:
+            s.corrupt_files, s.disk_write_errors = self.disk.corrupt_files, self.disk.write_errors
+            s.disk_full, s.disk_used_bytes, s.disk_capacity_bytes = self.disk.full, self.disk.used_bytes, self.disk.limit_bytes
+        return s
+
+    def close(self) -> None:
+        """Finish queued writes (so a restart finds them) and stop the threads."""
+        self.flush()
+        self._loader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
