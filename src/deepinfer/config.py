@@ -224,9 +224,13 @@ class EngineConfig:
         if self.kv_cache_dir is not None and self.kv_disk_bytes == 0:
             raise ValueError("kv_disk_bytes must be > 0 with kv_cache_dir set")
         if not self.enable_prefix_caching:
-            raise ValueError("kv_offload_bytes / kv_cache_dir tier the prefix cache: enable_prefix_caching must be True")
+            raise ValueError(
+                "kv_offload_bytes / kv_cache_dir tier the prefix cache: enable_prefix_caching must be True"
+            )
         if self.enable_return_routed_experts:
-            raise ValueError("kv_offload_bytes / kv_cache_dir with enable_return_routed_experts=True is not built yet")
+            raise ValueError(
+                "kv_offload_bytes / kv_cache_dir with enable_return_routed_experts=True is not built yet"
+            )
         if self.world_size > 1:
             raise ValueError("kv_offload_bytes / kv_cache_dir run on one rank so far")
 

@@ -19,11 +19,11 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from deepinfer.config import EngineConfig
 from deepinfer.cache.tiers import KVTiers
+from deepinfer.config import EngineConfig
 from deepinfer.engine.block_pool import BlockPool, block_hash
-from deepinfer.engine.tier_hits import TierHits
 from deepinfer.engine.request import Request, Status
+from deepinfer.engine.tier_hits import TierHits
 
 BATCH_INVARIANT_GRID = 32  # prefill chunk positions under batch_invariant (a block's divisor)
 
@@ -118,9 +118,7 @@ class Scheduler:
         self.window = window
         # told of each block as it is published: (request, block index, prefix hash)
         self.block_published: Callable[[Request, int, bytes], None] | None = None
-        self.tier_hits = (
-            None if tiers is None else TierHits(tiers, pool, window_pool, block_size, window)
-        )
+        self.tier_hits = None if tiers is None else TierHits(tiers, pool, window_pool, block_size, window)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -198,7 +196,11 @@ class Scheduler:
             parent = block_hash(parent, tokens[k * bs : (k + 1) * bs], request.prefix_salt)
             hashes.append(parent)
         hit = self.pool.lookup(hashes)
-        if self.tier_hits is not None and len(hit) < len(hashes) and self.tier_hits.extend(request, hit, hashes):
+        if (
+            self.tier_hits is not None
+            and len(hit) < len(hashes)
+            and self.tier_hits.extend(request, hit, hashes)
+        ):
             return
         hit = self._window_for_hit(request, hit, hashes)
         request.block_ids = hit

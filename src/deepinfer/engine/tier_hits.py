@@ -42,7 +42,9 @@ class TierHits:
         if wpool is None:
             return True
         first = self._first_window_block(end)
-        return all(wpool.cached(hashes[k]) or self.tiers.has(hashes[k]) for k in range(first, min(pooled, end)))
+        return all(
+            wpool.cached(hashes[k]) or self.tiers.has(hashes[k]) for k in range(first, min(pooled, end))
+        )
 
     def extend(self, request: Request, hit: list[int], hashes: list[bytes]) -> bool:
         """Continue the device pool's ``hit`` (blocks held) into the tiers: take blocks, start

@@ -52,7 +52,10 @@ class BlockCodec:
                 self.main.append(_per_block(layer.index_keys, bs // spec.ratio))
             for comp in (layer.compressor, layer.indexer):
                 if comp is not None and comp.snap_kv is not None and comp.snap_gate is not None:
-                    self.main += [_per_block(comp.snap_kv, spec.ratio), _per_block(comp.snap_gate, spec.ratio)]
+                    self.main += [
+                        _per_block(comp.snap_kv, spec.ratio),
+                        _per_block(comp.snap_gate, spec.ratio),
+                    ]
         self.main_bytes = sum(f.shape[1] for f in self.main)
         self.window_bytes = sum(f.shape[1] for f in self.window)
         self.device = self.main[0].device if self.main else self.window[0].device
@@ -66,7 +69,10 @@ class BlockCodec:
         """[n, entry_bytes] uint8 on the CPU: the main part of ``blocks`` and the window part
         of ``window_blocks`` (one per block; None, or no bounded window: zeros)."""
         out = torch.zeros(len(blocks), self.entry_bytes, dtype=torch.uint8)
-        for tensors, ids, start in ((self.main, list(blocks), 0), (self.window, list(window_blocks), self.main_bytes)):
+        for tensors, ids, start in (
+            (self.main, list(blocks), 0),
+            (self.window, list(window_blocks), self.main_bytes),
+        ):
             keep = [i for i, b in enumerate(ids) if b is not None]
             if not keep or not tensors:
                 continue

@@ -121,9 +121,9 @@ class DiskTier:
             "KV disk tier: writing a block under %s failed (%s); %s",
             self.dir,
             exc,
-            "the tier keeps the %d bytes it holds and goes on with those" % self.used_bytes
+            f"the tier keeps the {self.used_bytes} bytes it holds and goes on with those"
             if full
-            else "writes pause for %.0f s" % _RETRY_FULL_S,
+            else f"writes pause for {_RETRY_FULL_S:.0f} s",
         )
 
     def read(self, key: bytes, main_bytes: int) -> bytes | None:

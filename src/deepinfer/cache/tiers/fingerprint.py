@@ -24,7 +24,9 @@ def checkpoint_fingerprint(checkpoint: Path) -> bytes:
     files = sorted(p for p in (checkpoint.rglob("*") if checkpoint.is_dir() else [checkpoint]) if p.is_file())
     for path in files:
         st = path.stat()
-        h.update(f"{path.relative_to(checkpoint) if checkpoint.is_dir() else path.name}|{st.st_size}|{st.st_mtime_ns}".encode())
+        h.update(
+            f"{path.relative_to(checkpoint) if checkpoint.is_dir() else path.name}|{st.st_size}|{st.st_mtime_ns}".encode()
+        )
         with open(path, "rb") as f:
             h.update(f.read(_SAMPLE))
             if st.st_size > 2 * _SAMPLE:

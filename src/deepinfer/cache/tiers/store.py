@@ -61,7 +61,9 @@ class KVTiers:
         namespace: str,
     ) -> None:
         self.codec = codec
-        self.host = HostTier(host_bytes, codec.entry_bytes, codec.device.type == "cuda") if host_bytes else None
+        self.host = (
+            HostTier(host_bytes, codec.entry_bytes, codec.device.type == "cuda") if host_bytes else None
+        )
         self.disk = DiskTier(Path(disk_dir), namespace, disk_bytes) if disk_dir is not None else None
         self._namespace = namespace
         self._stats = TierStats()
@@ -75,7 +77,9 @@ class KVTiers:
 
     def has(self, key: bytes) -> bool:
         """Whether a tier holds the block (a load may still find it gone or corrupt)."""
-        return (self.host is not None and self.host.has(key)) or (self.disk is not None and self.disk.has(key))
+        return (self.host is not None and self.host.has(key)) or (
+            self.disk is not None and self.disk.has(key)
+        )
 
     def store(self, key: bytes, block: int, window_block: int | None) -> None:
         """Queue a just-published block (``window_block``: its window-pool block, when the
@@ -169,7 +173,9 @@ class KVTiers:
             self.host.clear()
         if self.disk is not None:
             self._writer.submit(lambda: None).result()  # the old namespace's writes end first
-            self.disk = DiskTier(self.disk.root, f"{self._namespace}-{uuid.uuid4().hex[:12]}", self.disk.limit_bytes)
+            self.disk = DiskTier(
+                self.disk.root, f"{self._namespace}-{uuid.uuid4().hex[:12]}", self.disk.limit_bytes
+            )
 
     def stats(self) -> TierStats:
         with self._lock:
@@ -187,7 +193,11 @@ class KVTiers:
             s.host_capacity_bytes = self.host.num_entries * self.host.entry_bytes
         if self.disk is not None:
             s.corrupt_files, s.disk_write_errors = self.disk.corrupt_files, self.disk.write_errors
-            s.disk_full, s.disk_used_bytes, s.disk_capacity_bytes = self.disk.full, self.disk.used_bytes, self.disk.limit_bytes
+            s.disk_full, s.disk_used_bytes, s.disk_capacity_bytes = (
+                self.disk.full,
+                self.disk.used_bytes,
+                self.disk.limit_bytes,
+            )
         return s
 
     def close(self) -> None:
