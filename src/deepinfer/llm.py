@@ -18,6 +18,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.distributed.replicas import ReplicaPool, RequestSpec, balanced_shares, serve, torch_threads
 from deepinfer.engine.engine import Engine
 from deepinfer.engine.memory import engine_kv_report, weight_bytes
+from deepinfer.engine.metrics_snapshot import Metric, engine_metrics
 from deepinfer.engine.request import Request
 from deepinfer.llm_rollout import RolloutMixin, check_trainer_model
 from deepinfer.lora.request import LoRARequest, per_prompt
@@ -157,6 +158,11 @@ class LLM(RolloutMixin):
         """The fraction of the paged cache's blocks in use, over every data-parallel rank."""
         pools = self.engine.pools
         return 1.0 - sum(p.num_free for p in pools) / sum(p.num_blocks for p in pools)
+
+    def get_metrics(self) -> list[Metric]:
+        """The cache's metrics now (vLLM's method name): prefix-cache queries and hits, and
+        the host and disk tiers' hits, bytes moved and load time; ``/metrics`` shows the same."""
+        return engine_metrics(self.engine)
 
     @property
     def max_request_tokens(self) -> int:

@@ -144,6 +144,41 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, offline: bool) -> N
         help=SPECULATIVE_HELP if offline else "as for generate",
     )
     parser.add_argument("--compile", choices=sorted(COMPILE_CHOICES), default="auto", help=COMPILE_HELP)
+    add_tier_arguments(parser)
+
+
+def byte_size(text: str) -> int:
+    """An argparse type: bytes, as a count or with a K/M/G/T suffix (powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    body = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = units.get(body[-1:], 1)
+    try:
+        value = float(body[:-1] if body[-1:] in units else body) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a size in bytes: {text!r} (e.g. 8G, 512M, 1073741824)"
+        ) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a size must be >= 0, got {text!r}")
+    return int(value)
+
+
+def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
+    """The prefix cache's host and disk tiers (``EngineConfig.kv_offload_bytes`` ...)."""
+    parser.add_argument(
+        "--kv-offload-bytes",
+        type=byte_size,
+        default=None,
+        help="host memory kept for evicted prefix-cache blocks (e.g. 8G; default: none)",
+    )
+    parser.add_argument(
+        "--kv-cache-dir",
+        default=None,
+        help="a directory keeping prefix-cache blocks on disk, across restarts (default: none)",
+    )
+    parser.add_argument(
+        "--kv-disk-bytes", type=byte_size, default=None, help="the most --kv-cache-dir holds (default 16G)"
+    )
 
 
 def add_sampling_arguments(

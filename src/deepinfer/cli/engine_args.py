@@ -25,7 +25,16 @@ _PASSED = (
     "enable_lora",
 )
 # passed only when given, so the engine's own default holds otherwise
-_WHEN_GIVEN = ("max_model_len", "max_num_seqs", "max_loras", "max_lora_rank", "max_cpu_loras")
+_WHEN_GIVEN = (
+    "max_model_len",
+    "max_num_seqs",
+    "max_loras",
+    "max_lora_rank",
+    "max_cpu_loras",
+    "kv_offload_bytes",
+    "kv_cache_dir",
+    "kv_disk_bytes",
+)
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:

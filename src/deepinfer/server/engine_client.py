@@ -11,10 +11,11 @@ inside the engine is met here, not in every handler.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from deepinfer.chat import ChatFormat
+from deepinfer.engine.metrics_snapshot import Metric
 from deepinfer.llm import LLM
 from deepinfer.lora.registry import LoraRegistry
 from deepinfer.lora.request import LoRARequest
@@ -59,6 +60,7 @@ class EngineLoad:
     kv_usage: float  # share of KV cache blocks in use, 0-1
     moe_lb: float  # slowest expert-parallel rank's routed tokens / the mean (1: even)
     lora: LoraLoad | None = None  # None: the server serves no adapters
+    cache: list[Metric] = field(default_factory=list)  # ``LLM.get_metrics()``
 
 
 class EngineClient(Protocol):
@@ -214,7 +216,10 @@ class LocalEngineClient:
 
     def load(self) -> EngineLoad:
         running, waiting = self._async_llm.num_requests()
-        return EngineLoad(running, waiting, self._llm.kv_cache_usage(), self._llm.moe_lb(), self._lora_load())
+        llm = self._llm
+        return EngineLoad(
+            running, waiting, llm.kv_cache_usage(), llm.moe_lb(), self._lora_load(), llm.get_metrics()
+        )
 
     def on_finished(self, callback: Callable[[RequestOutput], None]) -> None:
         self._async_llm.stats_callbacks.append(callback)

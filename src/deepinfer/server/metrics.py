@@ -7,14 +7,40 @@ requests' adapters as labels, the time of the scrape as its value)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import Metric as Metric_
+from prometheus_client.registry import Collector
 
+from deepinfer.engine.metrics_snapshot import Metric
 from deepinfer.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from deepinfer.server.engine_client import LoraLoad
+
+
+class _CacheCollector(Collector):
+    """Reports the engine's cache metrics (counters and gauges the engine keeps itself) as
+    they were at the last scrape, labelled with the model's name."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.metrics: list[Metric] = []
+
+    def collect(self) -> Iterator[Metric_]:
+        families: dict[str, Metric_] = {}
+        for m in self.metrics:
+            labels = {"model_name": self.model_name, **m.labels}
+            family = families.get(m.name)
+            if family is None:
+                kind = CounterMetricFamily if m.kind == "counter" else GaugeMetricFamily
+                family = families[m.name] = kind(m.name, m.doc, labels=list(labels))
+            family.add_metric(list(labels.values()), m.value)
+        yield from families.values()
+
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -66,6 +92,9 @@ class ServerMetrics:
         self.finished = lambda reason: finished.labels(model_name, reason)
         if lora:
             self._add_lora_metrics(metric)
+        self._own = {"deepinfer:kv_cache_usage_perc"}  # set by ``refresh``
+        self._cache = _CacheCollector(model_name)
+        self.registry.register(self._cache)
 
     def _add_lora_metrics(self, metric: Any) -> None:
         """The adapter gauges, only on a server that serves adapters (as vLLM does)."""
@@ -107,6 +136,10 @@ class ServerMetrics:
         self.waiting.set(waiting)
         self.kv_usage.set(kv_usage)
         self.prefix_hit.set(self._cached_total / self._prompt_total if self._prompt_total else 0.0)
+
+    def refresh_cache(self, metrics: list[Metric]) -> None:
+        """The engine's cache series (``LLM.get_metrics()``) as of this scrape."""
+        self._cache.metrics = [m for m in metrics if m.name not in self._own]
 
     def refresh_lora(self, load: LoraLoad) -> None:
         """The adapter gauges; the info series is replaced, so it always shows the last scrape."""

@@ -29,6 +29,7 @@ async def version() -> dict:
 async def metrics(server: StateDep) -> Response:
     load = server.client.load()
     server.metrics.refresh(load.running, load.waiting, load.kv_usage, load.moe_lb)
+    server.metrics.refresh_cache(load.cache)
     if load.lora is not None:
         server.metrics.refresh_lora(load.lora)
     return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,379 @@
+"""The prefix cache's host and disk tiers (cache/tiers): a prefix the device pool evicted comes
+back from a tier and changes no token (V4, V4.1, Llama; chunked prefill, preemption, batching),
+the disk tier serves a new process, corrupt files are caught, and a full disk is survived."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from equivalence_workloads import count_preemptions
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.cache.tiers import disk as disk_tier
+from deepinfer.tiny import make_tiny_checkpoint
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def llama_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("llama_tiers"), arch="llama", seed=3)
+
+
+def conversations(seed: int, vocab: int, count: int, turns: int) -> list[list[list[int]]]:
+    """Per conversation, the user tokens of each turn; half the conversations open with one
+    shared system prefix, the rest with their own."""
+    rng = random.Random(seed)
+    system = [rng.randrange(2, vocab) for _ in range(rng.randrange(20, 40))]
+    convs = []
+    for i in range(count):
+        opening = system if i % 2 == 0 else [rng.randrange(2, vocab) for _ in range(rng.randrange(10, 30))]
+        user = [[rng.randrange(2, vocab) for _ in range(rng.randrange(3, 16))] for _ in range(turns)]
+        user[0] = opening + user[0]
+        convs.append(user)
+    return convs
+
+
+def run_turns(llm: LLM, convs: list[list[list[int]]], max_tokens: int) -> list[list[int]]:
+    """Every conversation's turn t as one batch, turn after turn; each prompt is the whole
+    history (earlier prompts and replies) plus the new user tokens. Returns each reply."""
+    history: list[list[int]] = [[] for _ in convs]
+    replies = []
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for t in range(len(convs[0])):
+        prompts = [h + c[t] for h, c in zip(history, convs, strict=True)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for i, out in enumerate(outs):
+            reply = list(out.outputs[0].token_ids)
+            replies.append(reply)
+            history[i] = prompts[i] + reply
+    engine = llm.engine
+    assert engine.pool.num_free == engine.num_blocks, "blocks leaked"
+    return replies
+
+
+def tier_hits(llm: LLM) -> dict[str, float]:
+    return {m.labels["tier"]: m.value for m in llm.get_metrics() if m.name == "deepinfer:kv_tier_hit_blocks"}
+
+
+ARCHS = {"llama": "llama_ckpt", "v4": "v4_short_ckpt", "v41": "v41_ckpt"}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_tiers_change_no_token(arch, request, tmp_path):
+    """Fuzzed multi-turn workloads over a pool too small for them: the run with tiers takes
+    prefixes back from them, and every reply equals the run without tiers."""
+    ckpt = str(request.getfixturevalue(ARCHS[arch]))
+    seen = {"hits": 0.0, "preemptions": 0, "examples": 0}
+
+    @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(
+        seed=st.integers(0, 2**16),
+        count=st.integers(3, 6),
+        chunk=st.sampled_from([16, 24, 64]),
+        tiers=st.sampled_from(["host", "disk", "both", "small host over disk"]),
+        async_scheduling=st.booleans(),
+    )
+    def check(seed, count, chunk, tiers, async_scheduling):
+        base = LLM(ckpt, num_cache_blocks=64, block_size=8, kv_offload_bytes=1)
+        bs, entry = base.engine.layout.block_size, base.engine.tiers.codec.entry_bytes
+        base.close()
+        turns, max_tokens = 3, 6
+        convs = conversations(seed, 200, count, turns)
+        longest = max(sum(len(u) for u in c) for c in convs) + turns * max_tokens
+        blocks = -(-longest // bs) + 2  # one conversation always fits; several preempt
+        kwargs = dict(
+            num_cache_blocks=blocks,
+            block_size=8,
+            max_num_batched_tokens=chunk,
+            max_num_seqs=4,
+            async_scheduling=async_scheduling,
+        )
+        directory = tmp_path / f"kv{seen['examples']}"
+        tier_kwargs = {
+            "host": dict(kv_offload_bytes=64 * MIB),
+            "disk": dict(kv_cache_dir=str(directory)),
+            "both": dict(kv_offload_bytes=64 * MIB, kv_cache_dir=str(directory)),
+            # a host tier of three blocks: most hits come from disk
+            "small host over disk": dict(kv_offload_bytes=3 * entry, kv_cache_dir=str(directory)),
+        }[tiers]
+        plain = LLM(ckpt, **kwargs)
+        expected = run_turns(plain, convs, max_tokens)
+        plain.close()
+        tiered = LLM(ckpt, **kwargs, **tier_kwargs)
+        preempted = count_preemptions(tiered)
+        assert run_turns(tiered, convs, max_tokens) == expected
+        seen["hits"] += sum(tier_hits(tiered).values())
+        seen["preemptions"] += len(preempted)
+        seen["examples"] += 1
+        tiered.close()
+
+    check()
+    assert seen["hits"] > 0, "no prefix came back from a tier: the workload did not test them"
+    assert seen["preemptions"] > 0, "no request was preempted"
+
+
+def test_a_mutated_tier_is_caught(llama_ckpt, v41_ckpt, tmp_path, monkeypatch):
+    """The mutation check of the test above: a tier that loses one kind of the block's state
+    (the compressor snapshots of V4.1, the window rows of Llama) changes replies."""
+    from deepinfer.cache.tiers.codec import BlockCodec
+
+    scatter = BlockCodec.scatter
+
+    def lossy(self, rows, blocks, window_blocks):
+        rows = rows.clone()
+        rows[:, : self.main_bytes // 2] = 0  # half the main part lost
+        scatter(self, rows, blocks, window_blocks)
+
+    convs = conversations(1, 200, 4, 3)
+    for ckpt in (llama_ckpt, v41_ckpt):
+        kwargs = dict(num_cache_blocks=14, block_size=8, max_num_batched_tokens=64, max_num_seqs=4)
+        plain = LLM(str(ckpt), **kwargs)
+        expected = run_turns(plain, convs, 6)
+        plain.close()
+        with monkeypatch.context() as m:
+            m.setattr(BlockCodec, "scatter", lossy)
+            tiered = LLM(str(ckpt), **kwargs, kv_offload_bytes=64 * MIB)
+            got = run_turns(tiered, convs, 6)
+            assert sum(tier_hits(tiered).values()) > 0
+            tiered.close()
+        assert got != expected, f"{ckpt.name}: a tier that loses state went unnoticed"
+
+
+def _one_prompt(vocab: int = 200, length: int = 90, seed: int = 5) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, vocab) for _ in range(length)]
+
+
+def _generate(llm: LLM, prompt: list[int]) -> list[int]:
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    return list(llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+
+def test_a_new_process_serves_the_prefix_from_disk(v4_short_ckpt, tmp_path):
+    """A prompt run in one process, then in another over the same checkpoint and directory:
+    the second loads the prefix from disk and replies the same."""
+    directory = tmp_path / "kv"
+    prompt = _one_prompt()
+    first = LLM(str(v4_short_ckpt), kv_cache_dir=str(directory))
+    expected = _generate(first, prompt)
+    first.close()  # waits for the queued writes
+    assert list(directory.rglob("*.kvb")), "nothing was written to disk"
+    script = textwrap.dedent(
+        f"""
+        import json
+        from deepinfer import LLM, SamplingParams
+        llm = LLM({str(v4_short_ckpt)!r}, kv_cache_dir={str(directory)!r})
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        out = llm.generate([{{"prompt_token_ids": {prompt!r}}}], params, use_tqdm=False)[0]
+        hits = {{m.labels["tier"]: m.value for m in llm.get_metrics() if m.name == "deepinfer:kv_tier_hit_blocks"}}
+        print(json.dumps({{"tokens": list(out.outputs[0].token_ids), "hits": hits, "cached": out.num_cached_tokens}}))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["hits"]["disk"] > 0 and result["cached"] > 0
+    assert result["tokens"] == expected
+
+
+def test_files_are_bound_to_the_weights_and_the_cache_format(llama_ckpt, tmp_path):
+    """Changed weights, or another K/V element type, find none of the files of the first."""
+    directory = tmp_path / "kv"
+    prompt = _one_prompt()
+    first = LLM(str(llama_ckpt), kv_cache_dir=str(directory), block_size=8)
+    _generate(first, prompt)
+    first.close()
+    other_dtype = LLM(str(llama_ckpt), kv_cache_dir=str(directory), block_size=8, kv_cache_dtype="bfloat16")
+    _generate(other_dtype, prompt)
+    assert sum(tier_hits(other_dtype).values()) == 0
+    other_dtype.close()
+    changed = tmp_path / "changed"
+    make_tiny_checkpoint(changed, arch="llama", seed=4)  # same shapes, other values
+    other_weights = LLM(str(changed), kv_cache_dir=str(directory), block_size=8)
+    _generate(other_weights, prompt)
+    assert sum(tier_hits(other_weights).values()) == 0
+    other_weights.close()
+    same = LLM(str(llama_ckpt), kv_cache_dir=str(directory), block_size=8)
+    _generate(same, prompt)
+    assert tier_hits(same)["disk"] > 0
+    same.close()
+
+
+def _corrupt(files: list[Path]) -> None:
+    """Three kinds of damage: bytes overwritten inside the payload, a truncated file, and a
+    valid file copied under another block's name."""
+    data = bytearray(files[0].read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(random.Random(0).randrange(256) for _ in range(64))
+    files[0].write_bytes(bytes(data))
+    files[1].write_bytes(files[1].read_bytes()[: len(data) // 3])
+    files[2].write_bytes(files[3].read_bytes())
+
+
+def test_corrupt_files_are_ignored_with_a_warning(llama_ckpt, tmp_path, caplog, monkeypatch):
+    directory = tmp_path / "kv"
+    prompt = _one_prompt(length=120)
+    plain = LLM(str(llama_ckpt), block_size=8)
+    expected = _generate(plain, prompt)
+    plain.close()
+    first = LLM(str(llama_ckpt), kv_cache_dir=str(directory), block_size=8)
+    _generate(first, prompt)
+    first.close()
+    files = sorted(directory.rglob("*.kvb"))
+    assert len(files) >= 4
+    _corrupt(files)
+    with caplog.at_level(logging.WARNING, logger="deepinfer"):
+        second = LLM(str(llama_ckpt), kv_cache_dir=str(directory), block_size=8)
+        assert _generate(second, prompt) == expected
+        # each bad file is met once: the failed load drops it and the prefix is looked up again
+        for _ in range(2):
+            assert _generate(second, prompt) == expected
+    stats = second.engine.tiers.stats()
+    second.close()
+    assert stats.corrupt_files >= 1 and stats.failed_loads >= 1
+    assert "failed its checksum or is truncated" in caplog.text
+    assert not files[0].exists(), "a corrupt file was kept"
+
+    # the mutation: without the check, the overwritten file is loaded, and the reply changes
+    first = LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path / "kv2"), block_size=8)
+    _generate(first, prompt)
+    first.close()
+    files = sorted((tmp_path / "kv2").rglob("*.kvb"))
+    data = bytearray(files[0].read_bytes())
+    start = len(disk_tier.MAGIC) + disk_tier._HEADER.size
+    data[start:-32] = bytes(len(data) - 32 - start)  # the payload zeroed (all its K/V)
+    files[0].write_bytes(bytes(data))
+    monkeypatch.setattr(
+        disk_tier.DiskTier, "_check", staticmethod(lambda data, key, main: data[start:-32] or None)
+    )
+    unchecked = LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path / "kv2"), block_size=8)
+    assert _generate(unchecked, prompt) != expected
+    unchecked.close()
+
+
+def test_a_full_disk_is_reported_and_serving_goes_on(llama_ckpt, tmp_path, caplog, monkeypatch):
+    """Every write past the first few fails as a full disk does (part of the file written,
+    then ENOSPC): the engine keeps replying correctly, reports it, leaves no partial file,
+    and the host tier still serves."""
+    writes = {"ok": 3}
+    real_write = disk_tier._write_file
+
+    def filling(path: Path, chunks: list[bytes]) -> None:
+        if writes["ok"] > 0:
+            writes["ok"] -= 1
+            real_write(path, chunks)
+            return
+        path.write_bytes(chunks[0][:10])
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(disk_tier, "_write_file", filling)
+    convs = conversations(2, 200, 4, 3)
+    kwargs = dict(num_cache_blocks=14, block_size=8, max_num_batched_tokens=64, max_num_seqs=4)
+    plain = LLM(str(llama_ckpt), **kwargs)
+    expected = run_turns(plain, convs, 6)
+    plain.close()
+    directory = tmp_path / "kv"
+    with caplog.at_level(logging.WARNING, logger="deepinfer"):
+        llm = LLM(str(llama_ckpt), **kwargs, kv_offload_bytes=64 * MIB, kv_cache_dir=str(directory))
+        assert run_turns(llm, convs, 6) == expected
+        llm.close()
+    stats = llm.engine.tiers.stats()
+    assert stats.disk_write_errors > 0 and stats.disk_full
+    assert stats.hit_blocks["host"] > 0
+    assert "No space left on device" in caplog.text
+    assert not list(directory.rglob("*.tmp*")), "a partial file was left"
+    assert len(list(directory.rglob("*.kvb"))) == 3
+    metrics = {m.name: m.value for m in llm.get_metrics() if not m.labels}
+    assert metrics["deepinfer:kv_tier_disk_full"] == 1.0
+
+
+def test_the_disk_tier_stays_within_its_bound(llama_ckpt, tmp_path):
+    directory = tmp_path / "kv"
+    probe = LLM(str(llama_ckpt), block_size=8, kv_cache_dir=str(directory))
+    file_bytes = probe.engine.tiers.codec.entry_bytes + 120
+    probe.close()
+    bound = 6 * file_bytes
+    llm = LLM(str(llama_ckpt), block_size=8, kv_cache_dir=str(tmp_path / "bounded"), kv_disk_bytes=bound)
+    for seed in range(4):
+        _generate(llm, _one_prompt(length=60, seed=seed))
+        llm.engine.tiers._writer.submit(lambda: None).result()
+        files = list((tmp_path / "bounded").rglob("*.kvb"))
+        assert sum(f.stat().st_size for f in files) <= bound
+    assert 0 < len(files) <= 6
+    # the newest prompt's blocks are the ones kept
+    again = LLM(str(llama_ckpt), block_size=8, kv_cache_dir=str(tmp_path / "bounded"), kv_disk_bytes=bound)
+    _generate(again, _one_prompt(length=60, seed=3))
+    assert tier_hits(again)["disk"] > 0
+    llm.close()
+    again.close()
+
+
+def test_an_abort_while_loading_frees_the_blocks_once_the_load_ends(llama_ckpt, monkeypatch):
+    import threading
+
+    from deepinfer.cache.tiers.store import KVTiers
+
+    llm = LLM(str(llama_ckpt), block_size=8, num_cache_blocks=16, kv_offload_bytes=64 * MIB)
+    prompt = _one_prompt(length=100)
+    _generate(llm, prompt)
+    _generate(llm, _one_prompt(length=100, seed=9))  # evicts the first prompt's blocks
+    gate = threading.Event()
+    load = KVTiers._load
+
+    def held(self, items):
+        gate.wait(30)
+        return load(self, items)
+
+    monkeypatch.setattr(KVTiers, "_load", held)
+    engine = llm.engine
+    engine.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0.0))
+    engine.step()
+    assert engine.scheduler.tier_hits.num_loading == 1
+    engine.abort("r")
+    gate.set()
+    while engine.has_unfinished() or engine.scheduler.tier_hits.loading:
+        engine.step()
+    assert engine.pool.num_free == engine.num_blocks
+    llm.close()
+
+
+def test_new_weights_never_read_the_old_weights_blocks(llama_ckpt, tmp_path):
+    llm = LLM(str(llama_ckpt), block_size=8, num_cache_blocks=16, kv_offload_bytes=64 * MIB)
+    prompt = _one_prompt(length=100)
+    _generate(llm, prompt)
+    _generate(llm, _one_prompt(length=100, seed=9))  # evicts it from the pool; the tier keeps it
+    name, param = next((n, p) for n, p in llm.model.named_parameters() if n.endswith("q_proj.weight"))
+    llm.update_weights({name: param.detach() * 1.5})
+    got = _generate(llm, prompt)
+    assert sum(tier_hits(llm).values()) == 0
+    fresh = LLM(str(llama_ckpt), block_size=8, num_cache_blocks=16)
+    fresh.update_weights({name: param.detach().clone()})  # the same new values, no cache
+    assert _generate(fresh, prompt) == got
+    llm.close()
+    fresh.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(kv_offload_bytes=-1), "kv_offload_bytes"),
+        (dict(kv_offload_bytes="8G"), "kv_offload_bytes"),
+        (dict(kv_cache_dir="/tmp/x", kv_disk_bytes=0), "kv_disk_bytes"),
+        (dict(kv_cache_dir=3), "kv_cache_dir"),
+        (dict(kv_offload_bytes=1 << 20, enable_prefix_caching=False), "enable_prefix_caching"),
+    ],
+)
+def test_bad_tier_options_are_named(llama_ckpt, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(str(llama_ckpt), **kwargs)
