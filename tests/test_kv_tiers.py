@@ -82,9 +82,8 @@ def test_tiers_change_no_token(arch, request, tmp_path):
         count=st.integers(3, 6),
         chunk=st.sampled_from([16, 24, 64]),
         tiers=st.sampled_from(["host", "disk", "both", "small host over disk"]),
-        async_scheduling=st.booleans(),
     )
-    def check(seed, count, chunk, tiers, async_scheduling):
+    def check(seed, count, chunk, tiers):
         base = LLM(ckpt, num_cache_blocks=64, block_size=8, kv_offload_bytes=1)
         bs, entry = base.engine.layout.block_size, base.engine.tiers.codec.entry_bytes
         base.close()
@@ -97,7 +96,6 @@ def test_tiers_change_no_token(arch, request, tmp_path):
             block_size=8,
             max_num_batched_tokens=chunk,
             max_num_seqs=4,
-            async_scheduling=async_scheduling,
         )
         directory = tmp_path / f"kv{seen['examples']}"
         tier_kwargs = {
@@ -210,18 +208,42 @@ def test_files_are_bound_to_the_weights_and_the_cache_format(llama_ckpt, tmp_pat
     same.close()
 
 
-def _corrupt(files: list[Path]) -> None:
+def _damage(path: Path, kind: int, other: Path) -> None:
     """Three kinds of damage: bytes overwritten inside the payload, a truncated file, and a
     valid file copied under another block's name."""
-    data = bytearray(files[0].read_bytes())
-    middle = len(data) // 2
-    data[middle : middle + 64] = bytes(random.Random(0).randrange(256) for _ in range(64))
-    files[0].write_bytes(bytes(data))
-    files[1].write_bytes(files[1].read_bytes()[: len(data) // 3])
-    files[2].write_bytes(files[3].read_bytes())
+    data = bytearray(path.read_bytes())
+    if kind == 0:
+        middle = len(data) // 2
+        data[middle : middle + 64] = bytes(random.Random(0).randrange(256) for _ in range(64))
+        path.write_bytes(bytes(data))
+    elif kind == 1:
+        path.write_bytes(bytes(data[: len(data) // 3]))
+    else:
+        path.write_bytes(other.read_bytes())
+
+
+def test_each_kind_of_damage_fails_the_check(tmp_path, caplog):
+    tier = disk_tier.DiskTier(tmp_path, "ns", 1 << 20)
+    keys = [bytes([i]) * 32 for i in range(4)]
+    for i, key in enumerate(keys):
+        assert tier.write(key, bytes([i]) * 1000, 600)
+    assert tier.read(keys[0], 600) == bytes([0]) * 1000
+    assert tier.read(keys[0], 500) is None, "a main part of another size was accepted"
+    assert tier.write(keys[0], bytes(1000), 600)
+    for kind in range(3):
+        _damage(tier.path_of(keys[kind]), kind, tier.path_of(keys[3]))
+    with caplog.at_level(logging.WARNING, logger="deepinfer"):
+        for kind in range(3):
+            assert tier.read(keys[kind], 600) is None
+            assert not tier.path_of(keys[kind]).exists() and not tier.has(keys[kind])
+    assert tier.corrupt_files == 4
+    assert caplog.text.count("failed its checksum or is truncated") == 4  # with the size mismatch
+    assert tier.read(keys[3], 600) == bytes([3]) * 1000
 
 
 def test_corrupt_files_are_ignored_with_a_warning(llama_ckpt, tmp_path, caplog, monkeypatch):
+    """Every file of a prompt damaged: the engine warns, deletes what it met, and replies as
+    if it had no tier."""
     directory = tmp_path / "kv"
     prompt = _one_prompt(length=120)
     plain = LLM(str(llama_ckpt), block_size=8)
@@ -232,18 +254,16 @@ def test_corrupt_files_are_ignored_with_a_warning(llama_ckpt, tmp_path, caplog, 
     first.close()
     files = sorted(directory.rglob("*.kvb"))
     assert len(files) >= 4
-    _corrupt(files)
+    for i, path in enumerate(files):
+        _damage(path, i % 3, files[(i + 1) % len(files)])
     with caplog.at_level(logging.WARNING, logger="deepinfer"):
         second = LLM(str(llama_ckpt), kv_cache_dir=str(directory), block_size=8)
-        assert _generate(second, prompt) == expected
-        # each bad file is met once: the failed load drops it and the prefix is looked up again
-        for _ in range(2):
+        for _ in range(3):  # the prefix is computed again and the tier refilled
             assert _generate(second, prompt) == expected
     stats = second.engine.tiers.stats()
     second.close()
     assert stats.corrupt_files >= 1 and stats.failed_loads >= 1
     assert "failed its checksum or is truncated" in caplog.text
-    assert not files[0].exists(), "a corrupt file was kept"
 
     # the mutation: without the check, the overwritten file is loaded, and the reply changes
     first = LLM(str(llama_ckpt), kv_cache_dir=str(tmp_path / "kv2"), block_size=8)
@@ -372,6 +392,7 @@ def test_new_weights_never_read_the_old_weights_blocks(llama_ckpt, tmp_path):
         (dict(kv_cache_dir="/tmp/x", kv_disk_bytes=0), "kv_disk_bytes"),
         (dict(kv_cache_dir=3), "kv_cache_dir"),
         (dict(kv_offload_bytes=1 << 20, enable_prefix_caching=False), "enable_prefix_caching"),
+        (dict(kv_offload_bytes=1 << 20, async_scheduling=True), "async_scheduling"),
     ],
 )
 def test_bad_tier_options_are_named(llama_ckpt, kwargs, field):

@@ -233,6 +233,12 @@ class EngineConfig:
             )
         if self.world_size > 1:
             raise ValueError("kv_offload_bytes / kv_cache_dir run on one rank so far")
+        if self.async_scheduling:
+            raise ValueError(
+                "kv_offload_bytes / kv_cache_dir run with synchronous scheduling so far: set "
+                "async_scheduling=False (or leave it unset)"
+            )
+        self.async_scheduling = False  # the platform's default would be asynchronous on CUDA
 
     def validate(self) -> None:
         def need(ok: bool, name: str, rule: str) -> None:

@@ -31,7 +31,6 @@ from deepinfer.engine.executor import Executor
 from deepinfer.engine.model_runner import PreparedStep
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import Request
-from deepinfer.engine.routed_experts import RoutedExpertsRecorder
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
 from deepinfer.engine.step_processor import StepProcessor
 from deepinfer.engine.structured_requests import StructuredRequests
@@ -127,8 +126,6 @@ class Engine:
         self.executor = Executor(self.runner, model, config, self.tp)
         self.tiers = setup.kv_tiers(config, model, self.layout, self.runner, dtype, checkpoint)
         self.lora = self.executor.lora = setup.lora_registry(model, config)
-        if config.enable_return_routed_experts:
-            self.executor.routing = RoutedExpertsRecorder(self.layout.block_size, size.num_blocks)
         if self.tp is not None:
             self.tp.setup(
                 CacheSetup(
@@ -170,7 +167,8 @@ class Engine:
         self.scheduler: Scheduler | DataParallelScheduler = (
             DataParallelScheduler(schedulers) if self.data_parallel else schedulers[0]
         )
-        schedulers[0].block_published = self.executor.routing.published if self.executor.routing else None
+        if self.executor.routing is not None:
+            schedulers[0].block_published = self.executor.routing.published
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.structured = StructuredRequests(tokenizer, self.vocab_size, self.eos_token_ids)
         self._ended: list[Request] = []  # ended outside a step (reported by the next one)
@@ -381,6 +379,8 @@ class Engine:
     ) -> list[Request]:
         updated = self.processor.process(prepared, logits, features)
         self._open_steps = [c for c in self._open_steps if c is not prepared.chunks]
+        if self.tiers is not None:  # blocks that a step scheduled already writes wait for it
+            self.tiers.flush(complete=not self._open_steps)
         return updated
 
     # ---- outputs --------------------------------------------------------------------------

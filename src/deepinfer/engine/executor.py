@@ -59,8 +59,12 @@ class Executor:
         self.eplb = ExpertLoadWindow(model, config.eplb_window_size) if config.enable_eplb else None
         self.placement: ExpertPlacement | None = None
         self.steps_counted = 0
-        # enable_return_routed_experts: the engine sets the recorder (it knows the cache size)
-        self.routing: RoutedExpertsRecorder | None = None
+        # enable_return_routed_experts: the routing of every cached position, by block
+        self.routing: RoutedExpertsRecorder | None = (
+            RoutedExpertsRecorder(runner.layout.block_size, runner.null_block)
+            if config.enable_return_routed_experts
+            else None
+        )
         self.lora: LoraRegistry | None = None  # enable_lora: the served adapters
 
     def run(self, prepared: PreparedStep, input_ids: torch.Tensor) -> StepResult:

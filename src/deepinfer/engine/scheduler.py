@@ -233,7 +233,7 @@ class Scheduler:
         computed count)."""
         if not self.config.enable_prefix_caching or request.status is not Status.RUNNING:
             return
-        bs = self.block_size
+        bs, given = self.block_size, computed is not None
         computed = request.num_computed_tokens if computed is None else computed
         known = len(request.prompt_token_ids) + len(request.output_token_ids)
         full = min(computed, known) // bs
@@ -251,8 +251,8 @@ class Scheduler:
             window_block = window[k] if k < len(window) and window[k] >= 0 else None
             if self.window_pool is not None and window_block is not None:
                 self.window_pool.cache(window_block, parent)
-            if self.tier_hits is not None:
-                self.tier_hits.publish(parent, request.block_ids[k], window_block)
+            if self.tier_hits is not None:  # ``computed`` given: its rows are written
+                self.tier_hits.publish(parent, request.block_ids[k], window_block, written=given)
 
     def after_step(self, requests: list[Request]) -> None:
         """After a step, for each of its running requests (only they moved): publish the blocks
@@ -279,8 +279,6 @@ class Scheduler:
                 last = min(max(0, computed - window + 1) // bs, len(ids)) - 1  # before the window
                 if last >= 0 and ids[last] >= 0:
                     self._give_back_window(request, last)
-        if self.tier_hits is not None:
-            self.tier_hits.tiers.flush()  # before a later step may reuse the published blocks
 
     # ---- the policy -----------------------------------------------------------------------
 
@@ -301,8 +299,6 @@ class Scheduler:
             return
         if computed is not None:
             self.publish_full_blocks(request, computed)
-            if self.tier_hits is not None:
-                self.tier_hits.tiers.flush()
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -379,9 +375,13 @@ class Scheduler:
             if self.config.batch_invariant:
                 num_new = self._grid_chunk(request, request.num_tokens - request.num_computed_tokens, budget)
             if num_new == 0 or not self._ensure_blocks(request, request.num_computed_tokens + num_new):
-                self._release(request)  # give back the prefix hit; retry next step
-                request.num_computed_tokens = 0
-                request.restore_overlap = False
+                # give back the prefix hit, and the loaded ones of requests behind it (a tier
+                # hit waits holding blocks, which the first in line may need); retry next step
+                for held in [request] if self.tier_hits is None else self.waiting:
+                    if held.block_ids or held.window_block_ids:
+                        self._release(held)
+                        held.num_computed_tokens = 0
+                        held.restore_overlap = False
                 break
             self.waiting.popleft()
             request.slot = self.free_slots.pop()

@@ -5,7 +5,7 @@ and the blocks published to the tiers. The scheduler's part; blocks and hashes, 
 from __future__ import annotations
 
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from deepinfer.cache.tiers import KVTiers
 from deepinfer.engine.block_pool import BlockPool
@@ -15,7 +15,12 @@ from deepinfer.engine.request import Request, Status
 class TierHits:
     """A request whose prefix continues in a tier gets fresh blocks and waits here, holding
     them, until the loader filled them; the blocks are then published as a device-pool hit
-    would have been, and the request goes back to the front of the waiting queue."""
+    would have been, and the request goes back to the front of the waiting queue.
+
+    A load starts at the scheduler's next call, not when its blocks are taken: under
+    asynchronous scheduling the step in flight may still write rows of a request that ended
+    after it was scheduled, into blocks freed since (the pool's rule is that a new owner
+    writes only in a later step). By the next call that step has ended."""
 
     def __init__(
         self, tiers: KVTiers, pool: BlockPool, window_pool: BlockPool | None, block_size: int, window: int
@@ -26,6 +31,7 @@ class TierHits:
         self.block_size = block_size
         self.window = window
         self.loading: list[Request] = []
+        self._unstarted: list[Request] = []  # loads planned by the last call, to start
 
     @property
     def num_loading(self) -> int:
@@ -88,14 +94,16 @@ class TierHits:
         if request.num_preemptions == 0:
             request.num_cached_tokens = request.num_computed_tokens
         request.tier_items = items
-        request.tier_load = self.tiers.load(items)
+        request.tier_load = Future()  # started by the next ``poll``
         self.loading.append(request)
+        self._unstarted.append(request)
         return True
 
     def poll(self, waiting: deque[Request], release) -> None:
         """Requests whose loads ended: publish their blocks and put them back at the front of
         ``waiting``; a failed load gives its blocks back (``release``) and the request looks
-        its prefix up again, without the tiers."""
+        its prefix up again, without the tiers. Then starts the loads planned since the last
+        call."""
         for request in [r for r in self.loading if r.tier_load is not None and r.tier_load.done()]:
             self.loading.remove(request)
             load, items = request.tier_load, request.tier_items
@@ -117,12 +125,20 @@ class TierHits:
                 request.restore_overlap = False
                 request.tier_failed = True
             waiting.appendleft(request)
+        for request in self._unstarted:
+            if request.status is Status.FINISHED:  # ended before its load began
+                self.loading.remove(request)
+                request.tier_load, request.tier_items = None, []
+                release(request)
+            else:
+                request.tier_load = self.tiers.load(request.tier_items)
+        self._unstarted.clear()
 
     def drop_loads(self, waiting: deque[Request], release) -> None:
         """Give back every loading request's blocks unpublished (the weights changed: what they
         were filled with is stale); the requests wait to start over."""
         for request in list(self.loading):
-            if request.tier_load is not None:
+            if request.tier_load is not None and request not in self._unstarted:
                 request.tier_load.exception()  # its blocks are written no more
             self.loading.remove(request)
             request.tier_load, request.tier_items = None, []
@@ -131,12 +147,13 @@ class TierHits:
                 request.num_computed_tokens = request.num_cached_tokens = 0
                 request.restore_overlap = False
                 waiting.appendleft(request)
+        self._unstarted.clear()
 
     def wait(self, timeout_s: float = 0.05) -> None:
         """Block until a load ends (or ``timeout_s``): a step with nothing else to run."""
-        futures = [r.tier_load for r in self.loading if r.tier_load is not None]
+        futures = [r.tier_load for r in self.loading if r.tier_load is not None and r not in self._unstarted]
         if futures:
             wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
-    def publish(self, h: bytes, block: int, window_block: int | None) -> None:
-        self.tiers.store(h, block, window_block)
+    def publish(self, h: bytes, block: int, window_block: int | None, written: bool) -> None:
+        self.tiers.store(h, block, window_block, written)

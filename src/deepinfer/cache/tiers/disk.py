@@ -4,8 +4,8 @@ namespace in the directory (least recently used files deleted first).
 
 A file is ``MAGIC``, a header (payload and main-part lengths, the block's prefix hash) and the payload, followed by the SHA-256 of all of it: a truncated file, a
 flipped byte or a file copied under another block's name fails the check and is deleted
-with a warning, never loaded. A write that fails (a full disk, a quota) is reported and
-the tier shrinks to what it holds; the engine goes on serving."""
+with a warning, never loaded. A write that fails (a full disk, a quota) is reported, the
+files held stay, and writes pause a while; the engine goes on serving."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ MAGIC = b"DIKVBLK1"
 _HEADER = struct.Struct("<QQ32s")  # payload bytes, main-part bytes, prefix hash
 _DIGEST = 32
 _SUFFIX = ".kvb"
-_RETRY_FULL_S = 30.0  # after a failed write with nothing to evict, writes pause this long
+_STALE_TMP_S = 3600.0  # a temporary file this old is no live process's write in progress
+_RETRY_S = 30.0  # after a failed write, writes pause this long
 
 
 def _write_file(path: Path, chunks: list[bytes]) -> None:
@@ -42,14 +43,14 @@ class DiskTier:
         self.root = Path(root)
         self.dir = self.root / namespace
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.limit_bytes = self.capacity_bytes = capacity_bytes
+        self.capacity_bytes = capacity_bytes
         self._lock = threading.Lock()
         self._files: OrderedDict[Path, int] = OrderedDict()  # every tier file -> size, LRU first
         self.used_bytes = 0
         self.corrupt_files = 0
         self.write_errors = 0
         self.full = False
-        self._paused_until = self._grow_at = 0.0
+        self._paused_until = 0.0
         self._scan()
 
     def _scan(self) -> None:
@@ -64,8 +65,13 @@ class DiskTier:
         for _, path, size in sorted(found, key=lambda item: item[0]):
             self._files[path] = size
             self.used_bytes += size
-        for tmp in self.root.glob("*/*/*.tmp*"):  # a process that died mid-write
-            tmp.unlink(missing_ok=True)
+        stale = time.time() - _STALE_TMP_S
+        for tmp in self.root.glob("*/*/*.tmp*"):  # left by a process that died mid-write
+            try:
+                if tmp.stat().st_mtime < stale:
+                    tmp.unlink()
+            except OSError:
+                pass
         with self._lock:
             self._evict(0)
 
@@ -82,11 +88,8 @@ class DiskTier:
         head = MAGIC + _HEADER.pack(len(payload), main_bytes, key)
         digest = hashlib.sha256(head + payload).digest()
         size = len(head) + len(payload) + _DIGEST
-        now = time.monotonic()
         with self._lock:
-            if self.full and now >= self._grow_at:  # try the whole budget again
-                self.capacity_bytes = self.limit_bytes
-            if path in self._files or now < self._paused_until or size > self.capacity_bytes:
+            if path in self._files or time.monotonic() < self._paused_until or size > self.capacity_bytes:
                 return False
             self._evict(size)
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.{threading.get_ident()}")
@@ -101,29 +104,23 @@ class DiskTier:
         with self._lock:
             self._files[path] = size
             self.used_bytes += size
-            self.full = False
+            self.full = False  # a write went through again
         return True
 
     def _write_failed(self, exc: OSError) -> None:
-        """A full disk (or quota, or a file-size limit): shrink the budget to what is held, so
-        later writes first evict older files; with nothing to evict, pause writes a while."""
+        """A failed write (a full disk, a quota, a file-size limit, or another error): writes
+        pause a while and the files held stay; the engine serves on."""
         self.write_errors += 1
-        full = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-        now = time.monotonic()
         with self._lock:
-            if full:
-                self.full = True
-                self.capacity_bytes = self.used_bytes
-                self._grow_at = now + _RETRY_FULL_S
-            if not full or self.used_bytes == 0:
-                self._paused_until = now + _RETRY_FULL_S
+            self.full = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+            self._paused_until = time.monotonic() + _RETRY_S
         logger.warning(
-            "KV disk tier: writing a block under %s failed (%s); %s",
+            "KV disk tier: writing a block under %s failed (%s); the tier keeps the %d bytes it holds, "
+            "and writes pause for %.0f s",
             self.dir,
             exc,
-            f"the tier keeps the {self.used_bytes} bytes it holds and goes on with those"
-            if full
-            else f"writes pause for {_RETRY_FULL_S:.0f} s",
+            self.used_bytes,
+            _RETRY_S,
         )
 
     def read(self, key: bytes, main_bytes: int) -> bytes | None:

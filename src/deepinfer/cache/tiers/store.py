@@ -68,7 +68,8 @@ class KVTiers:
         self._namespace = namespace
         self._stats = TierStats()
         self._lock = threading.Lock()
-        self._pending: list[tuple[bytes, int, int | None]] = []
+        self._pending: list[tuple[bytes, int, int | None]] = []  # published since the last flush
+        self._held: list[tuple[bytes, int, int | None]] = []  # ... and before it, not copied yet
         self._backlog = 0
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-kv-load")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-kv-write")
@@ -81,26 +82,40 @@ class KVTiers:
             self.disk is not None and self.disk.has(key)
         )
 
-    def store(self, key: bytes, block: int, window_block: int | None) -> None:
-        """Queue a just-published block (``window_block``: its window-pool block, when the
-        window is bounded); copied at the next ``flush``, before any step may reuse it."""
+    def store(self, key: bytes, block: int, window_block: int | None, written: bool = False) -> None:
+        """Keep a just-published block (``window_block``: its window-pool block, when the
+        window is bounded). ``written``: every row is written already, copy it now; else it is
+        queued for ``flush`` (a step scheduled already may still write its last rows)."""
         if self.codec.window and window_block is None:
             return  # a hit needs the window part; a block without it is not kept
         if self.host is not None and self.host.touch(key):
             return
         if self.host is None and self.disk is not None and self.disk.has(key):
             return
-        self._pending.append((key, block, window_block))
+        if written:
+            self._copy([(key, block, window_block)])
+        else:
+            self._pending.append((key, block, window_block))
 
-    def flush(self) -> None:
-        """Copy the queued blocks out of the pools (host tier now, disk on the writer thread)."""
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        rows = self.codec.gather([b for _, b, _ in pending], [w for _, _, w in pending])
-        keys = [k for k, _, _ in pending]
+    def flush(self, complete: bool = True) -> None:
+        """Copy queued blocks out of the pools (into the host tier now, to disk on the writer
+        thread), while no step runs. ``complete``: no step is scheduled and not yet run, so
+        every queued block is written; else only those queued before the last flush are
+        (the step scheduled since may write rows of the newer ones), and the newer ones wait
+        for the next flush. Either way no step has reused the copied blocks yet: a freed block
+        gets a new owner only in a step scheduled after it was freed."""
+        ready = self._held + self._pending if complete else self._held
+        self._held, self._pending = ([] if complete else self._pending), []
+        if ready:
+            self._copy(ready)
+
+    def _copy(self, items: list[tuple[bytes, int, int | None]]) -> None:
+        rows = self.codec.gather([b for _, b, _ in items], [w for _, _, w in items])
+        keys = [k for k, _, _ in items]
         if self.host is not None:
-            for key, row in zip(keys, rows, strict=True):
+            # tail blocks first, so each chain's head is the most recently used: a tier evicts
+            # a chain from its end, and a chain without its head is of no use
+            for key, row in zip(reversed(keys), reversed(rows), strict=True):
                 self.host.put(key, row)
             with self._lock:
                 self._stats.stored_bytes["host"] += rows.numel()
@@ -124,7 +139,7 @@ class KVTiers:
     def _write(self, disk: DiskTier, keys: list[bytes], rows: torch.Tensor) -> None:
         written = 0
         try:
-            for key, row in zip(keys, rows, strict=True):
+            for key, row in zip(reversed(keys), reversed(rows), strict=True):  # heads last (``_copy``)
                 if disk.write(key, row.numpy().tobytes(), self.codec.main_bytes):
                     written += row.numel()
         except Exception:  # a tier never takes the engine down
@@ -136,7 +151,7 @@ class KVTiers:
     def _load(self, items: list[tuple[bytes, int | None, int | None]]) -> bool:
         start = time.perf_counter()
         rows, sources = [], []
-        for key, _, _ in items:
+        for key, _, _ in reversed(items):  # heads touched last (``_copy``)
             row = self.host.get(key) if self.host is not None else None
             source = "host"
             if row is None and self.disk is not None:
@@ -151,6 +166,7 @@ class KVTiers:
                 return False
             rows.append(row)
             sources.append(source)
+        rows.reverse()
         self.codec.scatter(torch.stack(rows), [b for _, b, _ in items], [w for _, _, w in items])
         if self.codec.device.type == "cuda":
             torch.cuda.current_stream(self.codec.device).synchronize()
@@ -174,7 +190,7 @@ class KVTiers:
         if self.disk is not None:
             self._writer.submit(lambda: None).result()  # the old namespace's writes end first
             self.disk = DiskTier(
-                self.disk.root, f"{self._namespace}-{uuid.uuid4().hex[:12]}", self.disk.limit_bytes
+                self.disk.root, f"{self._namespace}-{uuid.uuid4().hex[:12]}", self.disk.capacity_bytes
             )
 
     def stats(self) -> TierStats:
@@ -196,7 +212,7 @@ class KVTiers:
             s.disk_full, s.disk_used_bytes, s.disk_capacity_bytes = (
                 self.disk.full,
                 self.disk.used_bytes,
-                self.disk.limit_bytes,
+                self.disk.capacity_bytes,
             )
         return s
 
