@@ -398,3 +398,36 @@ def test_new_weights_never_read_the_old_weights_blocks(llama_ckpt, tmp_path):
 def test_bad_tier_options_are_named(llama_ckpt, kwargs, field):
     with pytest.raises(ValueError, match=field):
         LLM(str(llama_ckpt), **kwargs)
+
+
+def test_the_server_reports_the_tiers(llama_ckpt, tmp_path):
+    """``/metrics`` carries the tiers' series: a prompt evicted from the pool and sent again is
+    a host-tier hit, with bytes loaded and stored, counted among the cached prompt tokens."""
+    import httpx
+    from live_server import LiveServer
+
+    from deepinfer.server.app import build_app
+
+    llm = LLM(str(llama_ckpt), block_size=8, num_cache_blocks=16, kv_offload_bytes=64 * MIB)
+    live = LiveServer(build_app(llm, "tiny"))
+    try:
+        client = httpx.Client(base_url=live.url, timeout=60)
+        prompts = [_one_prompt(length=100), _one_prompt(length=100, seed=9), _one_prompt(length=100)]
+        for prompt in prompts:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+            resp = client.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+        text = client.get("/metrics").text
+    finally:
+        live.stop()
+        llm.close()
+    series = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if line.startswith("deepinfer:kv_tier")
+    }
+    assert series['deepinfer:kv_tier_hit_blocks_total{model_name="tiny",tier="host"}'] >= 12
+    assert series['deepinfer:kv_tier_bytes_total{direction="load",model_name="tiny",tier="host"}'] > 0
+    assert series['deepinfer:kv_tier_bytes_total{direction="store",model_name="tiny",tier="host"}'] > 0
+    assert series['deepinfer:kv_tier_loads_total{model_name="tiny"}'] >= 1
+    assert 'deepinfer:kv_tier_load_seconds_total{model_name="tiny"}' in series
