@@ -107,7 +107,9 @@ def run(llm: LLM, convs: list[list[list[int]]], args: argparse.Namespace) -> dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--conversations", type=int, default=32)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--system", type=int, default=128)
