@@ -86,7 +86,12 @@ class MemoryGuard:
 
     @contextmanager
     def watching(self, test: str) -> Iterator[None]:
-        """Applies the bound while ``test`` runs (setup, call and teardown)."""
+        """Applies the bound while ``test`` runs (setup, call and teardown). A process past half
+        its bound first hands back the heap memory earlier tests freed, which the allocator
+        keeps mapped (the CPU platform keeps up to 1 GiB per arena): it is no test's, and
+        counted it would fail the next test that grows a little."""
+        if rss_bytes() > self.bound // 2:
+            trim_heap()
         with self._lock:
             self._test, self._raised, self._target = test, False, threading.get_ident()
         try:
@@ -105,11 +110,6 @@ class MemoryGuard:
     def _watch(self) -> None:
         while not self._closed.wait(self.interval_s):
             rss = rss_bytes()
-            if rss > self.bound:
-                # freed heap memory the allocator keeps mapped (the CPU platform keeps up to
-                # 1 GiB per arena) is not memory a test holds: hand it back and look again
-                trim_heap()
-                rss = rss_bytes()
             with self._lock:
                 test, raised = self._test, self._raised
                 if test is None or self._target is None or rss <= self.bound:

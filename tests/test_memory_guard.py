@@ -124,7 +124,7 @@ def test_freed_heap_memory_the_allocator_keeps_is_not_counted(make_guard) -> Non
     for block in blocks:
         ctypes.memset(block, 1, _MIB)
     held = rss_bytes()
-    for block in reversed(blocks):
+    for block in reversed(blocks):  # freed by an earlier test
         libc.free(block)
     assert rss_bytes() > held - 128 * _MIB, "the allocator handed the freed heap back at once"
     guard = make_guard(held - 256 * _MIB, held + 8192 * _MIB)
