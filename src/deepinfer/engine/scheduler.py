@@ -252,7 +252,7 @@ class Scheduler:
             if self.window_pool is not None and window_block is not None:
                 self.window_pool.cache(window_block, parent)
             if self.tier_hits is not None:  # ``computed`` given: its rows are written
-                self.tier_hits.publish(parent, request.block_ids[k], window_block, written=given)
+                self.tier_hits.tiers.store(parent, request.block_ids[k], window_block, written=given)
 
     def after_step(self, requests: list[Request]) -> None:
         """After a step, for each of its running requests (only they moved): publish the blocks

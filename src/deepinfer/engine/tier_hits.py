@@ -1,6 +1,6 @@
 """Prefix hits that continue past the device pool into the host and disk tiers
-(``cache/tiers``): which blocks a hit takes from where, the requests waiting for their loads,
-and the blocks published to the tiers. The scheduler's part; blocks and hashes, no tensors."""
+(``cache/tiers``): which blocks a hit takes from where, and the requests waiting for their
+loads. The scheduler's part; blocks and hashes, no tensors."""
 
 from __future__ import annotations
 
@@ -154,6 +154,3 @@ class TierHits:
         futures = [r.tier_load for r in self.loading if r.tier_load is not None and r not in self._unstarted]
         if futures:
             wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
-
-    def publish(self, h: bytes, block: int, window_block: int | None, written: bool) -> None:
-        self.tiers.store(h, block, window_block, written)
