@@ -106,6 +106,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="on SIGTERM, seconds running requests may finish before they are ended",
     )
     serve_.add_argument("--log-level", default="warning")
+    serve_.add_argument("--no-ui", action="store_true", help="leave out the chat page at /")
     add_engine_arguments(serve_, offline=False)
     add_lora_arguments(serve_)
     serve_.set_defaults(func=serve)

@@ -48,6 +48,7 @@ def serve(args: argparse.Namespace) -> int:
         engine_thread=False,
         limits=limits,
         lora_modules=args.lora_modules or (),
+        ui=not args.no_ui,
     )
     config = uvicorn.Config(
         app,
@@ -76,6 +77,8 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, graceful)
     signal.signal(signal.SIGINT, graceful)
     print(f"deepinfer serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
+    if not args.no_ui:
+        print(f"chat page: http://{args.host}:{args.port}/", flush=True)
     try:
         engine.run_here(until=lambda: not http.is_alive() or engine.drained)
     except KeyboardInterrupt:  # a second signal: no more waiting

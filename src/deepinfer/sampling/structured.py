@@ -1,5 +1,6 @@
 """Structured outputs: decoding constrained by a JSON schema, a regex, a list of choices, an
-EBNF grammar or a structural tag, compiled with xgrammar against the model's tokenizer (as vLLM and SGLang do).
+EBNF grammar or a structural tag, compiled with xgrammar against the model's tokenizer (as
+vLLM and SGLang do).
 
 A request's constraint is checked when it is submitted (a bad schema, regex or grammar is a
 ``ValueError`` naming the field), compiled on a background thread (xgrammar caches compiled

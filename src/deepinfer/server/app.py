@@ -6,7 +6,8 @@ Endpoints and field names follow vLLM's OpenAI-compatible server:
 ``/health``, ``/version``, ``/metrics`` (``routes_admin.py``), the RL control endpoints
 (weight updates, sleep, pausing: ``routes_rl.py``), and, with ``--enable-lora``, LoRA adapters
 chosen by ``model``, loaded at start (``--lora-modules``) or while serving
-(``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``: ``routes_lora.py``). Every error is
+(``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``: ``routes_lora.py``), and a chat page
+at ``/`` unless turned off (``routes_ui.py``). Every error is
 OpenAI's JSON shape ``{"error": {"message", "type", "param", "code"}}``, ``param`` naming the field
 (``error_handlers.py``): 400 for bad input (and for a request that could never run: more
 sequences than the server runs at once, or more tokens than the context holds), 401 for a wrong
@@ -37,6 +38,7 @@ from deepinfer.server.engine_client import LocalEngineClient
 from deepinfer.server.error_handlers import install_error_handlers
 from deepinfer.server.limits import ServerLimits
 from deepinfer.server.lora_modules import LoraModule
+from deepinfer.server.routes_ui import mount_ui
 from deepinfer.server.state import ServerState
 
 
@@ -59,11 +61,13 @@ def build_app(
     engine_thread: bool = True,
     limits: ServerLimits | None = None,
     lora_modules: Sequence[LoraModule] = (),
+    ui: bool = True,
 ) -> FastAPI:
     """The app over ``llm``. ``engine_thread``: run the engine loop on a background thread
     started with the app; False leaves it to the caller (``AsyncLLM.run_here`` on
     ``app.state.server.engine``). ``lora_modules``: adapters served from the start (the
-    engine needs ``enable_lora``); one that cannot be served is a ``ValueError`` naming it."""
+    engine needs ``enable_lora``); one that cannot be served is a ``ValueError`` naming it.
+    ``ui``: serve the chat page at ``/`` (``routes_ui.py``)."""
     limits = limits or ServerLimits()
     engine = AsyncLLM(llm, max_queued_requests)
     client = LocalEngineClient(llm, engine)
@@ -83,6 +87,8 @@ def build_app(
     app.include_router(routes_openai.router)
     app.include_router(routes_rl.router)
     app.include_router(routes_lora.router)
+    if ui:
+        mount_ui(app)
     return app
 
 
