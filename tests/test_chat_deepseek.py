@@ -396,6 +396,30 @@ def test_cut_short_and_broken_replies():
     assert plain.content == f"a <{DSML}tool_calls> b" and plain.reasoning == ""
 
 
+@pytest.mark.parametrize("dialect", [V4, V41])
+def test_json_arguments_may_hold_the_closing_tag_and_tags_may_have_space_between(dialect):
+    """A ``string="false"`` argument is read as JSON, so a closing tag inside one of its strings
+    does not end it; whitespace between the tags (which xgrammar's DSML grammar allows) is
+    skipped. Streamed at every character, nothing is sent early and the calls come out whole."""
+    args = {"items": [f"a{dialect.parameter_close}b", {"k": dialect.invoke_close}], "n": 2}
+    text = _reply_text(dialect, "r", "", [_call("a", "f", args)], True)
+    spaced = text.replace(f'">\n{dialect.parameter_open}', f'">\n \t\n{dialect.parameter_open}')
+    spaced = spaced.replace(f"{dialect.parameter_close}\n", f"{dialect.parameter_close} \n\t")
+    assert spaced != text
+    for reply in (text, spaced):
+        whole = DeepseekReplyParser(dialect, True, True).parse(reply, True)
+        assert [(c.name, c.arguments, c.complete) for c in whole.tool_calls] == [("f", args, True)]
+        streamed = _stream(
+            DeepseekReplyParser(dialect, True, True),
+            reply,
+            list(range(len(reply))),
+            {"content": "", "reasoning": "r"},
+        )
+        assert [(c["name"], json.loads(c["arguments"])) for c in streamed["tool_calls"].values()] == [
+            ("f", args)
+        ]
+
+
 def test_format_is_chosen_by_architecture(tok):
     fmt = chat_format_for("DeepseekV4ForCausalLM", tok)
     ids = fmt.encode(

