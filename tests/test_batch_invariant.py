@@ -6,6 +6,7 @@ so the comparison can fail."""
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -27,13 +28,18 @@ def _checkpoint(arch: str, tmp_path_factory) -> str:
 def _target_output(path: str, invariant: bool, budget: int, target, params, others, position):
     """The target request's tokens and its top-5 logprobs per token."""
     llm = LLM(path, batch_invariant=invariant, max_num_batched_tokens=budget, max_num_seqs=OTHERS + 1)
-    if position is None:
-        out = llm.generate([target], [params], use_tqdm=False)[0]
-    else:
-        prompts = others[:position] + [target] + others[position:]
-        rest = SamplingParams(max_tokens=4, temperature=1.0, seed=3, ignore_eos=True)
-        plist = [rest] * position + [params] + [rest] * (len(others) - position)
-        out = llm.generate(prompts, plist, use_tqdm=False)[position]
+    try:
+        if position is None:
+            out = llm.generate([target], [params], use_tqdm=False)[0]
+        else:
+            prompts = others[:position] + [target] + others[position:]
+            rest = SamplingParams(max_tokens=4, temperature=1.0, seed=3, ignore_eos=True)
+            plist = [rest] * position + [params] + [rest] * (len(others) - position)
+            out = llm.generate(prompts, plist, use_tqdm=False)[position]
+    finally:  # one engine at a time: each holds a packed copy of the model until collected
+        llm.close()
+        del llm
+        gc.collect()
     completion = out.outputs[0]
     return completion.token_ids, [{t: lp.logprob for t, lp in entry.items()} for entry in completion.logprobs]
 

@@ -305,7 +305,20 @@ def test_choice_grammar_and_json_object(smol):
         SamplingParams(max_tokens=16, structured_outputs={"grammar": 'root ::= "yes" | "no" | [0-9] [0-9]'})
     )
     params.append(SamplingParams(max_tokens=200, temperature=0.0, structured_outputs={"json_object": True}))
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag",
+            "begin": "<city>",
+            "content": {"type": "json_schema", "json_schema": {"type": "string", "enum": ["Paris", "Lyon"]}},
+            "end": "</city>",
+        },
+    }
+    params.append(
+        SamplingParams(max_tokens=32, temperature=1.0, seed=3, structured_outputs={"structural_tag": tag})
+    )
     outs = smol.generate(["The capital of France is"] * len(params), params, use_tqdm=False)
+    assert re.fullmatch(r'<city>"(Paris|Lyon)"</city>', outs[8].outputs[0].text)
     assert all(o.outputs[0].text in ("Paris", "Lyon", 'a "q"') for o in outs[:6])
     assert re.fullmatch(r"yes|no|[0-9]{2}", outs[6].outputs[0].text)
     assert outs[7].outputs[0].finish_reason == "stop"
@@ -331,6 +344,11 @@ def test_chunked_prefill_and_preemption_keep_outputs_valid(tmp_path):
         ({"grammar": "root ::= "}, "structured_outputs.grammar"),
         ({"regex": "a", "choice": ["b"]}, "set exactly one"),
         ({"choice": []}, "structured_outputs.choice"),
+        (
+            {"structural_tag": {"type": "structural_tag", "format": {"type": "nope"}}},
+            "structured_outputs.structural_tag",
+        ),
+        ({"structural_tag": 3}, "structured_outputs.structural_tag"),
         ({"jsn": {}}, "unknown structured_outputs field"),
     ],
 )
@@ -374,6 +392,10 @@ def test_server_response_format_and_structured_outputs(smol):
         body = {"model": "smol", "prompt": "x", "response_format": {"type": "xml"}}
         r = httpx.post(f"{live.url}/v1/completions", json=body, timeout=120)
         assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+        # a chat template with no tool-call format cannot force a call
+        body = {"model": "smol", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}
+        r = httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
         assert httpx.get(f"{live.url}/health").status_code == 200
     finally:
         live.stop()

@@ -97,7 +97,8 @@ def _corpus(rng: random.Random, count: int) -> list[str]:
 
 class BigramModel:
     """Next-token logits from pair counts over the corpus (log frequency; unseen pairs at
-    ``FLOOR``; an unseen previous token falls back to the unigram counts)."""
+    ``FLOOR``; an unseen previous token falls back to the unigram counts). Rows are kept
+    sparse (the corpus' few hundred tokens) and spread over the vocabulary per step."""
 
     def __init__(self, tokenizer, vocab_size: int) -> None:
         pairs: dict[int, Counter] = defaultdict(Counter)
@@ -109,22 +110,22 @@ class BigramModel:
                 pairs[a][b] += 1
         self.vocab_size = vocab_size
         self.end_think = tokenizer.convert_tokens_to_ids("</think>")
-        self.rows = {a: self._row(c) for a, c in pairs.items()}
-        self.unigram = self._row(unigram)
+        self.rows = {a: self._sparse(c) for a, c in pairs.items()}
+        self.unigram = self._sparse(unigram)
 
-    def _row(self, counts: Counter) -> torch.Tensor:
-        row = torch.full((self.vocab_size,), FLOOR)
+    @staticmethod
+    def _sparse(counts: Counter) -> tuple[torch.Tensor, torch.Tensor]:
         total = sum(counts.values())
-        ids = torch.tensor(list(counts))
-        row[ids] = torch.tensor([c / total for c in counts.values()]).log()
-        return row
+        return torch.tensor(list(counts)), torch.tensor([c / total for c in counts.values()]).log()
 
     def __call__(self, allowed: torch.Tensor, rows, **_options) -> list[int]:
         """``allowed``: the engine's logits after the grammar mask (-inf where it forbids)."""
         tokens = []
         for i, row in enumerate(rows):
             history = row.output_ids or row.prompt_ids
-            logits = self.rows.get(history[-1], self.unigram).clone()
+            ids, logprobs = self.rows.get(history[-1], self.unigram)
+            logits = torch.full((self.vocab_size,), FLOOR)
+            logits[ids] = logprobs
             if len(row.output_ids) >= THOUGHT and self.end_think not in row.output_ids:
                 logits[self.end_think] = 0.0  # it thinks briefly (a bigram never stops on its own)
             logits[allowed[i, : self.vocab_size] == float("-inf")] = float("-inf")

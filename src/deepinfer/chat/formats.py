@@ -94,8 +94,13 @@ class TemplateFormat:
         return None
 
     def tool_constraint(self, tools, tool_choice, options, parallel) -> None:
-        """Nothing to enforce: a request with tools is refused by ``reply_parser``."""
-        named_function(tool_choice)
+        """Nothing to enforce (a request with tools is refused by ``reply_parser``); a forced
+        call cannot be asked for."""
+        if named_function(tool_choice) is not None or tool_choice == "required":
+            raise ValueError(
+                "tool_choice: this model's chat template has no tool-call format in deepinfer; "
+                "only 'auto' and 'none' apply"
+            )
         return None
 
 
