@@ -3,18 +3,11 @@ they are touched (``cache/pools._zeros``)."""
 
 from __future__ import annotations
 
-import ctypes
-import os
-
 import torch
+from memory_guard import rss_bytes as _rss
+from memory_guard import trim_heap
 
 from deepinfer.cache import pools
-
-
-def _rss() -> int:
-    with open(f"/proc/{os.getpid()}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
 
 GIB = 1 << 30
 
@@ -24,7 +17,7 @@ def _settled_rss() -> int:
     temporary of a quarter of the pool, which the allocator may carve from heap pages earlier
     tests freed and keep resident after it is freed (the CPU platform keeps freed heap
     memory mapped); the pool's own pages are a mapping apart, untouched by a trim."""
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    trim_heap()
     return _rss()
 
 
