@@ -78,17 +78,15 @@ class ScriptedModel:
         self.story = tokenizer("Thinking.</think>Once upon a time", add_special_tokens=False).input_ids
         self.filler = tokenizer(" and then", add_special_tokens=False).input_ids
         self.tokens = 0
-        self._long: dict[int, bool] = {}
 
     def __call__(self, logits, rows, **options) -> list[int]:
         time.sleep(STEP_S)
         out = []
         for row in rows:
-            key = id(row.prompt_ids)
-            if key not in self._long:
-                self._long[key] = LONG_ASK in self.tokenizer.decode(row.prompt_ids[-40:])
+            # decided from the prompt at every step: a cache keyed by id() of the prompt list
+            # would give a later request a freed request's answer when Python reuses the id
             n = len(row.output_ids)
-            if self._long[key]:
+            if LONG_ASK in self.tokenizer.decode(row.prompt_ids[-40:]):
                 extra = n - len(self.story)
                 out.append(self.story[n] if extra < 0 else self.filler[extra % len(self.filler)])
             else:
