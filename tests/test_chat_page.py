@@ -5,7 +5,8 @@ tool call, one token every few milliseconds so that the stream is seen arriving,
 for a long story, to write without end until stopped.
 
 Checks: a typed message gets its reply streamed into the page, the reasoning folded and the
-tool call shown; Stop ends the request on the server; ``--no-ui`` leaves the page out.
+tool call shown; Stop ends the request on the server; an error or a reply cut off by New chat
+is never sent back to the model; ``--no-ui`` leaves the page out.
 
 Chromium is a Debian package (``apt-get install chromium``), not a Python one: without it these
 tests are skipped, unless ``DEEPINFER_BROWSER_TESTS=required`` (set by ``.ci/run``, which
@@ -201,6 +202,39 @@ def test_stop_ends_the_request_on_the_server(page, served):
     assert model.tokens == written  # the engine writes no more tokens for it
     assert "stopped" in page.text_content(".message.assistant .stats")
     assert not page.is_disabled("#send")
+
+
+def _sent_messages(page, text: str) -> list[dict]:
+    """Send ``text`` from the page and return the messages of the request it makes."""
+    page.fill("#prompt", text)
+    with page.expect_request(lambda r: r.url.endswith("/v1/chat/completions")) as request:
+        page.click("#send")
+    return json.loads(request.value.post_data)["messages"]
+
+
+def test_errors_and_a_new_chat_are_not_sent_back_to_the_model(page):
+    """An error is shown but never resent as the model's words (its turn is dropped); a reply
+    stopped by New chat does not join the new conversation."""
+    page.click("#toggle-settings")
+    page.fill("#tools", json.dumps([{"type": "function", "function": {"name": 'say"hi'}}]))
+    page.select_option("#tool_choice", "required")  # a forced call to a name DSML cannot write: a 400
+    page.click("#toggle-settings")
+    _sent_messages(page, "first")
+    page.wait_for_function(
+        "document.querySelector('.message.assistant .stats').textContent.includes('error')"
+    )
+    assert "cannot be written in a DSML call" in page.text_content(".message.assistant .error")
+    page.click("#toggle-settings")
+    page.fill("#tools", "")
+    page.click("#toggle-settings")
+    assert _sent_messages(page, LONG_ASK) == [{"role": "user", "content": LONG_ASK}]
+    page.wait_for_function(
+        "document.querySelector('#messages').textContent.includes('Once upon a time and then')"
+    )
+    page.click("#new-chat")
+    page.wait_for_function("!document.querySelector('#send').disabled")  # the stopped reply has ended
+    assert _sent_messages(page, "again") == [{"role": "user", "content": "again"}]
+    page.wait_for_function("document.querySelector('#stop').disabled")
 
 
 def test_the_page_is_served_unless_turned_off(served):

@@ -7,6 +7,7 @@ const $ = (id) => document.getElementById(id);
 const SETTINGS = ["temperature", "top_p", "max_tokens", "seed", "thinking", "system", "tools", "tool_choice", "api_key"];
 const conversation = []; // the messages so far, as the API takes them
 let controller = null; // the running request's AbortController
+let chatNumber = 0; // New chat moves it on: a reply that ends later belongs to the old chat
 
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -117,8 +118,13 @@ class Reply {
     this.stats.textContent = `${count} tokens · ${rate} tokens/s · first token ${ttft} s`;
   }
 
+  showError(text) {
+    this.box.insertBefore(element("div", "content error", text), this.stats);
+  }
+
   finish(note) {
     if (note) this.stats.textContent += ` · ${note}`;
+    if (!this.text && !this.calls.some(Boolean)) return null; // nothing to send back
     const message = { role: "assistant", content: this.text || null };
     const calls = this.calls.filter(Boolean);
     if (calls.length) {
@@ -178,6 +184,7 @@ function busy(running) {
 }
 
 async function send(text) {
+  const chat = chatNumber;
   conversation.push({ role: "user", content: text });
   addMessage("user", text);
   let body;
@@ -219,15 +226,20 @@ async function send(text) {
     if (err.name === "AbortError") {
       note = "stopped";
     } else {
-      reply.content.classList.add("error");
-      reply.addContent(reply.text ? `\n${err.message}` : err.message);
+      reply.showError(err.message); // shown, never sent back to the model as its words
       note = "error";
     }
   } finally {
     controller = null;
     busy(false);
   }
-  conversation.push(reply.finish(note));
+  const message = reply.finish(note);
+  if (chat !== chatNumber) return;
+  if (message) {
+    conversation.push(message);
+  } else {
+    conversation.pop(); // a turn with no reply is not resent: the next message stands alone
+  }
 }
 
 function init() {
@@ -249,6 +261,7 @@ function init() {
   $("stop").addEventListener("click", () => controller && controller.abort());
   $("new-chat").addEventListener("click", () => {
     if (controller) controller.abort();
+    chatNumber += 1;
     conversation.length = 0;
     $("messages").replaceChildren();
   });
