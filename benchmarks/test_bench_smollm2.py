@@ -35,7 +35,7 @@ def test_deepinfer_smollm2(benchmark, path, work, batch):
     benchmark.pedantic(
         llm.generate, args=(work.prompts[:batch], params), kwargs={"use_tqdm": False}, rounds=3
     )
-    assert llm.engine.pool.hit_blocks == 0
+    assert llm.engine.block_pools[0].hit_blocks == 0
 
 
 @pytest.mark.parametrize("batch", [1, 16])

@@ -52,7 +52,7 @@ def together(llm: LLM, seed: int, shared: bool, num_requests: int = NUM_REQUESTS
     work = workload(seed, llm.vocab_size, shared, num_requests)
     outs = llm.generate([p for p, _ in work], [q for _, q in work])
     engine = llm.engine
-    assert engine.pool.num_free == engine.num_blocks, "blocks leaked"
+    assert engine.block_pools[0].num_free == engine.num_blocks, "blocks leaked"
     assert sorted(engine.scheduler.free_slots) == list(range(engine.config.max_num_seqs))
     return [o.outputs[0].token_ids for o in outs]
 

@@ -88,9 +88,9 @@ def test_bounded_and_unbounded_windows_give_the_same_tokens(
         )
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         engine = llm.engine
-        assert engine.pool.num_free == engine.num_blocks
+        assert engine.block_pools[0].num_free == engine.num_blocks
         if bounded:  # nothing left held once every request finished
-            assert engine.window_pool.num_free == engine.window_pool.num_blocks
+            assert engine.window_block_pools[0].num_free == engine.window_block_pools[0].num_blocks
     assert outs[0] == outs[1]
 
 
@@ -106,7 +106,7 @@ def test_a_prefix_hit_without_its_window_is_shortened(v4_small_blocks):
     again = llm.generate([prompt], params, use_tqdm=False)[0]
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     assert again.num_cached_tokens == (len(prompt) - 1) // 16 * 16  # the whole prefix hit
-    pool = llm.engine.window_pool
+    pool = llm.engine.window_block_pools[0]
     held = pool.allocate(pool.num_free)  # evicts every cached window block
     pool.free(held)
     third = llm.generate([prompt], params, use_tqdm=False)[0]

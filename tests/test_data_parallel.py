@@ -72,7 +72,7 @@ def test_data_parallel_equals_one_process(tmp_path, arch, quant, ranks, expert_p
         outs = llm.generate(prompts, params, use_tqdm=False)
         got = tokens_and_logprobs(outs)
         again = tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
-        hits = [pool.hit_blocks for pool in llm.engine.pools]
+        hits = [pool.hit_blocks for pool in llm.engine.block_pools]
         preempted = [r for s in scheduler.ranks for r in s.running + list(s.waiting)]
         part = _expert_bytes(llm.model)
     finally:

@@ -29,7 +29,7 @@ def test_abort_frees_everything_and_spares_the_others(llm):
     while engine.has_unfinished():
         engine.step()
     assert drop.finish_reason == "abort" and keep.output_token_ids == alone
-    assert engine.pool.num_free == engine.num_blocks
+    assert engine.block_pools[0].num_free == engine.num_blocks
     engine.pop_finished("keep"), engine.pop_finished("drop")
 
 
@@ -55,7 +55,7 @@ def test_bad_requests_fail_alone_while_others_keep_going(llm, prompt, params, fi
         engine.step()
     assert good.output_token_ids == alone and "bad" not in engine.requests
     engine.pop_finished("good")
-    assert engine.pool.num_free == engine.num_blocks
+    assert engine.block_pools[0].num_free == engine.num_blocks
 
 
 @pytest.mark.parametrize(
@@ -75,7 +75,7 @@ def test_unknown_engine_option_is_named(v4_ckpt):
 def test_generate_rejects_the_whole_call_on_one_bad_prompt(llm):
     with pytest.raises(ValueError, match=r"prompts\[2\]"):
         llm.generate([[1, 2], [3, 4], [5, 999]], _greedy(3))
-    assert not llm.engine.requests and llm.engine.pool.num_free == llm.engine.num_blocks
+    assert not llm.engine.requests and llm.engine.block_pools[0].num_free == llm.engine.num_blocks
 
 
 def test_stop_strings_truncate_text(llm):

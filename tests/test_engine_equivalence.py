@@ -38,7 +38,7 @@ def test_preemption_forced_by_a_tiny_cache(v4_ckpt, alone, async_scheduling):
 def test_prefix_caching_on_shared_prefixes(v4_ckpt, alone, async_scheduling):
     llm = LLM(v4_ckpt, async_scheduling=async_scheduling, max_num_batched_tokens=384)
     assert together(llm, 3, True) == alone(3, True)
-    assert llm.engine.pool.hit_rate > 0.2
+    assert llm.engine.block_pools[0].hit_rate > 0.2
     # a second pass is served mostly from the cache and still gives the same tokens
     work = workload(3, llm.vocab_size, True)
     again = llm.generate([p for p, _ in work[:20]], [q for _, q in work[:20]])
@@ -53,4 +53,4 @@ def test_everything_at_once_on_short_groups(v4_short_ckpt):
     llm = LLM(v4_short_ckpt, num_cache_blocks=40, max_num_batched_tokens=64, max_num_seqs=32)
     assert llm.engine.layout.block_size == 16
     assert together(llm, 4, True) == reference
-    assert llm.engine.pool.hit_blocks > 0
+    assert llm.engine.block_pools[0].hit_blocks > 0

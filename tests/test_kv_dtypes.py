@@ -201,4 +201,4 @@ def test_batching_chunking_preemption_and_prefix_hits_are_invisible_with_an_fp8_
     )
     preempted = count_preemptions(llm)
     assert together(llm, 5, True, num_requests=40) == reference
-    assert preempted and llm.engine.pool.hit_blocks > 0
+    assert preempted and llm.engine.block_pools[0].hit_blocks > 0

@@ -193,7 +193,7 @@ def test_batching_chunking_preemption_and_prefix_hits_are_invisible_with_an_int8
     llm = LLM(path, kv_cache_dtype="int8", num_cache_blocks=48, max_num_batched_tokens=96, max_num_seqs=16)
     preempted = count_preemptions(llm)
     assert together(llm, 5, True, num_requests=40) == reference
-    assert preempted and llm.engine.pool.hit_blocks > 0
+    assert preempted and llm.engine.block_pools[0].hit_blocks > 0
 
 
 def test_an_int8_cache_is_refused_where_rows_have_no_reader(tmp_path):

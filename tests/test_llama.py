@@ -80,7 +80,7 @@ def test_engine_modes_equal_alone(llama_ckpt):
     llm = LLM(llama_ckpt, num_cache_blocks=14, max_num_batched_tokens=48, async_scheduling=True)
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert together == alone
-    assert llm.engine.pool.num_free == llm.engine.num_blocks
+    assert llm.engine.block_pools[0].num_free == llm.engine.num_blocks
 
 
 def test_fake_quant_is_refused_for_models_without_it(llama_ckpt):

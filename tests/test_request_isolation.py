@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.engine.executor import StepOutput
 from deepinfer.errors import EngineDeadError
 from deepinfer.tiny import make_tiny_checkpoint
 
@@ -73,13 +74,14 @@ def nan_rows_of(engine, victim: str, after: int):
     real = engine.executor.run
 
     def execute(prepared, input_ids):
-        logits, features = real(prepared, input_ids)
+        output = real(prepared, input_ids)
+        logits = output.logits
         for chunk, row in zip(prepared.chunks, prepared.sample_rows, strict=True):
             req = chunk.request
             if row >= 0 and req.request_id == victim and len(req.output_token_ids) >= after:
                 logits = logits.clone()
                 logits[row] = math.nan
-        return logits, features
+        return StepOutput(logits, output.features, output.forward_s)
 
     return execute
 
@@ -87,7 +89,7 @@ def nan_rows_of(engine, victim: str, after: int):
 def check_leaks(engine) -> None:
     """Every block free and no request left (an asynchronous engine may still hold a launched
     step of finished requests, which its next step drops)."""
-    assert engine.pool.num_free == engine.num_blocks, "blocks leaked"
+    assert engine.block_pools[0].num_free == engine.num_blocks, "blocks leaked"
     assert not engine.requests and not engine.scheduler.num_unfinished
 
 

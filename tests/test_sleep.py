@@ -44,7 +44,7 @@ def test_sleep_returns_the_cache_pages_and_waking_computes_afresh(setup):
     fresh = _run(LLM(path, kv_cache_memory_bytes=64 << 20), prompts)
     llm = LLM(path, kv_cache_memory_bytes=64 << 20)
     _run(llm, prompts[:1])  # caches the shared prefix
-    assert _run(llm, prompts) == fresh and llm.engine.pool.hit_blocks > 0
+    assert _run(llm, prompts) == fresh and llm.engine.block_pools[0].hit_blocks > 0
     for t in cache_tensors(llm.engine.runner.pools):
         t.view(-1).view(torch.uint8).fill_(1)  # every page of the cache resident
     held = sum(t.numel() * t.element_size() for t in cache_tensors(llm.engine.runner.pools))
@@ -55,9 +55,9 @@ def test_sleep_returns_the_cache_pages_and_waking_computes_afresh(setup):
     with pytest.raises(RuntimeError, match="asleep"):
         llm.generate([prompts[0]])
     llm.wake_up()
-    hits = llm.engine.pool.hit_blocks
-    assert _run(llm, prompts[:1]) == fresh[:1] and llm.engine.pool.hit_blocks == hits  # nothing kept
-    assert _run(llm, prompts) == fresh and llm.engine.pool.hit_blocks > hits  # refilled after waking
+    hits = llm.engine.block_pools[0].hit_blocks
+    assert _run(llm, prompts[:1]) == fresh[:1] and llm.engine.block_pools[0].hit_blocks == hits  # nothing kept
+    assert _run(llm, prompts) == fresh and llm.engine.block_pools[0].hit_blocks > hits  # refilled after waking
 
 
 def test_a_prefix_kept_across_sleep_is_caught(setup, monkeypatch):

@@ -106,7 +106,7 @@ def test_batched_chunked_prefix_cached_give_the_same_tokens(smol_dir, chat_promp
     params = SamplingParams(max_tokens=64, temperature=0.0)
     outs = llm.generate([{"prompt_token_ids": p} for p in chat_prompts], params)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert llm.engine.pool.hit_blocks > 0  # the shared system prompt was served from cache
+    assert llm.engine.block_pools[0].hit_blocks > 0  # the shared system prompt was served from cache
 
 
 def test_second_resolve_reuses_the_cache(smol_dir):

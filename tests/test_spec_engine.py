@@ -244,7 +244,7 @@ def test_speculation_under_preemption_chunking_prefix_caching_and_stops(llama):
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs == plain
     assert engine.spec.stats.verify_steps > 0 and preempted, "the workload should draft and preempt"
-    assert engine.pool.num_free == engine.num_blocks
+    assert engine.block_pools[0].num_free == engine.num_blocks
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v4_short_groups", "deepseek_v41"])
@@ -277,7 +277,7 @@ def _v4_state(engine, req) -> dict[int, list[torch.Tensor]]:
     n = req.num_computed_tokens
     bs = engine.layout.block_size
     table = torch.tensor(req.block_ids)
-    if engine.window_pool is not None:  # a bounded window holds the last window - 1 positions
+    if engine.window_block_pools is not None:  # a bounded window holds the last window - 1 positions
         pos = torch.arange(max(0, n - engine.layout.window + 1), n)
         window_rows = torch.tensor(req.window_block_ids)[pos // bs] * bs + pos % bs
     else:

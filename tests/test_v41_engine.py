@@ -48,4 +48,4 @@ def test_preemption_forced_by_a_tiny_cache(v41_ckpt, alone):
 def test_prefix_caching_and_async_on_shared_prefixes(v41_ckpt, alone):
     llm = LLM(v41_ckpt, async_scheduling=True, max_num_batched_tokens=160)
     assert together(llm, 3, True, NUM) == alone(3, True)
-    assert llm.engine.pool.hit_rate > 0.2
+    assert llm.engine.block_pools[0].hit_rate > 0.2

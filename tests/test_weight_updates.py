@@ -159,14 +159,14 @@ def test_update_weights_gives_the_new_checkpoints_outputs(two_llamas):
     expected = _result(LLM(new).generate(prompts, GREEDY, use_tqdm=False))
     llm = LLM(old)
     llm.generate(prompts[:1], GREEDY, use_tqdm=False)  # caches the shared prefix under the old weights
-    hits = llm.engine.pool.hit_blocks
+    hits = llm.engine.block_pools[0].hit_blocks
     state = load_model(new).state_dict()
     assert (
         llm.update_weights({f"module.{n}": t for n, t in state.items()}, weight_version="step-1") == "step-1"
     )
     got = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert _result(got) == expected and {o.weight_version for o in got} == {"step-1"}
-    assert llm.engine.pool.hit_blocks == hits  # no block cached under the old weights was reused
+    assert llm.engine.block_pools[0].hit_blocks == hits  # no block cached under the old weights was reused
     llm2 = LLM(old)
     assert llm2.load_weights_from_disk(new) == "1"
     assert _result(llm2.generate(prompts, GREEDY, use_tqdm=False)) == expected

@@ -16,19 +16,20 @@ import torch
 
 from deepinfer.config import EngineConfig
 from deepinfer.distributed.replicas import ReplicaPool, RequestSpec, balanced_shares, serve, torch_threads
+from deepinfer.engine.driver import EngineDriver
 from deepinfer.engine.engine import Engine
-from deepinfer.engine.memory import engine_kv_report, weight_bytes
-from deepinfer.engine.metrics_snapshot import Metric, engine_metrics
+from deepinfer.engine.memory import weight_bytes
 from deepinfer.engine.request import Request
 from deepinfer.llm_rollout import RolloutMixin, check_trainer_model
 from deepinfer.lora.request import LoRARequest, per_prompt
 from deepinfer.models.base import CausalLM
 from deepinfer.models.loading import load_model
-from deepinfer.outputs import RequestOutput
+from deepinfer.outputs import Metric, RequestOutput
 from deepinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from deepinfer.chat import ChatFormat
+    from deepinfer.lora.registry import LoraRegistry
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -134,6 +135,7 @@ class LLM(RolloutMixin):
             sum(by_dtype.values()) / 2**20,
             ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(by_dtype.items())),
         )
+        self.driver = EngineDriver(self.engine)
         self._counter = itertools.count()
         self._init_rollout(following)
 
@@ -151,18 +153,18 @@ class LLM(RolloutMixin):
         by_dtype = weight_bytes(self.model)
         return {
             "weights": {"bytes": sum(by_dtype.values()), "by_dtype": by_dtype},
-            "kv_cache": engine_kv_report(self.engine),
+            "kv_cache": self.engine.memory_report(),
         }
 
     def kv_cache_usage(self) -> float:
         """The fraction of the paged cache's blocks in use, over every data-parallel rank."""
-        pools = self.engine.pools
+        pools = self.engine.block_pools
         return 1.0 - sum(p.num_free for p in pools) / sum(p.num_blocks for p in pools)
 
     def get_metrics(self) -> list[Metric]:
         """The cache's metrics now (vLLM's method name): prefix-cache queries and hits, and
         the host and disk tiers' hits, bytes moved and load time; ``/metrics`` shows the same."""
-        return engine_metrics(self.engine)
+        return self.engine.metrics()
 
     @property
     def max_request_tokens(self) -> int:
@@ -170,6 +172,11 @@ class LLM(RolloutMixin):
         holds fewer."""
         engine = self.engine
         return min(engine.max_model_len, engine.num_blocks * engine.layout.block_size)
+
+    @property
+    def lora_registry(self) -> LoraRegistry | None:
+        """The served adapters (``enable_lora``; None without)."""
+        return self.engine.lora
 
     def moe_lb(self) -> float:
         """Slowest rank / mean rank of the counted routed-expert load (EPLB's balance)."""
@@ -252,7 +259,7 @@ class LLM(RolloutMixin):
         self, prompt: PromptType, index: int, params: SamplingParams, lora: LoRARequest | None = None
     ) -> list[Request]:
         """Queue one prompt (n siblings for n > 1); on a bad prompt nothing is queued."""
-        if self._asleep:
+        if self.driver.asleep:
             raise RuntimeError("the engine is asleep (LLM.sleep): call wake_up() before adding requests")
         text, ids = self._prompt_ids(prompt, index)
         base = str(next(self._counter))
@@ -319,21 +326,15 @@ class LLM(RolloutMixin):
         per group. ``on_finished(count)`` hears of finished requests, ``each_step`` runs
         after every step."""
         pending = {req.request_id for group in groups for req in group}
-        spec = self.engine.spec
-        if spec is not None:  # nothing else arrives until the call returns: a closed batch
-            spec.closed_batch = True
-        try:
+        with self.engine.closed_batch():  # nothing else arrives until the call returns
             while pending:
-                for req in self._step():
+                for req in self.driver.step():
                     if req.finished and req.request_id in pending:
                         pending.discard(req.request_id)
                         if on_finished is not None:
                             on_finished(1)
                 if each_step is not None:
                     each_step()
-        finally:
-            if spec is not None:
-                spec.closed_batch = False
         return [self._merge([self.engine.pop_finished(r.request_id) for r in group]) for group in groups]
 
     def _run_on_replicas(
@@ -461,7 +462,7 @@ class LLM(RolloutMixin):
         sent_tokens, sent_text = 0, ""
         try:
             while True:
-                updated = self._step()
+                updated = self.driver.step()
                 if req not in updated:
                     if req.finished:
                         break

@@ -9,14 +9,13 @@ of the weights follow updates is ``engine/weight_sync.py``.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from deepinfer.engine.sleep import release_cache, release_weights
+from deepinfer.engine.driver import EngineDriver
 from deepinfer.engine.weight_sync import write_parameters
 from deepinfer.models.base import CausalLM
 
@@ -32,6 +31,7 @@ class RolloutMixin:
     """Weight updates, pausing and sleep for an ``LLM`` (see the module's docstring)."""
 
     engine: Engine
+    driver: EngineDriver
     model: CausalLM
     config: EngineConfig
     path: Path | None
@@ -39,17 +39,7 @@ class RolloutMixin:
 
     def _init_rollout(self, following: bool) -> None:
         self._following = following  # over a trainer's module (``LLM.from_model``)
-        self._asleep = 0  # the sleep level, 0 awake
-        self._go = threading.Event()  # cleared by pause_generation
-        self._go.set()
-        self._step_lock = threading.Lock()  # held while a step runs, and by weight updates
         self._disk_version: str | None = None if following else "0"  # the weights on disk
-
-    def _step(self) -> list[Any]:
-        """One engine step, once generation is not paused; weight updates wait for it."""
-        self._go.wait()
-        with self._step_lock:
-            return self.engine.step()
 
     def _one_process(self, what: str) -> None:
         cfg = self.config
@@ -81,10 +71,9 @@ class RolloutMixin:
         self._one_process("update_weights")
         pairs = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
         targets = resolve_updates(self.model, pairs)
-        with self._step_lock:
+        with self.driver.between_steps():
             write_parameters(targets)
-            self.engine.weights.apply(self.engine, None, weight_version)
-            return self.engine.weights.version
+            return self.driver.apply_weight_writes(None, weight_version)
 
     def load_weights_from_disk(self, path: str | Path, weight_version: str | None = None) -> str:
         """``update_weights`` with every tensor of the checkpoint directory at ``path`` that
@@ -108,34 +97,26 @@ class RolloutMixin:
         place since the last sync are made again (an engine over a trainer's module does this
         before each step by itself; calling it after an optimizer step puts the cost there).
         Returns the weight version."""
-        with self._step_lock:
-            sync = self.engine.weights
-            sync.apply(self.engine, None, weight_version)
-            return sync.version
+        return self.driver.apply_weight_writes(None, weight_version)
 
     def refresh_weights(self, weight_version: str | None = None) -> str:
         """Announce writes PyTorch's version counters do not see (through ``p.data`` or raw
         pointers): every copy the engine derives from the parameters is made again."""
-        with self._step_lock:
-            sync = self.engine.weights
-            sync.apply(self.engine, list(range(len(sync.params))), weight_version)
-            return sync.version
+        return self.driver.apply_weight_writes(list(range(len(self.engine.weights.params))), weight_version)
 
     # ---- pausing ----------------------------------------------------------------------------
 
     def pause_generation(self) -> None:
         """Run no step until ``continue_generation``; returns once a step in progress (on
         another thread) has ended, so weights may be written between steps."""
-        self._go.clear()
-        with self._step_lock:
-            pass
+        self.driver.pause()
 
     def continue_generation(self) -> None:
-        self._go.set()
+        self.driver.resume()
 
     @property
     def is_paused(self) -> bool:
-        return not self._go.is_set()
+        return self.driver.paused
 
     # ---- sleep ------------------------------------------------------------------------------
 
@@ -153,34 +134,23 @@ class RolloutMixin:
         if self.config.device != "cpu":
             raise ValueError("sleep: frees CPU memory (device='cpu')")
         self._one_process("sleep")
-        with self._step_lock:
-            release_cache(self.engine)
-            if level == 2:
-                release_weights(self.engine, params=not self._following)
-            self._asleep = max(self._asleep, level)
+        self.driver.sleep(level, free_parameters=not self._following)
 
     def wake_up(self) -> None:
-        """Take requests again after ``sleep``; after level 2 the weights are back first."""
-        if self._asleep == 2:
-            with self._step_lock:
-                sync = self.engine.weights
-                if not self._following:
-                    from deepinfer.weights.loader import read_checkpoint
+        """Take requests again after ``sleep``; after level 2 the weights are back first
+        (read again from the checkpoint, unless they are a trainer's)."""
+        self.driver.wake_up(None if self._following else self._reload_parameters, self._disk_version)
 
-                    assert self.path is not None
-                    quant = getattr(self.model.config, "quantization", None)
-                    write_parameters(
-                        resolve_updates(self.model, read_checkpoint(self.model, self.path, quant))
-                    )
-                sync.refresh_all()
-                sync.seen = sync._state()  # the weights are those of ``version`` again
-                if self._disk_version is not None:
-                    sync.version = self._disk_version
-        self._asleep = 0
+    def _reload_parameters(self) -> None:
+        from deepinfer.weights.loader import read_checkpoint
+
+        assert self.path is not None
+        quant = getattr(self.model.config, "quantization", None)
+        write_parameters(resolve_updates(self.model, read_checkpoint(self.model, self.path, quant)))
 
     @property
     def is_sleeping(self) -> bool:
-        return self._asleep > 0
+        return self.driver.asleep
 
 
 def resolve_updates(model: CausalLM, pairs: list[tuple[str, Any]]) -> list[tuple[torch.Tensor, torch.Tensor]]:

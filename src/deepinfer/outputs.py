@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -77,3 +78,15 @@ class RequestOutput:
     # layers, top-k] int32 for the prompt and completion tokens the model read (all but the
     # last completion token); None otherwise
     routed_experts: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One engine series (``LLM.get_metrics()``, and ``/metrics``): a ``deepinfer:`` name, a
+    counter (since the engine started) or a gauge (now), its labels and value."""
+
+    name: str
+    kind: Literal["counter", "gauge"]
+    value: float
+    labels: dict[str, str] = field(default_factory=dict)
+    doc: str = ""

@@ -46,6 +46,11 @@ class DataParallelScheduler:
         ``Scheduler.schedule`` takes them, for every rank's requests)."""
         return [c for s in self.ranks for c in s.schedule(drafts)]
 
+    def forget_computed(self) -> None:
+        """Every rank's ``Scheduler.forget_computed``."""
+        for s in self.ranks:
+            s.forget_computed()
+
     def _of(self, request: Request) -> Scheduler:
         return self.ranks[request.dp_rank]
 

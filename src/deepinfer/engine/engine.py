@@ -10,6 +10,7 @@ step N+1's inputs just before it launches, so outputs equal synchronous mode.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import weakref
@@ -17,28 +18,25 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from deepinfer.cache import kv_dtypes
 from deepinfer.cache.pools import CacheLayout
 from deepinfer.config import EngineConfig
-from deepinfer.distributed.workers import CacheSetup, TensorParallelGroup
-from deepinfer.engine import setup
+from deepinfer.distributed.workers import TensorParallelGroup
+from deepinfer.engine import memory, setup
 from deepinfer.engine.admission import check_request
-from deepinfer.engine.block_pool import BlockPool
-from deepinfer.engine.dp_scheduler import DataParallelScheduler
-from deepinfer.engine.executor import Executor
+from deepinfer.engine.executor import Executor, StepOutput
+from deepinfer.engine.metrics_snapshot import cache_metrics
 from deepinfer.engine.model_runner import PreparedStep
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import Request
-from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
+from deepinfer.engine.scheduler import ScheduledChunk
 from deepinfer.engine.step_processor import StepProcessor
 from deepinfer.engine.structured_requests import StructuredRequests
 from deepinfer.engine.weight_sync import WeightSync
 from deepinfer.errors import EngineDeadError
 from deepinfer.lora.registry import LoRARequest, adapter_for
 from deepinfer.models.base import CausalLM
-from deepinfer.outputs import RequestOutput
+from deepinfer.outputs import Metric, RequestOutput
 from deepinfer.platforms import platform_for
 from deepinfer.sampling.sampler import make_generator
 from deepinfer.sampling_params import SamplingParams
@@ -48,11 +46,9 @@ logger = logging.getLogger("deepinfer")
 
 
 class Engine:
-    """Requests in, outputs out: owns the scheduler, the block pool, the model runner and
-    (with ``speculative_config``) the speculative decoder, and runs one step at a time
-    (docs/architecture.md, 'The flow of one engine step'). ``LLM`` and the server drive it
-    through ``add_request``, ``step``, ``abort`` and ``make_output``; with ``async_scheduling``
-    the model runs a step on a worker thread while this thread prepares the next."""
+    """Requests in, outputs out: owns the scheduler, the block pools, the model runner and
+    the speculative decoder, and runs one step at a time. ``EngineDriver`` steps it;
+    ``LLM`` and the server add, abort and read requests."""
 
     def __init__(
         self,
@@ -69,11 +65,10 @@ class Engine:
         self.model = model
         self.config = config
         mcfg = model.config
-        self.vocab_size = mcfg.vocab_size
-        self.eos_token_ids = list(mcfg.eos_token_id)
+        self.vocab_size, self.eos_token_ids = mcfg.vocab_size, list(mcfg.eos_token_id)
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
         self.device = next(model.parameters()).device
-        dtype = kv_dtypes.pool_dtype(config.kv_cache_dtype, model.compute_dtype)
+        dtype = self.kv_dtype = kv_dtypes.pool_dtype(config.kv_cache_dtype, model.compute_dtype)
         # tensor or expert parallel: start the worker ranks and keep rank 0's share, before
         # anything reads the model's (now local) shapes
         self.tp: TensorParallelGroup | None = None
@@ -82,7 +77,6 @@ class Engine:
         if config.world_size > 1:
             self.tp = setup.start_tensor_parallel(model, config, self.device, checkpoint)
             weakref.finalize(self, self.tp.close)
-        self.kv_dtype = dtype
         self.layout = CacheLayout.from_specs(
             model.cache_spec(),
             config.block_size,
@@ -92,7 +86,6 @@ class Engine:
         platform = platform_for(self.device)
         modes = setup.execution_modes(config, model, platform, checkpoint)
         eager_step = None
-        self.registers_packed = self.device.type == "cpu" and modes.compile
         if self.device.type == "cpu":
             eager_step = setup.prepare_cpu_weights(model, config, modes.compile)
         drafter = setup.drafter_for(model, config)
@@ -106,10 +99,6 @@ class Engine:
             drafter,
             setup.graph_batch_size(config) if modes.graphs else None,
         )
-        ranks = config.data_parallel_size  # each data-parallel rank has pools of its own
-        self.pools, windows = [BlockPool(size.num_blocks) for _ in range(ranks)], size.num_window_blocks
-        self.window_pools = None if windows is None else [BlockPool(windows) for _ in range(ranks)]
-        self.pool, self.window_pool = self.pools[0], self.window_pools[0] if self.window_pools else None
         self.runner = setup.model_runner(
             model,
             config,
@@ -123,22 +112,11 @@ class Engine:
             checkpoint,
             eager_step,
         )
-        self.executor = Executor(self.runner, model, config, self.tp)
+        self.lora = setup.lora_registry(model, config)
+        self.executor = Executor(self.runner, model, config, self.tp, self.lora)
         self.tiers = setup.kv_tiers(config, model, self.layout, self.runner, dtype, checkpoint)
-        self.lora = self.executor.lora = setup.lora_registry(model, config)
-        if self.tp is not None:
-            self.tp.setup(
-                CacheSetup(
-                    config.block_size,
-                    self.layout.bounded_window,
-                    self.layout.packed_kv,
-                    dtype,
-                    size.num_blocks,
-                    config.max_num_seqs,
-                    size.num_window_blocks,
-                    count_expert_load=self.executor.eplb is not None and self.data_parallel,
-                )
-            )
+        if self.tp is not None:  # the worker ranks' caches, alike
+            setup.worker_caches(self.tp, config, self.layout, dtype, size, self.executor.eplb is not None)
         if self.runner.graphs is not None:
             # every bucket now, on this thread, before any step (and before the asynchronous
             # worker exists): a capture must never overlap the host preparing another step
@@ -151,24 +129,18 @@ class Engine:
             self.spec = setup.speculative_decoder(
                 config, drafter, self.layout, self.runner, self.max_model_len, lagged=platform_async
             )
-        schedulers = [
-            Scheduler(
-                config,
-                self.pools[rank],
-                self.layout.block_size,
-                config.max_num_seqs,
-                drafts_after_recompute=self.spec is not None and self.spec.rollback.drafts_after_recompute,
-                window_pool=self.window_pools[rank] if self.window_pools is not None else None,
-                window=self.layout.window,
-                tiers=self.tiers,
-            )
-            for rank in range(ranks)
-        ]
-        self.scheduler: Scheduler | DataParallelScheduler = (
-            DataParallelScheduler(schedulers) if self.data_parallel else schedulers[0]
+        routing = self.executor.routing
+        scheduling = setup.scheduling(
+            config,
+            self.layout,
+            size,
+            self.tiers,
+            drafts_after_recompute=self.spec is not None and self.spec.rollback.drafts_after_recompute,
+            block_published=routing.published if routing is not None else None,
         )
-        if self.executor.routing is not None:
-            schedulers[0].block_published = self.executor.routing.published
+        # the cache's block bookkeeping per data-parallel rank (the K/V tensors: ``runner.pools``)
+        self.scheduler, self.block_pools = scheduling.scheduler, scheduling.block_pools
+        self.window_block_pools = scheduling.window_block_pools
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.structured = StructuredRequests(tokenizer, self.vocab_size, self.eos_token_ids)
         self._ended: list[Request] = []  # ended outside a step (reported by the next one)
@@ -187,18 +159,22 @@ class Engine:
         )
         self._inflight: tuple[PreparedStep, Future] | None = None
         self._open_steps: list[list[ScheduledChunk]] = []  # scheduled, not yet processed
-        self.weights = WeightSync(model, follow_parameters)
+        repack = model.register_packed_projections if self.device.type == "cpu" and modes.compile else None
+        self.weights = WeightSync(model, follow_parameters, repack)
 
     def close(self) -> None:
-        """Stop the grammar compiler's thread, the KV tiers' threads (their queued writes done)
-        and the tensor-parallel workers."""
+        """Stop the grammar compiler's, the KV tiers' and the tensor-parallel workers' threads."""
         for part in (self.structured, self.tiers, self.tp):
             if part is not None:
                 part.close()
 
     @property
     def num_blocks(self) -> int:
-        return self.pool.num_blocks
+        return self.block_pools[0].num_blocks
+
+    def queues(self) -> tuple[list[Request], list[Request]]:
+        """Copies of the running and the waiting requests (safe to read on another thread)."""
+        return list(self.scheduler.running), list(self.scheduler.waiting)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -270,6 +246,11 @@ class Engine:
         cache is freed unpublished and the other requests go on."""
         self.processor.fail(request, error)
 
+    @property
+    def in_flight(self) -> bool:
+        """A step runs on the asynchronous worker."""
+        return self._inflight is not None
+
     def has_unfinished(self) -> bool:
         return (
             self.scheduler.num_unfinished > 0 or self._inflight is not None or bool(self.structured.compiling)
@@ -307,8 +288,7 @@ class Engine:
             prepared = self._schedule()
             if prepared is None:
                 return []
-            logits, features = self.executor.run(prepared, self.runner.input_ids(prepared))
-            updated = self._process(prepared, logits, features)
+            updated = self._process(prepared, self.executor.run(prepared, self.runner.input_ids(prepared)))
             self.executor.count_expert_load()
             return updated
         if self._inflight is None:
@@ -319,17 +299,16 @@ class Engine:
         assert self._inflight is not None
         current, future = self._inflight
         upcoming = self._schedule()  # overlaps with the running step
-        logits, features = future.result()
+        output = future.result()
         self._inflight = None
-        updated = self._process(current, logits, features)
+        updated = self._process(current, output)
         if upcoming is not None:
             self._launch(upcoming)
         self.executor.count_expert_load()
         return updated
 
     def _fail_open_steps(self, error: str) -> list[Request]:
-        """After a step raised: fail every request of the steps scheduled and not processed
-        (their computed counts moved ahead of what their caches hold)."""
+        """After a step raised: fail every request of the steps scheduled, not processed."""
         if self._inflight is not None:
             self._inflight[1].exception()  # the launched step must end before its blocks are freed
             self._inflight = None
@@ -346,15 +325,11 @@ class Engine:
         return list(reported.values())
 
     def _schedule(self) -> PreparedStep | None:
-        self.weights.before_step(self)
         self._admit_compiled()
         drafts = None
         if self.spec is not None:  # planned as data before the scheduler runs
-            sched = self.scheduler
-            ranks = sched.ranks if isinstance(sched, DataParallelScheduler) else [sched]
-            drafts = self.spec.step_drafts(
-                ranks, self.config.max_num_batched_tokens, self.structured.trim_draft
-            )
+            budget = self.config.max_num_batched_tokens
+            drafts = self.spec.step_drafts(self.scheduler.ranks, budget, self.structured.trim_draft)
         chunks = self.scheduler.schedule(drafts)
         if not chunks:
             return None
@@ -374,14 +349,37 @@ class Engine:
         input_ids = self.runner.input_ids(prepared)
         self._inflight = (prepared, self._worker.submit(self.executor.run, prepared, input_ids))
 
-    def _process(
-        self, prepared: PreparedStep, logits: torch.Tensor, features: torch.Tensor | None
-    ) -> list[Request]:
-        updated = self.processor.process(prepared, logits, features)
+    def _process(self, prepared: PreparedStep, output: StepOutput) -> list[Request]:
+        updated = self.processor.process(prepared, output)
         self._open_steps = [c for c in self._open_steps if c is not prepared.chunks]
         if self.tiers is not None:  # blocks that a step scheduled already writes wait for it
             self.tiers.flush(complete=not self._open_steps)
         return updated
+
+    # ---- between steps -----------------------------------------------------------------------
+
+    def forget_computed_cache(self) -> None:
+        """Nothing computed is read again: running requests recompute from their first token,
+        and no prefix cached in the pools, the tiers or the routing record is reused."""
+        self.scheduler.forget_computed()
+        if self.tiers is not None:
+            self.tiers.weights_changed()
+        if self.executor.routing is not None:
+            self.executor.routing.forget()
+
+    def metrics(self) -> list[Metric]:
+        """The cache's metrics now (``metrics_snapshot.py``)."""
+        return cache_metrics(self.block_pools, self.layout.block_size, self.tiers)
+
+    def memory_report(self) -> dict[str, Any]:
+        """The KV cache's bytes, allocated and in use (``memory.kv_cache_report``)."""
+        pools, windows, dp = self.block_pools, self.window_block_pools, self.config.data_parallel_size
+        return memory.kv_cache_report(self.layout, self.kv_dtype, self.runner.pools, pools, windows, dp)
+
+    def closed_batch(self) -> contextlib.AbstractContextManager[None]:
+        """No request arrives until the block ends (``LLM.generate``): the speculative decoder
+        plans for the batch it holds."""
+        return self.spec.closed() if self.spec is not None else contextlib.nullcontext()
 
     # ---- outputs --------------------------------------------------------------------------
 

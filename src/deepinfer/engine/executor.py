@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import NamedTuple
 
 import torch
 
-from deepinfer.cache.forward_batch import RoutingTrace
 from deepinfer.config import EngineConfig
 from deepinfer.distributed.eplb import (
     ExpertLoadWindow,
@@ -39,6 +39,14 @@ logger = logging.getLogger("deepinfer")
 StepResult = tuple[torch.Tensor, torch.Tensor | None]  # logits rows, the drafter's features
 
 
+class StepOutput(NamedTuple):
+    """What one step's forward hands the step processor."""
+
+    logits: torch.Tensor  # the rows ``PreparedStep.sample_rows`` and ``prompt_rows`` name
+    features: torch.Tensor | None = None  # the drafter's features (``feature_rows``)
+    forward_s: float | None = None  # the forward's wall time, where it is its cost (CPU)
+
+
 class Executor:
     """Runs prepared steps over the runner and, when there are several, the worker ranks."""
 
@@ -48,7 +56,9 @@ class Executor:
         model: CausalLM,
         config: EngineConfig,
         tp: TensorParallelGroup | None,
+        lora: LoraRegistry | None = None,
     ) -> None:
+        """``lora``: the served adapters (``enable_lora``), whose slots each row runs with."""
         self.runner = runner
         self.model = model
         self.config = config
@@ -65,17 +75,16 @@ class Executor:
             if config.enable_return_routed_experts
             else None
         )
-        self.lora: LoraRegistry | None = None  # enable_lora: the served adapters
+        self.lora = lora
 
-    def run(self, prepared: PreparedStep, input_ids: torch.Tensor) -> StepResult:
-        """Run a step. On the CPU its wall time is recorded in ``prepared.forward_s`` (there the
-        forward's wall time is its cost; the hardware verification schedule reads it)."""
+    def run(self, prepared: PreparedStep, input_ids: torch.Tensor) -> StepOutput:
+        """Run a step. On the CPU the output carries its wall time (there the forward's wall
+        time is its cost; the hardware verification schedule reads it)."""
         if self.runner.device.type != "cpu":
-            return self._run(prepared, input_ids)
+            return StepOutput(*self._run(prepared, input_ids))
         start = time.perf_counter()
-        out = self._run(prepared, input_ids)
-        prepared.forward_s = time.perf_counter() - start
-        return out
+        logits, features = self._run(prepared, input_ids)
+        return StepOutput(logits, features, time.perf_counter() - start)
 
     def _run(self, prepared: PreparedStep, input_ids: torch.Tensor) -> StepResult:
         if self.tp is None:
@@ -92,15 +101,12 @@ class Executor:
         """One forward on this rank, ``batch_invariant``'s products and the routing record
         as configured."""
         batch = prepared.batch
-        batch.invariant = self.config.batch_invariant
-        if self.routing is not None:
-            batch.routing = RoutingTrace()
         adapters = None
         if self.lora is not None and prepared.seq_chunks is not None:  # the rows' adapter slots
             lengths = [s.num_tokens for s in prepared.seq_chunks]
             rows = prepared.positions.shape[0]
             adapters = self.lora.step([c.request.lora for c in prepared.chunks], lengths, rows)
-        with invariant_products(self.config.batch_invariant), running_step(adapters):
+        with invariant_products(batch.invariant), running_step(adapters):
             out = self.runner.execute(prepared, input_ids)
         if self.routing is not None and batch.routing is not None and prepared.seq_chunks is not None:
             seq = prepared.seq_chunks

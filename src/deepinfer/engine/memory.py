@@ -297,16 +297,3 @@ def kv_cache_report(
         "data_parallel_size": data_parallel_size,
         **window,
     }
-
-
-def engine_kv_report(engine: Any) -> dict[str, Any]:
-    """``kv_cache_report`` of an ``Engine`` (``LLM.memory_report``); under data parallel per
-    rank, blocks in use summed."""
-    return kv_cache_report(
-        engine.layout,
-        engine.kv_dtype,
-        engine.runner.pools,
-        engine.pools,
-        engine.window_pools,
-        engine.config.data_parallel_size,
-    )

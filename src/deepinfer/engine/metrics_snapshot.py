@@ -4,29 +4,18 @@ disk tiers' hits, bytes moved, load time and errors."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
+
+from deepinfer.outputs import Metric
 
 if TYPE_CHECKING:
-    from deepinfer.engine.engine import Engine
+    from deepinfer.cache.tiers import KVTiers
+    from deepinfer.engine.block_pool import BlockPool
 
 
-@dataclass(frozen=True)
-class Metric:
-    """One series: a ``deepinfer:`` name, a counter (since the engine started) or a gauge
-    (now), its labels and value."""
-
-    name: str
-    kind: Literal["counter", "gauge"]
-    value: float
-    labels: dict[str, str] = field(default_factory=dict)
-    doc: str = ""
-
-
-def engine_metrics(engine: Engine) -> list[Metric]:
-    """The cache metrics of ``engine`` as they stand."""
-    bs = engine.layout.block_size
-    pools = engine.pools
+def cache_metrics(pools: list[BlockPool], bs: int, tiers: KVTiers | None) -> list[Metric]:
+    """The cache metrics as they stand: ``pools``, the device block pools (one per
+    data-parallel rank) of blocks of ``bs`` tokens; ``tiers``, the host and disk tiers."""
     out = [
         Metric(
             "deepinfer:kv_cache_usage_perc",
@@ -47,9 +36,9 @@ def engine_metrics(engine: Engine) -> list[Metric]:
             doc="Prompt tokens found in the device pool's prefix cache",
         ),
     ]
-    if engine.tiers is None:
+    if tiers is None:
         return out
-    s = engine.tiers.stats()
+    s = tiers.stats()
     for tier in ("host", "disk"):
         labels = {"tier": tier}
         out += [

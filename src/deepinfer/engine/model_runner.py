@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from deepinfer.cache.forward_batch import ForwardBatch
+from deepinfer.cache.forward_batch import ForwardBatch, RoutingTrace
 from deepinfer.cache.host_tensors import long_tensor
 from deepinfer.cache.pools import CacheLayout, allocate_pools
 from deepinfer.cache.step_chunks import SeqChunk, StepPadding
@@ -46,7 +46,6 @@ class PreparedStep:
     # data-parallel attention: each chunk's rank; positions and batch are rank 0's part only
     # (the other ranks build theirs from their seq_chunks)
     ranks: list[int] | None = None
-    forward_s: float | None = None  # the forward's wall time, where it is exact (CPU)
 
     def on_rank(self, rank: int) -> list[int]:
         """Indices of the chunks rank ``rank`` runs."""
@@ -81,6 +80,8 @@ class ModelRunner:
         compile_after_s: float | None = None,
         num_window_blocks: int | None = None,
         eager_step: Callable[..., Any] | None = None,
+        batch_invariant: bool = False,
+        record_routing: bool = False,
     ) -> None:
         """``ced_replay``: with CED prefill, how many trailing prompt tokens run the decoder.
         ``compile_model``: run the step through ``torch.compile`` (``deepinfer.compile.compilation``).
@@ -94,8 +95,12 @@ class ModelRunner:
         and with ``compile_after_s`` is compiled once such steps have taken that long.
         ``num_window_blocks``: the window pool's blocks when ``layout.bounded_window``.
         ``eager_step``: what an eager step calls instead of ``model.step`` (a platform's
-        backend, such as the CPU's one-call decode)."""
+        backend, such as the CPU's one-call decode). ``batch_invariant`` and
+        ``record_routing``: every step's ``ForwardBatch`` says so (``invariant``, a
+        ``RoutingTrace`` to record the MoE layers' choices in)."""
         self.model = model
+        self.batch_invariant = batch_invariant
+        self.record_routing = record_routing
         self.feature_offsets = feature_offsets
         self.ced_replay = ced_replay
         self.forward = eager_step or model.step
@@ -218,18 +223,43 @@ class ModelRunner:
             ranks = [c.dp_rank for c in chunks]
             local = [sc for sc, r in zip(seq_chunks, ranks, strict=True) if r == 0]
             padding = self.padding if local else self.idle_padding()
-            positions, batch = build_forward_batch(self.layout, self.pools, local, self.device, padding)
+            positions, batch = self._forward_batch(local, padding)
             return PreparedStep(
-                chunks, positions, batch, sample_rows, prompt_rows, None, None, seq_chunks, padding, ranks
+                chunks,
+                positions,
+                batch,
+                sample_rows,
+                prompt_rows,
+                seq_chunks=seq_chunks,
+                padding=padding,
+                ranks=ranks,
             )
         # steps that return draft features run outside the captured graphs
         use_graphs = self.graphs is not None and feature_rows is None
         bucket = self.graphs.bucket_for(seq_chunks) if use_graphs and self.graphs is not None else None
         padding = self.graphs.padding(bucket) if self.graphs is not None and bucket else self._step_padding()
-        positions, batch = build_forward_batch(self.layout, self.pools, seq_chunks, self.device, padding)
+        positions, batch = self._forward_batch(seq_chunks, padding)
         return PreparedStep(
-            chunks, positions, batch, sample_rows, prompt_rows, bucket, feature_rows, seq_chunks, padding
+            chunks,
+            positions,
+            batch,
+            sample_rows,
+            prompt_rows,
+            graph_bucket=bucket,
+            feature_rows=feature_rows,
+            seq_chunks=seq_chunks,
+            padding=padding,
         )
+
+    def _forward_batch(
+        self, seq_chunks: list[SeqChunk], padding: StepPadding | None
+    ) -> tuple[torch.Tensor, ForwardBatch]:
+        """Positions and the ``ForwardBatch`` of ``seq_chunks``, with this engine's per-step
+        switches in it."""
+        positions, batch = build_forward_batch(self.layout, self.pools, seq_chunks, self.device, padding)
+        batch.invariant = self.batch_invariant
+        batch.routing = RoutingTrace() if self.record_routing else None
+        return positions, batch
 
     def _step_padding(self) -> StepPadding | None:
         """Compiled steps need padded metadata; a step the saved-step wrapper will run

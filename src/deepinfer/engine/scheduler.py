@@ -97,6 +97,7 @@ class Scheduler:
         window_pool: BlockPool | None = None,
         window: int = 0,
         tiers: KVTiers | None = None,
+        block_published: Callable[[Request, int, bytes], None] | None = None,
     ) -> None:
         """``drafts_after_recompute``: a chunk that recomputes the last few accepted tokens after
         a rejection may carry drafts (when a rejection never rolls back past the chunk's own
@@ -106,7 +107,8 @@ class Scheduler:
         writes, gives older ones back (kept, hashed, as evictable prefix-cache entries), and
         takes a prefix hit only where the window before the hit is still cached. ``tiers``:
         host and disk tiers below the pool, which every published block is copied to and a
-        prefix hit continues into (``tier_hits``)."""
+        prefix hit continues into (``tier_hits``). ``block_published``: told of each block as
+        it is published, as (request, block index, prefix hash)."""
         self.config = config
         self.drafts_after_recompute = drafts_after_recompute
         self.pool = pool
@@ -116,12 +118,28 @@ class Scheduler:
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.window_pool = window_pool
         self.window = window
-        # told of each block as it is published: (request, block index, prefix hash)
-        self.block_published: Callable[[Request, int, bytes], None] | None = None
+        self.block_published = block_published
         self.tier_hits = None if tiers is None else TierHits(tiers, pool, window_pool, block_size, window)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+
+    @property
+    def ranks(self) -> list[Scheduler]:
+        """The per-rank schedulers (this one alone), as ``DataParallelScheduler.ranks``."""
+        return [self]
+
+    def forget_computed(self) -> None:
+        """Every running request computes again from its first token, tier loads under way
+        are dropped and the pools' prefix caches forget every block: nothing computed so far
+        is read again (the weights changed, or the cache's memory was given back)."""
+        for request in list(self.running):
+            self.preempt(request)
+        if self.tier_hits is not None:
+            self.tier_hits.drop_loads(self.waiting, self._release)
+        for pool in (self.pool, self.window_pool):
+            if pool is not None:
+                pool.reset_prefix_cache()
 
     @property
     def num_unfinished(self) -> int:

@@ -23,10 +23,14 @@ from deepinfer.cache.tiers.codec import BlockCodec
 from deepinfer.cache.tiers.fingerprint import checkpoint_fingerprint, module_fingerprint, namespace
 from deepinfer.config import EngineConfig
 from deepinfer.distributed.tensor_parallel import check_divisible
-from deepinfer.distributed.workers import TensorParallelGroup, parallel_mode, shard
+from deepinfer.distributed.workers import CacheSetup, TensorParallelGroup, parallel_mode, shard
+from deepinfer.engine.block_pool import BlockPool
 from deepinfer.engine.cpu_decode import OneCallDecode, one_call_decode
+from deepinfer.engine.dp_scheduler import DataParallelScheduler
 from deepinfer.engine.graph_runner import measure_step_memory
 from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.engine.request import Request
+from deepinfer.engine.scheduler import Scheduler
 from deepinfer.kernels.huge_pages import HugePageArena
 from deepinfer.lora.registry import LoraRegistry
 from deepinfer.models import prepare
@@ -232,6 +236,30 @@ def start_tensor_parallel(
     return group
 
 
+def worker_caches(
+    tp: TensorParallelGroup,
+    config: EngineConfig,
+    layout: CacheLayout,
+    dtype: torch.dtype,
+    size: CacheSize,
+    eplb: bool,
+) -> None:
+    """Every worker rank allocates the pools rank 0 has (``eplb``: and counts expert load,
+    under data parallel)."""
+    tp.setup(
+        CacheSetup(
+            config.block_size,
+            layout.bounded_window,
+            layout.packed_kv,
+            dtype,
+            size.num_blocks,
+            config.max_num_seqs,
+            size.num_window_blocks,
+            count_expert_load=eplb and config.data_parallel_size > 1,
+        )
+    )
+
+
 def drafter_for(model: CausalLM, config: EngineConfig) -> Drafter | None:
     """The drafter ``speculative_config`` asks for (None without speculative decoding)."""
     spec_config = config.speculative_config
@@ -349,6 +377,8 @@ def model_runner(
         compile_after_s=None if modes.compile_missing else config.cpu_compile_after_s,
         num_window_blocks=size.num_window_blocks,
         eager_step=eager_step,
+        batch_invariant=config.batch_invariant,
+        record_routing=config.enable_return_routed_experts,
     )
 
 
@@ -387,3 +417,44 @@ def kv_tiers(
         config.kv_disk_bytes,
         namespace(model_id, layout, dtype, codec.entry_bytes),
     )
+
+
+@dataclass
+class Scheduling:
+    """The block pools of every data-parallel rank and the scheduler over them."""
+
+    scheduler: Scheduler | DataParallelScheduler
+    block_pools: list[BlockPool]  # one per data-parallel rank
+    window_block_pools: list[BlockPool] | None  # likewise, with a bounded window cache
+
+
+def scheduling(
+    config: EngineConfig,
+    layout: CacheLayout,
+    size: CacheSize,
+    tiers: KVTiers | None,
+    drafts_after_recompute: bool,
+    block_published: Callable[[Request, int, bytes], None] | None,
+) -> Scheduling:
+    """One block pool (and window pool) and one scheduler per data-parallel rank, each rank's
+    cache its own; ``block_published`` hears of rank 0's published blocks (the routing record)."""
+    ranks = config.data_parallel_size
+    pools = [BlockPool(size.num_blocks) for _ in range(ranks)]
+    windows = size.num_window_blocks
+    window_pools = None if windows is None else [BlockPool(windows) for _ in range(ranks)]
+    schedulers = [
+        Scheduler(
+            config,
+            pools[rank],
+            layout.block_size,
+            config.max_num_seqs,
+            drafts_after_recompute=drafts_after_recompute,
+            window_pool=window_pools[rank] if window_pools is not None else None,
+            window=layout.window,
+            tiers=tiers,
+            block_published=block_published if rank == 0 else None,
+        )
+        for rank in range(ranks)
+    ]
+    scheduler = DataParallelScheduler(schedulers) if ranks > 1 else schedulers[0]
+    return Scheduling(scheduler, pools, window_pools)

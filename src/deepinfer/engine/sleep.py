@@ -14,15 +14,11 @@ from __future__ import annotations
 import ctypes
 import mmap
 import sys
-from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer.engine.memory import cache_tensors
+from deepinfer.models.base import CausalLM
 from deepinfer.models.layers.projection import projections
-
-if TYPE_CHECKING:
-    from deepinfer.engine.engine import Engine
 
 
 def release(t: torch.Tensor) -> None:
@@ -42,28 +38,23 @@ def release(t: torch.Tensor) -> None:
     flat[last - start :].zero_()
 
 
-def release_cache(engine: Engine) -> None:
-    """Zero ``engine``'s K/V pools and give their pages back to the system, forgetting every
-    cached prefix; refused while requests are unfinished."""
-    if engine.has_unfinished():
-        raise RuntimeError("sleep: requests are unfinished; let them finish or abort them first")
-    for tensor in cache_tensors(engine.runner.pools):
+def release_tensors(tensors: list[torch.Tensor]) -> None:
+    """``release`` each of ``tensors`` (the K/V pools' tensors: ``memory.cache_tensors``)."""
+    for tensor in tensors:
         release(tensor)
-    for pool in [*engine.pools, *(engine.window_pools or [])]:
-        pool.reset_prefix_cache()
 
 
-def release_weights(engine: Engine, params: bool) -> None:
+def release_weights(model: CausalLM, params: bool) -> None:
     """Give back the pages of the engine's own weight copies (fused, packed, quantized) and,
     with ``params``, of the model's parameters: each storage once, whole. The addresses stay;
     waking writes the values again in place (``LLM.wake_up``)."""
-    tensors: list[torch.Tensor] = list(engine.model.parameters()) if params else []
-    for projection in projections(engine.model):
+    tensors: list[torch.Tensor] = list(model.parameters()) if params else []
+    for projection in projections(model):
         if not projection.shares:
             tensors += [t for t in (projection.fused_weight, projection.fused_bias) if t is not None]
         if projection.engine is not None and not callable(getattr(projection.engine, "func", None)):
             tensors += [t for t in vars(projection.engine).values() if isinstance(t, torch.Tensor)]
-    owned = {p.untyped_storage().data_ptr() for p in engine.model.parameters()} if not params else set()
+    owned = {p.untyped_storage().data_ptr() for p in model.parameters()} if not params else set()
     seen: set[int] = set()
     for t in tensors:
         if t.layout != torch.strided or t.is_mkldnn:

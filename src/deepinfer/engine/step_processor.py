@@ -15,6 +15,7 @@ import time
 import torch
 
 from deepinfer.engine.dp_scheduler import DataParallelScheduler
+from deepinfer.engine.executor import StepOutput
 from deepinfer.engine.model_runner import PreparedStep
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import Request, Status
@@ -51,12 +52,11 @@ class StepProcessor:
 
     # ---- a step's results -----------------------------------------------------------------
 
-    def process(
-        self, prepared: PreparedStep, logits: torch.Tensor, features: torch.Tensor | None = None
-    ) -> list[Request]:
+    def process(self, prepared: PreparedStep, output: StepOutput) -> list[Request]:
         """Turn a finished step's logits into tokens: prompt logprobs, sampling, verification
         of drafted chunks, prefix-cache publishing, then the drafter's turn. Returns the
         requests that got tokens or ended."""
+        logits, features = output.logits, output.features
         chunks = prepared.chunks
         live = [(c, row) for c, row in zip(chunks, prepared.sample_rows, strict=True) if row >= 0]
         if self.counts_in_flight:
@@ -76,8 +76,8 @@ class StepProcessor:
         # published first, then trimmed: trimmed blocks stay cached
         self.scheduler.after_step([c.request for c in chunks])
         if spec is not None:
-            if prepared.forward_s is not None and all(c.num_tokens == 1 + len(c.draft) for c in chunks):
-                spec.observe_step(sum(c.num_tokens for c in chunks), prepared.forward_s)
+            if output.forward_s is not None and all(c.num_tokens == 1 + len(c.draft) for c in chunks):
+                spec.observe_step(sum(c.num_tokens for c in chunks), output.forward_s)
             featured = [
                 (c, rows)
                 for c, rows in zip(chunks, prepared.feature_rows or [], strict=False)

@@ -64,6 +64,7 @@ class AsyncLLM:
             )
         self.llm = llm
         self.engine = llm.engine
+        self.driver = llm.driver  # stepping, pausing and sleep: the same switches as ``LLM``'s
         self.max_queued_requests = max_queued_requests
         self._commands: queue.Queue[tuple[str, Any, Future | None]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
@@ -75,7 +76,6 @@ class AsyncLLM:
         self.shutting_down = False  # no new requests; running ones end by ``_drain_deadline``
         self._drain_deadline: float | None = None
         self.stats_callbacks: list[Any] = []  # called in the engine thread with each finished output
-        self.paused = False  # ``pause_generation``: commands are taken, no step runs
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -170,8 +170,12 @@ class AsyncLLM:
 
     def num_requests(self) -> tuple[int, int]:
         """(running, waiting) as the engine thread last left them."""
-        running = len(self.engine.scheduler.running)
+        running = len(self.engine.queues()[0])
         return running, max(0, len(self._streams) - running)
+
+    def queues(self) -> tuple[list[Any], list[Any]]:
+        """Copies of the engine's running and waiting requests."""
+        return self.engine.queues()
 
     # ---- engine thread --------------------------------------------------------------------
 
@@ -190,7 +194,7 @@ class AsyncLLM:
         while not self._stopping and not self._until():
             if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
                 self._end_all(ShuttingDownError("the server is shutting down; this request was ended"))
-            if not self.engine.has_unfinished() or self.paused:  # idle: wait for a command
+            if not self.engine.has_unfinished() or self.driver.paused:  # idle: wait for a command
                 try:
                     self._apply(self._commands.get(timeout=0.5))
                 except queue.Empty:
@@ -200,7 +204,7 @@ class AsyncLLM:
                     self._apply(self._commands.get_nowait())
                 except queue.Empty:
                     break
-            if self.engine.has_unfinished() and not self.paused:
+            if self.engine.has_unfinished() and not self.driver.paused:
                 self._step()
 
     def _apply(self, command: tuple[str, Any, Future | None]) -> None:
@@ -245,7 +249,7 @@ class AsyncLLM:
 
     def _step(self) -> None:
         try:
-            updated = self.engine.step()
+            updated = self.driver.step()
         except Exception as exc:  # the engine's own isolation failed: fail what was in flight
             logger.exception("engine step failed")
             self._end_all(RuntimeError(f"engine step failed: {exc}"))

@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from deepinfer.chat import ChatFormat
-from deepinfer.engine.metrics_snapshot import Metric
 from deepinfer.llm import LLM
 from deepinfer.lora.registry import LoraRegistry
 from deepinfer.lora.request import LoRARequest
-from deepinfer.outputs import RequestOutput
+from deepinfer.outputs import Metric, RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.async_llm import AsyncLLM
 
@@ -230,12 +229,6 @@ class LocalEngineClient:
         llm, loop = self._llm, self._async_llm
 
         def run() -> Any:
-            if action == "pause_generation":
-                loop.paused = True  # between steps: the step in progress has ended
-                return None
-            if action == "continue_generation":
-                loop.paused = False
-                return None
             if action in ("is_sleeping", "weight_version"):
                 return getattr(llm, action)
             return getattr(llm, action)(**options)
@@ -246,7 +239,7 @@ class LocalEngineClient:
 
     @property
     def _registry(self) -> LoraRegistry | None:
-        return self._llm.engine.lora
+        return self._llm.lora_registry
 
     def _require_lora(self) -> LoraRegistry:
         registry = self._registry
@@ -299,9 +292,8 @@ class LocalEngineClient:
         registry = self._registry
         if registry is None:
             return None
-        scheduler = self._llm.engine.scheduler
-        # copies first: the engine thread moves requests between these while a scrape reads
-        running, waiting = list(scheduler.running), list(scheduler.waiting)
+        # copies: the engine thread moves requests between these while a scrape reads
+        running, waiting = self._async_llm.queues()
         return LoraLoad(
             len(registry.adapters),
             registry.running([r.lora for r in running]),

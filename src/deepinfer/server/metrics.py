@@ -15,8 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.core import Metric as Metric_
 from prometheus_client.registry import Collector
 
-from deepinfer.engine.metrics_snapshot import Metric
-from deepinfer.outputs import RequestOutput
+from deepinfer.outputs import Metric, RequestOutput
 
 if TYPE_CHECKING:
     from deepinfer.server.engine_client import LoraLoad

@@ -13,7 +13,8 @@ bias, pending ``min_tokens`` or logprobs); others decode one token per step as b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -171,10 +172,19 @@ class SpeculativeDecoder:
         self._accepted_end: dict[str, int] = {}  # this step's verified chunks: accepted positions
         self.adaptive = AdaptiveDrafting() if config.adaptive else None
         self.step_cost = StepCostFit()  # the engine's own decode/verify step times (CPU)
-        # set by LLM.generate while it runs: the requests the engine holds are all there will
+        # inside ``closed()`` (LLM.generate): the requests the engine holds are all there will
         # be until they finish, so the batch's end is what counts, not any one request's
         self.closed_batch = False
         self._shadow_trials: dict[str, list[Draft]] = {}  # paused requests: drafts being scored
+
+    @contextlib.contextmanager
+    def closed(self) -> Iterator[None]:
+        """A closed batch for the block: no request arrives until it ends."""
+        self.closed_batch = True
+        try:
+            yield
+        finally:
+            self.closed_batch = False
 
     # -- scheduling (called by the scheduler) -------------------------------------------
 
