@@ -36,7 +36,7 @@ def _scoring(scores: Node) -> tuple[str, Node] | None:
         if is_op(sub, aten.sub.Tensor) and is_op(sub.args[1], aten.amax.default):
             if sub.args[1].args[0] is sub.args[0] and is_op(scores.args[1], aten.sum.dim_IntList):
                 return "softmax", sub.args[0]
-    if is_op(scores, aten._softmax.default):
+    if is_op(scores, torch.ops.aten._softmax.default):
         return "softmax", scores.args[0]
     return None
 

@@ -69,11 +69,25 @@ def _register_cuda_kernels() -> None:
     (checked here, not on CPU-only machines, where importing Triton only costs time)."""
     if not torch.cuda.is_available():
         return
-    from deepinfer.kernels.quantized_triton import fp8_block_linear_triton, routed_experts_fp4_triton, triton
+    from deepinfer.kernels.quantized_triton import fp8_block_linear_triton, triton
 
     if triton is not None:
         fp8_block_linear.register_kernel("cuda")(fp8_block_linear_triton)
         routed_experts_fp4.register_kernel("cuda")(routed_experts_fp4_triton)
+
+
+def routed_experts_fp4_triton(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    *packed_and_limit,
+) -> torch.Tensor:
+    """``deepinfer::routed_experts_fp4`` (same arguments) with each active expert's three
+    matmuls in ``quantized_triton.fp4_linear_triton`` (the weights never dequantized in memory)."""
+    from deepinfer.kernels.quantized_triton import fp4_linear_triton
+
+    *packed, limit = packed_and_limit
+    return fp4_expert_loop(x, weights, ids, tuple(packed), limit, fp4_linear_triton)
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:

@@ -129,20 +129,6 @@ def fp4_linear_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
     return out.to(x.dtype)
 
 
-def routed_experts_fp4_triton(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    *packed_and_limit,
-) -> torch.Tensor:
-    """``deepinfer::routed_experts_fp4`` (same arguments) with each active expert's three
-    matmuls in ``fp4_linear_triton`` (the weights never dequantized in memory)."""
-    from deepinfer.kernels.quantized import fp4_expert_loop
-
-    *packed, limit = packed_and_limit
-    return fp4_expert_loop(x, weights, ids, tuple(packed), limit, fp4_linear_triton)
-
-
 def fp8_block_linear_triton(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int
 ) -> torch.Tensor:

@@ -161,3 +161,230 @@ def test_a_cycle_hidden_in_a_function_is_found(tmp_path):
     assert cycles(edges) == [["engine", "models"]]
     assert "models/base.py:3" in edges[("models", "engine")][0]
     assert upward_imports(edges) == [f"models -> engine: {edges[('models', 'engine')][0]}"]
+
+
+# ---- file level ---------------------------------------------------------------------------
+
+
+def module_edges(sources: dict[str, Path]) -> Edges:
+    """(importer module, imported module) -> the import sites, between the modules of
+    ``sources`` (an import of a module's own package is no edge: Python runs the package
+    first whatever the module imports)."""
+    modules = module_files(sources)
+    edges: Edges = defaultdict(list)
+    for module, file in modules.items():
+        for target, line in imported_modules(module, file):
+            if target in modules and target != module and not module.startswith(target + "."):
+                where = file.relative_to(ROOT) if file.is_relative_to(ROOT) else file
+                edges[(module, target)].append(f"{where}:{line}")
+    return edges
+
+
+def test_modules_form_no_cycle_at_file_level():
+    """Two files that import each other, anywhere in their bodies, are one unit in two
+    files: the layering test above folds them into packages and would not see it."""
+    edges = module_edges(SOURCES)
+    assert ("deepinfer.engine.engine", "deepinfer.engine.scheduler") in edges  # the parser sees imports
+    found = cycles(edges)
+    assert not found, "file-level import cycles:\n" + "\n".join(_explain(edges, c) for c in found)
+
+
+def test_a_file_level_cycle_inside_one_package_is_found(tmp_path):
+    """Mutation check of the file-level test: two engine files that import each other (one
+    only under TYPE_CHECKING) form a cycle the package-level graph cannot show."""
+    engine = tmp_path / "deepinfer" / "engine"
+    engine.mkdir(parents=True)
+    for init in (tmp_path / "deepinfer" / "__init__.py", engine / "__init__.py"):
+        init.write_text("")
+    (engine / "loop.py").write_text("from deepinfer.engine.sync import WeightSync\n")
+    (engine / "sync.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from deepinfer.engine.loop import Engine\n"
+    )
+    sources = {"deepinfer": tmp_path / "deepinfer"}
+    assert cycles(first_level_edges(sources)) == []
+    assert cycles(module_edges(sources)) == [["deepinfer.engine.loop", "deepinfer.engine.sync"]]
+
+
+# ---- private attributes -----------------------------------------------------------------
+
+
+def private_names_defined(file: Path) -> set[str]:
+    """The ``_name``s ``file`` defines: module-level and class-level names, methods, and
+    attributes it assigns on ``self`` or ``cls``."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(file.read_text(), str(file))):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in ("self", "cls")
+        ):
+            names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+# privates of other projects that a name of ours shares, read on their objects
+THIRD_PARTY_PRIVATES = {"_version"}  # torch.Tensor's version counter (in-place writes)
+
+
+def module_aliases(tree: ast.AST, package: str, modules: dict[str, Path]) -> tuple[dict[str, Path], set[str]]:
+    """The names a file binds to modules of ours (-> their files), and the names it binds to
+    anything imported from elsewhere (``torch``, ``aten``, ``ctypes``)."""
+    ours: dict[str, Path] = {}
+    foreign: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                bound = alias.asname or alias.name.split(".")[0]
+                (
+                    ours.__setitem__(bound, modules[alias.name])
+                    if alias.name in modules
+                    else foreign.add(bound)
+                )
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                bound, full = alias.asname or alias.name, f"{base}.{alias.name}"
+                if full in modules:
+                    ours[bound] = modules[full]
+                elif not base.startswith("deepinfer"):
+                    foreign.add(bound)
+    return ours, foreign
+
+
+def _root_name(node: ast.expr) -> str | None:
+    while isinstance(node, ast.Attribute | ast.Call | ast.Subscript):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def foreign_private_reads(sources: dict[str, Path]) -> list[str]:
+    """Every ``obj._name`` (obj not ``self``/``cls``) that reads or sets state another part
+    owns: a private of another module of ours (``gemv._library``), or, on any other object,
+    a ``_name`` some other file of ``sources`` defines and this file does not. Reads on
+    objects of other projects (``torch._dynamo``, ``aten._softmax``) are their contract."""
+    modules = module_files(sources)
+    defined = {file: private_names_defined(file) for file in modules.values()}
+    ours = set().union(*defined.values()) - THIRD_PARTY_PRIVATES
+    found = []
+    for module, file in modules.items():
+        tree = ast.parse(file.read_text(), str(file))
+        package = module if file.name == "__init__.py" else module.rpartition(".")[0]
+        aliases, foreign = module_aliases(tree, package, modules)
+        for node in ast.walk(tree):
+            if (
+                not isinstance(node, ast.Attribute)
+                or not node.attr.startswith("_")
+                or node.attr.startswith("__")
+            ):
+                continue
+            value = node.value
+            if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+                continue
+            if isinstance(value, ast.Name) and value.id in aliases:
+                wrong = aliases[value.id] != file  # a module of ours: its privates are its own
+            else:
+                wrong = (
+                    node.attr in ours and node.attr not in defined[file] and _root_name(value) not in foreign
+                )
+            if wrong:
+                where = file.relative_to(ROOT) if file.is_relative_to(ROOT) else file
+                found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_no_part_reads_another_parts_private_attributes():
+    """Each piece of state has one owner; others ask it through its public operations."""
+    found = foreign_private_reads(SOURCES)
+    assert not found, "private attributes read outside their owner:\n" + "\n".join(found)
+
+
+def test_a_private_read_from_outside_is_found(tmp_path):
+    """Mutation check: a helper that reads the engine's ``_inflight``, or another module's
+    ``_library`` (though it has one of its own), is reported; the engine reading its own,
+    and third-party privates, are not."""
+    pkg = tmp_path / "deepinfer"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "engine.py").write_text(
+        "class Engine:\n    def __init__(self):\n        self._inflight = None\n"
+        "    def busy(self):\n        return self._inflight is not None\n"
+    )
+    (pkg / "kernel.py").write_text("def _library():\n    return None\n")
+    (pkg / "sync.py").write_text(
+        "import torch\nfrom deepinfer import kernel\n\ndef _library():\n    return None\n\n"
+        "def apply(engine, t):\n    return engine._inflight, t._version, torch._dynamo, kernel._library()\n"
+    )
+    sync = pkg / "sync.py"
+    assert foreign_private_reads({"deepinfer": pkg}) == [
+        f"{sync}:8 engine._inflight",
+        f"{sync}:8 kernel._library",
+    ]
+
+
+# ---- the map's import table -------------------------------------------------------------
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def documented_edges(markdown: str) -> dict[str, set[str]]:
+    """The import table of docs/architecture.md ("Layers and import directions"): the
+    ``text`` block's ``unit -> a, b`` lines (an indented line goes on with the targets,
+    ``#`` starts a comment, ``nothing`` is no target)."""
+    section = markdown.split("## Layers and import directions", 1)[1]
+    block = section.split("```text\n", 1)[1].split("```", 1)[0]
+    table: dict[str, set[str]] = {}
+    unit = None
+    for raw in block.splitlines():
+        line = raw.split("#", 1)[0].rstrip()
+        if not line:
+            continue
+        if not raw[0].isspace():
+            unit, _, line = line.partition("->")
+            unit = unit.split("(")[0].strip()
+            table.setdefault(unit, set())
+        assert unit is not None, f"a continuation line before any unit: {raw!r}"
+        targets = {t.strip() for t in line.split(",") if t.strip() and t.strip() != "nothing"}
+        table[unit] |= targets
+    return table
+
+
+def table_mismatch(doc: dict[str, set[str]], edges: Edges) -> list[str]:
+    """How the documented table differs from the code's first-level import graph."""
+    code: dict[str, set[str]] = defaultdict(set)
+    for a, b in edges:
+        code[a].add(b)
+        code.setdefault(b, set())
+    out = [
+        f"not in the table: {a} -> {b} ({edges[(a, b)][0]})"
+        for a in code
+        for b in code[a] - doc.get(a, set())
+    ]
+    out += [f"in the table, not the code: {a} -> {b}" for a in doc for b in doc[a] - code.get(a, set())]
+    out += [f"a unit in one only: {u}" for u in set(code) ^ set(doc)]
+    return sorted(out)
+
+
+def test_the_maps_import_table_is_the_import_graph():
+    """docs/architecture.md lists every first-level unit and exactly the units it imports."""
+    wrong = table_mismatch(documented_edges(ARCHITECTURE.read_text()), first_level_edges(SOURCES))
+    assert not wrong, "docs/architecture.md's import table is not the code's:\n" + "\n".join(wrong)
+
+
+def test_a_wrong_table_is_caught():
+    """Mutation check: the table without one of its edges, or with one the code lacks, fails."""
+    text, edges = ARCHITECTURE.read_text(), first_level_edges(SOURCES)
+    assert "engine" in documented_edges(text)["llm"]
+    dropped = text.replace(
+        "\nllm -> chat, config, distributed, engine, ", "\nllm -> chat, config, distributed, ", 1
+    )
+    assert dropped != text and table_mismatch(documented_edges(dropped), edges)
+    added = text.replace("\nerrors -> nothing", "\nerrors -> engine", 1)
+    assert added != text and table_mismatch(documented_edges(added), edges)

@@ -209,8 +209,7 @@ for m, n, k, bn, bk in ((1, 70, 96, 32, 32), (37, 300, 200, 128, 128), (5, 64, 6
         late = torch.cat([s[1:], s[-1:]])
         bad = ((fp8_block_linear_triton(x, q, late, bn, bk).float() - ref).abs().max() / ref.abs().max()).item()
         assert bad > 10 * tol or n <= bn, (m, n, k, dt, bad)
-from deepinfer.kernels.quantized import routed_experts_fp4
-from deepinfer.kernels.quantized_triton import routed_experts_fp4_triton
+from deepinfer.kernels.quantized import routed_experts_fp4, routed_experts_fp4_triton
 from deepinfer.weights.quant import quantize_fp4
 experts, hidden, inter = 3, 64, 96
 packed = {}

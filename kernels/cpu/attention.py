@@ -25,7 +25,7 @@ import torch
 from deepinfer.kernels import batch_invariant, kv_int8
 from deepinfer.kernels.cpu import build, fp8
 
-_ENTRY = {dtype: f"decode_attention_{name}" for dtype, name in fp8.POOL_NAMES.items()}
+ENTRY = {dtype: f"decode_attention_{name}" for dtype, name in fp8.POOL_NAMES.items()}
 
 
 @functools.cache
@@ -33,7 +33,7 @@ def _library() -> ctypes.CDLL | None:
     lib = build.load(build.source("attention.cpp"))
     if lib is not None:
         args = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
-        for name in _ENTRY.values():
+        for name in ENTRY.values():
             build.bind(lib, name, args)
     return lib
 
@@ -72,7 +72,7 @@ def decode_attention(
     rows = decode_rows.contiguous()
     kv = decode_kv.contiguous()
     valid = decode_valid.contiguous()
-    getattr(lib, _ENTRY[k_pool.dtype])(
+    getattr(lib, ENTRY[k_pool.dtype])(
         qf.data_ptr(),
         k_pool.data_ptr(),
         v_pool.data_ptr(),

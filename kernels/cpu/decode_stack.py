@@ -94,11 +94,11 @@ def _functions(pool_dtype: torch.dtype) -> torch.Tensor:
         _address(norm_act._library(), "add_rms_norm_f32"),
         _address(norm_act._library(), "silu_mul_f32"),
         _address(rope_store._library(), f"rope_store_f32_{p}"),
-        _address(attention._library(), attention._ENTRY[pool_dtype]),
+        _address(attention._library(), attention.ENTRY[pool_dtype]),
         _address(int4_vnni._library(), "gemm_i4_i8") if int4_vnni.available() else 0,
         _address(packed_gemm._library(), "packed_gemm_f32"),
         _address(packed_gemm._library(), "packed_gemm_i8"),
-        _address(prefill_attention._library(), prefill_attention._ENTRY[pool_dtype]),
+        _address(prefill_attention._library(), prefill_attention.ENTRY[pool_dtype]),
     ]
     return torch.tensor(addresses, dtype=torch.int64)
 

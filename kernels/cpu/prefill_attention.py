@@ -26,7 +26,7 @@ import torch
 from deepinfer.kernels import batch_invariant, kv_int8
 from deepinfer.kernels.cpu import build, fp8
 
-_ENTRY = {dtype: f"prefill_attention_{name}" for dtype, name in fp8.POOL_NAMES.items()}
+ENTRY = {dtype: f"prefill_attention_{name}" for dtype, name in fp8.POOL_NAMES.items()}
 ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
 
 
@@ -34,7 +34,7 @@ ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctype
 def _library() -> ctypes.CDLL | None:
     lib = build.load(build.source("prefill_attention.cpp"))
     if lib is not None:
-        for name in _ENTRY.values():
+        for name in ENTRY.values():
             build.bind(lib, name, ARGTYPES)
         build.bind(lib, "prefill_attention_width", []).restype = ctypes.c_int64
     return lib
@@ -79,7 +79,7 @@ def prefill_attention(
     qf = q.float().contiguous()
     spans = span_meta.to(torch.int64).contiguous()
     rows = span_kv_rows.to(torch.int64).contiguous()
-    getattr(lib, _ENTRY[k_pool.dtype])(
+    getattr(lib, ENTRY[k_pool.dtype])(
         qf.data_ptr(),
         k_pool.data_ptr(),
         v_pool.data_ptr(),
