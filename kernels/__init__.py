@@ -1,7 +1,9 @@
 """Custom ops (import name ``deepinfer.kernels``), each registered with ``torch.library``: a
 schema, a fake implementation for tracing, a PyTorch reference implementation that runs on
 every device, and a faster implementation where one exists (CUDA kernels registered per
-device type; Triton when installed). Importing the package registers every op.
+device type; Triton when installed).
+
+Importing the package registers these six:
 
 | op | what | faster implementation |
 |---|---|---|
@@ -11,7 +13,17 @@ device type; Triton when installed). Importing the package registers every op.
 | ``paged_attention`` | Llama: decode rows + causal prefill spans over paged K/V | |
 | ``rejection_sample`` | speculative verification: acceptance + residual sampling | |
 | ``sinkhorn`` | mHC doubly-stochastic projection | CPU: NumPy loop |
-| ``cpu_linear`` | the engine's CPU projections inside a compiled step (the weight's packed copy) | CPU: ``cpu.packed_gemm`` |
+
+The module that calls each of the other six imports it, which registers it:
+
+| op | module | what |
+|---|---|---|
+| ``sink_attention_rows`` | ``sink_attention_rows.py`` | the attention core row by row (CPU compiled steps) |
+| ``indexer_topk`` | ``indexer_topk.py`` | the CSA indexer's scores and top-k |
+| ``rope`` | ``rope.py`` | rotary embedding of the rope dimensions |
+| ``fp8_block_linear`` | ``quantized.py`` | a linear over fp8 weights with block scales (CUDA: Triton) |
+| ``routed_experts_fp4`` | ``quantized.py`` | the routed experts over fp4 weights (CUDA: Triton) |
+| ``cpu_linear`` | ``weight_only.py`` | the engine's CPU projections inside a compiled step (``cpu.packed_gemm``) |
 
 The C++ CPU kernels (``deepinfer.kernels.cpu``: packed projections, int4 GEMMs, paged
 attention, RoPE with the cache writes, norms, a Llama decode stack, experts, and the compiled
