@@ -78,7 +78,7 @@ def reference(
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     lib = build.load(build.source("indexer_topk.cpp"))
     if lib is not None:
         fn = build.bind(
@@ -158,7 +158,7 @@ def indexer_topk(
     entries (E < topk) the last columns repeat its first entry, not visible. So the width is
     ``topk`` whatever E is, and a compiled step traced at E >= topk also serves E < topk."""
     # opaque to torch.compile: the C++ kernel on fp32 CPU tensors, else the reference
-    lib = _library() if takes(q, keys, weights) else None
+    lib = library() if takes(q, keys, weights) else None
     if lib is not None:
         return _cpp(lib, q, keys, entry_idx, entry_valid, weights, topk, scale)
     rows, picked = reference(q, keys, entry_idx, entry_valid, weights, topk, scale)

@@ -40,7 +40,7 @@ DEFINES = {"SINKHORN_BLOCK": BLOCK, "SINKHORN_THREADED_COUNT": THREADED_COUNT}
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     lib = build.load(build.source("sinkhorn.cpp"), build.define_flags(DEFINES))
     if lib is not None:
         build.bind(
@@ -74,7 +74,7 @@ def sinkhorn_op(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     mHC site do not unroll into the traced graph (they are per-op overhead, not math)."""
     if comb.device.type == "cpu" and comb.dtype == torch.float32:
         comb = comb.contiguous()
-        lib = _library()
+        lib = library()
         if lib is not None:
             return _cpp(comb, iters, eps, lib)
         return _numpy(comb, iters, eps)

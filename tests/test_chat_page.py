@@ -112,7 +112,10 @@ def served(tmp_path_factory):
 @pytest.fixture(scope="module")
 def browser():
     if not Path(CHROMIUM).exists():
-        message = f"no Chromium at {CHROMIUM}: apt-get install chromium (CI installs it)"
+        message = (
+            f"no Chromium at {CHROMIUM} (apt-get install chromium, or DEEPINFER_CHROMIUM=PATH); "
+            "skipped unless DEEPINFER_BROWSER_TESTS=required, which CI sets and the README's command does not"
+        )
         if os.environ.get("DEEPINFER_BROWSER_TESTS") == "required":
             pytest.fail(message)
         pytest.skip(message)

@@ -203,7 +203,9 @@ def _result(out) -> Result:
 def _generate(llm: LLM, work: Workload, indices: list[int]) -> dict[int, Result]:
     outs = llm.generate([work.prompts[i] for i in indices], [work.params(i) for i in indices], use_tqdm=False)
     engine = llm.engine
-    assert engine.block_pools[0].num_free == engine.num_blocks or engine.config.enable_prefix_caching, "blocks leaked"
+    assert engine.block_pools[0].num_free == engine.num_blocks or engine.config.enable_prefix_caching, (
+        "blocks leaked"
+    )
     return {i: _result(o) for i, o in zip(indices, outs, strict=True)}
 
 
@@ -253,7 +255,9 @@ def engine_modes(ckpt: Path, work: Workload, **options) -> dict[str, dict[int, R
     _generate(cached, work, work.order)  # fills the cache
     runs["cached"] = _generate(cached, work, list(range(n)))
     if max(len(p) for p in work.prompts) > block:  # a hit leaves at least one token to compute
-        assert cached.engine.block_pools[0].hit_blocks > 0, "the second pass found nothing in the prefix cache"
+        assert cached.engine.block_pools[0].hit_blocks > 0, (
+            "the second pass found nothing in the prefix cache"
+        )
     return runs
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 
+import kernel_builds
 import pytest
 import torch
 import torch._dynamo.testing
@@ -15,7 +16,6 @@ from deepinfer.kernels import kv_int8, kv_rotation, weight_only
 from deepinfer.kernels.cpu import attention as cpu_attention
 from deepinfer.kernels.cpu import build as cpu_build
 from deepinfer.kernels.cpu import decode_stack as cpu_decode_stack
-from deepinfer.kernels.cpu import gemv as cpu_gemv
 from deepinfer.kernels.cpu import norm_act as cpu_norm_act
 from deepinfer.kernels.cpu import packed_gemm as cpu_packed_gemm
 from deepinfer.kernels.cpu import prefill_attention as cpu_prefill_attention
@@ -56,11 +56,19 @@ def _int8_head(d: int, dtype: torch.dtype) -> int:
 pytestmark = pytest.mark.usefixtures("two_threads")  # the kernels' threaded paths, at any -n
 
 
-def test_the_kernels_build_here():
-    """CI machines have the C++ compiler Inductor needs; a build failure must not pass quietly
-    as a fallback."""
-    assert cpu_gemv.available() and cpu_packed_gemm.available()
-    assert cpu_attention._library() is not None
+@pytest.mark.parametrize("name", kernel_builds.kernel_sources())
+def test_the_kernels_build_here(name: str, monkeypatch: pytest.MonkeyPatch):
+    """CI machines have the C++ compiler Inductor needs, and every ``.cpp`` beside
+    ``build.py`` builds in each build that reads it (the modules naming it: its ``ctypes``
+    library, the op library compiling it in): a build failure must not pass quietly as a
+    fallback."""
+    assert cpu_build.compiler() is not None, "no C++ compiler: the kernels fall back to PyTorch's"
+    modules = kernel_builds.builders(name)
+    assert modules, f"no module builds {name}"
+    for module in modules:
+        built = kernel_builds.builds_of(module, name, monkeypatch)
+        assert built, f"{module} names {name} but built no library from it"
+        kernel_builds.require(all(built), f"{name} (built by {module})")
 
 
 def _gemm_case(seed: int, rows: int, n: int, k: int, bias: bool):
@@ -647,10 +655,10 @@ def test_a_broken_decode_stack_is_caught(tmp_path, mutation):
     assert source != cpu_build.source("decode_stack.cpp")
     broken = cpu_build.load(source)
     cpu_build.bind(broken, "llama_decode_stack", cpu_decode_stack._ARGS)
-    real = cpu_decode_stack._library
-    cpu_decode_stack._library = lambda: broken
+    real = cpu_decode_stack.library
+    cpu_decode_stack.library = lambda: broken
     try:
         assert _greedy(llm, prompts) != fused
     finally:
-        cpu_decode_stack._library = real
+        cpu_decode_stack.library = real
     assert _greedy(llm, prompts) == fused

@@ -16,8 +16,15 @@ from deepinfer.kernels.cpu import build as cpu_build
 from deepinfer.kernels.cpu import linear_op as cpu_linear_op
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_builds import needs_compiler, require
 
-pytestmark = pytest.mark.skipif(not cpu_linear_op.available(), reason="no C++ compiler for the op")
+pytestmark = needs_compiler
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _the_op_built() -> None:
+    """A compile error fails these tests; only a machine without a compiler skips them."""
+    require(cpu_linear_op.available(), "the packed-linear op")
 
 
 @settings(max_examples=40, deadline=None)

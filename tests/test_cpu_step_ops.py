@@ -19,8 +19,15 @@ from deepinfer.kernels.cpu import moe as cpu_moe
 from deepinfer.kernels.cpu import step_ops as cpu_step_ops
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_builds import needs_compiler, require
 
-pytestmark = pytest.mark.skipif(not cpu_step_ops.available(), reason="no C++ compiler for the ops")
+pytestmark = needs_compiler
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _the_ops_built() -> None:
+    """A compile error fails these tests; only a machine without a compiler skips them."""
+    require(cpu_step_ops.available(), "the C++ step ops")
 
 
 def _experts(gen: torch.Generator, e: int, d: int, inter: int) -> tuple[torch.Tensor, ...]:

@@ -14,8 +14,17 @@ from deepinfer.kernels import indexer_topk
 from deepinfer.kernels.cpu import step_ops as cpu_step_ops
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_builds import needs_compiler, require
 
-pytestmark = pytest.mark.skipif(indexer_topk._library() is None, reason="no C++ compiler for the kernel")
+pytestmark = needs_compiler
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _the_kernels_built() -> None:
+    """Both builds of the kernel (its ``ctypes`` library and the step op) are tested: a compile
+    error fails these tests; only a machine without a compiler skips them."""
+    require(indexer_topk.library() is not None, "the indexer top-k kernel")
+    require(cpu_step_ops.available(), "the C++ step ops")
 
 
 def _inputs(seed: int, t: int, h: int, d: int, e: int, n: int, exact: bool, visible: float):
@@ -35,11 +44,9 @@ def _inputs(seed: int, t: int, h: int, d: int, e: int, n: int, exact: bool, visi
     return q, keys, idx, valid, weights
 
 
-def _ops():
-    ops = [indexer_topk.indexer_topk]
-    if cpu_step_ops.available():
-        ops.append(torch.ops.deepinfer.indexer_topk_cpu)
-    return ops
+def _ops() -> list:
+    """The ``ctypes`` kernel behind the Python op, and the step op compiling the same source."""
+    return [indexer_topk.indexer_topk, torch.ops.deepinfer.indexer_topk_cpu]
 
 
 @settings(max_examples=60, deadline=None)

@@ -6,7 +6,7 @@ import contextlib
 
 import pytest
 import torch
-from deepinfer.kernels.sinkhorn import BLOCK, THREADED_COUNT, _cpp, _library, _numpy, reference, sinkhorn
+from deepinfer.kernels.sinkhorn import BLOCK, THREADED_COUNT, _cpp, _numpy, library, reference, sinkhorn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,7 +37,7 @@ def test_sinkhorn_paths_match_reference(count, n, iters, spread, seed):
     logits = torch.randn(count, n, n, generator=torch.Generator().manual_seed(seed)) * spread
     ref = reference(logits, iters, 1e-6)
     assert torch.allclose(_numpy(logits, iters, 1e-6), ref, atol=2e-6)
-    lib = _library()
+    lib = library()
     assert lib is not None  # CI has a compiler: the C++ path must be the one tested
     assert torch.allclose(_cpp(logits, iters, 1e-6, lib), ref, atol=2e-6)
     assert torch.allclose(sinkhorn(logits, iters, 1e-6), ref, atol=2e-6)
@@ -48,7 +48,7 @@ def test_sinkhorn_mutation_is_caught():
     logits = torch.randn(8, 4, 4, generator=torch.Generator().manual_seed(3)) * 3
     wrong = reference(logits, 20, 1e-6)
     wrong = wrong / (wrong.sum(dim=-1, keepdim=True) + 1e-6)
-    assert not torch.allclose(_cpp(logits, 20, 1e-6, _library()), wrong, atol=2e-6)
+    assert not torch.allclose(_cpp(logits, 20, 1e-6, library()), wrong, atol=2e-6)
 
 
 def test_sinkhorn_rows_do_not_depend_on_the_batch():
@@ -62,7 +62,7 @@ def test_sinkhorn_threaded_blocks_match_one_thread(extra, seed):
     """From ``THREADED_COUNT`` matrices the blocks split over the threads: every matrix,
     the partial last block's included, keeps the one-thread bits and the definition's values."""
     logits = torch.randn(THREADED_COUNT + extra, 4, 4, generator=torch.Generator().manual_seed(seed)) * 3
-    lib = _library()
+    lib = library()
     threaded = _cpp(logits, 20, 1e-6, lib)
     with torch_threads(1):
         alone = _cpp(logits, 20, 1e-6, lib)

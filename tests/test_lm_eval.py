@@ -15,16 +15,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lm_eval  # a dev dependency: a broken install fails here rather than skipping the file
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from live_server import LiveServer
 
-pytest.importorskip("lm_eval")
-
-from live_server import LiveServer  # noqa: E402
-
-from deepinfer import SamplingParams  # noqa: E402
-from deepinfer.weights.catalog import resolve_model  # noqa: E402
+from deepinfer import SamplingParams
+from deepinfer.weights.catalog import resolve_model
 
 TOL = 1e-4
 NAME = "smol"
@@ -125,8 +123,6 @@ def env(tmp_path_factory):
 
 
 def evaluate(model, env, tasks: list[str], **kwargs) -> dict:
-    import lm_eval
-
     folder, manager, _ = env
     return lm_eval.simple_evaluate(
         model=model, tasks=tasks, task_manager=manager, log_samples=True, bootstrap_iters=0, **kwargs

@@ -4,7 +4,9 @@ request alone.
 References: SmolLM2 and a tiny Llama run in transformers wrapped by PEFT (unmerged, and merged
 with ``merge_and_unload``); the tiny DeepSeek-V4 with adapters on attention, compressors,
 indexers, shared and routed experts runs in transformers' own DeepseekV4ForCausalLM on the
-merged weights, and in deepinfer's research module wrapped by PEFT (unmerged).
+merged weights, and in deepinfer's research module wrapped by PEFT (unmerged); the tiny
+V4.1 runs in the independent dense reference (``tests/v41_reference.py``, which reads the
+checkpoint itself) on the merged weights, and in the research module wrapped by PEFT.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from lora_adapters import (
     random_lora_config,
 )
 from safetensors.torch import load_file, save_file
+from v41_reference import read_checkpoint, reference_logits
 
 from deepinfer import LLM, LoRARequest, SamplingParams, load_model
 from deepinfer.tiny import make_tiny_checkpoint
@@ -41,10 +44,15 @@ def _greedy(max_tokens: int) -> SamplingParams:
 def _check_against(reference: torch.nn.Module, prompt: list[int], out, tol: float = TOL) -> None:
     """``out``'s greedy tokens are the reference's argmax at every position, and its logprobs
     equal the reference's within ``tol``."""
-    tokens = out.outputs[0].token_ids
     with torch.no_grad():
-        logits = reference(torch.tensor([prompt + tokens])).logits[0].float()
-    logprobs = logits.log_softmax(-1)[len(prompt) - 1 : -1]
+        logits = reference(torch.tensor([prompt + out.outputs[0].token_ids])).logits[0].float()
+    _check_logits(logits, prompt, out, tol)
+
+
+def _check_logits(logits: torch.Tensor, prompt: list[int], out, tol: float = TOL) -> None:
+    """``_check_against`` given the reference's logits [S, V] over the prompt and the output."""
+    tokens = out.outputs[0].token_ids
+    logprobs = logits.float().log_softmax(-1)[len(prompt) - 1 : -1]
     assert logprobs.argmax(-1).tolist() == tokens
     ours = torch.tensor([out.outputs[0].logprobs[k][t].logprob for k, t in enumerate(tokens)])
     theirs = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
@@ -251,22 +259,42 @@ def test_v4_adapters_on_experts_match_merged_weights_and_peft(v4_ckpt, hf_refere
     assert kinds == {"module", "expert"}
 
 
-def test_v41_adapters_match_the_peft_wrapped_research_module(v41_ckpt, tmp_path):
+def test_v41_adapters_match_the_reference_on_merged_weights(v41_ckpt, tmp_path):
     """V4.1 (shared-KV attention, Engram, two-level indexer): an adapter on every target the
-    registry finds, served beside the base model, equals the PEFT-wrapped research module."""
+    registry finds, served beside the base model, equals the independent dense reference
+    (``v41_reference``, which reads the checkpoint itself and shares no code with the engine)
+    run on a checkpoint with ``W + scale * B @ A`` written into its weights, with V4.1's QAT
+    rounding as the engine applies it by default; and the PEFT-wrapped research module (the
+    LoRA arithmetic against PEFT's)."""
     from deepinfer.lora.targets import find_targets
 
     research = load_model(v41_ckpt)
+    assert research.config.fake_quant  # what the reference is run with below
     targets = sorted({name.rsplit(".", 1)[1] for name in find_targets(research)})
     config = {"r": 3, "lora_alpha": 6, "target_modules": targets, "init_lora_weights": False}
     peft_model = make_adapter(research, tmp_path / "ad", config, seed=4, b_scale=0.5)
+    merged = merged_checkpoint(Path(v41_ckpt), tmp_path / "ad", tmp_path / "merged")
+    # the merge reached every adapted module (it skips a name the checkpoint lacks)
+    adapted = sum(
+        k.endswith("lora_A.weight") for k in load_file(str(tmp_path / "ad" / "adapter_model.safetensors"))
+    )
+    base, written = _tensors(Path(v41_ckpt)), _tensors(merged)
+    assert adapted > 0 and sum(not torch.equal(base[k], written[k]) for k in base) == adapted
+    reference = read_checkpoint(merged)
     llm = LLM(v41_ckpt, enable_lora=True)
     request = LoRARequest("v41", 1, str(tmp_path / "ad"))
     prompts = [[5, 17, 99, 3, 42, 7, 8, 9], [200, 4, 61]]
     outs = llm.generate(prompts * 2, _greedy(8), lora_request=[request] * 2 + [None] * 2)
     for prompt, out in zip(prompts, outs[:2], strict=True):
+        ids = torch.tensor([prompt + out.outputs[0].token_ids])
+        _check_logits(reference_logits(reference, ids, fake_quant=True)[0], prompt, out)
         _check_against(peft_model, prompt, out)
     assert [o.outputs[0].token_ids for o in outs[:2]] != [o.outputs[0].token_ids for o in outs[2:]]
+
+
+def _tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint's safetensors files, by name."""
+    return {k: v for f in sorted(checkpoint.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
 
 
 # ---- bad input -------------------------------------------------------------------------

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.cache.pools import CacheLayout
 from deepinfer.cli import main
 from deepinfer.engine.memory import GIB, plan, pool_bytes, weight_bytes
 from deepinfer.models.registry import resolve
-from deepinfer.models.released_configs import RELEASED_CONFIGS, V4_FLASH
+from deepinfer.models.released_configs import V4_FLASH
 from deepinfer.tiny import make_tiny_checkpoint
 
 
@@ -84,16 +86,36 @@ def test_the_allocation_check_sees_a_miscounted_block(tmp_path, monkeypatch):
     assert allocated_bytes_per_token(path, (8, 16)) == honest != planned.kv_bytes_per_token
 
 
+def _checkpoint_values(path: Path) -> int:
+    """Values stored in the checkpoint's safetensors files (read from their headers)."""
+    total = 0
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            total += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return total
+
+
 def test_sequences_that_fit_is_the_memory_left_after_the_weights(tmp_path):
-    model, cfg = _meta(RELEASED_CONFIGS["deepseek-v4.1-flash"])
-    base = plan(model, cfg.quantization, 65536, tensor_parallel_size=8)
-    for k in (0, 1, 7):
-        memory = base.weight_bytes_per_device + k * base.kv_bytes_per_sequence
-        got = plan(
-            model, cfg.quantization, 65536, tensor_parallel_size=8, memory_bytes=memory, utilization=1.0
-        )
-        assert got.sequences_that_fit == k
-        assert got.cache_tokens_that_fit >= k * 65536
+    """The count is worked out here from the checkpoint and its config alone, not from the
+    plan's own fields: weights are the checkpoint's values at 2 bytes each (bf16, as the plan
+    assumes for an unquantized checkpoint; the tied head is stored once), a cached token costs
+    K and V x layers x KV heads x head size x 2 bytes, a sequence holds its ``ceil(len / 16)``
+    blocks of 16 tokens, and ``(budget x utilization - weights) // sequence bytes`` fit."""
+    path = make_tiny_checkpoint(tmp_path, "llama")
+    raw = json.loads((path / "config.json").read_text())
+    model, _ = _meta(raw)
+    max_len = 1000  # not a whole number of blocks: the last one is partly used
+    weights = 2 * _checkpoint_values(path)
+    per_token = 2 * raw["num_hidden_layers"] * raw["num_key_value_heads"] * raw["head_dim"] * 2
+    per_sequence = math.ceil(max_len / 16) * 16 * per_token
+    budgets = [weights - 1, weights, weights + per_sequence - 1, weights + per_sequence]
+    budgets.append(weights + 7 * per_sequence + per_sequence // 2)
+    for budget in budgets:
+        for utilization in (1.0, 0.9):
+            got = plan(model, None, max_len, memory_bytes=budget, utilization=utilization)
+            assert got.weight_bytes_per_device == weights
+            assert got.kv_bytes_per_sequence == per_sequence
+            assert got.sequences_that_fit == max(0, (int(budget * utilization) - weights) // per_sequence)
 
 
 def test_memory_report_counts_blocks_in_use(tmp_path):

@@ -150,6 +150,68 @@ def test_processors_follow_their_definitions():
     assert out[2] == 0.5 and out[3] == 3.0
 
 
+def _bias_by_loop(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The definition: each entry added on its own, then min_tokens and penalties as usual."""
+    out = logits.float().clone()
+    for i, row in enumerate(rows):
+        for token, bias in row.params.logit_bias.items():
+            out[i, token] += bias
+    plain = [
+        SamplingRow(
+            SamplingParams(**{**_fields(r.params), "logit_bias": {}}),
+            None,
+            r.prompt_ids,
+            r.output_ids,
+            r.eos_ids,
+        )
+        for r in rows
+    ]
+    return apply_processors(out, plain)
+
+
+def _fields(p: SamplingParams) -> dict:
+    return {
+        f: getattr(p, f)
+        for f in (
+            "min_tokens",
+            "max_tokens",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+            "stop_token_ids",
+        )
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_logit_bias_tensors_equal_the_per_entry_loop(dtype):
+    """Bias added as one index_add_ per row gives bit for bit the per-entry additions, in a
+    batch with rows of other biases, none, and penalties after it."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = 500
+    logits = (torch.randn(4, vocab, generator=gen) * 10).to(dtype)
+    ids = torch.randperm(vocab, generator=gen)
+    big = {int(t): float(v) for t, v in zip(ids[:480], torch.randn(480, generator=gen) * 50, strict=True)}
+    params = [
+        SamplingParams(logit_bias=big, max_tokens=8, min_tokens=4, stop_token_ids=[int(ids[0])]),
+        SamplingParams(),
+        SamplingParams(logit_bias={7: 1e39, 9: -0.1}, repetition_penalty=1.7, frequency_penalty=0.5),
+        SamplingParams(logit_bias={int(ids[1]): 3.0}, presence_penalty=-1.0),
+    ]
+    rows = [SamplingRow(p, None, [1, 2, 3], [4, 4, int(ids[0])], [5]) for p in params]
+    expected = _bias_by_loop(logits, rows)
+    assert torch.equal(apply_processors(logits, rows), expected)
+    assert torch.equal(apply_processors(logits, rows), expected)  # the tensors are reused
+
+
+def test_the_per_entry_loop_check_can_fail():
+    """The comparison above sees a bias that lands on the wrong token."""
+    logits = torch.zeros(1, 10)
+    row = SamplingRow(SamplingParams(logit_bias={3: 1.0}), None, [], [], [])
+    row.bias = (torch.tensor([4]), torch.tensor([1.0]))
+    assert not torch.equal(apply_processors(logits, [row]), _bias_by_loop(logits, [row]))
+
+
 def test_seeded_rows_ignore_their_neighbours():
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(5))
     params = SamplingParams(temperature=1.0, seed=11)

@@ -56,6 +56,17 @@ def test_logit_bias_is_clamped_to_openais_range():
     assert p.logit_bias == {1: 100.0, 2: -100.0, 3: 5.0, 4: -100.0}
 
 
+def test_logit_bias_has_a_cap_on_entries():
+    from deepinfer.sampling_params import MAX_LOGIT_BIAS_ENTRIES
+
+    assert MAX_LOGIT_BIAS_ENTRIES >= 262_144  # every token of the largest vocabulary served
+    assert len(SamplingParams(logit_bias=dict.fromkeys(range(MAX_LOGIT_BIAS_ENTRIES), 1.0)).logit_bias) == (
+        MAX_LOGIT_BIAS_ENTRIES
+    )
+    with pytest.raises(ValueError, match="^logit_bias may have at most 300000 entries, got 300001$"):
+        SamplingParams(logit_bias=dict.fromkeys(range(MAX_LOGIT_BIAS_ENTRIES + 1), 1.0))
+
+
 def test_no_accepted_extreme_makes_a_distribution_nan():
     """The extremes each setting accepts, together, on logits of a wide range: finite."""
     import torch

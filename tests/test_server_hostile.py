@@ -42,7 +42,14 @@ BASE = {"model": NAME, "prompt": "The capital of France is", "max_tokens": 2, "t
 @pytest.fixture(scope="module")
 def hostile():
     llm = LLM("smollm2-135m", max_num_seqs=8, max_model_len=256)
-    app = build_app(llm, NAME, max_queued_requests=16, limits=LIMITS)
+    app = build_app(
+        llm,
+        NAME,
+        max_queued_requests=16,
+        limits=LIMITS,
+        enable_rl_endpoints=True,
+        allow_runtime_lora_updating=True,
+    )
     live = LiveServer(app, http=header_timeout_protocol(LIMITS.header_timeout_s))
     client = httpx.Client(base_url=live.url, timeout=120, headers={"content-type": "application/json"})
     yield live, client, llm
@@ -350,17 +357,30 @@ def test_a_prompt_no_context_could_hold_is_refused_before_tokenizing(hostile):
     assert_still_serving(live, client, llm)
 
 
-def test_an_abandoned_request_is_aborted(hostile):
+def test_an_abandoned_request_is_aborted(hostile, monkeypatch):
     """A non-streamed request whose client hangs up is aborted (its blocks freed) long
-    before its max_tokens would have run out."""
+    before its max_tokens would have run out: the engine's abort sees it with far fewer
+    tokens than asked for."""
     live, client, llm = hostile
-    body = {**BASE, "max_tokens": 240, "ignore_eos": True, "prompt": "Hi"}
+    aborted: list[int] = []
+    engine_abort = llm.engine.abort
+
+    def spy(request_id: str) -> None:
+        req = llm.engine.requests.get(request_id)
+        if req is not None:
+            aborted.append(len(req.output_token_ids))
+        engine_abort(request_id)
+
+    monkeypatch.setattr(llm.engine, "abort", spy)
+    max_tokens = 240
+    body = {**BASE, "max_tokens": max_tokens, "ignore_eos": True, "prompt": "Hi"}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{live.url}{DONE}", json=body, timeout=httpx.Timeout(120, read=1.0))
+        httpx.post(f"{live.url}{DONE}", json=body, timeout=httpx.Timeout(120, read=0.5))
     left = time.perf_counter()
-    while llm.engine.requests and time.perf_counter() - left < 5:
+    while (llm.engine.requests or not aborted) and time.perf_counter() - left < 10:
         time.sleep(0.02)
     assert not llm.engine.requests, "the abandoned request still runs"
+    assert len(aborted) == 1 and aborted[0] < max_tokens // 2, (aborted, "ran to its end, not aborted")
     assert_still_serving(live, client, llm)
 
 
@@ -472,3 +492,264 @@ def test_sigterm_ends_running_streams_with_an_error_event_and_done():
             server.kill()
     assert code == 0, server.stderr[-2000:]
     assert "Traceback" not in server.stderr
+
+
+# ---- cross-site requests -------------------------------------------------------------------
+
+EVIL = "http://evil.example"
+FORM = {"content-type": "application/x-www-form-urlencoded"}
+# every route that changes state, with a body its handler would take
+CONTROL = [
+    ("/sleep?level=1", {}),
+    ("/sleep?level=2", {}),
+    ("/wake_up", {}),
+    ("/pause_generation", {}),
+    ("/continue_generation", {}),
+    ("/update_weights_from_disk", {"model_path": "/nonexistent"}),
+    ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/nonexistent"}),
+    ("/v1/unload_lora_adapter", {"lora_name": "x"}),
+]
+GENERATION = [
+    (DONE, {**BASE, "max_tokens": 1}),
+    (CHAT, {"model": NAME, "messages": USER, "max_tokens": 1}),
+    ("/tokenize", {"model": NAME, "prompt": "x"}),
+    ("/detokenize", {"model": NAME, "tokens": [1]}),
+]
+
+
+def hostile_posts(path: str, body: dict, auth: dict) -> list[tuple[str, dict, bytes, tuple[int, ...]]]:
+    """(what, headers, body, refusals) a page of another site (or a browser form) can send.
+    A browser sends a form with no preflight; Origin and Sec-Fetch-Site say whose page sent it."""
+    raw = json.dumps(body).encode()
+    control = path.split("?")[0] not in {p for p, _ in GENERATION}
+    return [
+        ("empty form, foreign Origin", {**auth, **FORM, "origin": EVIL}, b"", (403,)),
+        ("form, foreign Origin", {**auth, **FORM, "origin": EVIL}, b"a=1", (403,)),
+        ("JSON, foreign Origin", {**auth, "content-type": "application/json", "origin": EVIL}, raw, (403,)),
+        ("JSON, Origin null", {**auth, "content-type": "application/json", "origin": "null"}, raw, (403,)),
+        (
+            "JSON, other port",
+            {**auth, "content-type": "application/json", "origin": "http://127.0.0.1:1"},
+            raw,
+            (403,),
+        ),
+        ("form, Sec-Fetch-Site cross-site", {**auth, **FORM, "sec-fetch-site": "cross-site"}, b"", (403,)),
+        (
+            "JSON, Sec-Fetch-Site same-site",
+            {**auth, "content-type": "application/json", "sec-fetch-site": "same-site"},
+            raw,
+            (403,),
+        ),
+        # without Origin (a browser of old, a plugin): a form is still no JSON
+        ("empty form, no Origin", {**auth, **FORM}, b"", (415,) if control else (400,)),
+        (
+            "text/plain JSON, no Origin",
+            {**auth, "content-type": "text/plain"},
+            raw,
+            (415,) if control else (400,),
+        ),
+    ]
+
+
+def assert_awake_and_generating(base: str, auth: dict, body: dict) -> None:
+    """Not asleep, not paused, weights and adapters as they were: a completion runs at once."""
+    with httpx.Client(base_url=base, headers=auth, timeout=20) as c:
+        assert c.get("/is_sleeping").json() == {"is_sleeping": False}
+        r = c.post(DONE, json=body)  # a paused or sleeping engine: a timeout or 503
+        assert r.status_code == 200, r.text[:300]
+        assert c.get("/get_weight_version").status_code == 200
+
+
+def send_hostile(base: str, path: str, body: dict, auth: dict) -> list[str]:
+    """Each hostile POST to ``path``; the ones not refused as they must be."""
+    wrong = []
+    with httpx.Client(base_url=base, timeout=30) as c:
+        for what, headers, raw, refusals in hostile_posts(path, body, auth):
+            r = c.post(path, content=raw, headers=headers)
+            if r.status_code not in refusals or set(r.json()["error"]) != {
+                "message",
+                "type",
+                "param",
+                "code",
+            }:
+                wrong.append(f"{what}: {r.status_code} {r.text[:120]}")
+    return wrong
+
+
+@pytest.mark.parametrize("path,body", CONTROL + GENERATION)
+def test_a_cross_site_post_is_refused_and_changes_nothing(hostile, path, body):
+    """The control routes (served here) refuse a post from another site's page (403), and
+    a form without Origin (415); the generation routes refuse both too. The server is then
+    still awake, unpaused, and serving."""
+    live, client, llm = hostile
+    assert send_hostile(live.url, path, body, {}) == []
+    assert_awake_and_generating(live.url, {}, BASE)
+    assert_still_serving(live, client, llm)
+
+
+def test_the_servers_own_page_may_post(hostile):
+    """The guard refuses only foreign sites: the server's own origin (its chat page) and
+    clients that send no Origin pass; an empty JSON body is fine for a control route."""
+    live, client, llm = hostile
+    own = {"origin": live.url, "sec-fetch-site": "same-origin", "content-type": "application/json"}
+    assert client.post("/pause_generation", headers=own).json() == {"success": True}
+    assert client.post("/continue_generation", content=b"", headers=own).json() == {"success": True}
+    host = {**own, "origin": f"http://localhost:{live.port}", "host": f"localhost:{live.port}"}
+    assert client.post(DONE, json=BASE, headers=host).status_code == 200
+    r = client.post(CHAT, json={"model": NAME, "messages": USER, "max_tokens": 1}, headers=own)
+    assert r.status_code == 200
+    assert_awake_and_generating(live.url, {}, BASE)
+
+
+TINY_PROMPT = {"model": "tiny", "prompt": [5, 9, 17, 33], "max_tokens": 2, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    """A tiny model served with an API key and the control routes."""
+    from deepinfer.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), arch="llama", seed=3)
+    live = LiveServer(
+        build_app(LLM(ckpt), "tiny", api_key="k", enable_rl_endpoints=True, allow_runtime_lora_updating=True)
+    )
+    yield live
+    live.stop()
+
+
+def test_the_right_key_from_a_foreign_site_is_still_refused(keyed):
+    """With --api-key, a page that somehow holds the key still cannot post from its site."""
+    auth = {"authorization": "Bearer k"}
+    wrong = []
+    for path, body in CONTROL + GENERATION[:2]:
+        body = {**body, "model": "tiny"} if "model" in body else body
+        wrong += [f"{path}: {w}" for w in send_hostile(keyed.url, path, body, auth)]
+    assert wrong == []
+    assert_awake_and_generating(keyed.url, auth, TINY_PROMPT)
+    own = {**auth, "origin": keyed.url, "content-type": "application/json"}
+    assert httpx.post(f"{keyed.url}/pause_generation", headers=own).json() == {"success": True}
+    assert httpx.post(f"{keyed.url}/continue_generation", headers=own).json() == {"success": True}
+    assert (
+        httpx.post(f"{keyed.url}/pause_generation", headers={**own, "authorization": "Bearer x"}).status_code
+        == 401
+    )
+
+
+def test_the_control_routes_are_absent_without_their_flags(keyed, tmp_path):
+    """Without enable_rl_endpoints / allow_runtime_lora_updating every control route is a
+    404, even to a well-formed same-origin JSON request; with them, each is there."""
+    from deepinfer.tiny import make_tiny_checkpoint
+
+    gets = ["/is_sleeping", "/get_weight_version"]
+    ckpt = make_tiny_checkpoint(tmp_path, arch="llama", seed=3)
+    plain = LiveServer(build_app(LLM(ckpt), "tiny"))
+    try:
+        for base, auth, absent in ((plain.url, {}, True), (keyed.url, {"authorization": "Bearer k"}, False)):
+            with httpx.Client(base_url=base, headers=auth, timeout=30) as c:
+                statuses = {p: c.post(p, json=b).status_code for p, b in CONTROL if "level=2" not in p}
+                statuses |= {p: c.get(p).status_code for p in gets}
+                if absent:
+                    assert set(statuses.values()) == {404}, statuses
+                else:
+                    assert 404 not in statuses.values(), statuses
+                    c.post("/continue_generation", json={})
+                    c.post("/wake_up", json={})
+        assert_awake_and_generating(keyed.url, {"authorization": "Bearer k"}, TINY_PROMPT)
+        r = httpx.post(f"{plain.url}{DONE}", json=TINY_PROMPT, timeout=30)
+        assert r.status_code == 200, r.text
+    finally:
+        plain.stop()
+
+
+def test_serve_takes_the_control_plane_flags():
+    from deepinfer.cli.parser import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "m"])
+    assert not args.enable_rl_endpoints and not args.allow_runtime_lora_updating
+    args = parser.parse_args(["serve", "m", "--enable-rl-endpoints", "--allow-runtime-lora-updating"])
+    assert args.enable_rl_endpoints and args.allow_runtime_lora_updating
+
+
+# ---- one request's logit_bias ----------------------------------------------------------------
+
+
+def stream_gaps(url: str, body: dict, gaps: list[float], limit: int, deadline_s: float) -> None:
+    """The arrival gaps of a stream's token events, until ``limit`` gaps or ``deadline_s``."""
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()[:300]
+        last = None
+        end = time.perf_counter() + deadline_s
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            now = time.perf_counter()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+            if len(gaps) >= limit or now > end:
+                return
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def test_a_huge_logit_bias_does_not_slow_the_stream_beside_it(hostile):
+    """A 49,000-entry logit_bias (nearly SmolLM2's whole vocabulary) costs one tensor
+    addition per step: a stream beside it keeps its median inter-token gap within 1.5x of
+    its gap alone, and of the gap it has beside a twin whose logit_bias has one entry (the
+    same batch, the same processing path; only the bias's size differs). Medians over 35
+    gaps, measured several times each, alternated, the best of each taken, keep a loaded
+    machine's noise out."""
+    live, client, llm = hostile
+    url = f"{live.url}{DONE}"
+    stream = {
+        "model": NAME,
+        "prompt": "Once upon a time",
+        "max_tokens": 70,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    bias = {str(t): 0.5 for t in range(49_000)}
+    other = {**BASE, "prompt": "Hello", "max_tokens": 180, "ignore_eos": True, "temperature": 0.0}
+
+    def beside(body: dict, started: threading.Event, stop: threading.Event) -> None:
+        """A stream read until ``stop``; leaving it then aborts the request."""
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
+            assert r.status_code == 200, r.read()[:300]
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+                if stop.is_set():
+                    return
+
+    def gap_beside(extra: dict | None) -> float:
+        started, stop = threading.Event(), threading.Event()
+        thread = threading.Thread(target=beside, args=({**other, **(extra or {})}, started, stop))
+        if extra is not None:
+            thread.start()
+            assert started.wait(60), "the request beside did not start"
+        gaps: list[float] = []
+        try:
+            stream_gaps(url, stream, gaps, limit=40, deadline_s=6)
+        finally:
+            stop.set()
+            if extra is not None:
+                thread.join(timeout=120)
+        return median(gaps[5:])
+
+    alone = min(gap_beside(None) for _ in range(2))
+    twins, biases = [], []
+    for _ in range(4):  # alternated: a machine that slows for a while slows both alike
+        twins.append(gap_beside({"logit_bias": {"0": 0.5}}))
+        biases.append(gap_beside({"logit_bias": bias}))
+    twin, biased = min(twins), min(biases)
+    print(
+        f"median gap alone {alone * 1e3:.1f} ms, beside a one-entry bias {[round(g * 1e3, 1) for g in twins]} ms, "
+        f"beside the 49,000-entry bias {[round(g * 1e3, 1) for g in biases]} ms"
+    )
+    assert biased <= 1.5 * alone, (alone, twin, biased)  # what a user sees
+    assert biased <= 1.5 * twin, (alone, twin, biased)  # the bias's size, apart from the processing path
+    assert_still_serving(live, client, llm)

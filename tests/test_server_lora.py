@@ -98,7 +98,12 @@ def expected(files) -> dict[str, str]:
 def served(files, expected):
     """One server for the module, serving ``a1`` from the start."""
     app = build_app(
-        LLM(files["ckpt"], **ENGINE), NAME, api_key=KEY, lora_modules=[LoraModule("a1", files["a1"])]
+        LLM(files["ckpt"], **ENGINE),
+        NAME,
+        api_key=KEY,
+        lora_modules=[LoraModule("a1", files["a1"])],
+        enable_rl_endpoints=True,
+        allow_runtime_lora_updating=True,
     )
     live = LiveServer(app)
     client = httpx.Client(base_url=live.url, headers=AUTH, timeout=60)
@@ -231,7 +236,7 @@ def _metric_lines(client: httpx.Client) -> list[str]:
 
 def _paused(client: httpx.Client, model: str, results: list) -> threading.Thread:
     """Pause the engine and queue a completion with ``model``; the caller continues."""
-    assert client.post("/pause_generation").status_code == 200
+    assert client.post("/pause_generation", json={}).status_code == 200
     worker = threading.Thread(target=lambda: results.append(_text(client, model)))
     worker.start()
     return worker
@@ -257,7 +262,7 @@ def test_metrics_count_loaded_and_queued_adapters(served, files, expected):
         (info,) = [m for m in lines if m.startswith("deepinfer:lora_requests_info{")]
         assert 'max_lora="2"' in info and 'running_lora_adapters=""' in info
     finally:
-        served.post("/continue_generation")
+        served.post("/continue_generation", json={})
         worker.join(timeout=60)
     assert results == [expected["a2"]]
     assert _unload(served, "a2").status_code == 200
@@ -272,7 +277,7 @@ def test_a_request_queued_before_an_unload_finishes_with_its_adapter(served, fil
         _wait_for(lambda: any('waiting_lora_adapters="a2"' in m for m in _metric_lines(served)), "queued")
         assert _unload(served, "a2").status_code == 200  # between steps, while paused
     finally:
-        served.post("/continue_generation")
+        served.post("/continue_generation", json={})
         worker.join(timeout=60)
     assert results == [expected["a2"]]
     assert "a2" not in _models(served)
@@ -288,7 +293,7 @@ def test_the_adapter_routes_take_the_key(served, files):
 
 
 def test_a_server_without_enable_lora_refuses_adapters(files):
-    live = LiveServer(build_app(LLM(files["ckpt"]), NAME))
+    live = LiveServer(build_app(LLM(files["ckpt"]), NAME, allow_runtime_lora_updating=True))
     try:
         client = httpx.Client(base_url=live.url, timeout=60)
         for resp in (_load(client, "a1", files["a1"]), _unload(client, "a1")):

@@ -1,7 +1,7 @@
-"""The RL control endpoints of ``deepinfer serve`` over HTTP: the API key guards them, a
-weight update from disk lands between steps (completions then equal a server of the new
-checkpoint's, and ``/get_weight_version`` moves on), a bad update answers 400 and changes
-nothing, a completion waits while generation is paused and finishes after
+"""The RL control endpoints of ``deepinfer serve --enable-rl-endpoints`` over HTTP: the API
+key guards them, a weight update from disk lands between steps (completions then equal a
+server of the new checkpoint's, and ``/get_weight_version`` moves on), a bad update answers
+400 and changes nothing, a completion waits while generation is paused and finishes after
 ``/continue_generation``, and a sleeping engine answers 503 until it wakes."""
 
 from __future__ import annotations
@@ -26,8 +26,11 @@ PROMPT = [5, 9, 17, 33, 2, 8, 40, 41]
 def served(tmp_path_factory):
     old = make_tiny_checkpoint(tmp_path_factory.mktemp("old"), arch="llama", seed=3)
     new = make_tiny_checkpoint(tmp_path_factory.mktemp("new"), arch="llama", seed=4)
-    live = LiveServer(build_app(LLM(old), "tiny", api_key=KEY))
-    client = httpx.Client(base_url=live.url, headers=AUTH, timeout=120)
+    live = LiveServer(build_app(LLM(old), "tiny", api_key=KEY, enable_rl_endpoints=True))
+    # the control endpoints take only JSON, an empty body included
+    client = httpx.Client(
+        base_url=live.url, headers={**AUTH, "content-type": "application/json"}, timeout=120
+    )
     reference = LiveServer(build_app(LLM(new), "tiny", api_key=KEY))  # serves the new weights
     expected = _complete(httpx.Client(base_url=reference.url, headers=AUTH, timeout=120))
     reference.stop()

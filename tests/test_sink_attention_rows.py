@@ -16,11 +16,18 @@ from deepinfer.kernels.cpu import step_ops as cpu_step_ops
 from deepinfer.kernels.sink_attention_rows import sink_attention_rows
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_builds import needs_compiler, require
 
 from deepinfer.models.layers.attention import attention_with_sink
 from deepinfer.models.layers.gather import gather_rows
 
-pytestmark = pytest.mark.skipif(not cpu_step_ops.available(), reason="no C++ compiler for the ops")
+pytestmark = needs_compiler
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _the_ops_built() -> None:
+    """A compile error fails these tests; only a machine without a compiler skips them."""
+    require(cpu_step_ops.available(), "the C++ step ops")
 
 
 def _case(gen: torch.Generator, t: int, h: int, d: int, lens: list[int], dtype=torch.float32) -> tuple:

@@ -1,15 +1,15 @@
 """An independent, slow, dense re-implementation of the DeepSeek-V4.1-Flash forward pass.
 
-Written from ``/work/shared/reference/model_spec.md`` (§1.1, §1.3, §1.4, §2.1-§2.7, §2.10),
-not from the engine's code: one-shot prefill of full sequences ``[B, S]`` starting at
-position 0, no paging, no cache, every step in plain fp32 torch over the whole sequence, and
-the full logits ``[B, S, V]``.
+Written from the model's published description (configuration, layer roles, mHC, attention,
+compressor and indexer, MoE, Engram, QAT fake-quant), not from the engine's code: one-shot
+prefill of full sequences ``[B, S]`` starting at position 0, no paging, no cache, every step
+in plain fp32 torch over the whole sequence, and the full logits ``[B, S, V]``.
 
 It reads the checkpoint directory itself, with no deepinfer code at all
 (``tests/reference_checkpoint.py``): the tensors of ``*.safetensors`` in the official layout,
 the fields of ``config.json`` (``text_config`` when the config is composite), and Engram's
-compressed token map built from ``tokenizer.json`` by the rule of §2.7. The QAT fake-quant
-formats of §2.10 are written out here too. So a loader, naming,
+compressed token map built from ``tokenizer.json`` by Engram's hashing rule. The QAT
+fake-quant formats are written out here too. So a loader, naming,
 config or token-map bug in the engine shows up as a parity failure instead of being shared.
 
 Use::
@@ -33,7 +33,7 @@ __all__ = ["ReferenceCheckpoint", "Spec", "read_checkpoint", "reference_logits"]
 NEG_INF = float("-inf")
 
 
-# -- QAT fake-quant (§2.10; a trailing dim that is not a multiple of the block is left alone) --
+# -- QAT fake-quant (a trailing dim that is not a multiple of the block is left alone) ---------
 
 E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -103,7 +103,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def rope_frequencies(dim: int, base: float, yarn) -> torch.Tensor:
-    """Per-pair angular frequencies [dim/2] (§2.3; YaRN without mscale when ``yarn``)."""
+    """Per-pair angular frequencies [dim/2] (YaRN without mscale when ``yarn``)."""
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     if yarn is not None:
         orig = yarn.original_max_position_embeddings
@@ -137,7 +137,7 @@ def rotate(
     return torch.cat([head, rotated], dim=-1)
 
 
-# -- mHC (§2.2) -----------------------------------------------------------------------------
+# -- mHC ------------------------------------------------------------------------------------
 
 
 def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, cfg):
@@ -177,7 +177,7 @@ def hc_expand(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torc
     return torch.stack(outs, dim=2)
 
 
-# -- layer roles (§1.4) ---------------------------------------------------------------------
+# -- layer roles ----------------------------------------------------------------------------
 
 
 def layer_roles(cfg) -> list[dict]:
@@ -206,7 +206,7 @@ def layer_roles(cfg) -> list[dict]:
     return roles
 
 
-# -- compressor and index keys (§2.4, §2.5) -------------------------------------------------
+# -- compressor and index keys --------------------------------------------------------------
 
 
 def compress(state, prefix: str, x: torch.Tensor, ratio: int, cfg) -> torch.Tensor:
@@ -230,7 +230,7 @@ def compress(state, prefix: str, x: torch.Tensor, ratio: int, cfg) -> torch.Tens
     return rms_norm(torch.stack(latents, dim=1), norm_w, eps)
 
 
-# -- indexer and two-level top-k (§2.5) -----------------------------------------------------
+# -- indexer and two-level top-k ------------------------------------------------------------
 
 
 def index_scores(state, prefix, x, qr, keys, ratio, positions, freqs, cfg, fake_quant) -> torch.Tensor:
@@ -286,7 +286,7 @@ def choose_topk(scores: torch.Tensor, cfg) -> torch.Tensor:
     return chosen
 
 
-# -- attention (§2.3) -----------------------------------------------------------------------
+# -- attention ------------------------------------------------------------------------------
 
 
 def queries(state, prefix, x, positions, freqs, cfg, head_norm: bool = False):
@@ -312,7 +312,7 @@ def window_kv(state, prefix, x, positions, freqs, cfg, fake_quant) -> torch.Tens
 def sink_attention_output(state, prefix, q, logits, values, positions, freqs, cfg) -> torch.Tensor:
     """Softmax over the masked score sets ``logits`` ([B,S,H,L_i]) plus the per-head sink,
     K = V ``values`` ([B,L_i,D]), the inverse RoPE at the query positions, and the grouped
-    low-rank output projection (§2.3 steps 5-7)."""
+    low-rank output projection."""
     B, S, H, _ = q.shape
     sink = state[prefix + "attn_sink"].float().reshape(1, 1, H, 1).expand(B, S, H, 1)
     probs = torch.softmax(torch.cat([*logits, sink], dim=-1), dim=-1)[
@@ -346,7 +346,7 @@ def attention(state, prefix, x, positions, freqs, cfg, fake_quant, entries, chos
     return sink_attention_output(state, prefix, q, logits, values, positions, freqs, cfg)
 
 
-# -- MoE (§2.6) -----------------------------------------------------------------------------
+# -- MoE ------------------------------------------------------------------------------------
 
 
 def expert(state, prefix, x, limit) -> torch.Tensor:
@@ -377,7 +377,7 @@ def moe(state, prefix, x, cfg) -> torch.Tensor:
     return out.reshape(B, S, d)
 
 
-# -- Engram (§2.7) --------------------------------------------------------------------------
+# -- Engram ---------------------------------------------------------------------------------
 
 
 def _is_prime(v: int) -> bool:
@@ -460,7 +460,7 @@ def engram(state, prefix, h: torch.Tensor, rows: torch.Tensor, cfg) -> torch.Ten
     return hf + gate.unsqueeze(-1) * value.unsqueeze(2)
 
 
-# -- the whole model (§2.1) -----------------------------------------------------------------
+# -- the whole model ------------------------------------------------------------------------
 
 
 @torch.no_grad()

@@ -29,7 +29,7 @@ ENTRY = {dtype: f"decode_attention_{name}" for dtype, name in fp8.POOL_NAMES.ite
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     lib = build.load(build.source("attention.cpp"))
     if lib is not None:
         args = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
@@ -49,7 +49,7 @@ def supports(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> boo
         and fp8.reads_heads(k_pool.dtype, q.shape[-1])
         and k_pool.is_contiguous()
         and v_pool.is_contiguous()
-        and _library() is not None
+        and library() is not None
     )
 
 
@@ -64,7 +64,7 @@ def decode_attention(
 ) -> None:
     """Write attention of the decode rows of ``q`` [T, H, d] into ``out`` [>= T, H, d] (fp32,
     contiguous) in place, with SDPA's default scale 1/sqrt(d). Rows of -1 are skipped."""
-    lib = _library()
+    lib = library()
     assert lib is not None
     _, h, d = q.shape
     n, length = decode_kv.shape

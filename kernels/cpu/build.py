@@ -5,7 +5,13 @@ for its own generated kernels, so a kernel is compiled once per machine and load
 cache afterwards. ``load_op_library``: ops registered with PyTorch's dispatcher (a compiled
 step's C++ wrapper calls them without going through Python), built by
 ``torch.utils.cpp_extension`` for the vector ISA Inductor picks. Sources use ATen's portable
-``at::vec::Vectorized`` (AVX2, AVX-512, NEON or scalar)."""
+``at::vec::Vectorized`` (AVX2, AVX-512, NEON or scalar).
+
+A build that fails falls back to PyTorch's kernels either way, but the two causes are told
+apart: no C++ compiler on the machine is a warning (the fallback is what such a machine gets),
+while a failure with a compiler present (a compile error in a source) is logged as an error
+with the compiler's output and kept in ``errors()``; tests skip only where ``compiler()`` is
+None, so a compile error fails them instead of skipping them."""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -34,6 +41,38 @@ _C_SHIM = re.compile(r'extern "C"\s+(AOTITorchError\s+aoti_torch_cpu_(\w+)\s*\([
 
 _OP_LIBRARY_LOCK = threading.Lock()
 _OP_LIBRARIES: dict[str, bool] = {}  # prefix -> registered in this process
+_ERRORS: list[str] = []  # builds that failed with a compiler present, in this process
+
+
+@functools.cache
+def compiler() -> str | None:
+    """The C++ compiler the builds use (Inductor's pick for ``load``, which
+    ``torch.utils.cpp_extension`` also finds on ``PATH`` for ``load_op_library``), or None
+    where the machine has none: the one case in which a failed build is expected."""
+    from torch._inductor import cpp_builder
+
+    try:
+        found = cpp_builder.get_cpp_compiler()
+    except Exception:  # Inductor's InvalidCxxCompiler, or a compiler that does not run
+        return None
+    return shutil.which(found) or found
+
+
+def errors() -> list[str]:
+    """The failures of builds tried in this process while ``compiler()`` existed (empty
+    where every build worked): what a test reports when a kernel is unavailable."""
+    return list(_ERRORS)
+
+
+def _failed(what: str, exc: BaseException) -> None:
+    """Log a failed build: a warning where no compiler exists, else an error kept in
+    ``errors()`` (the fallback then hides a broken source, so it must be loud)."""
+    if compiler() is None:
+        logger.warning("%s: no C++ compiler (%s)", what, exc)
+        return
+    message = f"{what}: the build failed with the compiler {compiler()} present: {exc}"
+    _ERRORS.append(message)
+    logger.error("%s", message)
 
 
 def source(*names: str) -> str:
@@ -65,14 +104,15 @@ def c_shims(name: str) -> dict[str, str]:
 @functools.cache
 def load(source: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The library built from ``source`` (text: see ``source()``) with the compiler ``flags``
-    added to Inductor's, or None where building fails (no compiler): callers fall back to
-    PyTorch's kernels."""
+    added to Inductor's, or None where building fails: callers fall back to PyTorch's kernels
+    (a failure with a compiler present is logged as an error, see ``_failed``)."""
     try:
         from torch._inductor.codecache import CppCodeCache
 
         return CppCodeCache.load(source, extra_flags=flags)
     except Exception as exc:
-        logger.warning("CPU kernels unavailable (%s); using PyTorch's", exc)
+        first = next((line for line in source.splitlines() if line.strip()), "")
+        _failed(f"CPU kernels unavailable, using PyTorch's (source starting {first!r})", exc)
         return None
 
 
@@ -102,9 +142,9 @@ def load_op_library(
     shapes for the compiler). The extension's name is ``prefix`` and a digest of the source and
     flags, so an edit builds anew. Its symbols are then made global: a compiled step's C++
     wrapper calls the ops' C shims (``extern "C" aoti_torch_cpu_<op>``) by name, and the
-    dynamic loader resolves them when the step's library loads. Where the build fails (no
-    compiler) it logs ``unavailable`` with the error and answers False, and callers keep their
-    fallback."""
+    dynamic loader resolves them when the step's library loads. Where the build fails it logs
+    ``unavailable`` with the error (as an error where a compiler exists, see ``_failed``) and
+    answers False, and callers keep their fallback."""
     found = _OP_LIBRARIES.get(prefix)
     if found is not None:
         return found
@@ -115,7 +155,7 @@ def load_op_library(
                 register_fakes()
                 _OP_LIBRARIES[prefix] = True
             except Exception as exc:
-                logger.warning("%s (%s)", unavailable, exc)
+                _failed(f"{unavailable} ({prefix})", exc)
                 _OP_LIBRARIES[prefix] = False
         return _OP_LIBRARIES[prefix]
 

@@ -60,14 +60,14 @@ MAX_ROWS = norm_act.MAX_ROWS
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     parts = (
-        gemv._library(),
-        norm_act._library(),
-        rope_store._library(),
-        attention._library(),
-        packed_gemm._library(),
-        prefill_attention._library(),
+        gemv.library(),
+        norm_act.library(),
+        rope_store.library(),
+        attention.library(),
+        packed_gemm.library(),
+        prefill_attention.library(),
     )
     if any(p is None for p in parts):
         return None
@@ -78,7 +78,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    return _library() is not None
+    return library() is not None
 
 
 def _address(lib: ctypes.CDLL, name: str) -> int:
@@ -90,15 +90,15 @@ def _functions(pool_dtype: torch.dtype) -> torch.Tensor:
     """The kernels' entry points for pools of ``pool_dtype``, in the driver's order."""
     p = fp8.POOL_NAMES[pool_dtype]
     addresses = [
-        _address(gemv._library(), "gemv_i4"),
-        _address(norm_act._library(), "add_rms_norm_f32"),
-        _address(norm_act._library(), "silu_mul_f32"),
-        _address(rope_store._library(), f"rope_store_f32_{p}"),
-        _address(attention._library(), attention.ENTRY[pool_dtype]),
-        _address(int4_vnni._library(), "gemm_i4_i8") if int4_vnni.available() else 0,
-        _address(packed_gemm._library(), "packed_gemm_f32"),
-        _address(packed_gemm._library(), "packed_gemm_i8"),
-        _address(prefill_attention._library(), prefill_attention.ENTRY[pool_dtype]),
+        _address(gemv.library(), "gemv_i4"),
+        _address(norm_act.library(), "add_rms_norm_f32"),
+        _address(norm_act.library(), "silu_mul_f32"),
+        _address(rope_store.library(), f"rope_store_f32_{p}"),
+        _address(attention.library(), attention.ENTRY[pool_dtype]),
+        _address(int4_vnni.library(), "gemm_i4_i8") if int4_vnni.available() else 0,
+        _address(packed_gemm.library(), "packed_gemm_f32"),
+        _address(packed_gemm.library(), "packed_gemm_i8"),
+        _address(prefill_attention.library(), prefill_attention.ENTRY[pool_dtype]),
     ]
     return torch.tensor(addresses, dtype=torch.int64)
 
@@ -278,7 +278,7 @@ class LlamaDecodeStack:
         [M, head_dim / 2], ``write_rows`` [M] pool rows, the decode metadata of the step, and
         its prefill spans as ``paged_attention_reference`` takes them (None: none; spans of 0
         tokens are skipped)."""
-        lib = _library()
+        lib = library()
         assert lib is not None
         m, d = h.shape
         a, i = self.heads * self.head_dim, self.intermediate

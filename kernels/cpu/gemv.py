@@ -24,7 +24,7 @@ ARGTYPES_I4 = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     """Build (or load from Inductor's cache) the kernel; None where that fails."""
     lib = build.load(build.source("gemv.cpp"))
     if lib is not None:
@@ -34,7 +34,7 @@ def _library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     """Whether the kernel built on this machine (built on the first call)."""
-    return _library() is not None
+    return library() is not None
 
 
 def small_gemm_int4(
@@ -47,7 +47,7 @@ def small_gemm_int4(
     """``x @ W.T + bias`` for int4 ``W`` packed [N, K / 2] (groups of 32; byte j of a group
     holds q[j] and q[j + 16]), ``W = q * scale + offset`` with fp32 ``scale``/``offset``
     [N, K / 32]; fp32 activations and accumulation. Returns fp32 [M, N]."""
-    lib = _library()
+    lib = library()
     if lib is None:
         raise RuntimeError("the small-batch CPU kernel did not build on this machine")
     m, k = x.shape

@@ -46,7 +46,7 @@ BLOCK = 16  # weight rows per vector (one per 32-bit lane of a 512-bit register)
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     lib = build.load(build.source("int4_vnni.cpp"))
     if lib is None:
         return None
@@ -62,7 +62,7 @@ def _library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     """A compiler and a CPU with AVX-512 VNNI or AVX2."""
-    return _library() is not None
+    return library() is not None
 
 
 _ISAS = {2: "avx512-vnni", 1: "avx2"}
@@ -72,7 +72,7 @@ _CODES = {name: code for code, name in _ISAS.items()}
 @functools.cache
 def _best_code() -> int:
     """The best path's code on this CPU (asked once: the CPU does not change under us)."""
-    lib = _library()
+    lib = library()
     return lib.int8_dot_isa() if lib is not None else 0
 
 
@@ -93,7 +93,7 @@ def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tens
     [N, K / 32] (``w = (q - 8) * scale + zero``, PyTorch's int4 form) -> the kernel's packed
     blocks as [N rounded up to 16, K / 2 + 4 K / 32] uint8 (as many bytes per row as
     PyTorch's layout; the padding rows are zero)."""
-    lib = _library()
+    lib = library()
     assert lib is not None
     q = q.to(torch.uint8).contiguous()
     n, k = q.shape
@@ -114,7 +114,7 @@ def gemm(
     """fp32 ``x [M, K] @ W.T (+ bias)`` [M, out_features] for ``W`` [out_features, K] packed by
     ``pack``, with the activations rounded to int8 per group of 32. ``path``: one of
     ``isas()`` (default: the best this CPU has)."""
-    lib = _library()
+    lib = library()
     assert lib is not None
     x = x.float().contiguous()
     m, k = x.shape

@@ -20,7 +20,7 @@ from deepinfer.kernels.cpu import build
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     lib = build.load(build.source("lora.cpp"))
     if lib is not None:
         build.bind(
@@ -52,7 +52,7 @@ def supports(x: torch.Tensor, y: torch.Tensor) -> bool:
         and y.is_contiguous()
         and not x.requires_grad
         and not batch_invariant.active()
-        and _library() is not None
+        and library() is not None
     )
 
 
@@ -77,7 +77,7 @@ def sgmv(
 ) -> torch.Tensor:
     """``y`` plus each grouped row's term, in place: the rows ``rows[group_starts[g]:
     group_starts[g + 1]]`` use slot ``group_slots[g]`` (int64 host tensors)."""
-    lib = _library()
+    lib = library()
     assert lib is not None
     lib.lora_sgmv_f32(
         x.data_ptr(),

@@ -49,7 +49,7 @@ _TRANSPOSED_LIMIT = 64
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     lib = build.load(build.source("moe.cpp"))
     if lib is not None:
         build.bind(
@@ -85,7 +85,7 @@ def supports(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tens
         and all(w.dtype == torch.float32 and w.is_contiguous() and w.dim() == 3 for w in (w1, w2, w3))
         and not x.requires_grad
         and not batch_invariant.active()
-        and _library() is not None
+        and library() is not None
     )
 
 
@@ -115,7 +115,7 @@ def _launch(
     *tensors: torch.Tensor,
 ) -> torch.Tensor:
     """Run kernel ``name`` on (x, weights, ids, *tensors, out): the argument order both share."""
-    lib = _library()
+    lib = library()
     assert lib is not None
     x = x.contiguous()
     weights, ids = weights.to(torch.float32).contiguous(), ids.to(torch.int64).contiguous()

@@ -29,7 +29,7 @@ MAX_ROWS = 64
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     lib = build.load(build.source("norm_act.cpp"))
     if lib is not None:
         for name in _NAMES.values():
@@ -50,7 +50,7 @@ def supports(x: torch.Tensor) -> bool:
         and x.dtype in _NAMES
         and not x.requires_grad
         and not batch_invariant.active()
-        and _library() is not None
+        and library() is not None
     )
 
 
@@ -59,7 +59,7 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(res, norm)`` with ``res = x + delta`` (``x`` itself when ``delta`` is None) and
     ``norm = RMSNorm(res)`` in ``x``'s dtype; ``weight`` [d] is read in fp32."""
-    lib = _library()
+    lib = library()
     assert lib is not None
     x = x.contiguous()
     rows, d = x.shape
@@ -78,7 +78,7 @@ def add_rms_norm(
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up`` [rows, 2 I] = [gate | up]; returns [rows, I]."""
-    lib = _library()
+    lib = library()
     assert lib is not None
     gu = gate_up.contiguous()
     rows, width = gu.shape

@@ -54,7 +54,7 @@ ARGTYPES_I8 = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     """Build (or load from Inductor's cache) the kernel; None where that fails."""
     lib = build.load(build.source("packed_gemm.cpp"))
     if lib is not None:
@@ -67,14 +67,14 @@ def _library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     """Whether the kernel built on this machine (built on the first call)."""
-    return _library() is not None
+    return library() is not None
 
 
 @functools.cache
 def width() -> int:
     """Output channels per packed tile: two vectors of fp32 lanes of the ISA the kernel was
     built for (32 on AVX-512)."""
-    lib = _library()
+    lib = library()
     if lib is None:
         raise RuntimeError("the packed fp32/int8 CPU kernel did not build on this machine")
     return int(lib.packed_gemm_width())
@@ -128,7 +128,7 @@ def gemm(
     ``pack`` (``out_features`` rows; int8 ones need ``scale``, their group scales packed by
     ``pack_scales``; fp32 and bf16 ones take none), ``bias`` [out_features] or None. Returns
     fp32 [M, N]."""
-    lib = _library()
+    lib = library()
     if lib is None:
         raise RuntimeError("the packed CPU kernel did not build on this machine")
     m, k = x.shape

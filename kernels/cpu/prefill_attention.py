@@ -31,7 +31,7 @@ ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctype
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     lib = build.load(build.source("prefill_attention.cpp"))
     if lib is not None:
         for name in ENTRY.values():
@@ -58,7 +58,7 @@ def supports(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> boo
 @functools.cache
 def _width() -> int:
     """The vector width in fp32 lanes the kernel was built for (0: not built)."""
-    lib = _library()
+    lib = library()
     return 0 if lib is None else int(lib.prefill_attention_width())
 
 
@@ -73,7 +73,7 @@ def prefill_attention(
     """Write causal attention of every prefill span of ``q`` [T, H, d] into ``out`` [>= T, H,
     d] (fp32, contiguous) in place, with SDPA's default scale 1/sqrt(d); ``span_meta`` and
     ``span_kv_rows`` as ``paged_attention_reference`` takes them (spans of 0 tokens skipped)."""
-    lib = _library()
+    lib = library()
     assert lib is not None
     _, h, d = q.shape
     qf = q.float().contiguous()

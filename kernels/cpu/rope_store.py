@@ -25,7 +25,7 @@ _NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # activations
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     lib = build.load(build.source("rope_store.cpp"))
     if lib is not None:
         for a in _NAMES.values():
@@ -45,7 +45,7 @@ def supports(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> b
         and k_pool.dtype in fp8.POOL_NAMES
         and k_pool.is_contiguous()
         and v_pool.is_contiguous()
-        and _library() is not None
+        and library() is not None
     )
 
 
@@ -63,7 +63,7 @@ def rope_store(
     """``qkv`` [T, (heads + 2 kv_heads) * head_dim]; ``cos``/``sin`` [T, head_dim / 2] fp32;
     ``rows`` [T] pool rows. Writes rotated k and v into the pools; returns rotated q
     [T, heads, head_dim] in ``qkv``'s dtype."""
-    lib = _library()
+    lib = library()
     assert lib is not None
     t = qkv.shape[0]
     x = qkv.contiguous()

@@ -23,6 +23,12 @@ MIN_TEMPERATURE = 0.01
 # OpenAI's range for a logit bias; larger values are clamped to it, as vLLM does (a bias of
 # 1e39 is inf in fp32)
 MAX_LOGIT_BIAS = 100.0
+# entries a logit_bias may have: at least every token of the largest vocabulary served
+# (Gemma's 262,144), so a request may bias them all, while the work done per request before
+# the vocabulary is known (validating, converting, building its tensors) stays bounded.
+# Applied per step as one tensor addition, the bias then costs at most one pass over a row
+# of logits.
+MAX_LOGIT_BIAS_ENTRIES = 300_000
 # repetition_penalty divides or multiplies logits: this range keeps every product finite
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 # seeds are int64 (OpenAI's type); torch.Generator takes them
@@ -45,6 +51,9 @@ class SamplingParams:
     raises ``ValueError`` naming it. No accepted value can make a row's distribution NaN:
     temperatures below ``MIN_TEMPERATURE`` (but above 0) are raised to it and ``logit_bias``
     values clamped to +-``MAX_LOGIT_BIAS`` (vLLM's rules), ``repetition_penalty`` is bounded.
+    ``logit_bias`` takes at most ``MAX_LOGIT_BIAS_ENTRIES`` (300,000) entries, more than any
+    served vocabulary; the sampler adds it as one tensor per request, so its cost per step
+    does not depend on its size beyond one vector addition.
     """
 
     n: int = 1
@@ -131,6 +140,10 @@ class SamplingParams:
             _check(_is_number(value) and -2 <= value <= 2, name, "a number in [-2, 2]", value)
         if self.logit_bias is None:
             self.logit_bias = {}
+        if isinstance(self.logit_bias, dict) and len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(
+                f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}"
+            )
         _check(
             isinstance(self.logit_bias, dict)
             and all(_is_int(k) and k >= 0 and _is_number(v) for k, v in self.logit_bias.items()),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -166,6 +167,10 @@ class ForwardBatch:
     # the MoE layers' expert choices: recorded (``enable_return_routed_experts``) or replayed
     # (the research forward's ``routed_experts=``); None: neither
     routing: RoutingTrace | None = None
+    # served LoRA adapters (``enable_lora``): each row's adapter slot, a
+    # ``models.layers.lora.LoraStep`` (None: no adapter in the step); the executor makes it
+    # current around the forward, where the projections read it
+    lora: Any = None
 
     def write(
         self,

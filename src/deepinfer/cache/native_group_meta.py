@@ -43,7 +43,7 @@ _I = ctypes.c_int64
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     lib = cpu_build.load(cpu_build.source("group_meta.cpp"))
     if lib is not None:
         lib.group_meta_build.argtypes = [_P] * 6 + [_I, _I, _P, _P] + [_I] * 8 + [_P]
@@ -54,7 +54,7 @@ def _library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     """Whether the compiled builder loaded (a C++ compiler exists on this machine)."""
-    return _library() is not None
+    return library() is not None
 
 
 def _int64(a: np.ndarray) -> np.ndarray:
@@ -74,7 +74,7 @@ def build(
 
     ``tokens``: ``token_layout.TokenLayout``; ``padding``: its ``StepPadding`` or None;
     ``min_rows``: ``step_chunks.MIN_ROWS``."""
-    lib = _library()
+    lib = library()
     assert lib is not None
     t_total = int(tokens.positions.shape[0])
     tables = _int64(tokens.tables)

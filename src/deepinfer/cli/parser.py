@@ -107,6 +107,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     serve_.add_argument("--log-level", default="warning")
     serve_.add_argument("--no-ui", action="store_true", help="leave out the chat page at /")
+    serve_.add_argument(
+        "--enable-rl-endpoints",
+        action="store_true",
+        help="serve the control endpoints that change engine state (weight updates, sleep, "
+        "pausing); off, they answer 404",
+    )
+    serve_.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora); "
+        "off, they answer 404",
+    )
     add_engine_arguments(serve_, offline=False)
     add_lora_arguments(serve_)
     serve_.set_defaults(func=serve)

@@ -27,6 +27,8 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
     if args.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
+    if args.allow_runtime_lora_updating and not args.enable_lora:
+        raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
     limits = ServerLimits(
         max_request_bytes=args.max_request_bytes,
         max_messages=args.max_messages,
@@ -49,6 +51,8 @@ def serve(args: argparse.Namespace) -> int:
         limits=limits,
         lora_modules=args.lora_modules or (),
         ui=not args.no_ui,
+        enable_rl_endpoints=args.enable_rl_endpoints,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     config = uvicorn.Config(
         app,

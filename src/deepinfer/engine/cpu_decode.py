@@ -21,7 +21,6 @@ from deepinfer.kernels.cpu import decode_stack
 from deepinfer.kernels.cpu.decode_stack import LlamaDecodeStack
 from deepinfer.kernels.weight_only import PackedLinear, WeightOnlyLinear
 from deepinfer.models.base import CausalLM
-from deepinfer.models.layers.lora import current_step
 from deepinfer.models.layers.projection import Projection
 from deepinfer.models.llama import LlamaForCausalLM
 
@@ -91,7 +90,7 @@ class OneCallDecode:
         model, stack, meta = self.model, self.stack, batch.full
         if stack is None or meta is None or batch.grid is not None or batch.hidden_states is not None:
             return model.step(input_ids, positions, batch)
-        if current_step() is not None:  # served adapters add their terms in the layer loop
+        if batch.lora is not None:  # served adapters add their terms in the layer loop
             return model.step(input_ids, positions, batch)
         h = model.embed(input_ids)
         pools = [(p.window, p.values) for p in batch.pools]

@@ -99,6 +99,7 @@ class Engine:
             drafter,
             setup.graph_batch_size(config) if modes.graphs else None,
         )
+        self.lora = setup.lora_registry(model, config)
         self.runner = setup.model_runner(
             model,
             config,
@@ -111,9 +112,9 @@ class Engine:
             self.max_model_len,
             checkpoint,
             eager_step,
+            self.lora,
         )
-        self.lora = setup.lora_registry(model, config)
-        self.executor = Executor(self.runner, model, config, self.tp, self.lora)
+        self.executor = Executor(self.runner, model, config, self.tp)
         self.tiers = setup.kv_tiers(config, model, self.layout, self.runner, dtype, checkpoint)
         if self.tp is not None:  # the worker ranks' caches, alike
             setup.worker_caches(self.tp, config, self.layout, dtype, size, self.executor.eplb is not None)

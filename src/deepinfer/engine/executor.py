@@ -30,7 +30,6 @@ from deepinfer.distributed.workers import TensorParallelGroup, gather_rows, redu
 from deepinfer.engine.model_runner import ModelRunner, PreparedStep
 from deepinfer.engine.routed_experts import RoutedExpertsRecorder
 from deepinfer.kernels.batch_invariant import invariant_products
-from deepinfer.lora.registry import LoraRegistry
 from deepinfer.models.base import CausalLM
 from deepinfer.models.layers.lora import running_step
 
@@ -56,9 +55,7 @@ class Executor:
         model: CausalLM,
         config: EngineConfig,
         tp: TensorParallelGroup | None,
-        lora: LoraRegistry | None = None,
     ) -> None:
-        """``lora``: the served adapters (``enable_lora``), whose slots each row runs with."""
         self.runner = runner
         self.model = model
         self.config = config
@@ -75,7 +72,6 @@ class Executor:
             if config.enable_return_routed_experts
             else None
         )
-        self.lora = lora
 
     def run(self, prepared: PreparedStep, input_ids: torch.Tensor) -> StepOutput:
         """Run a step. On the CPU the output carries its wall time (there the forward's wall
@@ -101,12 +97,7 @@ class Executor:
         """One forward on this rank, ``batch_invariant``'s products and the routing record
         as configured."""
         batch = prepared.batch
-        adapters = None
-        if self.lora is not None and prepared.seq_chunks is not None:  # the rows' adapter slots
-            lengths = [s.num_tokens for s in prepared.seq_chunks]
-            rows = prepared.positions.shape[0]
-            adapters = self.lora.step([c.request.lora for c in prepared.chunks], lengths, rows)
-        with invariant_products(batch.invariant), running_step(adapters):
+        with invariant_products(batch.invariant), running_step(batch.lora):
             out = self.runner.execute(prepared, input_ids)
         if self.routing is not None and batch.routing is not None and prepared.seq_chunks is not None:
             seq = prepared.seq_chunks

@@ -21,6 +21,7 @@ from deepinfer.cache.step_chunks import SeqChunk, StepPadding
 from deepinfer.cache.step_metadata import build_forward_batch
 from deepinfer.engine.graph_runner import DecodeGraphRunner
 from deepinfer.engine.scheduler import ScheduledChunk
+from deepinfer.lora.registry import LoraRegistry
 from deepinfer.models.base import CausalLM
 from deepinfer.platforms import GraphCapture, cpu_blas
 from deepinfer.speculative.schedule import SpsTable
@@ -82,6 +83,7 @@ class ModelRunner:
         eager_step: Callable[..., Any] | None = None,
         batch_invariant: bool = False,
         record_routing: bool = False,
+        lora: LoraRegistry | None = None,
     ) -> None:
         """``ced_replay``: with CED prefill, how many trailing prompt tokens run the decoder.
         ``compile_model``: run the step through ``torch.compile`` (``deepinfer.compile.compilation``).
@@ -97,10 +99,12 @@ class ModelRunner:
         ``eager_step``: what an eager step calls instead of ``model.step`` (a platform's
         backend, such as the CPU's one-call decode). ``batch_invariant`` and
         ``record_routing``: every step's ``ForwardBatch`` says so (``invariant``, a
-        ``RoutingTrace`` to record the MoE layers' choices in)."""
+        ``RoutingTrace`` to record the MoE layers' choices in). ``lora``: the served
+        adapters, whose slots each step's rows run with (``ForwardBatch.lora``)."""
         self.model = model
         self.batch_invariant = batch_invariant
         self.record_routing = record_routing
+        self.lora = lora
         self.feature_offsets = feature_offsets
         self.ced_replay = ced_replay
         self.forward = eager_step or model.step
@@ -239,6 +243,9 @@ class ModelRunner:
         bucket = self.graphs.bucket_for(seq_chunks) if use_graphs and self.graphs is not None else None
         padding = self.graphs.padding(bucket) if self.graphs is not None and bucket else self._step_padding()
         positions, batch = self._forward_batch(seq_chunks, padding)
+        if self.lora is not None:  # each row's adapter slot
+            lengths = [s.num_tokens for s in seq_chunks]
+            batch.lora = self.lora.step([c.request.lora for c in chunks], lengths, positions.shape[0])
         return PreparedStep(
             chunks,
             positions,

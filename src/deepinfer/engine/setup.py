@@ -355,9 +355,10 @@ def model_runner(
     max_model_len: int,
     checkpoint: Path | None,
     eager_step: Callable[..., Any] | None = None,
+    lora: LoraRegistry | None = None,
 ) -> ModelRunner:
     """The runner for the modes and cache size decided above: its pools, its compiled step
-    (saved beside the checkpoint) and its graph buckets."""
+    (saved beside the checkpoint) and its graph buckets; ``lora``: the served adapters."""
     return ModelRunner(
         model,
         layout,
@@ -379,6 +380,7 @@ def model_runner(
         eager_step=eager_step,
         batch_invariant=config.batch_invariant,
         record_routing=config.enable_return_routed_experts,
+        lora=lora,
     )
 
 

@@ -88,16 +88,18 @@ class WeightSync:
 
     def refresh_all(self, version: str | None = None) -> None:
         """Remake every derived copy (after their memory was given back, ``sleep(level=2)``,
-        and the parameters were written again): the weights are those of ``version`` (None:
-        the current version) again."""
+        and the parameters were written again): the weights are those of ``version`` again.
+        None: a trainer's own parameters, and a write since the copies were last made is an
+        update like any other (the version moves on)."""
+        written = bool(self.changed())
         for projection in projections(self.model):
             projection.refresh()
-        if version is None and self.changed():
-            self.updates += 1
-            self.version = str(self.updates)
         self.seen = self.state()
         if version is not None:
             self.version = version
+        elif written:
+            self.updates += 1
+            self.version = str(self.updates)
 
 
 @torch.no_grad()

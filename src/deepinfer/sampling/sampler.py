@@ -34,10 +34,22 @@ class SamplingRow:
     eos_ids: list[int]
     greedy: bool = field(init=False)
     plain: bool = field(init=False)  # no logits processor can apply, whatever the history
+    # logit_bias as (token ids, values) tensors, on the device the logits were last on
+    bias: tuple[torch.Tensor, torch.Tensor] | None = field(
+        init=False, default=None, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         self.greedy = self.params.greedy
         self.plain = not may_need_history(self.params)
+        if self.params.logit_bias:
+            self.bias = bias_tensors(self.params.logit_bias)
+
+    def bias_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The bias tensors on ``device``, moved there once."""
+        if self.bias is not None and self.bias[0].device != device:
+            self.bias = (self.bias[0].to(device), self.bias[1].to(device))
+        return self.bias
 
 
 _PLAIN = operator.attrgetter("plain")
@@ -54,9 +66,20 @@ def make_generator(params: SamplingParams, device: torch.device, offset: int = 0
     return gen
 
 
+def bias_tensors(logit_bias: dict[int, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logit_bias`` as token ids (long) and values (fp32), made once per request: applied
+    with one ``index_add_`` per step, its cost per step does not grow with a Python loop
+    over its entries."""
+    ids = torch.tensor(list(logit_bias.keys()), dtype=torch.long)
+    values = torch.tensor(list(logit_bias.values()), dtype=torch.float32)
+    return ids, values
+
+
 def apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """logit_bias, min_tokens blocking and the three penalties, row by row (fp32 copy, made
-    only when some row needs one: the common greedy step keeps the logits as they are)."""
+    only when some row needs one: the common greedy step keeps the logits as they are).
+    The bias is one ``index_add_`` of the row's tensors: its ids are distinct, so each
+    logit gets one fp32 addition, as ``out[i, token] += bias`` gave."""
     if all(map(_PLAIN, rows)) or not any(
         needs_history(row.params, row.output_ids) for row in rows if not row.plain
     ):
@@ -64,8 +87,9 @@ def apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     out = logits.float().clone()
     for i, row in enumerate(rows):
         p = row.params
-        for token, bias in p.logit_bias.items():
-            out[i, token] += bias
+        bias = row.bias_on(out.device)
+        if bias is not None:
+            out[i].index_add_(0, bias[0], bias[1])
         if len(row.output_ids) < p.min_tokens:
             blocked = list(p.stop_token_ids) + ([] if p.ignore_eos else list(row.eos_ids))
             if blocked:

@@ -3,20 +3,24 @@
 Endpoints and field names follow vLLM's OpenAI-compatible server:
 ``/v1/completions`` and ``/v1/chat/completions`` (streaming as ``data: {...}`` events ending in
 ``data: [DONE]``), ``/v1/models`` (``routes_openai.py``), ``/tokenize``, ``/detokenize``,
-``/health``, ``/version``, ``/metrics`` (``routes_admin.py``), the RL control endpoints
-(weight updates, sleep, pausing: ``routes_rl.py``), and, with ``--enable-lora``, LoRA adapters
-chosen by ``model``, loaded at start (``--lora-modules``) or while serving
-(``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``: ``routes_lora.py``), and a chat page
-at ``/`` unless turned off (``routes_ui.py``). Every error is
-OpenAI's JSON shape ``{"error": {"message", "type", "param", "code"}}``, ``param`` naming the field
-(``error_handlers.py``): 400 for bad input (and for a request that could never run: more
-sequences than the server runs at once, or more tokens than the context holds), 401 for a wrong
-key, 404 for an unknown model or route, 405 for a wrong method, 408 for a body too slow to
-arrive, 413 for one too large, 429 with ``Retry-After`` only when the waiting queue is full, 500
+``/health``, ``/version``, ``/metrics`` (``routes_admin.py``), with ``--enable-rl-endpoints``
+the RL control endpoints (weight updates, sleep, pausing: ``routes_rl.py``), and, with
+``--enable-lora``, LoRA adapters chosen by ``model``, loaded at start (``--lora-modules``) or,
+with ``--allow-runtime-lora-updating`` too, while serving (``/v1/load_lora_adapter``,
+``/v1/unload_lora_adapter``: ``routes_lora.py``), and a chat page at ``/`` unless turned off
+(``routes_ui.py``). The control endpoints change what the server is, so they are absent (404)
+unless their flag asks for them, as vLLM serves them only in its development mode and with
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING``. Every error is OpenAI's JSON shape ``{"error":
+{"message", "type", "param", "code"}}``, ``param`` naming the field (``error_handlers.py``):
+400 for bad input (and for a request that could never run: more sequences than the server
+runs at once, or more tokens than the context holds), 401 for a wrong key, 403 for a request
+a browser sent from another site's page, 404 for an unknown model or route, 405 for a wrong
+method, 408 for a body too slow to arrive, 413 for one too large, 415 for a control request
+that is not JSON, 429 with ``Retry-After`` only when the waiting queue is full, 500
 for a request that failed inside the engine (alone: the others go on), 503 while shutting down.
 
 One request cannot stall the others: prompts are tokenized and rendered on worker threads
-within size and time budgets (``prompts.py``), the key and body checks are pure ASGI so that
+within size and time budgets (``prompts.py``), the site, key and body checks are pure ASGI so that
 abandoned requests are aborted (``asgi_guards.py``), and slow headers time out
 (``http_protocol.py``). The routes reach the engine only through ``EngineClient``
 (``engine_client.py``).
@@ -62,12 +66,16 @@ def build_app(
     limits: ServerLimits | None = None,
     lora_modules: Sequence[LoraModule] = (),
     ui: bool = True,
+    enable_rl_endpoints: bool = False,
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """The app over ``llm``. ``engine_thread``: run the engine loop on a background thread
     started with the app; False leaves it to the caller (``AsyncLLM.run_here`` on
     ``app.state.server.engine``). ``lora_modules``: adapters served from the start (the
     engine needs ``enable_lora``); one that cannot be served is a ``ValueError`` naming it.
-    ``ui``: serve the chat page at ``/`` (``routes_ui.py``)."""
+    ``ui``: serve the chat page at ``/`` (``routes_ui.py``). ``enable_rl_endpoints``: serve
+    the RL control endpoints (``routes_rl.py``); ``allow_runtime_lora_updating``: serve the
+    adapter load / unload endpoints (``routes_lora.py``). Off, those routes do not exist."""
     limits = limits or ServerLimits()
     engine = AsyncLLM(llm, max_queued_requests)
     client = LocalEngineClient(llm, engine)
@@ -85,8 +93,10 @@ def build_app(
     install_error_handlers(app)
     app.include_router(routes_admin.router)
     app.include_router(routes_openai.router)
-    app.include_router(routes_rl.router)
-    app.include_router(routes_lora.router)
+    if enable_rl_endpoints:
+        app.include_router(routes_rl.router)
+    if allow_runtime_lora_updating:
+        app.include_router(routes_lora.router)
     if ui:
         mount_ui(app)
     return app

@@ -1,5 +1,12 @@
-"""What every request passes before the app: the API key, the body-size limit and the body
-timeout, as one pure ASGI middleware.
+"""What every request passes before the app: the cross-site check, the API key, the JSON-only
+rule of the control endpoints, the body-size limit and the body timeout, as one pure ASGI
+middleware.
+
+A browser sends a cross-site form POST without asking the server first, and such a POST to
+a control endpoint of a server on loopback would otherwise put it to sleep or drop its
+weights; so every request but GET / HEAD / OPTIONS that a browser marks as coming from
+another site is refused (403), with or without an API key, and the control endpoints take
+only ``Content-Type: application/json`` (415), which no form can send.
 
 Pure ASGI on purpose: a ``@app.middleware("http")`` function (Starlette's
 ``BaseHTTPMiddleware``) hands the endpoint a ``receive`` that never reports the client's
@@ -15,16 +22,19 @@ import hmac
 import json
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 KINDS = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "BadRequestError",
     408: "TimeoutError",
     413: "BadRequestError",
+    415: "BadRequestError",
     429: "RateLimitError",
     503: "ServiceUnavailableError",
 }
@@ -71,12 +81,54 @@ CONTROL_PATHS = frozenset(
         "/v1/unload_lora_adapter",
     }
 )
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# what a browser's Sec-Fetch-Site says of a request the server's own page (or the user, by
+# typing the address) made
+OWN_SITE = frozenset({b"same-origin", b"none"})
+DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+
+
+def _origin(scheme: str, netloc: str) -> tuple[str, str, int] | None:
+    """(scheme, host, port) of ``scheme://netloc``, the port made explicit; None if malformed."""
+    try:
+        parts = urlsplit(f"{scheme}://{netloc}")
+        port = parts.port or DEFAULT_PORTS.get(scheme)
+    except ValueError:
+        return None
+    if not parts.hostname or port is None or parts.path or parts.query or parts.username is not None:
+        return None
+    return scheme, parts.hostname.lower(), port
+
+
+def cross_site(scope: Scope, headers: dict[bytes, bytes]) -> str | None:
+    """Why a browser sent this request from another site's page, or None. ``Origin`` must name
+    the server itself (the request's scheme and its ``Host``); ``Sec-Fetch-Site``, where sent,
+    must be ``same-origin`` or ``none``. Clients that are not browsers send neither."""
+    site = headers.get(b"sec-fetch-site")
+    if site is not None and site.lower() not in OWN_SITE:
+        return f"Sec-Fetch-Site is {site.decode('latin-1')!r}"
+    origin = headers.get(b"origin")
+    if origin is None:
+        return None
+    text = origin.decode("latin-1")
+    scheme, sep, netloc = text.partition("://")
+    host = headers.get(b"host", b"").decode("latin-1")
+    theirs = _origin(scheme.lower(), netloc) if sep else None
+    if theirs is None or theirs != _origin(scope.get("scheme", "http"), host):
+        return f"Origin {text!r} is not this server's"
+    return None
+
+
+def _is_json(content_type: bytes | None) -> bool:
+    return content_type is not None and content_type.split(b";")[0].strip().lower() == b"application/json"
 
 
 class RequestGuard:
-    """``api_key`` on ``/v1/*`` and the control endpoints (401); bodies over ``max_body_bytes`` (413, from the declared
-    length before reading, or as they arrive); bodies that take longer than ``body_timeout_s``
-    to arrive (408)."""
+    """In this order: requests but GET / HEAD / OPTIONS sent from another site's page (403);
+    ``api_key`` on ``/v1/*`` and the control endpoints (401); a POST to a control endpoint
+    that is not ``application/json`` (415); bodies over ``max_body_bytes`` (413, from the
+    declared length before reading, or as they arrive); bodies that take longer than
+    ``body_timeout_s`` to arrive (408)."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, body_timeout_s: float) -> None:
         self.app = app
@@ -90,15 +142,23 @@ class RequestGuard:
             return
         headers = dict(scope["headers"])
         path = scope["path"]
+        safe = scope["method"] in SAFE_METHODS
+        why = None if safe else cross_site(scope, headers)
+        if why is not None:
+            await send_error(send, 403, f"cross-site request refused: {why}")
+            return
         if self.expected is not None and (path.startswith("/v1") or path in CONTROL_PATHS):
             if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
                 await send_error(send, 401, "Invalid API key")
                 return
+        if not safe and path in CONTROL_PATHS and not _is_json(headers.get(b"content-type")):
+            await send_error(send, 415, "control endpoints take only Content-Type: application/json")
+            return
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             await send_error(send, 413, self._too_large(int(declared)), "body")
             return
-        if scope["method"] in ("GET", "HEAD", "OPTIONS"):
+        if safe:
             await self.app(scope, receive, send)
             return
         body = await self._read_body(receive, send)

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 
 # OpenAI's range for a logit bias (SamplingParams clamps to it; the HTTP API refuses past it)
 MAX_LOGIT_BIAS = 100.0
@@ -210,6 +210,11 @@ def sampling_params(
     if req.stop_token_ids is not None:
         kwargs["stop_token_ids"] = req.stop_token_ids
     if req.logit_bias:
+        if len(req.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:  # before converting them all
+            raise RequestError(
+                f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(req.logit_bias)}",
+                "logit_bias",
+            )
         try:
             kwargs["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
         except ValueError as exc:

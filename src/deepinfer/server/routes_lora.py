@@ -8,8 +8,10 @@ adapter that cannot be served (no such directory, a rank above ``--max-lora-rank
 the model has no adapter slot for, shapes of another model) is a 400 naming the problem, and
 leaves the served adapters as they were; unloading a name that is not loaded is a 404. A
 server started without ``--enable-lora`` answers 400. Requests running with an adapter being
-unloaded finish with it. Like the RL control endpoints, these take the API key
-(``asgi_guards.CONTROL_PATHS``).
+unloaded finish with it. The routes exist only with ``--allow-runtime-lora-updating``
+(``build_app(allow_runtime_lora_updating=True)``), as vLLM serves them only with
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING``; like the RL control endpoints they take the API key,
+only JSON, and no request from another site's page (``asgi_guards.CONTROL_PATHS``).
 """
 
 from __future__ import annotations

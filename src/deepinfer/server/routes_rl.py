@@ -4,8 +4,10 @@
 
 Each runs on the engine thread between two steps (``AsyncLLM.between_steps``): a weight
 update lands between steps, requests running meanwhile are computed again under the new
-weights, and every later output carries the new ``weight_version``. Like ``/v1/*`` they take
-the API key (``asgi_guards.CONTROL_PATHS``). An action the engine refuses (a bad checkpoint,
+weights, and every later output carries the new ``weight_version``. They exist only with
+``--enable-rl-endpoints`` (``build_app(enable_rl_endpoints=True)``); like ``/v1/*`` they take
+the API key, and the POSTs take only JSON and no request from another site's page
+(``asgi_guards.CONTROL_PATHS``). An action the engine refuses (a bad checkpoint,
 sleep with requests running) answers 400 with the engine's reason, and changes nothing.
 """
 
