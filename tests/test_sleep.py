@@ -56,8 +56,12 @@ def test_sleep_returns_the_cache_pages_and_waking_computes_afresh(setup):
         llm.generate([prompts[0]])
     llm.wake_up()
     hits = llm.engine.block_pools[0].hit_blocks
-    assert _run(llm, prompts[:1]) == fresh[:1] and llm.engine.block_pools[0].hit_blocks == hits  # nothing kept
-    assert _run(llm, prompts) == fresh and llm.engine.block_pools[0].hit_blocks > hits  # refilled after waking
+    assert (
+        _run(llm, prompts[:1]) == fresh[:1] and llm.engine.block_pools[0].hit_blocks == hits
+    )  # nothing kept
+    assert (
+        _run(llm, prompts) == fresh and llm.engine.block_pools[0].hit_blocks > hits
+    )  # refilled after waking
 
 
 def test_a_prefix_kept_across_sleep_is_caught(setup, monkeypatch):
