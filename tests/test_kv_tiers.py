@@ -11,15 +11,17 @@ import random
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 from equivalence_workloads import count_preemptions
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.cache.forward_batch import LayerPools
+from deepinfer.cache.kv_formats import PackedRows
 from deepinfer.cache.tiers import disk as disk_tier
+from deepinfer.cache.tiers.codec import BlockCodec
 from deepinfer.tiny import make_tiny_checkpoint
 
 MIB = 1 << 20
@@ -58,7 +60,7 @@ def run_turns(llm: LLM, convs: list[list[list[int]]], max_tokens: int) -> list[l
             replies.append(reply)
             history[i] = prompts[i] + reply
     engine = llm.engine
-    assert engine.pool.num_free == engine.num_blocks, "blocks leaked"
+    assert engine.block_pools[0].num_free == engine.num_blocks, "blocks leaked"
     return replies
 
 
@@ -69,83 +71,116 @@ def tier_hits(llm: LLM) -> dict[str, float]:
 ARCHS = {"llama": "llama_ckpt", "v4": "v4_short_ckpt", "v41": "v41_ckpt"}
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_tiers_change_no_token(arch, request, tmp_path):
-    """Fuzzed multi-turn workloads over a pool too small for them: the run with tiers takes
-    prefixes back from them, and every reply equals the run without tiers."""
+# Every tier form on Llama, and each on one of V4 and V4.1 (their runs cost the most);
+# the workloads (seed, conversations, prefill chunk) differ from case to case.
+TIER_CASES = [
+    ("llama", "host", 0, 4, 16),
+    ("llama", "disk", 1, 5, 24),
+    ("llama", "both", 2, 4, 64),
+    ("llama", "small host over disk", 3, 5, 16),
+    ("v4", "disk", 4, 4, 24),
+    ("v4", "small host over disk", 5, 3, 64),
+    ("v41", "host", 6, 3, 16),
+    ("v41", "both", 7, 4, 24),
+]
+
+
+@pytest.mark.parametrize(("arch", "tiers", "seed", "count", "chunk"), TIER_CASES)
+def test_tiers_change_no_token(arch, tiers, seed, count, chunk, request, tmp_path):
+    """A random multi-turn workload over a pool too small for it: the run with tiers takes
+    prefixes back from the tier the form reads most, and every reply equals the run without
+    tiers."""
     ckpt = str(request.getfixturevalue(ARCHS[arch]))
-    seen = {"hits": 0.0, "preemptions": 0, "examples": 0}
-
-    @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-    @given(
-        seed=st.integers(0, 2**16),
-        count=st.integers(3, 6),
-        chunk=st.sampled_from([16, 24, 64]),
-        tiers=st.sampled_from(["host", "disk", "both", "small host over disk"]),
+    turns, max_tokens = 3, 6
+    convs = conversations(seed, 200, count, turns)
+    longest = max(sum(len(u) for u in c) for c in convs) + turns * max_tokens
+    kwargs = dict(
+        num_cache_blocks=-(-longest // 8) + 2,  # one conversation always fits; several preempt
+        block_size=8,
+        max_num_batched_tokens=chunk,
+        max_num_seqs=4,
     )
-    def check(seed, count, chunk, tiers):
-        base = LLM(ckpt, num_cache_blocks=64, block_size=8, kv_offload_bytes=1)
-        bs, entry = base.engine.layout.block_size, base.engine.tiers.codec.entry_bytes
-        base.close()
-        turns, max_tokens = 3, 6
-        convs = conversations(seed, 200, count, turns)
-        longest = max(sum(len(u) for u in c) for c in convs) + turns * max_tokens
-        blocks = -(-longest // bs) + 2  # one conversation always fits; several preempt
-        kwargs = dict(
-            num_cache_blocks=blocks,
-            block_size=8,
-            max_num_batched_tokens=chunk,
-            max_num_seqs=4,
-        )
-        directory = tmp_path / f"kv{seen['examples']}"
-        tier_kwargs = {
-            "host": dict(kv_offload_bytes=64 * MIB),
-            "disk": dict(kv_cache_dir=str(directory)),
-            "both": dict(kv_offload_bytes=64 * MIB, kv_cache_dir=str(directory)),
-            # a host tier of three blocks: most hits come from disk
-            "small host over disk": dict(kv_offload_bytes=3 * entry, kv_cache_dir=str(directory)),
-        }[tiers]
-        plain = LLM(ckpt, **kwargs)
-        expected = run_turns(plain, convs, max_tokens)
-        plain.close()
-        tiered = LLM(ckpt, **kwargs, **tier_kwargs)
-        preempted = count_preemptions(tiered)
-        assert run_turns(tiered, convs, max_tokens) == expected
-        seen["hits"] += sum(tier_hits(tiered).values())
-        seen["preemptions"] += len(preempted)
-        seen["examples"] += 1
-        tiered.close()
-
-    check()
-    assert seen["hits"] > 0, "no prefix came back from a tier: the workload did not test them"
-    assert seen["preemptions"] > 0, "no request was preempted"
+    directory = str(tmp_path / "kv")
+    small_host = 0
+    if tiers == "small host over disk":  # a host tier of three blocks: most hits come from disk
+        probe = LLM(ckpt, num_cache_blocks=64, block_size=8, kv_offload_bytes=1)
+        small_host = 3 * probe.engine.tiers.codec.entry_bytes
+        probe.close()
+    tier_kwargs, hit_tier = {
+        "host": (dict(kv_offload_bytes=64 * MIB), "host"),
+        "disk": (dict(kv_cache_dir=directory), "disk"),
+        "both": (dict(kv_offload_bytes=64 * MIB, kv_cache_dir=directory), "host"),
+        "small host over disk": (dict(kv_offload_bytes=small_host, kv_cache_dir=directory), "disk"),
+    }[tiers]
+    plain = LLM(ckpt, **kwargs)
+    expected = run_turns(plain, convs, max_tokens)
+    plain.close()
+    tiered = LLM(ckpt, **kwargs, **tier_kwargs)
+    preempted = count_preemptions(tiered)
+    assert run_turns(tiered, convs, max_tokens) == expected
+    hits = tier_hits(tiered)
+    tiered.close()
+    assert hits[hit_tier] > 0, f"no prefix came back from the {hit_tier} tier: the workload did not test it"
+    assert preempted, "no request was preempted"
 
 
-def test_a_mutated_tier_is_caught(llama_ckpt, v41_ckpt, tmp_path, monkeypatch):
+def _one_kind_of_state(codec: BlockCodec, pools: Sequence[LayerPools]) -> list[tuple[int, int]]:
+    """The column ranges of a codec row holding one kind of a block's state: the compressors'
+    overlap snapshots where the model has them (V4.1), else the window K rows (Llama)."""
+    snapshots = [
+        t
+        for layer in pools
+        for c in (layer.compressor, layer.indexer)
+        if c is not None
+        for t in (c.snap_kv, c.snap_gate)
+        if t is not None
+    ]
+    windows = [layer.window.data if isinstance(layer.window, PackedRows) else layer.window for layer in pools]
+    lost = {t.data_ptr() for t in (snapshots or windows)}
+    ranges, offset = [], 0
+    for t in [*codec.main, *codec.window]:  # a row is the main part, then the window part
+        if t.data_ptr() in lost:
+            ranges.append((offset, offset + t.shape[1]))
+        offset += t.shape[1]
+    return ranges
+
+
+@pytest.mark.parametrize("arch", ["llama", "v41"])
+def test_a_mutated_tier_is_caught(arch, request, tmp_path, monkeypatch):
     """The mutation check of the test above: a tier that loses one kind of the block's state
-    (the compressor snapshots of V4.1, the window rows of Llama) changes replies."""
-    from deepinfer.cache.tiers.codec import BlockCodec
+    (the compressor snapshots of V4.1, the window rows of Llama) changes replies, whether the
+    lost block came back from the host tier or from disk."""
+    ckpt = str(request.getfixturevalue(ARCHS[arch]))
+    init, scatter = BlockCodec.__init__, BlockCodec.scatter
+    lost: list[tuple[int, int]] = []
 
-    scatter = BlockCodec.scatter
+    def record(self, layout, pools) -> None:
+        init(self, layout, pools)
+        lost[:] = _one_kind_of_state(self, pools)
 
-    def lossy(self, rows, blocks, window_blocks):
+    def lossy(self, rows, blocks, window_blocks) -> None:
         rows = rows.clone()
-        rows[:, : self.main_bytes // 2] = 0  # half the main part lost
+        for start, end in lost:
+            rows[:, start:end] = 0
         scatter(self, rows, blocks, window_blocks)
 
+    monkeypatch.setattr(BlockCodec, "__init__", record)
+    monkeypatch.setattr(BlockCodec, "scatter", lossy)
     convs = conversations(1, 200, 4, 3)
-    for ckpt in (llama_ckpt, v41_ckpt):
-        kwargs = dict(num_cache_blocks=14, block_size=8, max_num_batched_tokens=64, max_num_seqs=4)
-        plain = LLM(str(ckpt), **kwargs)
-        expected = run_turns(plain, convs, 6)
-        plain.close()
-        with monkeypatch.context() as m:
-            m.setattr(BlockCodec, "scatter", lossy)
-            tiered = LLM(str(ckpt), **kwargs, kv_offload_bytes=64 * MIB)
-            got = run_turns(tiered, convs, 6)
-            assert sum(tier_hits(tiered).values()) > 0
-            tiered.close()
-        assert got != expected, f"{ckpt.name}: a tier that loses state went unnoticed"
+    kwargs = dict(num_cache_blocks=14, block_size=8, max_num_batched_tokens=64, max_num_seqs=4)
+    plain = LLM(ckpt, **kwargs)
+    expected = run_turns(plain, convs, 6)
+    plain.close()
+    for tier, tier_kwargs in (
+        ("host", dict(kv_offload_bytes=64 * MIB)),
+        ("disk", dict(kv_cache_dir=str(tmp_path / "kv"))),
+    ):
+        tiered = LLM(ckpt, **kwargs, **tier_kwargs)
+        assert 0 < sum(end - start for start, end in lost) < tiered.engine.tiers.codec.entry_bytes
+        got = run_turns(tiered, convs, 6)
+        assert tier_hits(tiered)[tier] > 0
+        tiered.close()
+        assert got != expected, f"{arch}: a {tier} tier that loses state went unnoticed"
 
 
 def _one_prompt(vocab: int = 200, length: int = 90, seed: int = 5) -> list[int]:
@@ -330,13 +365,19 @@ def test_the_disk_tier_stays_within_its_bound(llama_ckpt, tmp_path):
         llm.engine.tiers._writer.submit(lambda: None).result()
         files = list((tmp_path / "bounded").rglob("*.kvb"))
         assert sum(f.stat().st_size for f in files) <= bound
-    assert 0 < len(files) <= 6
-    # the newest prompt's blocks are the ones kept
+    llm.close()
+    files = list((tmp_path / "bounded").rglob("*.kvb"))
+    assert len(files) == 6 and sum(f.stat().st_size for f in files) <= bound
+    # the newest prompt's blocks are the ones kept: its 60 prompt tokens fill blocks 0-6,
+    # written tail first, and its reply fills block 7, written last; six files keep blocks
+    # 0-4 and 7, so a new process finds five blocks of its prefix, and none of the oldest's
     again = LLM(str(llama_ckpt), block_size=8, kv_cache_dir=str(tmp_path / "bounded"), kv_disk_bytes=bound)
     _generate(again, _one_prompt(length=60, seed=3))
-    assert tier_hits(again)["disk"] > 0
-    llm.close()
+    newest = tier_hits(again)["disk"]
+    _generate(again, _one_prompt(length=60, seed=0))
+    oldest = tier_hits(again)["disk"] - newest
     again.close()
+    assert (newest, oldest) == (5, 0)
 
 
 def test_an_abort_while_loading_frees_the_blocks_once_the_load_ends(llama_ckpt, monkeypatch):
@@ -364,7 +405,7 @@ def test_an_abort_while_loading_frees_the_blocks_once_the_load_ends(llama_ckpt, 
     gate.set()
     while engine.has_unfinished() or engine.scheduler.tier_hits.loading:
         engine.step()
-    assert engine.pool.num_free == engine.num_blocks
+    assert engine.block_pools[0].num_free == engine.num_blocks
     llm.close()
 
 

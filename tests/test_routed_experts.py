@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.cache.forward_batch import RoutingTrace
 from deepinfer.engine.routed_experts import RoutedExpertsRecorder
 from deepinfer.models.layers.moe import Gate
 from deepinfer.models.loading import load_model
@@ -32,18 +33,26 @@ def _moe_layers(model) -> int:
     return sum(1 for m in model.layers.modules() if isinstance(m, Gate))
 
 
-def _gate_choices(model, monkeypatch) -> list[torch.Tensor]:
-    """Every gate's kept choice [T, k] during the next forwards, in layer order."""
-    seen: list[torch.Tensor] = []
-    original = Gate.forward
+def _routing(monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every MoE layer's (own, kept) choices [T, k] during the next replayed forwards, in
+    layer order: what its gate chose from its inputs, and what it kept after the replay."""
+    own: list[torch.Tensor] = []
+    kept: list[torch.Tensor] = []
+    original = RoutingTrace.route
 
-    def spy(self, x, input_ids, routing=None):
-        weights, ids = original(self, x, input_ids, routing)
-        seen.append(ids.detach().clone())
-        return weights, ids
+    def spy(self, ids: torch.Tensor) -> torch.Tensor:
+        out = original(self, ids)
+        own.append(ids.detach().clone())
+        kept.append(out.detach().clone())
+        return out
 
-    monkeypatch.setattr(Gate, "forward", spy)
-    return seen
+    monkeypatch.setattr(RoutingTrace, "route", spy)
+    return own, kept
+
+
+def _rows(choices: list[torch.Tensor], n: int) -> torch.Tensor:
+    """One forward's per-layer choices as [n, layers, k] int32 rows, as an output carries them."""
+    return torch.stack(choices, dim=1)[:n].int()
 
 
 def _params(seed: int) -> SamplingParams:
@@ -69,12 +78,14 @@ def test_outputs_carry_the_routing_and_a_replay_reproduces_it(checkpoint, monkey
             rows = out.routed_experts
             assert rows.shape == (len(tokens) - 1, n_moe, k) and rows.dtype == torch.int32
             assert int(rows.min()) >= 0 and int(rows.max()) < experts
-            seen = _gate_choices(model, monkeypatch)
+            own, kept = _routing(monkeypatch)
             logits = model(torch.tensor([tokens]), routed_experts=[rows], batch_invariant=True).logits
-            logp = logits.log_softmax(-1)[0]
-            replayed = torch.stack(seen, dim=1)[: len(tokens) - 1]
-            assert torch.equal(replayed.int(), rows)  # every gate kept the rollout's choice
             monkeypatch.undo()
+            logp = logits.log_softmax(-1)[0]
+            # the gates, on the same inputs, choose the reported rows themselves (so the rows
+            # are the rollout's routing), and the replay kept them
+            assert torch.equal(_rows(own, len(tokens) - 1), rows)
+            assert torch.equal(_rows(kept, len(tokens) - 1), rows)
             got = [
                 e[t].logprob for e, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids, strict=True)
             ]
@@ -85,23 +96,30 @@ def test_outputs_carry_the_routing_and_a_replay_reproduces_it(checkpoint, monkey
 
 
 def test_the_trainer_routes_as_the_rollout_after_its_weights_moved(checkpoint, monkeypatch):
+    """The rollout's routing is what its gates chose (shown on the unmoved weights); after the
+    router moved, the gates choose otherwise from the same inputs, and the replay keeps the
+    rollout's routing."""
     model = load_model(checkpoint, requires_grad=True)
     llm = LLM.from_model(model, enable_return_routed_experts=True)
     prompt = list(range(3, 50))
     out = llm.generate([prompt], _params(1), use_tqdm=False)[0]
     tokens = torch.tensor([prompt + out.outputs[0].token_ids])
+    n, rows = tokens.shape[1] - 1, out.routed_experts
+    own, kept = _routing(monkeypatch)
+    with torch.no_grad():
+        model(tokens, routed_experts=[rows])
+    rollout = _rows(own, n)
+    assert torch.equal(rollout, rows)  # the reported rows are the rollout's own routing
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("gate.weight"):
                 p.add_(torch.randn_like(p))  # the policy's router moved since the rollout
-    seen = _gate_choices(model, monkeypatch)
-    model(tokens)
-    own = torch.stack(seen, dim=1)[: tokens.shape[1] - 1]
-    seen.clear()
-    model(tokens, routed_experts=[out.routed_experts])
-    replayed = torch.stack(seen, dim=1)[: tokens.shape[1] - 1]
-    assert not torch.equal(own.int(), out.routed_experts)  # without R3 the routing differs ...
-    assert torch.equal(replayed.int(), out.routed_experts)  # ... with it, it is the rollout's
+    own.clear()
+    kept.clear()
+    with torch.no_grad():
+        model(tokens, routed_experts=[rows])
+    assert not torch.equal(_rows(own, n), rollout)  # without R3 the routing differs ...
+    assert torch.equal(_rows(kept, n), rollout)  # ... with it, it is the rollout's
 
 
 def test_a_replay_of_other_experts_changes_the_logits(checkpoint):
@@ -124,9 +142,9 @@ def test_prefix_cache_hits_report_their_blocks_routing(checkpoint, monkeypatch):
     alone = fresh.generate([prompt], _params(3), use_tqdm=False)[0].routed_experts
     llm = LLM(str(checkpoint), enable_return_routed_experts=True)
     llm.generate([prompt], _params(4), use_tqdm=False)
-    hits = llm.engine.pool.hit_blocks
+    hits = llm.engine.block_pools[0].hit_blocks
     again = llm.generate([prompt], _params(3), use_tqdm=False)[0]
-    assert llm.engine.pool.hit_blocks > hits
+    assert llm.engine.block_pools[0].hit_blocks > hits
     assert torch.equal(again.routed_experts, alone)
     # mutation check: a hit whose rows are not read back from its blocks leaves them unknown
     monkeypatch.setattr(RoutedExpertsRecorder, "published", lambda self, req, block, h: None)

@@ -64,7 +64,7 @@ def serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=int(limits.shutdown_timeout_s) + 5,
     )
     web = uvicorn.Server(config)
-    engine = app.state.server.engine
+    async_llm = app.state.server.async_llm
     # HTTP on a background thread, the engine loop here: the thread that loaded the model
     # drives its kernels (AsyncLLM.run_here says why)
     http = threading.Thread(target=web.run, name="deepinfer-http", daemon=True)
@@ -73,10 +73,10 @@ def serve(args: argparse.Namespace) -> int:
     def graceful(signum: int, _frame: object) -> None:
         """SIGTERM / Ctrl-C: stop accepting, let running requests finish within the grace
         period (then end them with an error event), exit. A second signal exits at once."""
-        if engine.shutting_down:
+        if async_llm.shutting_down:
             raise KeyboardInterrupt
         web.should_exit = True
-        engine.begin_shutdown(limits.shutdown_timeout_s)
+        async_llm.begin_shutdown(limits.shutdown_timeout_s)
 
     signal.signal(signal.SIGTERM, graceful)
     signal.signal(signal.SIGINT, graceful)
@@ -84,7 +84,7 @@ def serve(args: argparse.Namespace) -> int:
     if not args.no_ui:
         print(f"chat page: http://{args.host}:{args.port}/", flush=True)
     try:
-        engine.run_here(until=lambda: not http.is_alive() or engine.drained)
+        async_llm.run_here(until=lambda: not http.is_alive() or async_llm.drained)
     except KeyboardInterrupt:  # a second signal: no more waiting
         pass
     web.should_exit = True

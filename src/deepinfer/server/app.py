@@ -51,9 +51,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Start the engine loop with the app when it owns one; stop it and the prompt workers after."""
     server: ServerState = app.state.server
     if app.state.engine_thread:
-        server.engine.start()
+        server.async_llm.start()
     yield
-    server.engine.stop()
+    server.async_llm.stop()
     server.prompts.close()
 
 
@@ -71,15 +71,15 @@ def build_app(
 ) -> FastAPI:
     """The app over ``llm``. ``engine_thread``: run the engine loop on a background thread
     started with the app; False leaves it to the caller (``AsyncLLM.run_here`` on
-    ``app.state.server.engine``). ``lora_modules``: adapters served from the start (the
+    ``app.state.server.async_llm``). ``lora_modules``: adapters served from the start (the
     engine needs ``enable_lora``); one that cannot be served is a ``ValueError`` naming it.
     ``ui``: serve the chat page at ``/`` (``routes_ui.py``). ``enable_rl_endpoints``: serve
     the RL control endpoints (``routes_rl.py``); ``allow_runtime_lora_updating``: serve the
     adapter load / unload endpoints (``routes_lora.py``). Off, those routes do not exist."""
     limits = limits or ServerLimits()
-    engine = AsyncLLM(llm, max_queued_requests)
-    client = LocalEngineClient(llm, engine)
-    state = ServerState(engine, client, served_model_name, api_key, limits)
+    async_llm = AsyncLLM(llm, max_queued_requests)
+    client = LocalEngineClient(llm, async_llm)
+    state = ServerState(async_llm, client, served_model_name, api_key, limits)
     _load_lora_modules(state, client, lora_modules)
     app = FastAPI(title="deepinfer", version=deepinfer.__version__, lifespan=_lifespan)
     app.state.server = state

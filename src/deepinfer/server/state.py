@@ -26,19 +26,19 @@ from deepinfer.server.protocol import RequestError, param_of
 class ServerState:
     """The served model's name, its engine client, limits, prompt preparer and metrics.
 
-    ``engine`` is the loop driver that the app's lifespan or ``deepinfer serve`` starts and
-    stops; the routes use ``client`` alone.
+    ``async_llm`` is the engine loop (``AsyncLLM``) that the app's lifespan or ``deepinfer
+    serve`` starts and stops; the routes use ``client`` alone.
     """
 
     def __init__(
         self,
-        engine: AsyncLLM,
+        async_llm: AsyncLLM,
         client: EngineClient,
         served_model_name: str,
         api_key: str | None,
         limits: ServerLimits,
     ) -> None:
-        self.engine = engine
+        self.async_llm = async_llm
         self.client = client
         self.tokenizer = client.tokenizer
         self.chat_format = client.chat_format
