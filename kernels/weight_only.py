@@ -180,8 +180,9 @@ class WeightOnlyLinear:
 
 
 # bf16 steps of at most this many rows run ``cpu_packed_gemm`` on a second packed copy (bf16
-# widened exactly, fp32 sums) instead of oneDNN: on an AMX Xeon it beat oneDNN's AMX kernel on
-# SmolLM2's bf16 projection stack up to 8 rows and lost from 12 (benchmarks/RESULTS.md)
+# widened exactly, fp32 sums) instead of oneDNN: on a CPU with AMX it beat oneDNN's AMX kernel
+# on SmolLM2's bf16 projection stack up to 8 rows and lost from 12 (benchmarks/RESULTS.md,
+# SmolLM2-135M in bf16)
 BF16_PACKED_ROWS = 8
 
 
@@ -268,7 +269,7 @@ def _mkldnn_bf16() -> bool:
 def onednn_bf16_kernel(rows: int = 32, width: int = 64) -> str | None:
     """The oneDNN implementation a bf16 ``PackedLinear`` of ``rows`` rows (more than
     ``BF16_PACKED_ROWS``; fewer run ``cpu_packed_gemm``) runs on this CPU
-    (``brg_matmul:avx10_1_512_amx`` on an AMX Xeon, an ``avx512_core_bf16`` kernel without
+    (``brg_matmul:avx10_1_512_amx`` on a CPU with AMX, an ``avx512_core_bf16`` kernel without
     AMX), read from oneDNN's verbose log of one product; None where the bf16 path is not
     oneDNN's. Benchmarks print it: whether bf16 reached AMX is a fact about the run."""
     probe = torch.zeros(width, width, dtype=torch.bfloat16)

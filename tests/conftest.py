@@ -89,6 +89,6 @@ def hf_reference():
 
 @pytest.fixture(scope="session")
 def v41_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tiny V4.1 (model_spec.md §5): CSA2 sharing, two-level top-k (unsaturated), Engram with
+    """Tiny V4.1 (``deepinfer.tiny``'s shape): CSA2 sharing, two-level top-k (unsaturated), Engram with
     the byte tokenizer's map, DSpark stages; composite config.json."""
     return make_tiny_checkpoint(tmp_path_factory.mktemp("v41"), arch="deepseek_v41", seed=0)

@@ -1,12 +1,12 @@
 """Dense references of the model drafters, computed from the checkpoint's weights alone.
 
-- DSpark (V4.1 ``mtp.0..k-1``; model_spec.md §2.8, techniques.md §1.1-§1.2): the block
+- DSpark (V4.1 ``mtp.0..k-1``; the DSpark paper and the official ``DSparkBlock``): the block
   ``[anchor, noise x (g - 1)]`` runs through the stages, each a window-only V4.1 block (the
   one-site mHC lag, its own MoE) whose keys are the K=V vectors of the accepted context rows,
   projected from the target features by stage 0's ``main_proj``/``main_norm``, plus the whole
   block (no causal mask inside it); then the last stage's norm and the shared head, the Markov
   bigram bias left to right, and the confidence head on ``[h_k ; markov_embed(prev)]``.
-- MTP (V4 ``mtp.0``; techniques.md §1.5, the official V4 ``MTPBlock``): each row's input is
+- MTP (V4 ``mtp.0``; the official V4 ``MTPBlock``): each row's input is
   ``e_proj(enorm(embed(next token))) + h_proj(hnorm(streams))`` per stream, then a V4 block
   (each site collapses with its own ``pre`` mix, per-head query RMS norm) over a sliding
   window, V4's sigmoid ``hc_head`` collapse, its own norm, and the shared head; run k times.

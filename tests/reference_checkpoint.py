@@ -1,7 +1,7 @@
 """What the reference computations read from a checkpoint directory, with no deepinfer code:
 the tensors of ``*.safetensors`` (the ``safetensors`` library), the text config of
 ``config.json`` (``json``), and Engram's compressed token map, built from ``tokenizer.json``
-(the ``tokenizers`` library) by the rule of model_spec.md §2.7 (hash step 1)."""
+(the ``tokenizers`` library) by the first step of Engram's hashing rule."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class Spec:
 
     @property
     def yarn(self) -> Any:
-        """YaRN of the compressed layers (§1.1 ``rope_scaling``), or None."""
+        """YaRN of the compressed layers (the config's ``rope_scaling``), or None."""
         rs = self.rope_scaling
         if not rs or rs.get("type", rs.get("rope_type")) != "yarn":
             return None
@@ -92,7 +92,7 @@ def read_checkpoint(path: str | Path) -> ReferenceCheckpoint:
     return ReferenceCheckpoint(read_state(path), cfg, token_map)
 
 
-# -- Engram's compressed token map (§2.7 hash step 1) -----------------------------------------
+# -- Engram's compressed token map (the first step of its hash) ------------------------------
 
 
 # Unicode's White_Space characters (what the ends are stripped of; not Python's str.isspace,
@@ -116,7 +116,7 @@ def normalise_token_text(text: str) -> str:
 
 def engram_token_map(path: str | Path, cfg: Spec) -> torch.Tensor:
     """[vocab] token id -> compressed id, numbered by first appearance; the identity when the
-    checkpoint has no tokenizer and the compressed vocabulary is the whole vocabulary (§5)."""
+    checkpoint has no tokenizer and the compressed vocabulary is the whole vocabulary."""
     file = Path(path) / "tokenizer.json"
     if not file.is_file():
         if cfg.engram_compressed_vocab_size != cfg.vocab_size:

@@ -1,4 +1,4 @@
-"""transformers' V4 indexer under the spec's tie rule (model_spec.md §2.5 item 7): among
+"""transformers' V4 indexer under the model's tie rule (ours too, ``models/layers/topk.py``): among
 equal scores the older entry wins, as a stable descending sort gives. ``Tensor.topk`` leaves
 the order of ties unspecified, so without this patch the reference itself would pick
 entries that depend on the row width."""

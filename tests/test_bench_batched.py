@@ -27,8 +27,8 @@ from deepinfer.cli import main
 from deepinfer.cli.bench import BATCHED_VARIANTS
 from deepinfer.tiny import make_tiny_checkpoint
 
-# llama-batched-bench's output as that tool printed it on this machine (SmolLM2-135M F32,
-# -npp 144 -ntg 64 -npl 1,8, while another job shared the two cores)
+# llama-batched-bench's output as that tool prints it (SmolLM2-135M F32, -npp 144 -ntg 64
+# -npl 1,8, two threads on a machine other jobs shared: its figures are a format, not a reference)
 SAMPLE = """
 llama_batched_bench: n_kv_max = 12288, n_batch = 2048, n_ubatch = 512, flash_attn = -1, is_pp_shared = 0, is_tg_separate = 0, n_gpu_layers = -1, n_threads = 2, n_threads_batch = 2
 

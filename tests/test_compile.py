@@ -2,7 +2,7 @@
 dynamic (no recompiles across batch sizes after the first variants), the pass manager runs on
 every Inductor graph and its cache key follows the pass sources.
 
-Inductor on 2 CPU cores takes ~1 minute per graph, so these tests use a 2-layer tiny V4 (one
+Inductor compiles each graph slowly on a small CPU, so these tests use a 2-layer tiny V4 (one
 sliding + hash-MoE layer, one CSA layer) and the fewest distinct shape variants."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ For each generated config and workload:
 - the reference: every request's chosen-token logprobs (prefill, then incremental decode over
   the engine's tokens) equal the reference's within ``TOL`` and its tokens are the
   reference's argmax except at near-ties: transformers with its own cache for V4 (indexer
-  top-k patched to the spec's tie rule, model_spec.md §2.5 item 7) and Llama, the dense
+  top-k patched to the model's tie rule, tests/stable_topk_patch.py) and Llama, the dense
   spec re-implementation ``v41_reference.py`` for V4.1;
 - the engine: each request alone == all of them batched in a random order == prefill chunked
   at a random budget == preempted by a small cache == served again from the prefix cache;
@@ -91,7 +91,7 @@ def v4_configs(draw) -> dict:
 
 @st.composite
 def v41_plans(draw) -> dict:
-    """A random valid V4.1 layer plan (model_spec.md §1.4): ratios 0/1/2 per layer; a
+    """A random valid V4.1 layer plan (the rules ``layer_plan`` checks): ratios 0/1/2 per layer; a
     compressed layer whose ratio differs from the nearest KV source before it becomes a
     source itself, any other may; index sources are the KV sources plus any compressed
     layers that re-index; an optional candidate source among the KV sources (kept only when
@@ -463,7 +463,7 @@ def test_the_ci_set_holds_every_shape(family):
         assert any(wanted(c) for c in configs), f"{family}: no config of shape {i}"
 
 
-# ---- regressions the fuzzer found (each failed before the tie rule, model_spec.md §2.5) ----
+# ---- regressions the fuzzer found (each failed before the tie rule, models/layers/topk.py) ----
 
 REGRESSIONS = {
     # a ratio-128 first layer, hash-routed, one index head: ReLU ties at the top-k boundary

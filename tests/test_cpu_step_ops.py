@@ -277,7 +277,7 @@ def test_a_compiled_v4_step_runs_the_cpp_ops_and_agrees_with_eager(v4_ckpt):
 def test_a_compiled_v4_step_serves_rows_with_fewer_entries_than_topk(v4_ckpt):
     """The indexer op's width is ``topk`` whatever the number of entries, so a step traced on
     long sequences also serves a prompt shorter than ``topk`` compressed entries: no new graph
-    (with Inductor, a second compile of about a minute on two cores)."""
+    (with Inductor, a second compile, the slowest part of such a test)."""
     from deepinfer import LLM, SamplingParams
 
     torch._dynamo.reset()

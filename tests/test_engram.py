@@ -1,4 +1,4 @@
-"""Engram (model_spec.md §2.7): the token map from the real DeepSeek-V4 tokenizer, the hash
+"""Engram (``models/layers/engram.py``): the token map from the real DeepSeek-V4 tokenizer, the hash
 layout of the released config, and hash ids that equal a slow literal re-implementation
 across every prefill/decode split (the n-gram history lives in the paged cache)."""
 

@@ -147,7 +147,7 @@ def test_lower_layers_never_import_upward():
 
 def test_a_cycle_hidden_in_a_function_is_found(tmp_path):
     """Mutation check of the tests above: a tree whose models import the engine inside a
-    function (the pattern the first wave used) is reported, with the import site."""
+    function (the way a deferred import hides a cycle) is reported, with the import site."""
     pkg = tmp_path / "deepinfer"
     for sub in ("models", "engine"):
         (pkg / sub).mkdir(parents=True)

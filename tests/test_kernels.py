@@ -142,8 +142,8 @@ def test_routed_experts_paths_match_the_definition(n, e, k, d, inter, limit, see
 def test_routed_experts_at_prefill_sizes_take_the_kernel_that_measured_faster():
     """Tiny experts run the transposed kernel at a whole prefill step's tokens (its threaded
     path), equal to the sorted dispatch to fp32 rounding and row by row independent of the
-    batch; experts of 1 MiB go to the dispatch past a few dozen tokens (RESULTS.md, fifteenth
-    session)."""
+    batch; experts of 1 MiB go to the dispatch past a few dozen tokens (the crossovers
+    ``kernels/cpu/moe.py`` lists beside ``SMALL_EXPERT_BYTES``, from benchmarks/RESULTS.md)."""
     from deepinfer.kernels.cpu import moe as cpu_moe
     from deepinfer.kernels.moe import routed_experts, routed_experts_reference
 

@@ -2,7 +2,7 @@
 gives the eager engine's tokens and compiles nothing; artefacts are keyed by what changes the
 compiled code; a damaged artefact is skipped, never fatal.
 
-One real compile of a 2-layer tiny V4 (~30 s on 2 cores) serves the whole module. It is the
+One real compile of a 2-layer tiny V4 (the module's slow part) serves the whole module. It is the
 suite's end-to-end check of the CPU's production setting, the C++ wrapper, which conftest.py
 turns off for the other compiling tests."""
 
@@ -71,9 +71,9 @@ def cpp_wrapper():
 
 @pytest.fixture(scope="module", autouse=True)
 def production_threads():
-    """Two compute threads, as the CPU engine runs on this project's 2-core machines (conftest
+    """Two compute threads, as the CPU engine runs on a machine with two cores (conftest
     gives xdist workers one): the variants are built for two, and small steps run them on one
-    (``cpu_blas.openmp_for_step``), so on a 2-core machine the tokens checks below cover
+    (``cpu_blas.openmp_for_step``), so with two threads the tokens checks below cover
     kernels built for two threads run on one (where the CPU count differs, Inductor names the
     count in its kernels and only ATen's and our loops switch)."""
     before = torch.get_num_threads()

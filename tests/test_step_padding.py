@@ -183,8 +183,8 @@ def test_engine_with_graphs_and_compile_equals_eager(tiny, monkeypatch):
     assert counters["stats"]["unique_graphs"] == 1, "the padded step recompiled"
     if arch == "deepseek_v41":
         # graphs replaying compiled steps is engine logic, the same for every model (checked
-        # on Llama and V4); V4.1's ~3,000-op step needs four dynamo traces for it, ~2 min on
-        # a 2-core Zen 4, a tenth of the suite
+        # on Llama and V4); V4.1's ~3,000-op step needs four dynamo traces for it, as long as
+        # a tenth of the suite
         return
     both, _ = _generate(path, prompts, compile=True, compile_backend="eager", max_graph_batch_size=4)
     assert both == eager

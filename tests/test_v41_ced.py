@@ -1,4 +1,4 @@
-"""V4.1's optional causal encoder/decoder prefill (model_spec.md §2.9): the decoder layers run
+"""V4.1's optional causal encoder/decoder prefill (``ced_split``): the decoder layers run
 only over each prompt's last window; exact when the prompt fits in the window, approximate
 (and measured) beyond it, and still invariant to batching, chunking and preemption."""
 

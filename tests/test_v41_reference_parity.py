@@ -1,7 +1,8 @@
 """The engine's DeepSeek-V4.1 model against an independent dense reference (tests/v41_reference.py).
 
-The reference is written from model_spec.md alone (one-shot prefill, no cache, fp32) and reads
-the checkpoint directory itself (safetensors, config.json, tokenizer.json); the engine model,
+The reference is written from the model's published description alone (one-shot prefill, no
+cache, fp32) and reads the checkpoint directory itself (safetensors, config.json,
+tokenizer.json); the engine model,
 loaded by ``load_model``, runs its paged, cached path through ``model(ids)``. Both read the
 same tiny random checkpoint: ``deepseek_v41`` (top-k and candidate blocks not saturated past 8
 compressed entries, so selection and its tie-breaking matter) and ``deepseek_v41_saturated``.

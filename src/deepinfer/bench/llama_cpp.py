@@ -54,7 +54,7 @@ Row = tuple[float, float, float]
 CONVERTER_TYPES = ("F32", "BF16", "Q8_0")
 # llama.cpp's flag that keeps weights in the model file's layout (no repacking into its AVX or
 # AMX buffers), the fallback when its repacked path crashes (ggml-org/llama.cpp#20824: a
-# segfault in ggml_backend_amx_mul_mat, which we hit with Q8_0 on an AMX Xeon)
+# segfault in ggml_backend_amx_mul_mat, which Q8_0 weights reach on CPUs with AMX)
 NO_REPACK = "--no-repack"
 
 
