@@ -90,7 +90,7 @@ class EngineConfig:
     # of 1, saturated (cache/kv_dtypes.py)
     kv_cache_dtype: str = "auto"
     # Tensor parallelism (vLLM's option name): ranks 1 .. T-1 run in worker processes the
-    # engine starts (distributed/workers.py); Llama and DeepSeek models, eager steps so far
+    # engine starts (distributed/workers.py); Llama and DeepSeek models, eager steps
     tensor_parallel_size: int = 1
     # Data-parallel attention (vLLM's option name): D ranks, each running attention for its
     # own requests over its own KV cache (one scheduler per rank); with
@@ -103,7 +103,7 @@ class EngineConfig:
     # (replicas.py). CPU only; tensor_parallel_size and data_parallel_size must be 1
     data_parallel_replicas: int = 1
     # with tensor_parallel_size > 1 on a MoE model: split the routed experts over the ranks
-    # (vLLM's option name); attention and the shared expert run whole on every rank so far
+    # (vLLM's option name); attention and the shared expert run whole on every rank
     enable_expert_parallel: bool = False
     # EPLB with expert parallel (vLLM's names): count each expert's tokens over the last
     # eplb_window_size steps and re-place the experts every eplb_step_interval steps, with
@@ -200,12 +200,17 @@ class EngineConfig:
             return
         for name in ("compile", "capture_graphs", "async_scheduling", "speculative_config", "ced_prefill"):
             if getattr(self, name):
-                raise ValueError(f"enable_lora=True runs eager synchronous steps so far: turn {name} off")
+                raise ValueError(
+                    f"enable_lora=True runs eager synchronous steps (the adapters' rows are set around an "
+                    f"eager forward): turn {name} off"
+                )
         for name in ("batch_invariant", "enable_return_routed_experts"):
             if getattr(self, name):
-                raise ValueError(f"enable_lora=True with {name}=True is not built yet")
+                raise ValueError(f"enable_lora=True with {name}=True is refused: turn one of them off")
         if self.world_size > 1 or self.data_parallel_replicas > 1:
-            raise ValueError("enable_lora=True runs on one rank and one replica so far")
+            raise ValueError(
+                "enable_lora=True runs on one rank and one replica (the adapters' slots are this process's)"
+            )
 
     @property
     def kv_tiers(self) -> bool:
@@ -229,13 +234,17 @@ class EngineConfig:
             )
         if self.enable_return_routed_experts:
             raise ValueError(
-                "kv_offload_bytes / kv_cache_dir with enable_return_routed_experts=True is not built yet"
+                "kv_offload_bytes / kv_cache_dir with enable_return_routed_experts=True is refused: a tier "
+                "restores K/V but not the routing record of its positions"
             )
         if self.world_size > 1:
-            raise ValueError("kv_offload_bytes / kv_cache_dir run on one rank so far")
+            raise ValueError(
+                "kv_offload_bytes / kv_cache_dir run on one rank (the tiers copy this process's pools)"
+            )
         if self.async_scheduling:
             raise ValueError(
-                "kv_offload_bytes / kv_cache_dir run with synchronous scheduling so far: set "
+                "kv_offload_bytes / kv_cache_dir run with synchronous scheduling (loads and stores between "
+                "steps): set "
                 "async_scheduling=False (or leave it unset)"
             )
         self.async_scheduling = False  # the platform's default would be asynchronous on CUDA
@@ -315,19 +324,19 @@ class EngineConfig:
         )
         if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise ValueError(
-                "data_parallel_size > 1 with tensor_parallel_size > 1 is not built yet: "
+                "data_parallel_size > 1 with tensor_parallel_size > 1 is refused: "
                 "use one of them (data-parallel attention runs whole attention per rank)"
             )
         if self.data_parallel_replicas > 1:
             if self.device != "cpu":
                 raise ValueError(
                     f"data_parallel_replicas > 1 splits the CPU's threads; device={self.device!r} "
-                    "is not built yet (one replica per device)"
+                    "has no replicas (they split one CPU's threads)"
                 )
             if self.world_size > 1:
                 raise ValueError(
                     "data_parallel_replicas > 1 with tensor_parallel_size or data_parallel_size > 1 "
-                    "is not built yet: use one of them"
+                    "is refused: use one of them"
                 )
         if self.enable_eplb and not (self.enable_expert_parallel and self.world_size > 1):
             raise ValueError(
@@ -386,6 +395,6 @@ class EngineConfig:
                 continue
             for name in ("compile", "capture_graphs", "speculative_config"):
                 if getattr(self, name):
-                    raise ValueError(f"{option} > 1 runs eager steps without {name} so far")
+                    raise ValueError(f"{option} > 1 runs eager steps: turn {name} off")
             if self.quantization in ("int8", "int4", "bf16"):
                 raise ValueError(f"{option} > 1 with quantization={self.quantization!r} is not supported")
