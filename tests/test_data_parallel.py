@@ -224,7 +224,7 @@ def test_option_conflicts_are_refused(tmp_path):
     with pytest.raises(ValueError, match="data_parallel_size > 1 with tensor_parallel_size > 1"):
         LLM(str(path), data_parallel_size=2, tensor_parallel_size=2)
     with pytest.raises(
-        ValueError, match="data_parallel_size > 1 runs eager steps without speculative_config"
+        ValueError, match="data_parallel_size > 1 runs eager steps: turn speculative_config off"
     ):
         LLM(
             str(path),
