@@ -15,7 +15,7 @@
 #            it is, and this stage prints it), else a copy of the package on PYTHONPATH
 #   decode   benchmarks/gpu_decode.py: bs 1 and 64 decode, eager / compiled / graphs, the HBM
 #            bound, transformers on the same weights
-#   tests    gpu_tests/ (CUDA paths) and tests/test_capture_safety.py (capture rules), -v -rA
+#   tests    gpu_tests/ (CUDA paths) and tests/compile/test_capture_safety.py (capture rules), -v -rA
 # Record the figures in benchmarks/RESULTS.md with the date and this command.
 set -u
 cd "$(dirname "$0")/.."
@@ -82,7 +82,7 @@ stage_decode() {
 stage_tests() {
     local extra=()
     python3 -c "import pytest_timeout" 2>/dev/null && extra=(--timeout=120)
-    python3 -m pytest -v -rA -p no:cacheprovider "${extra[@]}" gpu_tests tests/test_capture_safety.py
+    python3 -m pytest -v -rA -p no:cacheprovider "${extra[@]}" gpu_tests tests/compile/test_capture_safety.py
 }
 
 for stage in $STAGES; do

@@ -29,7 +29,7 @@ os.environ.setdefault("DEEPINFER_KV_CACHE_SPACE_GB", "1")
 os.environ.setdefault("DEEPINFER_CPU_CPP_WRAPPER", "0")
 
 # Each test process (an xdist worker, or the one process) has a memory bound: a test that
-# outgrows it fails at once, named, instead of meeting the OOM killer (tests/memory_guard.py)
+# outgrows it fails at once, named, instead of meeting the OOM killer (tests/support/memory_guard.py)
 _MEMORY_GUARD = MemoryGuard.from_env()
 
 

@@ -4,7 +4,7 @@ With QAT fake-quant on, every value written to the window K=V, the compressed en
 indexer keys is already an fp8 / fp4 value times a per-block scale. Storing it in the compute
 dtype wastes bytes; these formats store the codes and the scales, and reading decodes them to
 exactly the values written (bitwise: each format's decode of its encode of a fake-quantized
-tensor is that tensor, tests/test_kv_formats.py):
+tensor is that tensor, tests/cache/test_kv_formats.py):
 
 - ``fp8_pow2_32`` (window K=V): e4m3 codes, one power-of-two (e8m0) scale per 32 values;
 - ``fp4_e4m3_16`` (compressed entries): e2m1 codes two per byte, one e4m3 scale per 16;

@@ -7,7 +7,7 @@ layout: a first call computes every field into per-thread scratch and returns th
 sizes, the caller allocates exact tensors, a second call copies into them. Built once per
 machine from ``kernels/cpu/group_meta.cpp`` by ``cpu.build`` (Inductor's compiler driver); where no compiler exists, ``available``
 is False and the NumPy builder runs. Both are tested equal to the Python walk they replaced
-(``tests/step_metadata_reference.py``)."""
+(``tests/support/step_metadata_reference.py``)."""
 
 from __future__ import annotations
 

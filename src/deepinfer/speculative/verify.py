@@ -3,7 +3,7 @@ logits rows): greedy requests reduce to a prefix match against the target's argm
 ones go through the rejection sampler (``deepinfer.sampling.rejection``): accept draft j with
 probability ``min(1, p_j(x_j) / q_j(x_j))``, resample from ``norm(max(p_j - q_j, 0))`` at the
 first rejection, or take a bonus token from ``p_d`` after all d are accepted. Either way the
-output distribution is the target's (tests/test_spec_verification.py, test_spec_engine.py)."""
+output distribution is the target's (tests/sampling/test_spec_verification.py, test_spec_engine.py)."""
 
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ class SafetensorsFile:
     truncated or corrupt file fails before any tensor is read; its message is turned into a
     ``CheckpointError`` naming the file and, where one is at fault, the tensor. Tensors are
     copied out of the library's memory map one at a time and the map is reopened every
-    ``_REMAP_BYTES``, so peak RAM stays at the tensors we keep (tests/test_load_memory.py).
+    ``_REMAP_BYTES``, so peak RAM stays at the tensors we keep (tests/models/test_load_memory.py).
     """
 
     def __init__(self, file: Path) -> None:

@@ -12,7 +12,7 @@
   window, V4's sigmoid ``hc_head`` collapse, its own norm, and the shared head; run k times.
 
 Everything is plain fp32 torch over a state dict read from ``*.safetensors`` and a config read
-from ``config.json`` by ``tests/v41_reference.py`` (no deepinfer code), one sequence at a time.
+from ``config.json`` by ``tests/support/v41_reference.py`` (no deepinfer code), one sequence at a time.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Model drafters: DSpark on V4.1 and MTP on V4.
 
 - each proposal equals a dense computation of the published math (the DSpark paper, the
-  official V4 ``MTPBlock``; tests/draft_reference.py) from the weights and config read from the
+  official V4 ``MTPBlock``; tests/support/draft_reference.py) from the weights and config read from the
   checkpoint files, for several requests batched together whose windows wrap around their
   rings; a loader naming bug in the engine fails that check (mutation checks);
 - sampled outputs keep the target's distribution (drafts come from their own q);

@@ -16,7 +16,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.models.loading import load_model
 from deepinfer.weights.catalog import resolve_model
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rl_grpo.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "rl_grpo.py"
 
 
 def _example():

@@ -6,7 +6,7 @@ prefill of full sequences ``[B, S]`` starting at position 0, no paging, no cache
 in plain fp32 torch over the whole sequence, and the full logits ``[B, S, V]``.
 
 It reads the checkpoint directory itself, with no deepinfer code at all
-(``tests/reference_checkpoint.py``): the tensors of ``*.safetensors`` in the official layout,
+(``tests/support/reference_checkpoint.py``): the tensors of ``*.safetensors`` in the official layout,
 the fields of ``config.json`` (``text_config`` when the config is composite), and Engram's
 compressed token map built from ``tokenizer.json`` by Engram's hashing rule. The QAT
 fake-quant formats are written out here too. So a loader, naming,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from deepinfer.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_make_tiny_then_generate(tmp_path, capsys):

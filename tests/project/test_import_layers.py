@@ -10,7 +10,7 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # import name prefix -> source folder (pyproject's package-dir)
 SOURCES = {
     "deepinfer": ROOT / "src" / "deepinfer",

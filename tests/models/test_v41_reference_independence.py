@@ -1,5 +1,5 @@
-"""Mutation checks of the V4.1 parity tests (tests/test_v41_reference_parity.py and the
-fuzzer's V4.1 family): the reference (tests/v41_reference.py) reads the checkpoint directory
+"""Mutation checks of the V4.1 parity tests (tests/models/test_v41_reference_parity.py and the
+fuzzer's V4.1 family): the reference (tests/support/v41_reference.py) reads the checkpoint directory
 itself, so a bug in the engine's loader or in its Engram token map makes the parity check fail.
 
 Each test breaks the engine alone, then shows both sides of the point: the logits leave the
@@ -10,19 +10,16 @@ parity tolerance by far, while the reference fed the engine's own loaded weights
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from reference_mutations import swap_on_load
+from v41_reference import read_checkpoint, reference_logits
 
 import deepinfer.models.deepseek_v41 as v41_model
 from deepinfer.models.loading import load_model
 from deepinfer.tiny import make_tiny_checkpoint
-
-sys.path.insert(0, str(Path(__file__).parent))
-from reference_mutations import swap_on_load  # noqa: E402
-from v41_reference import read_checkpoint, reference_logits  # noqa: E402
 
 PARITY_TOL = 1e-4  # the parity tests' tolerance without fake-quant
 BROKEN = 1e-2  # a broken engine must miss the reference by far more

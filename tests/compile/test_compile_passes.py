@@ -23,7 +23,7 @@ from deepinfer.compile.graph_dump import GRAPH_ARCHS, golden_files, trace_tiny
 from deepinfer.models.layers.attention import attention_with_sink
 from deepinfer.sampling.rejection import acceptance_and_recovery
 
-GOLDEN = Path(__file__).resolve().parents[1] / "fx_graphs"
+GOLDEN = Path(__file__).resolve().parents[2] / "fx_graphs"
 
 
 @pytest.mark.parametrize("arch", GRAPH_ARCHS)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from deepinfer.kernels.cpu import build
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PYTHON_ROOTS = ("src", "kernels", "compile_passes")
 
 # what only C or C++ source has: an include line, a pybind / dispatcher registration block, an

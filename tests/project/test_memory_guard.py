@@ -1,4 +1,4 @@
-"""The suite's memory bound (tests/memory_guard.py) fails a runaway test fast, by name."""
+"""The suite's memory bound (tests/support/memory_guard.py) fails a runaway test fast, by name."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from memory_guard import MemoryBoundExceeded, MemoryGuard, rss_bytes
 
 _MIB = 1 << 20
-HERE = Path(__file__).resolve().parent
+SUPPORT = Path(__file__).resolve().parents[1] / "support"  # memory_guard.py
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ def test_between_tests_nothing_is_raised(make_guard) -> None:
 def test_a_native_call_past_the_hard_bound_ends_the_process_naming_the_test() -> None:
     code = f"""
     import sys
-    sys.path.insert(0, {str(HERE)!r})
+    sys.path.insert(0, {str(SUPPORT)!r})
     import torch
     from memory_guard import MemoryGuard, rss_bytes
     guard = MemoryGuard(bound=rss_bytes() + (64 << 20), hard_bound=rss_bytes() + (256 << 20))

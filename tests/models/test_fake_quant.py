@@ -75,7 +75,7 @@ def test_fake_quant_is_wired_into_cached_state_and_chunks_agree(v4_ckpt):
         chunked_session = Session(quant, 1, 45)
         chunked = torch.cat([chunked_session.feed(ids[:, :13]), chunked_session.feed(ids[:, 13:])], 1)
     # A chunk computes its rows with other matrix shapes: isolated values may land one
-    # rounding step away (tests/rounding.py); a wiring bug moves whole rows.
+    # rounding step away (tests/support/rounding.py); a wiring bug moves whole rows.
     for whole, part in zip(session.pools, chunked_session.pools, strict=True):
         assert_equal_up_to_rounding_flips(whole.window[:45], part.window[:45], 1e-6, "window rows")
     assert (chunked - b).abs().max() <= 1e-2

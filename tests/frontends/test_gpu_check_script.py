@@ -13,7 +13,7 @@ import pytest
 
 from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "gpu_tests"))
 from greedy_compare import assert_same_up_to_near_ties, divergences  # noqa: E402
 

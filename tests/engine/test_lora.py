@@ -5,7 +5,7 @@ References: SmolLM2 and a tiny Llama run in transformers wrapped by PEFT (unmerg
 with ``merge_and_unload``); the tiny DeepSeek-V4 with adapters on attention, compressors,
 indexers, shared and routed experts runs in transformers' own DeepseekV4ForCausalLM on the
 merged weights, and in deepinfer's research module wrapped by PEFT (unmerged); the tiny
-V4.1 runs in the independent dense reference (``tests/v41_reference.py``, which reads the
+V4.1 runs in the independent dense reference (``tests/support/v41_reference.py``, which reads the
 checkpoint itself) on the merged weights, and in the research module wrapped by PEFT.
 """
 

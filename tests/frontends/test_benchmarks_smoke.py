@@ -17,7 +17,7 @@ from deepinfer.bench.workloads import (
 )
 from deepinfer.tiny import make_tiny_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_pytest_benchmark_suite_runs(tmp_path):

@@ -4,7 +4,7 @@ For each generated config and workload:
 - the reference: every request's chosen-token logprobs (prefill, then incremental decode over
   the engine's tokens) equal the reference's within ``TOL`` and its tokens are the
   reference's argmax except at near-ties: transformers with its own cache for V4 (indexer
-  top-k patched to the model's tie rule, tests/stable_topk_patch.py) and Llama, the dense
+  top-k patched to the model's tie rule, tests/support/stable_topk_patch.py) and Llama, the dense
   spec re-implementation ``v41_reference.py`` for V4.1;
 - the engine: each request alone == all of them batched in a random order == prefill chunked
   at a random budget == preempted by a small cache == served again from the prefix cache;
@@ -23,7 +23,6 @@ import functools
 import math
 import os
 import random
-import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
@@ -31,15 +30,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from equivalence_workloads import count_preemptions
 from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
+from stable_topk_patch import stable_indexer_topk
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.tiny import make_tiny_checkpoint
-
-sys.path.insert(0, str(Path(__file__).parent))
-from equivalence_workloads import count_preemptions  # noqa: E402
-from stable_topk_patch import stable_indexer_topk  # noqa: E402
 
 TOL = 1e-4
 NEAR_TIE = 1e-4

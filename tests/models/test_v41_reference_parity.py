@@ -1,4 +1,4 @@
-"""The engine's DeepSeek-V4.1 model against an independent dense reference (tests/v41_reference.py).
+"""The engine's DeepSeek-V4.1 model against an independent dense reference (tests/support/v41_reference.py).
 
 The reference is written from the model's published description alone (one-shot prefill, no
 cache, fp32) and reads the checkpoint directory itself (safetensors, config.json,
@@ -10,17 +10,14 @@ compressed entries, so selection and its tie-breaking matter) and ``deepseek_v41
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from v41_reference import read_checkpoint, reference_logits
 
 from deepinfer.models.loading import load_model
 from deepinfer.tiny import make_tiny_checkpoint
-
-sys.path.insert(0, str(Path(__file__).parent))
-from v41_reference import read_checkpoint, reference_logits  # noqa: E402
 
 ARCHS = ("deepseek_v41", "deepseek_v41_saturated")
 LENGTHS = (1, 7, 8, 9, 17, 33)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_in_root(code: str, *python_flags: str) -> subprocess.CompletedProcess[str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("headline", ROOT / "benchmarks" / "headline.py")
 headline = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("headline", headline)  # dataclasses look their module up there

@@ -8,7 +8,7 @@ import fnmatch
 import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def packages_on_disk(package_dir: dict[str, str]) -> set[str]:
