@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from deepinfer import LLM, SamplingParams
@@ -65,7 +65,12 @@ def test_outputs_carry_the_routing_and_a_replay_reproduces_it(checkpoint, monkey
     n_moe = _moe_layers(model)
     k, experts = model.config.num_experts_per_tok, model.config.n_routed_experts
 
-    @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=3,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.explicit, Phase.generate],  # a failure is reported unshrunk: shrinking takes minutes
+    )
     @given(seed=st.integers(0, 2**16))
     def check(seed):
         gen = torch.Generator().manual_seed(seed)

@@ -7,7 +7,8 @@ random calls: it writes text that looks like DSML and closes what it opens, but 
 arbitrary parameters with values of arbitrary types, so its raw samples break the schemas.
 Hypothesis draws the tools (schemas, names, strictness), the choice, thinking and
 ``parallel_tool_calls``; every forced call must parse and validate against its tool's schema,
-streamed or not. The mutation check runs the same test with the tag removed: it must fail.
+streamed or not. The mutation check runs the same check with a tag that leaves the arguments
+free: some call must parse and fail its schema (not merely fail some other assertion).
 """
 
 from __future__ import annotations
@@ -27,15 +28,14 @@ from tiny_v4_chat import V4_VOCAB, tiny_v4_checkpoint, v4_tokenizer_dir
 
 import deepinfer.engine.step_processor as engine_module
 from deepinfer import LLM
+from deepinfer.chat import formats
 from deepinfer.chat.deepseek import V4, encode_deepseek
-from deepinfer.chat.formats import DeepseekFormat
 from deepinfer.server.app import build_app
 
 NAME = "tiny-v4"
 FLOOR = -14.0  # the bigram's logit for a pair it never saw
 THOUGHT = 8  # reasoning tokens before the model favours ending its reasoning
 ASK = [{"role": "user", "content": "Use a tool."}]
-CALLED = ["get_weather", "search", "f", "lookup_item", "run"]  # the names the bigram writes
 
 
 # ---- the bigram "model" ---------------------------------------------------------------------
@@ -72,7 +72,7 @@ def _corpus(rng: random.Random, count: int) -> list[str]:
                 "id": "c",
                 "type": "function",
                 "function": {
-                    "name": rng.choice(CALLED),
+                    "name": rng.choice(["get_weather", "search", "f", "lookup_item", "run"]),
                     "arguments": json.dumps(
                         {rng.choice(words): _random_value(rng) for _ in range(rng.randint(0, 3))}
                     ),
@@ -176,21 +176,15 @@ _VALUES = st.one_of(
 )
 
 
-def _tools(names: st.SearchStrategy) -> st.SearchStrategy:
-    tool = st.fixed_dictionaries(
-        {"name": names, "parameters": _object(_VALUES), "strict": st.sampled_from([True, False, None])}
-    )
-    return st.lists(tool, min_size=1, max_size=3, unique_by=lambda t: t["name"])
-
-
-_TOOLS = _tools(_IDENT)
-# tools named as the bigram's calls are: without the tag, its calls reach the schema check
-_CALLED_TOOLS = _tools(st.sampled_from(CALLED))
+_TOOL = st.fixed_dictionaries(
+    {"name": _IDENT, "parameters": _object(_VALUES), "strict": st.sampled_from([True, False, None])}
+)
+_TOOLS = st.lists(_TOOL, min_size=1, max_size=3, unique_by=lambda t: t["name"])
 
 
 @st.composite
-def _cases(draw, tools: st.SearchStrategy = _TOOLS):
-    tools = draw(tools)
+def _cases(draw):
+    tools = draw(_TOOLS)
     choice = draw(
         st.sampled_from(
             ["required", {"type": "function", "function": {"name": draw(st.sampled_from(tools))["name"]}}]
@@ -305,11 +299,22 @@ def test_forced_tool_calls_follow_their_schemas(served, case):
     _check_forced_calls(served, *case)
 
 
-def test_without_the_tag_the_same_check_fails(served, monkeypatch):
-    """The mutation check: the bigram's own samples do not pass the test above, and some
-    fail its schema check (calls that parsed, with arguments their schemas refuse)."""
-    monkeypatch.setattr(DeepseekFormat, "tool_constraint", lambda *args: None)
-    assert _schema_break(lambda *case: _check_forced_calls(served, *case), _cases(_CALLED_TOOLS)) is not None
+def _tag_without_schemas(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mutation: the tag keeps the DSML block and the tools' names but lets every call's
+    arguments be any object (the bigram's own arguments then reach the schema check)."""
+    real = formats.tool_call_tag
+
+    def tag(dialect, functions, *args, **kwargs):
+        return real(dialect, [{**fn, "parameters": {"type": "object"}} for fn in functions], *args, **kwargs)
+
+    monkeypatch.setattr(formats, "tool_call_tag", tag)
+
+
+def test_a_tag_without_the_schemas_fails_the_same_check(served, monkeypatch):
+    """The mutation check: calls that parse, to the allowed tools, but whose arguments only
+    the bigram chose fail the schema check of the test above."""
+    _tag_without_schemas(monkeypatch)
+    assert _schema_break(lambda *case: _check_forced_calls(served, *case), _cases()) is not None
 
 
 def _check_auto_strict(live, tools, thinking: bool, seed: int) -> bool:
@@ -329,18 +334,17 @@ def _check_auto_strict(live, tools, thinking: bool, seed: int) -> bool:
     return bool(calls)
 
 
-def _auto_cases(tools: st.SearchStrategy = _TOOLS) -> st.SearchStrategy:
-    return st.tuples(tools, st.booleans(), st.integers(0, 2**31 - 1))
+_AUTO_CASES = st.tuples(_TOOLS, st.booleans(), st.integers(0, 2**31 - 1))
 
 
 def _auto_strict_examples(live) -> int:
     """Runs the drawn "auto" cases; how many of them made calls."""
     made = []
 
-    @_SETTINGS
-    @given(case=_auto_cases())
-    def run(case):
-        made.append(_check_auto_strict(live, *case))
+    @settings(_SETTINGS, max_examples=12)
+    @given(tools=_TOOLS, thinking=st.booleans(), seed=st.integers(0, 2**31 - 1))
+    def run(tools, thinking, seed):
+        made.append(_check_auto_strict(live, tools, thinking, seed))
 
     run()
     return sum(made)
@@ -350,13 +354,11 @@ def test_auto_with_a_strict_tool_keeps_any_call_to_its_schema(served):
     assert _auto_strict_examples(served) > 0  # some replies made calls: the schemas were tested
 
 
-def test_auto_without_the_tag_fails_the_same_check(served, monkeypatch):
-    """The mutation check of the "auto" case: some of the bigram's own calls parse and break
-    a strict tool's schema."""
-    monkeypatch.setattr(DeepseekFormat, "tool_constraint", lambda *args: None)
-    assert (
-        _schema_break(lambda *case: _check_auto_strict(served, *case), _auto_cases(_CALLED_TOOLS)) is not None
-    )
+def test_auto_with_a_tag_without_the_schemas_fails_the_same_check(served, monkeypatch):
+    """The mutation check of the "auto" case: some of the bigram's calls parse and break a
+    strict tool's schema."""
+    _tag_without_schemas(monkeypatch)
+    assert _schema_break(lambda *case: _check_auto_strict(served, *case), _AUTO_CASES) is not None
 
 
 @pytest.mark.parametrize(
