@@ -61,3 +61,48 @@ def test_the_mode_check_sees_a_branch():
     kernel = "from deepinfer.kernels.cpu import norm_act\n"
     assert sorted(execution_mode_names(branch)) == ["functional", "is_compiling"]
     assert execution_mode_names(kernel) == ["deepinfer.kernels.cpu"]
+
+
+TESTS = ROOT / "tests"
+TEST_LAYERS = {
+    "models",
+    "kernels",
+    "compile",
+    "cache",
+    "engine",
+    "rl",
+    "sampling",
+    "server",
+    "frontends",
+    "project",
+}
+
+
+def misplaced_test_files(tests: Path) -> list[str]:
+    """Test files outside a layer folder, and helpers outside ``support/`` (docs/contributing.md)."""
+    wrong = []
+    for path in sorted(tests.rglob("*.py")):
+        rel = path.relative_to(tests)
+        if rel == Path("conftest.py") or "__pycache__" in rel.parts:
+            continue
+        folder = rel.parts[0] if len(rel.parts) == 2 else None
+        is_test = path.name.startswith("test_")
+        if (is_test and folder not in TEST_LAYERS) or (not is_test and folder != "support"):
+            wrong.append(str(rel))
+    return wrong
+
+
+def test_tests_sit_in_their_layer_and_helpers_in_support():
+    assert not misplaced_test_files(TESTS)
+    assert {p.name for p in TESTS.iterdir() if p.is_dir() and p.name != "__pycache__"} == TEST_LAYERS | {
+        "support"
+    }
+
+
+def test_a_loose_test_file_is_found(tmp_path):
+    """Mutation check: a test file at the top and a helper beside the tests are reported."""
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "support").mkdir()
+    for rel in ("conftest.py", "test_loose.py", "engine/test_ok.py", "engine/helper.py", "support/ok.py"):
+        (tmp_path / rel).write_text("")
+    assert misplaced_test_files(tmp_path) == ["engine/helper.py", "test_loose.py"]
