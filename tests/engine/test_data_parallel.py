@@ -31,6 +31,35 @@ def _expert_bytes(model) -> int:
     return total
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """Per (arch, quant), built on first use: the checkpoint, the workload, the one-process
+    engine's tokens and logprobs and its routed experts' bytes. The checkpoint and the
+    one-process engine do not depend on the rank count or on expert parallel, so the cases
+    that differ only there share them; the engine is closed once measured."""
+    built: dict[tuple[str, str | None], tuple] = {}
+
+    def get(arch: str, quant: str | None) -> tuple:
+        if (arch, quant) not in built:
+            path = make_tiny_checkpoint(
+                tmp_path_factory.mktemp(f"{arch}-{quant}"), arch=arch, seed=11, quant=quant
+            )
+            # a shared prefix of at least one full block (V4's blocks hold 128 tokens)
+            prompts, params = workload(5, shared_len=40 if arch == "llama" else 140)
+            # QAT fake-quant rounds activations to fp8/fp4: a 1e-7 difference from another batch
+            # composition can flip one rounding and move a logprob by ~1e-3 (1.35e-3 measured on
+            # V4.1 at 2 ranks, 5.6e-4 under tensor parallel), so the DeepSeek runs compare with it
+            # off; a request's logits independent of its batch is batch_invariant's job
+            exact = {} if arch == "llama" else {"fake_quant": False}
+            single = LLM(str(path), max_num_batched_tokens=48, **exact)
+            expected = tokens_and_logprobs(single.generate(prompts, params, use_tqdm=False))
+            built[arch, quant] = (path, prompts, params, exact, expected, _expert_bytes(single.model))
+            single.close()
+        return built[arch, quant]
+
+    return get
+
+
 @pytest.mark.parametrize(
     ("arch", "quant", "ranks", "expert_parallel"),
     [
@@ -42,20 +71,11 @@ def _expert_bytes(model) -> int:
         ("llama", None, 2, False),
     ],
 )
-def test_data_parallel_equals_one_process(tmp_path, arch, quant, ranks, expert_parallel):
+def test_data_parallel_equals_one_process(one_process, arch, quant, ranks, expert_parallel):
     """Every rank gets requests; tokens equal one process, logprobs within 1e-4, also on a
     second pass that hits each rank's own prefix cache; with expert parallel each rank holds
     1/N of the routed experts."""
-    path = make_tiny_checkpoint(tmp_path, arch=arch, seed=11, quant=quant)
-    # a shared prefix of at least one full block (V4's blocks hold 128 tokens)
-    prompts, params = workload(5, shared_len=40 if arch == "llama" else 140)
-    # QAT fake-quant rounds activations to fp8/fp4: a 1e-7 difference from another batch
-    # composition can flip one rounding and move a logprob by ~1e-3 (1.35e-3 measured on
-    # V4.1 at 2 ranks, 5.6e-4 under tensor parallel), so the DeepSeek runs compare with it
-    # off; a request's logits independent of its batch is batch_invariant's job
-    exact = {} if arch == "llama" else {"fake_quant": False}
-    single = LLM(str(path), max_num_batched_tokens=48, **exact)
-    expected = tokens_and_logprobs(single.generate(prompts, params, use_tqdm=False))
+    path, prompts, params, exact, expected, whole = one_process(arch, quant)
     llm = LLM(
         str(path),
         **exact,
@@ -83,7 +103,7 @@ def test_data_parallel_equals_one_process(tmp_path, arch, quant, ranks, expert_p
     assert all(h > 0 for h in hits)  # the shared prefix was cached on every rank
     assert not preempted  # nothing left behind
     if arch != "llama":
-        assert part * (ranks if expert_parallel else 1) == _expert_bytes(single.model) > 0
+        assert part * (ranks if expert_parallel else 1) == whole > 0
 
 
 def test_preemption_under_data_parallel_recomputes_the_same_tokens(tmp_path):

@@ -71,6 +71,52 @@ def test_sizes_that_do_not_divide_the_heads_are_refused(llama_tp):
         LLM(str(llama_tp), tensor_parallel_size=4)
 
 
+def _expert_bytes(moe) -> int:
+    names = ("w1_fp4", "w2_fp4", "w3_fp4") if moe.holds_fp4 else ("w1_stacked", "w2_stacked", "w3_stacked")
+    return sum(
+        getattr(moe, n).numel() * getattr(moe, n).element_size() for n in names if getattr(moe, n) is not None
+    )
+
+
+def _split_sizes(model) -> tuple[list[dict[str, int]], list[int]]:
+    """Per attention layer the weight sizes of its split projections, per MoE layer its
+    routed experts' bytes."""
+    attn = [
+        {name: getattr(m, name).weight.numel() for name in ("wq_b", "wo_a", "wo_b")}
+        for m in model.modules()
+        if hasattr(m, "wo_a")
+    ]
+    return attn, [_expert_bytes(m) for m in model.modules() if hasattr(m, "expert_offset")]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """Per (arch, quant, ranks), built on first use: the checkpoint, the workload, the
+    one-process engine's tokens and logprobs and its layer sizes. The cases with and without
+    expert parallel share them (same checkpoint, same engine options); the one-process
+    engine is closed once measured, so only one engine's cache is held at a time."""
+    built: dict[tuple[str, str | None, int], tuple] = {}
+
+    def get(arch: str, quant: str | None, ranks: int) -> tuple:
+        key = (arch, quant, ranks)
+        if key not in built:
+            shape = {"num_attention_heads": 8, "o_groups": 4} if ranks == 4 else {}
+            folder = tmp_path_factory.mktemp(f"{arch}-{quant}-{ranks}")
+            path = make_tiny_checkpoint(folder, arch=arch, seed=8, quant=quant, **shape)
+            prompts, params = workload(1)
+            prompts, params = prompts[:6], params[:6]
+            # V4.1 without its QAT rounding, as in the data-parallel tests: split heads sum in another
+            # order, and the rounding turns those last-bit differences into whole grid steps
+            exact = {"fake_quant": False} if arch == "deepseek_v41" else {}
+            single = LLM(str(path), max_num_batched_tokens=64, **exact)
+            expected = tokens_and_logprobs(single.generate(prompts, params, use_tqdm=False))
+            built[key] = (path, prompts, params, exact, expected, _split_sizes(single.model))
+            single.close()
+        return built[key]
+
+    return get
+
+
 @pytest.mark.parametrize(
     ("arch", "quant", "ranks", "expert_parallel"),
     [
@@ -82,19 +128,13 @@ def test_sizes_that_do_not_divide_the_heads_are_refused(llama_tp):
         ("deepseek_v41", None, 4, True),
     ],
 )
-def test_deepseek_tensor_and_expert_parallel_equal_one_process(tmp_path, arch, quant, ranks, expert_parallel):
+def test_deepseek_tensor_and_expert_parallel_equal_one_process(
+    one_process, arch, quant, ranks, expert_parallel
+):
     """Attention heads and output groups split over the ranks (fp8 projections too), with or
     without the routed experts split: one process's tokens and logprobs; each rank holds
     1/N of the query and output projections and, with expert parallel, of the experts."""
-    shape = {"num_attention_heads": 8, "o_groups": 4} if ranks == 4 else {}
-    path = make_tiny_checkpoint(tmp_path, arch=arch, seed=8, quant=quant, **shape)
-    prompts, params = workload(1)
-    prompts, params = prompts[:6], params[:6]
-    # V4.1 without its QAT rounding, as in the data-parallel tests: split heads sum in another
-    # order, and the rounding turns those last-bit differences into whole grid steps
-    exact = {"fake_quant": False} if arch == "deepseek_v41" else {}
-    single = LLM(str(path), max_num_batched_tokens=64, **exact)
-    expected = tokens_and_logprobs(single.generate(prompts, params, use_tqdm=False))
+    path, prompts, params, exact, expected, (whole_attn, whole_moe) = one_process(arch, quant, ranks)
     llm = LLM(
         str(path),
         tensor_parallel_size=ranks,
@@ -104,29 +144,15 @@ def test_deepseek_tensor_and_expert_parallel_equal_one_process(tmp_path, arch, q
     )
     try:
         got = tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
-        whole_moe = [m for m in single.model.modules() if hasattr(m, "expert_offset")]
-        part_moe = [m for m in llm.model.modules() if hasattr(m, "expert_offset")]
-        whole_attn = [m for m in single.model.modules() if hasattr(m, "wo_a")]
-        part_attn = [m for m in llm.model.modules() if hasattr(m, "wo_a")]
+        part_attn, part_moe = _split_sizes(llm.model)
     finally:
         llm.close()
     assert_same(got, expected)
     for whole, part in zip(whole_attn, part_attn, strict=True):
         for name in ("wq_b", "wo_a", "wo_b"):
-            assert getattr(part, name).weight.numel() * ranks == getattr(whole, name).weight.numel()
-
-    def expert_bytes(moe):
-        names = (
-            ("w1_fp4", "w2_fp4", "w3_fp4") if moe.holds_fp4 else ("w1_stacked", "w2_stacked", "w3_stacked")
-        )
-        return sum(
-            getattr(moe, n).numel() * getattr(moe, n).element_size()
-            for n in names
-            if getattr(moe, n) is not None
-        )
-
+            assert part[name] * ranks == whole[name]
     for whole, part in zip(whole_moe, part_moe, strict=True):
-        assert expert_bytes(part) * (ranks if expert_parallel else 1) == expert_bytes(whole) > 0
+        assert part * (ranks if expert_parallel else 1) == whole > 0
 
 
 def test_a_worker_dying_before_it_joins_is_named_at_once(tmp_path):
@@ -149,14 +175,17 @@ def test_head_counts_that_do_not_split_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("parallel", ["tensor", "data+expert"])
-def test_two_nodes_through_torchrun_give_the_same_outputs(llama_tp, tmp_path, parallel):
+def test_two_nodes_through_torchrun_give_the_same_outputs(llama_tp, tmp_path, parallel, capsys):
     """Two torchrun "nodes" on localhost (c10d rendezvous, one rank each): whichever becomes
     rank 0 runs the command, the other follows; the printed tokens equal one process's.
     ``tensor``: Llama split over the two; ``data+expert``: V4 with each node running its own
-    requests and the routed experts split between them."""
+    requests and the routed experts split between them. The one process is the same command
+    run in this test's process while the nodes start (no third interpreter to start)."""
     import socket
     import subprocess
     import sys
+
+    from deepinfer.cli import main
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -182,18 +211,19 @@ def test_two_nodes_through_torchrun_give_the_same_outputs(llama_tp, tmp_path, pa
         )
         for _ in range(2)
     ]
-    outs = [node.communicate(timeout=300) for node in nodes]
+    try:
+        assert main(command) == 0
+        single = capsys.readouterr().out
+    finally:
+        outs = [node.communicate(timeout=300) for node in nodes]
     assert all(node.returncode == 0 for node in nodes), [err[-2000:] for _, err in outs]
-    single = subprocess.run(
-        [sys.executable, "-m", "deepinfer", *command], capture_output=True, text=True, timeout=300
-    )
 
     def tokens(text: str) -> list[str]:
         return [line.strip() for line in text.splitlines() if line.strip().startswith("tokens:")]
 
     printed = [tokens(out) for out, _ in outs]
     assert sorted(len(p) for p in printed) == [0, 2]  # rank 0 prints, the follower does not
-    assert max(printed, key=len) == tokens(single.stdout)
+    assert max(printed, key=len) == tokens(single)
 
 
 def test_eplb_rebalancing_moves_experts_without_changing_outputs(tmp_path):

@@ -460,7 +460,7 @@ def test_64_streams_below_max_num_seqs_get_no_429():
     try:
         asyncio.run(load())
         assert statuses == [200] * 64, sorted(set(statuses))
-        assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+        assert llm.engine.block_pools[0].num_free == llm.engine.block_pools[0].num_blocks
     finally:
         live.stop()
 
