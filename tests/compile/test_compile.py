@@ -7,6 +7,8 @@ sliding + hash-MoE layer, one CSA layer) and the fewest distinct shape variants.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -20,9 +22,15 @@ from deepinfer.tiny import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("v4c"), arch="deepseek_v4", num_hidden_layers=2)
-    return load_model(path)
+def v4_2layer(tmp_path_factory) -> Path:
+    """The 2-layer tiny V4, built once for the module's model and engine tests (neither writes
+    to it: the engine test's compiled step is created after its eager engine)."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("v4c"), arch="deepseek_v4", num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
+def model(v4_2layer: Path):
+    return load_model(v4_2layer)
 
 
 def _step_inputs(model, lengths: list[int], starts: list[int], seed: int, padded: bool):
@@ -87,14 +95,14 @@ def test_pass_manager_cache_key_follows_pass_sources():
     assert PassManager([]).uuid() != PassManager([pass_a]).uuid()
 
 
-def test_engine_greedy_outputs_equal_with_compile_on_and_off(model, tmp_path):
+def test_engine_greedy_outputs_equal_with_compile_on_and_off(v4_2layer: Path):
     """The engine with ``compile=True`` (chunked prefill, decode, mixed steps) gives the eager
     engine's tokens."""
     import random
 
     from deepinfer import LLM, SamplingParams
 
-    path = make_tiny_checkpoint(tmp_path / "c", arch="deepseek_v4", num_hidden_layers=2)
+    path = v4_2layer
     rng = random.Random(0)
     prompts = [[rng.randrange(2, 258) for _ in range(rng.randrange(1, 60))] for _ in range(10)]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -107,7 +115,10 @@ def test_engine_greedy_outputs_equal_with_compile_on_and_off(model, tmp_path):
 def test_inductor_compiled_step_matches_eager_on_the_other_tiny_models(arch, tmp_path):
     """Inductor for real (C++ code generation) on the tiny V4.1 and Llama: one padded mixed
     step (prefill chunks beside decodes) gives the eager logits."""
-    path = make_tiny_checkpoint(tmp_path / arch, arch=arch)
+    # Llama's layers are all alike: one is the whole path, and a third of the graph to compile
+    path = make_tiny_checkpoint(
+        tmp_path / arch, arch=arch, **({"num_hidden_layers": 1} if arch == "llama" else {})
+    )
     # V4.1's QAT rounding turns last-bit differences (Inductor's fused sums against eager's)
     # into whole grid steps, as in the config fuzzer: compare without it
     other = load_model(path, fake_quant=False if arch == "deepseek_v41" else None)
@@ -158,7 +169,10 @@ def test_compiled_llama_on_an_8bit_cache_equals_eager(kv, tmp_path):
     compiles; the eager engine runs the C++ kernels: the same greedy tokens."""
     from deepinfer import LLM, SamplingParams
 
-    path = make_tiny_checkpoint(tmp_path / "llama", arch="llama", seed=5, head_dim=32, hidden_size=128)
+    # one layer: Llama's layers are all alike, each writes and reads its cache the same way
+    path = make_tiny_checkpoint(
+        tmp_path / "llama", arch="llama", seed=5, head_dim=32, hidden_size=128, num_hidden_layers=1
+    )
     prompts = [[3, 17, 99, 4, 250, 31, 7], [12, 5, 88]]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     eager = LLM(path, kv_cache_dtype=kv, enable_prefix_caching=False)

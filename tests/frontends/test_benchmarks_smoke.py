@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from deepinfer.bench.workloads import (
     PeerProcesses,
     Workload,
@@ -49,18 +51,22 @@ def test_cli_throughput_reports_the_peer_fairly(tmp_path):
             "deepinfer.cli",
             "bench",
             "throughput",
+            # the smallest workload that still forms two peer batches each way (sorted,
+            # arrival order) in each of two rounds: the report's lines do not depend on its size
             "--num-requests",
-            "8",
+            "4",
             "--prompt-len",
             "4",
-            "24",
+            "8",
             "--output-len",
             "2",
-            "12",
-            "--peer-batch-sizes",
             "4",
+            "--peer-batch-sizes",
+            "2",
             "--rounds",
             "2",
+            "--threads",  # this process's count (conftest.py: one for each xdist worker, on its core)
+            str(torch.get_num_threads()),
         ],
         capture_output=True,
         text=True,

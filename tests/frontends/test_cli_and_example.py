@@ -133,11 +133,18 @@ def test_research_example_runs():
     assert float(lines[-2].rsplit(" ", 1)[1]) < 1e-4  # served adapter vs PEFT
 
 
-def test_chat_cli_and_generate_answer_an_instruct_question():
+def test_chat_cli_and_generate_answer_an_instruct_question(capsys, monkeypatch):
     """``deepinfer chat`` streams a reply per line typed; ``generate`` puts a checkpoint with a
     chat template through it by default (as llama.cpp's CLI does), ``--raw`` does not, and the
-    speed goes to stderr."""
-    run = subprocess.run(
+    speed goes to stderr.
+
+    ``chat`` runs as its own process (stdin a pipe, as typed). The three ``generate`` runs
+    differ only in how the prompt is put to the same engine (the same model and engine flags),
+    so they run through ``main`` in this process, meanwhile, on one engine: loading SmolLM2
+    is most of a run."""
+    import deepinfer
+
+    chat_run = subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -149,13 +156,22 @@ def test_chat_cli_and_generate_answer_an_instruct_question():
             "--max-tokens",
             "16",
         ],
-        input="What is the capital of France?\n\n",
-        capture_output=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        check=True,
-        timeout=600,
     )
-    assert "Paris" in run.stdout
+    engines: dict[tuple[str, str], deepinfer.LLM] = {}
+    real_llm = deepinfer.LLM
+
+    def shared_llm(model: str, **kwargs: object) -> deepinfer.LLM:
+        """``LLM``, built once per model and engine flags."""
+        key = (str(model), repr(sorted(kwargs.items())))
+        if key not in engines:
+            engines[key] = real_llm(model, **kwargs)
+        return engines[key]
+
+    monkeypatch.setattr(deepinfer, "LLM", shared_llm)
     args = [
         "generate",
         "--model",
@@ -165,21 +181,23 @@ def test_chat_cli_and_generate_answer_an_instruct_question():
         "--max-tokens",
         "12",
     ]
-    for flags in ([], ["--chat"]):
-        chat = subprocess.run(
-            [sys.executable, "-m", "deepinfer.cli", *args, *flags],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=600,
-        )
-        assert "Tokyo" in chat.stdout and "(chat template)" in chat.stdout, flags
-        assert "tokens/s" in chat.stderr and "tokens/s" not in chat.stdout
-    raw = subprocess.run(
-        [sys.executable, "-m", "deepinfer.cli", *args, "--raw"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=600,
-    )
-    assert "(chat template)" not in raw.stdout and "text:" in raw.stdout
+    try:
+        for flags in ([], ["--chat"]):
+            assert main([*args, *flags]) == 0, flags
+            chat = capsys.readouterr()
+            assert "Tokyo" in chat.out and "(chat template)" in chat.out, flags
+            assert "tokens/s" in chat.err and "tokens/s" not in chat.out
+        assert main([*args, "--raw"]) == 0
+        raw = capsys.readouterr()
+        assert "(chat template)" not in raw.out and "text:" in raw.out
+        assert len(engines) == 1  # the three runs shared one engine
+    finally:
+        for llm in engines.values():
+            llm.close()
+        try:
+            out, err = chat_run.communicate("What is the capital of France?\n\n", timeout=600)
+        except subprocess.TimeoutExpired:
+            chat_run.kill()
+            raise
+    assert chat_run.returncode == 0, err[-3000:]
+    assert "Paris" in out

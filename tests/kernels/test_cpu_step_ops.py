@@ -213,19 +213,45 @@ def test_the_pass_leaves_graphs_alone_where_the_ops_did_not_build(monkeypatch):
     assert use_native_cpu_ops(graph) == 0
 
 
-def test_a_compiled_v4_step_runs_the_cpp_ops_and_agrees_with_eager(v4_ckpt):
-    """With the CPU's default passes, every routed-experts, Sinkhorn, indexer and RoPE call of
-    the tiny V4's compiled step is retargeted (none left to Python), every layer's attention
-    core reads its pools through ``sink_attention_rows_cpu``, and its tokens are eager's."""
+@pytest.fixture(scope="module")
+def eager_v4(v4_ckpt):
+    """The tiny V4's eager engine, the reference both compiled-step tests compare with."""
+    from deepinfer import LLM
+
+    llm = LLM(v4_ckpt, compile=False)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def compiled_v4(v4_ckpt):
+    """One compiled tiny-V4 engine (post-grad backend, the slow part: a trace of the whole
+    step) for both compiled-step tests, traced first on a long prompt, before any short one
+    runs: (engine, graphs traced by that prompt). A later short step that traced a graph of
+    its own would add to that count, which the tests below compare with."""
     from deepinfer import LLM, SamplingParams
 
     torch._dynamo.reset()  # earlier tests' traces of the same step code must not stand in
+    llm = LLM(v4_ckpt, compile=True, compile_backend="post_grad")
+    cfg = llm.engine.runner.model.config
+    long_prompt = [2 + i % 50 for i in range(cfg.csa_ratio * cfg.index_topk * 3)]  # 3 x topk entries
+    llm.generate(
+        [long_prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )
+    yield llm, len(llm.engine.runner.forward.post_grad.graphs)
+    llm.close()
+
+
+def test_a_compiled_v4_step_runs_the_cpp_ops_and_agrees_with_eager(compiled_v4, eager_v4):
+    """With the CPU's default passes, every routed-experts, Sinkhorn, indexer and RoPE call of
+    the tiny V4's compiled step is retargeted (none left to Python), every layer's attention
+    core reads its pools through ``sink_attention_rows_cpu``, and its tokens are eager's."""
+    from deepinfer import SamplingParams
+
+    llm, _ = compiled_v4
     prompts = [[5, 9, 14, 3, 3, 8], [7, 7, 2, 40, 11, 12, 13, 14, 15, 16]]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    eager = [
-        o.outputs[0].token_ids for o in LLM(v4_ckpt, compile=False).generate(prompts, params, use_tqdm=False)
-    ]
-    llm = LLM(v4_ckpt, compile=True, compile_backend="post_grad")
+    eager = [o.outputs[0].token_ids for o in eager_v4.generate(prompts, params, use_tqdm=False)]
     compiled = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert compiled == eager
     step = llm.engine.runner.forward
@@ -274,23 +300,20 @@ def test_a_compiled_v4_step_runs_the_cpp_ops_and_agrees_with_eager(v4_ckpt):
     assert indexed and targets.count(twins[2]) >= indexed
 
 
-def test_a_compiled_v4_step_serves_rows_with_fewer_entries_than_topk(v4_ckpt):
+def test_a_compiled_v4_step_serves_rows_with_fewer_entries_than_topk(compiled_v4, eager_v4):
     """The indexer op's width is ``topk`` whatever the number of entries, so a step traced on
-    long sequences also serves a prompt shorter than ``topk`` compressed entries: no new graph
-    (with Inductor, a second compile, the slowest part of such a test)."""
-    from deepinfer import LLM, SamplingParams
+    long sequences (``compiled_v4``'s first prompt) also serves a prompt shorter than ``topk``
+    compressed entries: no new graph (with Inductor, a second compile, the slowest part of
+    such a test)."""
+    from deepinfer import SamplingParams
 
-    torch._dynamo.reset()
-    llm = LLM(v4_ckpt, compile=True, compile_backend="post_grad")
+    llm, traced = compiled_v4
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    cfg = llm.engine.runner.model.config
-    long_prompt = [2 + i % 50 for i in range(cfg.csa_ratio * cfg.index_topk * 3)]  # 3 x topk entries
-    llm.generate([long_prompt], params, use_tqdm=False)
     graphs = llm.engine.runner.forward.post_grad.graphs
-    traced = len(graphs)
+    assert len(graphs) == traced  # no short step has traced a graph of its own
     short = [o.outputs[0].token_ids for o in llm.generate([[5, 9, 14]], params, use_tqdm=False)]
     assert len(graphs) == traced
-    eager = LLM(v4_ckpt, compile=False).generate([[5, 9, 14]], params, use_tqdm=False)
+    eager = eager_v4.generate([[5, 9, 14]], params, use_tqdm=False)
     assert short == [o.outputs[0].token_ids for o in eager]
 
 
