@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bench_sizes import size
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.tiny import make_tiny_checkpoint
 
-NEW_TOKENS = 32
+NEW_TOKENS = size(32, 4)
 
 
 @pytest.fixture(scope="module")

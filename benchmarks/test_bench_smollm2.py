@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bench_sizes import size
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.bench.workloads import load_transformers_peer, random_workload
 from deepinfer.weights.catalog import resolve_model
 
-NEW = 32
+NEW = size(32, 4)
+PROMPT = size(64, 16)
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,7 @@ def path():
 
 @pytest.fixture(scope="module")
 def work(path):
-    return random_workload(16, (64, 64), (NEW, NEW), 49152, seed=0)
+    return random_workload(16, (PROMPT, PROMPT), (NEW, NEW), 49152, seed=0)
 
 
 @pytest.mark.parametrize("batch", [1, 16])

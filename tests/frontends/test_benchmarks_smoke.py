@@ -4,6 +4,7 @@ peer's computed tokens beside the requested ones; fresh prompts per concurrency 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,7 @@ def test_pytest_benchmark_suite_runs(tmp_path):
             "benchmarks",
         ],
         cwd=ROOT,
+        env={**os.environ, "DEEPINFER_BENCH_SMOKE": "1"},  # every benchmark's path, small sizes
         capture_output=True,
         text=True,
         timeout=900,
