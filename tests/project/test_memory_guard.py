@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from memory_guard import MemoryBoundExceeded, MemoryGuard, rss_bytes
+from memory_guard import MemoryBoundExceeded, MemoryGuard, rss_bytes, trim_heap
 
 _MIB = 1 << 20
 SUPPORT = Path(__file__).resolve().parents[1] / "support"  # memory_guard.py
@@ -47,9 +47,12 @@ def grow(chunks: list[mmap.mmap], most: int) -> None:
 
 
 def settled_rss() -> int:
-    """This process's resident bytes once earlier tests' unreachable objects are freed: a
-    collection during the test would hand pages back and hide the growth it measures."""
+    """This process's resident bytes once earlier tests' unreachable objects are freed and the
+    heap they left is handed back, as ``watching`` does at a test's start: a collection or a
+    trim during the test would hand pages back and hide the growth it measures (after a
+    worker's engine tests, gigabytes of freed heap)."""
     gc.collect()
+    trim_heap()
     return rss_bytes()
 
 
