@@ -11,7 +11,7 @@ import os
 import signal
 
 import pytest
-from parallel_workloads import assert_same, tokens_and_logprobs, workload
+from parallel_workloads import assert_same, routed_expert_bytes, tokens_and_logprobs, workload
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.distributed.eplb import moe_lb
@@ -71,13 +71,6 @@ def test_sizes_that_do_not_divide_the_heads_are_refused(llama_tp):
         LLM(str(llama_tp), tensor_parallel_size=4)
 
 
-def _expert_bytes(moe) -> int:
-    names = ("w1_fp4", "w2_fp4", "w3_fp4") if moe.holds_fp4 else ("w1_stacked", "w2_stacked", "w3_stacked")
-    return sum(
-        getattr(moe, n).numel() * getattr(moe, n).element_size() for n in names if getattr(moe, n) is not None
-    )
-
-
 def _split_sizes(model) -> tuple[list[dict[str, int]], list[int]]:
     """Per attention layer the weight sizes of its split projections, per MoE layer its
     routed experts' bytes."""
@@ -86,7 +79,7 @@ def _split_sizes(model) -> tuple[list[dict[str, int]], list[int]]:
         for m in model.modules()
         if hasattr(m, "wo_a")
     ]
-    return attn, [_expert_bytes(m) for m in model.modules() if hasattr(m, "expert_offset")]
+    return attn, [routed_expert_bytes(m) for m in model.modules() if hasattr(m, "expert_offset")]
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +141,7 @@ def test_deepseek_tensor_and_expert_parallel_equal_one_process(
     finally:
         llm.close()
     assert_same(got, expected)
+    assert whole_attn and whole_moe, "no split attention or MoE layer found to check"
     for whole, part in zip(whole_attn, part_attn, strict=True):
         for name in ("wq_b", "wo_a", "wo_b"):
             assert part[name] * ranks == whole[name]

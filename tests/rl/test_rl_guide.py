@@ -6,19 +6,18 @@ route by the gate, and ``/sleep?level=2`` works over HTTP."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 from live_server import LiveServer
+from rl_steps import save_checkpoint, tokens_and_logprob_dicts, train_step
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.models.loading import load_model
 from deepinfer.server.app import build_app
 from deepinfer.tiny import make_tiny_checkpoint
-from deepinfer.weights.writer import write_safetensors
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=1)
 PROMPTS = [[5, 9, 17, 33, 2, 8, 40, 41, 7, 12], [100, 3, 61, 200], [11, 12, 13, 14, 15, 16, 17]]
@@ -29,34 +28,11 @@ Result = list[tuple[list[int], list[dict[int, float]]]]
 
 def _result(llm: LLM) -> Result:
     """Greedy tokens and their logprobs for ``PROMPTS`` (compared exactly)."""
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    return [
-        (c.token_ids, [{t: lp.logprob for t, lp in e.items()} for e in c.logprobs])
-        for c in (o.outputs[0] for o in outs)
-    ]
+    return tokens_and_logprob_dicts(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
 
 
 def _versions(llm: LLM) -> set[str | None]:
     return {o.weight_version for o in llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)}
-
-
-def _save(model: torch.nn.Module, like: Path, where: Path) -> Path:
-    """A checkpoint directory of ``model``'s current weights beside ``like``'s config."""
-    where.mkdir(parents=True)
-    for f in like.iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
-            shutil.copy(f, where / f.name)
-    write_safetensors({n: t.detach().clone() for n, t in model.state_dict().items()}, where)
-    return where
-
-
-def _train_step(model: torch.nn.Module, seed: int = 0, lr: float = 0.5) -> None:
-    """One SGD step on random tokens: every parameter that takes part is written in place."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, 250, (2, 16), generator=gen)
-    model.zero_grad()
-    model(ids, labels=ids).loss.backward()
-    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr).step()
 
 
 @pytest.fixture(scope="module")
@@ -93,27 +69,25 @@ def test_sync_weights_applies_a_trainers_step_at_once(ckpts, tmp_path):
     model = load_model(ckpts["old"], requires_grad=True)
     llm = LLM.from_model(model, **EAGER)
     _result(llm)
-    _train_step(model)
+    train_step(model, 0, 0.5, 16)
     assert llm.sync_weights() == "1" and llm.weight_version == "1"
-    expected = _result(LLM(_save(model, Path(ckpts["old"]), tmp_path / "step1"), **EAGER))
+    expected = _result(LLM(save_checkpoint(model, Path(ckpts["old"]), tmp_path / "step1"), **EAGER))
     assert _result(llm) == expected
     assert _versions(llm) == {"1"}  # the step did not count the same write again
-    _train_step(model, seed=1)
+    train_step(model, 1, 0.5, 16)
     assert llm.sync_weights(weight_version="policy-2") == "policy-2"
     assert _versions(llm) == {"policy-2"}
 
 
 def test_names_from_a_compiled_trainer_module_are_accepted(ckpts):
-    """A ``torch.compile``'d module names its parameters ``_orig_mod.<name>`` (and DDP adds
-    ``module.``): ``update_weights`` takes them as the model's own names."""
+    """A ``torch.compile``'d module names its parameters ``_orig_mod.<name>``:
+    ``update_weights`` takes them as the model's own names (DDP's ``module.``:
+    test_weight_updates.py)."""
     compiled = torch.compile(load_model(ckpts["new"]))
     state = compiled.state_dict()
     assert all(name.startswith("_orig_mod.") for name in state)
     llm = LLM(ckpts["old"], **EAGER)
     assert llm.update_weights(state, weight_version="compiled") == "compiled"
-    assert _result(llm) == ckpts["expected"]["new"]
-    llm = LLM(ckpts["old"], **EAGER)
-    llm.update_weights([(f"module.{n}", t) for n, t in state.items()])
     assert _result(llm) == ckpts["expected"]["new"]
 
 
@@ -150,8 +124,8 @@ def test_level_two_wake_up_after_an_update(ckpts, tmp_path, how):
         model = load_model(old, requires_grad=True)
         llm = LLM.from_model(model, **EAGER)
         _result(llm)
-        _train_step(model)
-        expected, version = _result(LLM(_save(model, Path(old), tmp_path / "step1"), **EAGER)), "1"
+        train_step(model, 0, 0.5, 16)
+        expected, version = _result(LLM(save_checkpoint(model, Path(old), tmp_path / "step1"), **EAGER)), "1"
     else:
         llm = LLM(old, **EAGER)
         _result(llm)

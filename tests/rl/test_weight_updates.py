@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rl_steps import save_checkpoint, tokens_and_logprob_dicts, train_step
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.block_pool import BlockPool
@@ -40,34 +41,6 @@ def _prompts(seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     shared = torch.randint(2, 250, (40,), generator=gen).tolist()
     return [shared + torch.randint(2, 250, (int(n),), generator=gen).tolist() for n in (3, 11, 27)]
-
-
-def _result(outputs) -> list[tuple[list[int], list[dict[int, float]]]]:
-    """Tokens and logprobs of each output (compared exactly)."""
-    return [
-        (c.token_ids, [{t: lp.logprob for t, lp in e.items()} for e in c.logprobs])
-        for c in (o.outputs[0] for o in outputs)
-    ]
-
-
-def _train_step(model: torch.nn.Module, seed: int, lr: float = 0.05) -> None:
-    """One SGD step of a trainer on random tokens (every parameter that takes part moves)."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, 250, (2, 24), generator=gen)
-    model.zero_grad()
-    model(ids, labels=ids).loss.backward()
-    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr).step()
-
-
-def _save(model: torch.nn.Module, like, where) -> str:
-    """A checkpoint directory of ``model``'s current weights beside ``like``'s config."""
-    where.mkdir()
-    for f in like.iterdir():
-        if f.suffix != ".safetensors" and f.is_file():
-            shutil.copy(f, where / f.name)
-    state = {n: t.detach().clone() for n, t in model.state_dict().items()}
-    write_safetensors(state, where)
-    return str(where)
 
 
 # ---- LLM.from_model ------------------------------------------------------------------------
@@ -98,11 +71,13 @@ def test_an_engine_over_the_trainers_module_follows_its_steps(tmp_path_factory, 
         prompts = _prompts(seed)
         llm.generate(prompts[:1], GREEDY, use_tqdm=False)  # caches the shared prefix
         before = llm.weight_version
-        _train_step(model, seed)
+        train_step(model, seed, 0.05, 24)
         got = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert int(got[0].weight_version) == int(before) + 1
-        saved = _save(model, path, tmp_path_factory.mktemp("step") / "ckpt")
-        assert _result(got) == _result(LLM(saved, **options).generate(prompts, GREEDY, use_tqdm=False))
+        saved = save_checkpoint(model, path, tmp_path_factory.mktemp("step") / "ckpt")
+        assert tokens_and_logprob_dicts(got) == tokens_and_logprob_dicts(
+            LLM(saved, **options).generate(prompts, GREEDY, use_tqdm=False)
+        )
 
     check()
 
@@ -113,12 +88,12 @@ def test_a_copy_not_remade_is_caught(tmp_path_factory, monkeypatch):
     model = load_model(path, requires_grad=True)
     llm = LLM.from_model(model, compile=False)
     prompts = _prompts(1)
-    old = _result(llm.generate(prompts, GREEDY, use_tqdm=False))
+    old = tokens_and_logprob_dicts(llm.generate(prompts, GREEDY, use_tqdm=False))
     monkeypatch.setattr(Projection, "refresh", lambda self: None)
-    _train_step(model, 1, lr=0.5)
-    saved = _save(model, path, tmp_path_factory.mktemp("step") / "ckpt")
-    stale = _result(llm.generate(prompts, GREEDY, use_tqdm=False))
-    fresh = _result(LLM(saved, compile=False).generate(prompts, GREEDY, use_tqdm=False))
+    train_step(model, 1, 0.5, 24)
+    saved = save_checkpoint(model, path, tmp_path_factory.mktemp("step") / "ckpt")
+    stale = tokens_and_logprob_dicts(llm.generate(prompts, GREEDY, use_tqdm=False))
+    fresh = tokens_and_logprob_dicts(LLM(saved, compile=False).generate(prompts, GREEDY, use_tqdm=False))
     assert stale != fresh and stale != old  # the norms and embedding moved, the projections did not
 
 
@@ -156,7 +131,7 @@ def two_llamas(tmp_path_factory):
 def test_update_weights_gives_the_new_checkpoints_outputs(two_llamas):
     old, new = two_llamas
     prompts = _prompts(2)
-    expected = _result(LLM(new).generate(prompts, GREEDY, use_tqdm=False))
+    expected = tokens_and_logprob_dicts(LLM(new).generate(prompts, GREEDY, use_tqdm=False))
     llm = LLM(old)
     llm.generate(prompts[:1], GREEDY, use_tqdm=False)  # caches the shared prefix under the old weights
     hits = llm.engine.block_pools[0].hit_blocks
@@ -165,23 +140,23 @@ def test_update_weights_gives_the_new_checkpoints_outputs(two_llamas):
         llm.update_weights({f"module.{n}": t for n, t in state.items()}, weight_version="step-1") == "step-1"
     )
     got = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert _result(got) == expected and {o.weight_version for o in got} == {"step-1"}
+    assert tokens_and_logprob_dicts(got) == expected and {o.weight_version for o in got} == {"step-1"}
     assert llm.engine.block_pools[0].hit_blocks == hits  # no block cached under the old weights was reused
     llm2 = LLM(old)
     assert llm2.load_weights_from_disk(new) == "1"
-    assert _result(llm2.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert tokens_and_logprob_dicts(llm2.generate(prompts, GREEDY, use_tqdm=False)) == expected
 
 
 def test_a_prefix_of_the_old_weights_reused_is_caught(two_llamas, monkeypatch):
     """Mutation check: an update that keeps the prefix cache reads the old weights' K/V."""
     old, new = two_llamas
     prompts = _prompts(2)
-    expected = _result(LLM(new).generate(prompts, GREEDY, use_tqdm=False))
+    expected = tokens_and_logprob_dicts(LLM(new).generate(prompts, GREEDY, use_tqdm=False))
     llm = LLM(old)
     llm.generate(prompts[:1], GREEDY, use_tqdm=False)
     monkeypatch.setattr(BlockPool, "reset_prefix_cache", lambda self: None)
     llm.load_weights_from_disk(new)
-    assert _result(llm.generate(prompts, GREEDY, use_tqdm=False)) != expected
+    assert tokens_and_logprob_dicts(llm.generate(prompts, GREEDY, use_tqdm=False)) != expected
 
 
 def test_requests_running_across_an_update_continue_under_the_new_weights(two_llamas):
@@ -217,12 +192,12 @@ def test_a_bad_update_names_its_entry_and_changes_nothing(two_llamas, name, valu
     old, new = two_llamas
     prompts = _prompts(3)
     llm = LLM(old)
-    before = _result(llm.generate(prompts, GREEDY, use_tqdm=False))
+    before = tokens_and_logprob_dicts(llm.generate(prompts, GREEDY, use_tqdm=False))
     good = list(load_model(new).state_dict().items())  # valid entries first: none may land
     with pytest.raises(error, match=match):
         llm.update_weights([*good, (name, value)])
     assert llm.weight_version == "0"
-    assert _result(llm.generate(prompts, GREEDY, use_tqdm=False)) == before
+    assert tokens_and_logprob_dicts(llm.generate(prompts, GREEDY, use_tqdm=False)) == before
 
 
 def test_load_weights_from_disk_refuses_another_model(two_llamas, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -158,7 +159,7 @@ def _bias_by_loop(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
             out[i, token] += bias
     plain = [
         SamplingRow(
-            SamplingParams(**{**_fields(r.params), "logit_bias": {}}),
+            dataclasses.replace(r.params, logit_bias={}),
             None,
             r.prompt_ids,
             r.output_ids,
@@ -167,20 +168,6 @@ def _bias_by_loop(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
         for r in rows
     ]
     return apply_processors(out, plain)
-
-
-def _fields(p: SamplingParams) -> dict:
-    return {
-        f: getattr(p, f)
-        for f in (
-            "min_tokens",
-            "max_tokens",
-            "repetition_penalty",
-            "presence_penalty",
-            "frequency_penalty",
-            "stop_token_ids",
-        )
-    }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

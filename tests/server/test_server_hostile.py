@@ -552,12 +552,14 @@ def hostile_posts(path: str, body: dict, auth: dict) -> list[tuple[str, dict, by
 
 
 def assert_awake_and_generating(base: str, auth: dict, body: dict) -> None:
-    """Not asleep, not paused, weights and adapters as they were: a completion runs at once."""
+    """Not asleep, not paused, the weights as loaded (version "0": no update landed): a
+    completion runs at once."""
     with httpx.Client(base_url=base, headers=auth, timeout=20) as c:
         assert c.get("/is_sleeping").json() == {"is_sleeping": False}
         r = c.post(DONE, json=body)  # a paused or sleeping engine: a timeout or 503
         assert r.status_code == 200, r.text[:300]
-        assert c.get("/get_weight_version").status_code == 200
+        version = c.get("/get_weight_version")
+        assert version.status_code == 200 and version.json()["weight_version"] == "0", version.text
 
 
 def send_hostile(base: str, path: str, body: dict, auth: dict) -> list[str]:

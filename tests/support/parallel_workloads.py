@@ -37,3 +37,11 @@ def assert_same(got, expected) -> None:
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):
         assert tokens == want_tokens
         assert all(abs(a - b) <= 1e-4 for a, b in zip(logprobs, want_logprobs, strict=True))
+
+
+def routed_expert_bytes(moe) -> int:
+    """The bytes of a MoE layer's routed experts as it holds them (stacked, or fp4)."""
+    names = ("w1_fp4", "w2_fp4", "w3_fp4") if moe.holds_fp4 else ("w1_stacked", "w2_stacked", "w3_stacked")
+    return sum(
+        getattr(moe, n).numel() * getattr(moe, n).element_size() for n in names if getattr(moe, n) is not None
+    )
