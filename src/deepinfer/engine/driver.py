@@ -63,10 +63,10 @@ class EngineDriver:
         weights.refresh(changed, version)
 
     @contextlib.contextmanager
-    def between_steps(self) -> Iterator[Engine]:
+    def between_steps(self) -> Iterator[None]:
         """Hold the step lock: no step runs inside the block."""
         with self.lock:
-            yield self.engine
+            yield
 
     # ---- pausing ----------------------------------------------------------------------------
 
