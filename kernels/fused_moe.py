@@ -4,8 +4,8 @@ gate scores (``sqrtsoftplus`` | ``sigmoid`` | ``softmax``) -> expert choice (bia
 a hash table's ids) -> weights (gathered, optionally normalised, scaled) -> sorted dispatch,
 clamped SwiGLU experts and the weighted combine (``routed_experts``). The compiler's MoE pass
 (compile_passes/moe.py) swaps the plain model's gate + ``routed_experts`` for it. The
-reference implementation runs on every device; it is where a CUDA grouped-GEMM kernel plugs
-in.
+reference implementation runs on every device; its experts call ``routed_experts``, whose CUDA
+and ``meta`` kernel is the grouped one with no host read, so a captured graph can hold it.
 """
 
 from __future__ import annotations

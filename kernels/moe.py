@@ -6,6 +6,12 @@ experts' SwiGLU weights stacked per expert. The reference implementation sorts t
 it runs on every device. Its loop depends on how many tokens each expert got, which a tracer
 cannot follow, so the op is opaque to ``torch.compile``: the gate before it and the shared
 expert after it stay in the compiled graph, and no graph break is left in a MoE layer.
+
+That loop reads the counts on the host, which a CUDA graph cannot capture. CUDA and ``meta``
+tensors run ``routed_experts_grouped`` instead: fixed shapes, the counts kept on the device.
+On ``meta`` (no values, so no host read can run at all) this is what lets
+``tests/support/capture_guard.py`` walk the path a capture records. The CPU, which never
+captures, keeps the host loop and its C++ kernels, faster there.
 """
 
 from __future__ import annotations
@@ -15,6 +21,14 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from deepinfer.kernels.cpu import moe as cpu_moe
+
+
+def expert_offsets(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The end of each expert's run among the pairs sorted by expert ([E] int32), counted on
+    the device: ``bincount``'s output size would need the ids' maximum on the host."""
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat_ids.device)
+    counts.index_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
+    return counts.cumsum(0, dtype=torch.int32)
 
 
 def _sort_by_expert(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -129,12 +143,10 @@ def routed_experts_grouped(
     sorted by expert on the device, per-expert row counts as device offsets, and
     ``torch._grouped_mm`` running every expert's rows in one grouped GEMM (bf16; other dtypes
     gather each pair's expert weights and use ``bmm``, fine for small test models).
-    Registered as the op's CUDA kernel."""
+    Registered as the op's CUDA and ``meta`` kernel."""
     flat_ids, order, picked = _sort_by_expert(x, ids)
     if x.dtype == torch.bfloat16:
-        counts = torch.zeros(w1.shape[0], dtype=torch.int32, device=x.device)
-        counts.index_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
-        offs = counts.cumsum(0, dtype=torch.int32)
+        offs = expert_offsets(flat_ids, w1.shape[0])
 
         def linear(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             return torch._grouped_mm(rows, w.transpose(1, 2), offs=offs)
@@ -151,4 +163,5 @@ def routed_experts_grouped(
     return _combine(x, out, weights, order, ids.shape[1])
 
 
-routed_experts.register_kernel("cuda")(routed_experts_grouped)
+for _device in ("cuda", "meta"):
+    routed_experts.register_kernel(_device)(routed_experts_grouped)

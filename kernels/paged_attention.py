@@ -4,7 +4,10 @@ One op over a whole flat step: single-token decode rows attend to their gathered
 batched SDPA; each multi-token prefill chunk attends causally to every cached position of its
 sequence plus its own tokens. The chunk loop depends on the step's layout, which a tracer
 would turn into one graph per layout, so the op is opaque to ``torch.compile`` and the
-layout travels as tensors (``span_meta``). The reference implementation runs on every device.
+layout travels as tensors (``span_meta``). The reference implementation runs on every device;
+its decode rows read the pools in place where a kernel exists (C++ on the CPU;
+``paged_decode_triton`` on CUDA, each row only up to its own length rather than the step's
+padded one).
 """
 
 from __future__ import annotations
@@ -15,6 +18,44 @@ import torch.utils.checkpoint
 from deepinfer.kernels import kv_int8
 from deepinfer.kernels.cpu import attention as cpu_attention
 from deepinfer.kernels.cpu import prefill_attention as cpu_prefill_attention
+
+
+def _triton_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+    """Whether the decode rows run the Triton kernel: asked only for CUDA tensors, so CPU-only
+    machines never import Triton."""
+    if q.device.type != "cuda":
+        return False
+    from deepinfer.kernels import paged_decode_triton
+
+    return paged_decode_triton.supports(q, k_pool, v_pool)
+
+
+def gather_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    decode_rows: torch.Tensor,
+    decode_kv: torch.Tensor,
+    decode_valid: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """The decode rows by gathering: every row's pool rows at all ``decode_kv`` positions
+    (valid or not) copied out, then one masked SDPA, written into ``out`` [T + 1, H, d] (row
+    T takes the padded rows, all-masked and so NaN, with no host sync to drop them)."""
+    t = out.shape[0] - 1
+    n, (_, _, d) = decode_rows.shape[0], q.shape
+    n_kv = kv_int8.values_per_row(k_pool) // d
+    decode_rows = torch.where(decode_rows >= 0, decode_rows, t)
+    keys = kv_int8.read(k_pool[decode_kv], q.dtype).view(n, -1, n_kv, d)
+    vals = kv_int8.read(v_pool[decode_kv], q.dtype).view(n, -1, n_kv, d)
+    o = F.scaled_dot_product_attention(
+        q[decode_rows.clamp(max=t - 1)].unsqueeze(2),  # [n, H, 1, d]
+        keys.transpose(1, 2),  # [n, kv, L, d]
+        vals.transpose(1, 2),
+        attn_mask=decode_valid[:, None, None, :],
+        enable_gqa=True,
+    )
+    out[decode_rows] = o.squeeze(2)
 
 
 def paged_attention_reference(
@@ -37,7 +78,9 @@ def paged_attention_reference(
     Returns [T, H, d] in q's dtype (rows no span or decode covers are zero). Plain,
     differentiable PyTorch (the research path calls it directly: custom ops have no backward);
     on the CPU without autograd the decode rows run ``cpu_attention`` and the spans
-    ``cpu_prefill_attention``, which read the pool rows in place instead of gathering them."""
+    ``cpu_prefill_attention``, which read the pool rows in place instead of gathering them,
+    and on CUDA with Triton the decode rows run ``paged_decode_triton``, which reads each
+    row's positions only up to its length."""
     t, h, d = q.shape
     n_kv = kv_int8.values_per_row(k_pool) // d
     out = q.new_zeros(t + 1, h, d)  # row t takes padded decode rows (no host sync to drop them)
@@ -52,18 +95,13 @@ def paged_attention_reference(
             cpu_prefill_attention.prefill_attention(q, k_pool, v_pool, span_meta, span_kv_rows, dense)
         if dense is not out:
             out.copy_(dense)
-    if n and not decode_in_place:  # the gather path: every decode row's cached rows copied out, then one SDPA
-        decode_rows = torch.where(decode_rows >= 0, decode_rows, t)
-        keys = kv_int8.read(k_pool[decode_kv], q.dtype).view(n, -1, n_kv, d)
-        vals = kv_int8.read(v_pool[decode_kv], q.dtype).view(n, -1, n_kv, d)
-        o = F.scaled_dot_product_attention(
-            q[decode_rows.clamp(max=t - 1)].unsqueeze(2),  # [n, H, 1, d]
-            keys.transpose(1, 2),  # [n, kv, L, d]
-            vals.transpose(1, 2),
-            attn_mask=decode_valid[:, None, None, :],
-            enable_gqa=True,
-        )
-        out[decode_rows] = o.squeeze(2)  # padded rows (all-masked: NaN) land in the scratch row
+    if n and not decode_in_place:
+        if _triton_decode(q, k_pool, v_pool):  # CUDA: each row read up to its own length
+            from deepinfer.kernels import paged_decode_triton
+
+            paged_decode_triton.decode_attention(q, k_pool, v_pool, decode_rows, decode_kv, decode_valid, out)
+        else:
+            gather_decode_attention(q, k_pool, v_pool, decode_rows, decode_kv, decode_valid, out)
     for first, count, start, offset in [] if spans_in_place else span_meta.tolist():  # a CPU tensor
         if count == 0:
             continue

@@ -13,23 +13,33 @@ load path's matmul up to summation order.
 
 The references here run on every device; each op is opaque to ``torch.compile``. On CUDA
 both run Triton kernels (``quantized_triton.py``: codes decoded and scaled in registers,
-nothing dequantized in memory; checked on CPU under Triton's interpreter, not yet run on a
-GPU; the fp4 experts still loop over active experts on the host, as the reference does).
+nothing dequantized in memory; checked on CPU under Triton's interpreter).
 ``torch._scaled_mm`` with block scales (which rounds activations to fp8) is not used.
+
+The fp4 experts' reference loops over the experts that got tokens, reading the counts on the
+host; a CUDA graph cannot capture that. CUDA and ``meta`` tensors run the grouped form
+(``routed_experts_fp4_grouped``): pairs sorted by expert on the device and every matmul over
+fixed shapes, each row meeting its own expert's weights (a grouped Triton kernel on CUDA; a
+gather of each pair's expert, a chunk of pairs at a time, elsewhere). The CPU, which never
+captures, keeps the loop: it dequantizes each active expert once.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from deepinfer.kernels.moe import _combine, _sort_by_expert, _swiglu
+from deepinfer.kernels.moe import _combine, _sort_by_expert, _swiglu, expert_offsets
 
 # fp8 weight rows dequantized per step of the tile loop (rounded to whole scale blocks):
 # 256 rows of a 7168-wide weight are 7 MiB of fp32
 TILE_ROWS = 256
+# (token, choice) pairs whose experts' fp4 matrices the gathered grouped form dequantizes at
+# once: a chunk holds this many matrices in fp32
+PAIR_CHUNK = 16
 
 
 def dequantize_fp8_rows(
@@ -64,30 +74,21 @@ def _(x, weight, scale, block_n, block_k):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def _register_cuda_kernels() -> None:
-    """The Triton fp8 linear for CUDA tensors when there is a GPU and Triton is installed
-    (checked here, not on CPU-only machines, where importing Triton only costs time)."""
+def _register_device_kernels() -> None:
+    """The sync-free fp4 experts for ``meta`` tensors (what the capture checks walk), and for
+    CUDA ones the Triton kernels when there is a GPU and Triton is installed (checked here,
+    not on CPU-only machines, where importing Triton only costs time), else the gathered
+    grouped form."""
+    routed_experts_fp4.register_kernel("meta")(routed_experts_fp4_gathered)
     if not torch.cuda.is_available():
         return
     from deepinfer.kernels.quantized_triton import fp8_block_linear_triton, triton
 
-    if triton is not None:
-        fp8_block_linear.register_kernel("cuda")(fp8_block_linear_triton)
-        routed_experts_fp4.register_kernel("cuda")(routed_experts_fp4_triton)
-
-
-def routed_experts_fp4_triton(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    *packed_and_limit,
-) -> torch.Tensor:
-    """``deepinfer::routed_experts_fp4`` (same arguments) with each active expert's three
-    matmuls in ``quantized_triton.fp4_linear_triton`` (the weights never dequantized in memory)."""
-    from deepinfer.kernels.quantized_triton import fp4_linear_triton
-
-    *packed, limit = packed_and_limit
-    return fp4_expert_loop(x, weights, ids, tuple(packed), limit, fp4_linear_triton)
+    if triton is None:
+        routed_experts_fp4.register_kernel("cuda")(routed_experts_fp4_gathered)
+        return
+    fp8_block_linear.register_kernel("cuda")(fp8_block_linear_triton)
+    routed_experts_fp4.register_kernel("cuda")(routed_experts_fp4_triton)
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -109,15 +110,10 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, group: int = 32) -
 
 
 def fp4_expert_loop(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    packed: tuple[torch.Tensor, ...],
-    limit: float,
-    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, packed: tuple[torch.Tensor, ...], limit: float
 ) -> torch.Tensor:
     """The routed experts over fp4 weights ``packed`` = (w1, s1, w2, s2, w3, s3), each
-    expert that has tokens run alone through ``linear(rows, fp4 matrix, its scales)``."""
+    expert that has tokens dequantized alone and run on its rows (host-read counts)."""
     w1, s1, w2, s2, w3, s3 = packed
     flat_ids, order, picked = _sort_by_expert(x, ids)
     counts = torch.bincount(flat_ids, minlength=w1.shape[0]).tolist()
@@ -126,8 +122,10 @@ def fp4_expert_loop(
         if not count:
             continue
         rows = picked[start : start + count]
-        hidden = _swiglu(linear(rows, w1[e], s1[e]), linear(rows, w3[e], s3[e]), limit)
-        outs.append(linear(hidden, w2[e], s2[e]))
+        hidden = _swiglu(
+            _dequantized_linear(rows, w1[e], s1[e]), _dequantized_linear(rows, w3[e], s3[e]), limit
+        )
+        outs.append(_dequantized_linear(hidden, w2[e], s2[e]))
         start += count
     if not outs:
         return torch.zeros_like(x)
@@ -136,6 +134,69 @@ def fp4_expert_loop(
 
 def _dequantized_linear(rows: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return F.linear(rows, dequantize_fp4(packed, scale).to(rows.dtype))
+
+
+class ExpertRows(NamedTuple):
+    """Where the pairs sorted by expert sit, on the device: each sorted row's expert [P] and
+    each expert's end row [E] (int32)."""
+
+    experts: torch.Tensor
+    offsets: torch.Tensor
+
+
+# a grouped fp4 matmul: (rows [P, K] sorted by expert, where they sit, packed [E, N, K/2],
+# scales [E, N, K/32]) -> [P, N], each row times its own expert's matrix
+GroupedLinear = Callable[[torch.Tensor, ExpertRows, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def gathered_fp4_linear(
+    rows: torch.Tensor, where: ExpertRows, packed: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """Each row times its own expert's matrix, the experts gathered per pair and dequantized
+    ``PAIR_CHUNK`` pairs at a time (fixed shapes; an expert shared by pairs is decoded once
+    for each)."""
+    n, half = packed.shape[1:]
+    outs = []
+    for start in range(0, rows.shape[0], PAIR_CHUNK):
+        experts = where.experts[start : start + PAIR_CHUNK]
+        w = dequantize_fp4(packed[experts].flatten(0, 1), scale[experts].flatten(0, 1))
+        w = w.view(len(experts), n, 2 * half).to(rows.dtype)
+        chunk = rows[start : start + PAIR_CHUNK].unsqueeze(1)
+        outs.append(torch.bmm(chunk, w.transpose(1, 2)).squeeze(1))
+    return torch.cat(outs) if outs else rows.new_empty(0, n)
+
+
+def routed_experts_fp4_grouped(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    packed: tuple[torch.Tensor, ...],
+    limit: float,
+    linear: GroupedLinear,
+) -> torch.Tensor:
+    """The fp4 experts with no host read: pairs sorted by expert on the device and each of
+    the three matmuls one grouped ``linear`` over all of them."""
+    w1, s1, w2, s2, w3, s3 = packed
+    flat_ids, order, picked = _sort_by_expert(x, ids)
+    where = ExpertRows(flat_ids[order], expert_offsets(flat_ids, w1.shape[0]))
+    hidden = _swiglu(linear(picked, where, w1, s1), linear(picked, where, w3, s3), limit)
+    return _combine(x, linear(hidden, where, w2, s2), weights, order, ids.shape[1])
+
+
+def routed_experts_fp4_gathered(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *packed_and_limit):
+    """``deepinfer::routed_experts_fp4`` (same arguments) in the grouped form over
+    ``gathered_fp4_linear``: the op's ``meta`` kernel, and its CUDA one without Triton."""
+    *packed, limit = packed_and_limit
+    return routed_experts_fp4_grouped(x, weights, ids, tuple(packed), limit, gathered_fp4_linear)
+
+
+def routed_experts_fp4_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *packed_and_limit):
+    """``deepinfer::routed_experts_fp4`` (same arguments) in the grouped form over the grouped
+    Triton kernel (``quantized_triton.fp4_grouped_linear_triton``; weights decoded in registers)."""
+    from deepinfer.kernels.quantized_triton import fp4_grouped_linear_triton
+
+    *packed, limit = packed_and_limit
+    return routed_experts_fp4_grouped(x, weights, ids, tuple(packed), limit, fp4_grouped_linear_triton)
 
 
 @torch.library.custom_op("deepinfer::routed_experts_fp4", mutates_args=())
@@ -154,8 +215,8 @@ def routed_experts_fp4(
     """``deepinfer::routed_experts`` with the experts stored as fp4: ``w1``/``w3`` [E, I, d/2]
     and ``w2`` [E, d, I/2] packed e2m1 bytes, ``s1``/``s3`` [E, I, d/32] and ``s2``
     [E, d, I/32] ue8m0 scales. Each expert that has tokens is dequantized alone, runs its
-    tokens, and is dropped."""
-    return fp4_expert_loop(x, weights, ids, (w1, s1, w2, s2, w3, s3), limit, _dequantized_linear)
+    tokens, and is dropped (on CUDA and ``meta``: the grouped form, no host read)."""
+    return fp4_expert_loop(x, weights, ids, (w1, s1, w2, s2, w3, s3), limit)
 
 
 @routed_experts_fp4.register_fake
@@ -163,4 +224,4 @@ def _(x, weights, ids, w1, s1, w2, s2, w3, s3, limit):
     return torch.empty_like(x)
 
 
-_register_cuda_kernels()
+_register_device_kernels()

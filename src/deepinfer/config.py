@@ -173,6 +173,7 @@ class EngineConfig:
     cpu_huge_pages: bool = True
     # Replay pure-decode steps from captured graphs (CUDA graphs; NPU graph mode) in batch-size
     # buckets up to max_graph_batch_size. None = on where the platform has a graph mode.
+    # With compile=False the graphs record the eager step: no Inductor compile at start
     capture_graphs: bool | None = None
     max_graph_batch_size: int = 64
     # Speculative decoding (vLLM's name): None, or a SpeculativeConfig / dict of its fields.

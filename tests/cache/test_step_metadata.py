@@ -163,3 +163,24 @@ def test_window_tables_need_the_null_block():
         other = SeqChunk([2], 1, 0, 1, window_table=None, window_null=table and table[0])
         with pytest.raises(ValueError, match="window table"):
             build_token_layout([with_null, other], None)
+
+
+def test_metadata_moves_in_one_copy_per_dtype():
+    """``to_device_together`` hands back every tensor equal and in order, each dtype's as
+    views of one buffer (one copy), whatever the shapes (empty ones included)."""
+    from deepinfer.cache.host_tensors import to_device_together
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randint(0, 9, (3, 4), generator=gen),
+        torch.rand(5, generator=gen) > 0.5,
+        torch.randint(0, 9, (0,), generator=gen),
+        torch.randint(0, 9, (7,), generator=gen, dtype=torch.int32),
+        torch.randint(0, 9, (2, 2, 2), generator=gen),
+    ]
+    moved = to_device_together(tensors, torch.device("cpu"))
+    assert len(moved) == len(tensors)
+    for a, b in zip(moved, tensors, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    longs = [t for t in moved if t.dtype == torch.long and t.numel()]
+    assert len({t.untyped_storage().data_ptr() for t in longs}) == 1

@@ -78,7 +78,8 @@ def nan_rows_of(engine, victim: str, after: int):
         logits = output.logits
         for chunk, row in zip(prepared.chunks, prepared.sample_rows, strict=True):
             req = chunk.request
-            if row >= 0 and req.request_id == victim and len(req.output_token_ids) >= after:
+            # the index of the token the row samples (the host's lists may lag a launched step)
+            if row >= 0 and req.request_id == victim and chunk.end - len(req.prompt_token_ids) >= after:
                 logits = logits.clone()
                 logits[row] = math.nan
         return StepOutput(logits, output.features, output.forward_s)

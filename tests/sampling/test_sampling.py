@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -77,8 +78,10 @@ def _sampler_chi_square(temperature: float, top_k: int, top_p: float, min_p: flo
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=123)
     gen = make_generator(params, torch.device("cpu"))
     n = 20000
-    rows = [SamplingRow(params, gen, [], [], [])] * n  # one generator drawn n times in a batch
-    counts = torch.bincount(torch.tensor(sample(logits.expand(n, -1), rows)), minlength=12)
+    rows = [SamplingRow(params, gen, [], [], [])] * n  # one request drawing n positions in a batch
+    counts = torch.bincount(
+        torch.tensor(sample(logits.expand(n, -1), rows, positions=list(range(n)))), minlength=12
+    )
     target = _expected(logits, temperature, top_k, top_p, min_p)
     support = target > 0
     exp = target[support] * n
@@ -215,12 +218,16 @@ def test_seeded_rows_ignore_their_neighbours():
             )
         ]
         tokens = []
-        for _ in range(30):
+        for position in range(30):
             rows = others * batch_rows + [SamplingRow(params, gen, [], [], [])]
-            tokens.append(sample(logits[:1].expand(len(rows), -1).contiguous(), rows)[-1])
+            positions = [7 + position] * batch_rows + [position]
+            tokens.append(
+                sample(logits[:1].expand(len(rows), -1).contiguous(), rows, positions=positions)[-1]
+            )
         return tokens
 
     assert draws(0) == draws(2)
+    assert len(set(draws(0))) > 1  # the positions draw different tokens
 
 
 @settings(max_examples=60, deadline=None)
@@ -251,3 +258,96 @@ def test_greedy_tokens_check_can_fail():
     last = logits.shape[1] - 1 - logits.flip(-1).argmax(dim=-1)
     assert not torch.equal(last, logits.argmax(dim=-1))
     assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+
+
+def _uniformity_chi_square(uniforms: np.ndarray, bins: int = 64) -> float:
+    counts = np.bincount(np.minimum((uniforms * bins).astype(np.int64), bins - 1), minlength=bins)
+    expected = len(uniforms) / bins
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("broken", [None, "position ignored", "low bits"])
+def test_keyed_uniforms_are_uniform_and_independent(broken, monkeypatch):
+    """The draw's uniforms over consecutive positions of one seed, and over consecutive seeds
+    at one position, pass a chi-square test of uniformity, and pairs of neighbouring seeds
+    are uncorrelated. Mutation checks: a key that drops the position, or a uniform from the
+    hash's low bits of a weak mix, is caught."""
+    from deepinfer.sampling import sampler
+
+    if broken == "position ignored":
+        real = sampler.draw_uniforms
+        monkeypatch.setattr(sampler, "draw_uniforms", lambda seeds, positions: real(seeds, [0] * len(seeds)))
+    elif broken == "low bits":
+        monkeypatch.setattr(
+            sampler,
+            "draw_uniforms",
+            lambda seeds, positions: (np.asarray(seeds) * 3 + np.asarray(positions)) % 64 / 64.0,
+        )
+    n = 8192
+    critical = _chi2_critical(63)
+    by_position = sampler.draw_uniforms([12345] * n, list(range(n)))
+    by_seed = sampler.draw_uniforms(list(range(n)), [5] * n)
+    neighbours = sampler.draw_uniforms(list(range(1, n + 1)), [5] * n)
+    ok = (
+        _uniformity_chi_square(by_position) < critical
+        and _uniformity_chi_square(by_seed) < critical
+        and abs(np.corrcoef(by_seed, neighbours)[0, 1]) < 4 / np.sqrt(n)
+    )
+    assert ok == (broken is None)
+
+
+def test_sampling_reads_nothing_back_from_the_device():
+    """The step's tokens stay on the device: ``sample_tokens`` makes no host read or sync
+    (greedy, seeded top-p and NaN rows; checked on the value-less meta device)."""
+    from capture_guard import META, CaptureGuard
+
+    from deepinfer.sampling.sampler import sample_tokens
+
+    logits = torch.zeros(3, 32, device=META)
+    rows = [
+        SamplingRow(SamplingParams(temperature=0.0), None, [1], [], [0]),
+        SamplingRow(
+            SamplingParams(temperature=0.8, top_p=0.9, seed=3),
+            make_generator(SamplingParams(seed=3), torch.device("cpu")),
+            [1],
+            [],
+            [0],
+        ),
+        SamplingRow(
+            SamplingParams(temperature=1.0, min_p=0.1),
+            make_generator(SamplingParams(), torch.device("cpu")),
+            [1],
+            [2],
+            [0],
+        ),
+    ]
+    with CaptureGuard() as found:
+        tokens = sample_tokens(logits, rows, [1, 1, 2])
+    assert tokens.device == META and tokens.shape == (3,)
+    reads = [f for f in found if "host read" in f or "device sync" in f]
+    assert not reads, reads
+
+
+def test_a_host_read_in_sampling_is_caught(monkeypatch):
+    """Mutation check of the test above: the old per-row ``int(torch.multinomial(...))``."""
+    from capture_guard import META, CaptureGuard
+
+    from deepinfer.sampling import sampler
+
+    monkeypatch.setattr(
+        sampler, "draw_from", lambda probs, u: torch.tensor([int(probs.argmax())], device=META)
+    )
+    logits = torch.zeros(1, 32, device=META)
+    row = SamplingRow(
+        SamplingParams(temperature=1.0, seed=1),
+        make_generator(SamplingParams(seed=1), torch.device("cpu")),
+        [1],
+        [],
+        [0],
+    )
+    with CaptureGuard() as found:
+        try:
+            sampler.sample_tokens(logits, [row], [1])
+        except Exception:
+            pass  # meta tensors cannot be read; the guard saw the attempt first
+    assert [f for f in found if "host read" in f or "device sync" in f]

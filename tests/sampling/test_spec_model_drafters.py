@@ -288,7 +288,7 @@ def test_lagged_schedule_sizes_a_step_from_confidences_two_plans_old(v41):
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(v41).generate(prompts, params, use_tqdm=False)]
     llm = LLM(v41, speculative_config={"method": "dspark", "schedule": "hardware"}, async_scheduling=True)
-    assert llm.engine.spec.lagged and llm.engine._worker is None  # drafting steps run in order
+    assert llm.engine.spec.lagged and llm.engine.async_steps is None  # drafting steps run in order
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
 
 

@@ -12,20 +12,27 @@ Python line that made it, so a test can name the culprit on a machine without a 
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable
 
 import torch
+from torch._library.custom_ops import _maybe_get_opdef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
 META = torch.device("meta")
 
-# ops whose result size or value needs the device's data on the host
+# ops whose result size or value needs the device's data on the host (``bincount`` sizes its
+# output by the ids' maximum, even with ``minlength``)
 _SYNC_OPS = {
     aten._local_scalar_dense.default,
     aten.nonzero.default,
     aten.masked_select.default,
     aten.is_nonzero.default,
+    aten.bincount.default,
+    aten._unique2.default,
+    aten.unique_consecutive.default,
+    aten.unique_dim.default,
 }
 # Python-level calls that make a host copy of device values, or build device data from host
 # values; checked in ``_Functions`` because they never reach the dispatcher as such
@@ -40,6 +47,19 @@ def _host_args() -> dict:
     import deepinfer.kernels.paged_attention  # noqa: F401  (registers the op)
 
     return {torch.ops.deepinfer.paged_attention.default: {6}}
+
+
+def _python_kernel(func, args: list) -> Callable | None:
+    """The Python function a ``torch.library.custom_op`` runs for ``args``' device (its kernel
+    registered for that device, else its default), or None for other ops: the guard checks
+    the ops inside a custom op, which the dispatcher would otherwise hide."""
+    opdef = _maybe_get_opdef(func)
+    if opdef is None:
+        return None
+    device = next((t.device.type for a in args for t in _flat(a) if isinstance(t, torch.Tensor)), None)
+    if device in opdef._backend_fns and device not in opdef._disabled_kernel:
+        return opdef._backend_fns[device]
+    return opdef._init_fn
 
 
 def _on_device(t) -> bool:
@@ -83,6 +103,10 @@ class _Dispatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        kernel = _python_kernel(func, [*args, *kwargs.values()])
+        if kernel is not None:  # walk the op's own ops, as a capture records them
+            with self:
+                return kernel(*args, **kwargs)
         if func in _SYNC_OPS and args and _on_device(args[0]):
             self.found.append(f"device sync {func} at {_where()}")
         if func is aten._to_copy.default and not _on_device(args[0]):

@@ -25,3 +25,30 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def to_device_together(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Many host tensors on ``device`` in one copy per dtype: each dtype's tensors are packed
+    into one (pinned, on CUDA) buffer, copied once without blocking the host, and handed back
+    as views of the copy, in order. A step's metadata is dozens of small tensors; a copy each
+    costs a launch and a pinned allocation each."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    pin = device.type == "cuda"
+    for dtype, members in by_dtype.items():
+        total = sum(tensors[i].numel() for i in members)
+        buffer = torch.empty(total, dtype=dtype, pin_memory=pin)
+        offset = 0
+        for i in members:
+            n = tensors[i].numel()
+            buffer[offset : offset + n].copy_(tensors[i].reshape(-1))
+            offset += n
+        moved = buffer.to(device, non_blocking=pin)
+        offset = 0
+        for i in members:
+            n = tensors[i].numel()
+            out[i] = moved[offset : offset + n].view(tensors[i].shape)
+            offset += n
+    return [t for t in out if t is not None]

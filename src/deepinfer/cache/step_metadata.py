@@ -15,7 +15,7 @@ import torch
 
 from deepinfer.cache import full_attention_meta, group_meta
 from deepinfer.cache.forward_batch import ForwardBatch, LayerPools
-from deepinfer.cache.host_tensors import host_tensor, long_tensor, to_device
+from deepinfer.cache.host_tensors import host_tensor, long_tensor, to_device_together
 from deepinfer.cache.pools import CacheLayout
 from deepinfer.cache.step_chunks import SeqChunk, StepPadding, padded_chunks, padded_len
 from deepinfer.cache.token_layout import build_token_layout
@@ -30,7 +30,8 @@ def build_forward_batch(
 ) -> tuple[torch.Tensor, ForwardBatch]:
     """Positions [T] and the ForwardBatch for a step made of ``chunks`` (in token order).
 
-    Every index tensor is computed on the host and copied to ``device`` once at the end, so
+    Every index tensor is computed on the host and copied to ``device`` at the end, all of
+    them in one copy per dtype (``to_device_together``), so
     the data-dependent sizes (``nonzero``, maxima) never read device memory: no device sync
     on the thread that prepares the next step. ``span_meta`` stays on the host.
 
@@ -39,8 +40,11 @@ def build_forward_batch(
     positions, batch = _build_on_host(layout, pools, chunks, padding)
     if device.type == "cpu":  # already there (mapping every field would cost time every step)
         return positions, batch
-    moved = batch.map_metadata(lambda t: to_device(t, device), keep_on_host=("span_meta",))
-    return to_device(positions, device), moved
+    on_host: list[torch.Tensor] = [positions]
+    batch.map_metadata(lambda t: on_host.append(t) or t, keep_on_host=("span_meta",))
+    on_device = iter(to_device_together(on_host, device))  # one copy per dtype, in this order
+    positions = next(on_device)
+    return positions, batch.map_metadata(lambda _: next(on_device), keep_on_host=("span_meta",))
 
 
 # chunk fields read for every chunk of a step, as C-level getters (``map`` over a step's

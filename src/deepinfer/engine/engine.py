@@ -1,11 +1,13 @@
 """The engine loop: add requests, step, collect outputs.
 
-A step is schedule (``Scheduler``), prepare (``ModelRunner.prepare``), run (``Executor.run``),
-then process: sampling, speculative verification and outputs; ``engine/setup.py`` builds it.
+A step is schedule (``Scheduler``), prepare (``ModelRunner.prepare``), run (``Executor.run``)
+and, for plain rows, sampling on the device; then process: reading the tokens back,
+speculative verification and outputs; ``engine/setup.py`` builds it.
 
 With ``async_scheduling`` the model runs step N on a worker thread while this thread schedules
-and prepares step N+1 (torch releases the GIL inside kernels). Tokens sampled by step N reach
-step N+1's inputs just before it launches, so outputs equal synchronous mode.
+and prepares step N+1 (torch releases the GIL inside kernels), launches it with step N's
+tokens still on the device as its input (``async_steps.py``), then processes step N. Each
+draw is keyed by its request's seed and position, so outputs equal synchronous mode.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import contextlib
 import logging
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +25,14 @@ from deepinfer.config import EngineConfig
 from deepinfer.distributed.workers import TensorParallelGroup
 from deepinfer.engine import memory, setup
 from deepinfer.engine.admission import check_request
+from deepinfer.engine.async_steps import AsyncSteps, run_step
 from deepinfer.engine.executor import Executor, StepOutput
 from deepinfer.engine.metrics_snapshot import cache_metrics
 from deepinfer.engine.model_runner import PreparedStep
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import ScheduledChunk
-from deepinfer.engine.step_processor import StepProcessor
+from deepinfer.engine.step_processor import DeviceSampling, StepProcessor
 from deepinfer.engine.structured_requests import StructuredRequests
 from deepinfer.engine.weight_sync import WeightSync
 from deepinfer.errors import EngineDeadError
@@ -148,7 +150,6 @@ class Engine:
         self.requests: dict[str, Request] = {}
         # drafting needs the previous step's tokens; EPLB moves experts between steps
         use_async = platform_async and self.spec is None and not config.enable_eplb
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-step") if use_async else None
         self.processor = StepProcessor(
             self.scheduler,
             self.output_processor,
@@ -158,7 +159,9 @@ class Engine:
             rowwise=config.batch_invariant,
             counts_in_flight=use_async,
         )
-        self._inflight: tuple[PreparedStep, Future] | None = None
+        # tensor/data parallel and chunk-by-chunk steps read the host's token lists themselves
+        fed = self.tp is None and not (config.batch_invariant and not model.invariant_rows)
+        self.async_steps = AsyncSteps(self.executor, self.runner, fed) if use_async else None
         self._open_steps: list[list[ScheduledChunk]] = []  # scheduled, not yet processed
         repack = model.register_packed_projections if self.device.type == "cpu" and modes.compile else None
         self.weights = WeightSync(model, follow_parameters, repack)
@@ -227,7 +230,7 @@ class Engine:
     def _admit_compiled(self) -> None:
         """Schedule the structured requests whose grammar is ready (waiting for one when
         nothing else could run); a grammar that failed to compile aborts its request."""
-        idle = self.scheduler.num_unfinished == 0 and self._inflight is None
+        idle = self.scheduler.num_unfinished == 0 and not self.in_flight
         done, failed = self.structured.ready(idle)
         for req in done:
             self.scheduler.add(req)
@@ -250,12 +253,10 @@ class Engine:
     @property
     def in_flight(self) -> bool:
         """A step runs on the asynchronous worker."""
-        return self._inflight is not None
+        return self.async_steps is not None and bool(self.async_steps.launched)
 
     def has_unfinished(self) -> bool:
-        return (
-            self.scheduler.num_unfinished > 0 or self._inflight is not None or bool(self.structured.compiling)
-        )
+        return self.scheduler.num_unfinished > 0 or self.in_flight or bool(self.structured.compiling)
 
     def pop_finished(self, request_id: str) -> Request:
         return self.requests.pop(request_id)
@@ -277,7 +278,7 @@ class Engine:
             raise
         except Exception as exc:
             logger.exception("engine step failed")
-            if not self._open_steps and self._inflight is None:
+            if not self._open_steps and not self.in_flight:
                 raise EngineDeadError(f"scheduling failed: {type(exc).__name__}: {exc}") from exc
             updated = self._fail_open_steps(f"engine step failed: {type(exc).__name__}: {exc}")
         if self._ended:
@@ -285,34 +286,38 @@ class Engine:
         return updated
 
     def _step(self) -> list[Request]:
-        if self._worker is None:
-            prepared = self._schedule()
-            if prepared is None:
+        steps = self.async_steps
+        if steps is None:
+            scheduled = self._schedule()
+            if scheduled is None:
                 return []
-            updated = self._process(prepared, self.executor.run(prepared, self.runner.input_ids(prepared)))
+            prepared, sampling = scheduled
+            ids = self.runner.input_ids(prepared)
+            updated = self._process(prepared, run_step(self.executor.run, prepared, ids, sampling), sampling)
             self.executor.count_expert_load()
             return updated
-        if self._inflight is None:
-            prepared = self._schedule()
-            if prepared is None:
+        if not steps.launched:
+            scheduled = self._schedule()
+            if scheduled is None:
                 return []
-            self._launch(prepared)
-        assert self._inflight is not None
-        current, future = self._inflight
+            steps.launch(*scheduled)
+        last = steps.launched[0]
         upcoming = self._schedule()  # overlaps with the running step
-        output = future.result()
-        self._inflight = None
-        updated = self._process(current, output)
-        if upcoming is not None:
-            self._launch(upcoming)
+        early = upcoming is not None and steps.may_launch_after(last)
+        if upcoming is not None and early:
+            steps.launch(*upcoming, after=last)  # its input: last's tokens, on the device
+        current, output = steps.wait_oldest()
+        updated = self._process(current.prepared, output, current.sampling)
+        if upcoming is not None and not early:
+            steps.host_waits += 1
+            steps.launch(*upcoming)
         self.executor.count_expert_load()
         return updated
 
     def _fail_open_steps(self, error: str) -> list[Request]:
         """After a step raised: fail every request of the steps scheduled, not processed."""
-        if self._inflight is not None:
-            self._inflight[1].exception()  # the launched step must end before its blocks are freed
-            self._inflight = None
+        if self.async_steps is not None:  # launched steps must end before their blocks are freed
+            self.async_steps.settle()
         reported: dict[str, Request] = {}
         for chunks in self._open_steps:
             for chunk in chunks:
@@ -325,7 +330,7 @@ class Engine:
         self._open_steps.clear()
         return list(reported.values())
 
-    def _schedule(self) -> PreparedStep | None:
+    def _schedule(self) -> tuple[PreparedStep, DeviceSampling | None] | None:
         self._admit_compiled()
         drafts = None
         if self.spec is not None:  # planned as data before the scheduler runs
@@ -339,19 +344,17 @@ class Engine:
         for c in chunks:
             if c.request.first_scheduled_time is None:
                 c.request.first_scheduled_time = now
-            if c.samples and self._worker is not None:
+            if c.samples and self.async_steps is not None:
                 c.request.pending_tokens += 1  # the token this step will sample
         if self.spec is not None:
             self.spec.before_step(chunks)
-        return self.runner.prepare(chunks, data_parallel=self.data_parallel)
+        prepared = self.runner.prepare(chunks, data_parallel=self.data_parallel)
+        return prepared, self.processor.device_sampling(prepared)
 
-    def _launch(self, prepared: PreparedStep) -> None:
-        assert self._worker is not None
-        input_ids = self.runner.input_ids(prepared)
-        self._inflight = (prepared, self._worker.submit(self.executor.run, prepared, input_ids))
-
-    def _process(self, prepared: PreparedStep, output: StepOutput) -> list[Request]:
-        updated = self.processor.process(prepared, output)
+    def _process(
+        self, prepared: PreparedStep, output: StepOutput, sampling: DeviceSampling | None
+    ) -> list[Request]:
+        updated = self.processor.process(prepared, output, sampling)
         self._open_steps = [c for c in self._open_steps if c is not prepared.chunks]
         if self.tiers is not None:  # blocks that a step scheduled already writes wait for it
             self.tiers.flush(complete=not self._open_steps)
@@ -392,8 +395,5 @@ class Engine:
         return out
 
     def shutdown(self) -> None:
-        if self._inflight is not None:
-            self._inflight[1].result()
-            self._inflight = None
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
+        if self.async_steps is not None:
+            self.async_steps.shutdown()

@@ -44,6 +44,7 @@ class StepOutput(NamedTuple):
     logits: torch.Tensor  # the rows ``PreparedStep.sample_rows`` and ``prompt_rows`` name
     features: torch.Tensor | None = None  # the drafter's features (``feature_rows``)
     forward_s: float | None = None  # the forward's wall time, where it is its cost (CPU)
+    tokens: torch.Tensor | None = None  # tokens sampled on the device (``DeviceSampling``)
 
 
 class Executor:

@@ -7,7 +7,13 @@ replay. ``StepPadding`` with ``max_model_len`` gives every metadata tensor one s
 bucket; the rows a step does not fill are null tokens that touch only the null block and
 slot. Graphs are captured on a batch made only of null tokens, so the capture's warm-up runs
 change no sequence's cache. Only pure-decode steps replay; anything else runs the compiled
-(or eager) step.
+(or eager) step: prefill chunks, speculative verify steps (several tokens per sequence) and
+steps that return a model drafter's features never replay.
+
+The recorded step is the compiled one, or with ``compile=False`` the eager step (graphs with
+no Inductor compile at start). Either must read nothing on the host: the routed experts take
+their grouped, sync-free kernels on CUDA (``kernels/moe.py``, ``kernels/quantized.py``), and
+``tests/compile/test_capture_safety.py`` walks the eager step on the ``meta`` device.
 """
 
 from __future__ import annotations

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from deepinfer.cache.forward_batch import ForwardBatch, RoutingTrace
-from deepinfer.cache.host_tensors import long_tensor
+from deepinfer.cache.host_tensors import long_tensor, to_device
 from deepinfer.cache.pools import CacheLayout, allocate_pools
 from deepinfer.cache.step_chunks import SeqChunk, StepPadding
 from deepinfer.cache.step_metadata import build_forward_batch
@@ -126,7 +127,8 @@ class ModelRunner:
                 num_blocks, num_slots, null_window_block=self.null_window_block
             )
         self.graphs: DecodeGraphRunner | None = None
-        if graph_capture is not None:
+        # a model drafter's steps all return draft features, which no captured graph does
+        if graph_capture is not None and feature_offsets is None:
             self.graphs = DecodeGraphRunner(
                 self.forward,
                 layout,
@@ -301,30 +303,68 @@ class ModelRunner:
     def input_ids(self, step: PreparedStep, rank: int = 0) -> torch.Tensor:
         """Token ids of the step (of rank ``rank``'s chunks under data parallel); read at
         launch time so async steps see fresh tokens. Rank 0's are padded to its step's rows
-        (another rank pads its own)."""
+        (another rank pads its own). A token not on the host yet is a null token: that of a
+        request that failed after this step was scheduled, whose row's output is dropped."""
+        ids, _ = self._token_ids(step, rank, None)
+        if self.device.type == "cpu":
+            return long_tensor(ids)
+        return to_device(long_tensor(ids), self.device)
+
+    def fed_input_ids(self, step: PreparedStep, fed: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``input_ids`` for a step launched before the last step's tokens reach the host:
+        each token still missing here whose request ``fed`` maps (request identity -> row of
+        the last step's sampled tokens) is taken from that row on the device by ``feed``.
+        Returns the ids with those tokens null, and the (positions, rows) pairs to fill, both
+        from one host buffer in one copy."""
+        ids, pairs = self._token_ids(step, 0, fed)
+        host = np.empty(len(ids) + 2 * len(pairs), dtype=np.int64)
+        host[: len(ids)] = ids
+        if pairs:
+            host[len(ids) :] = np.asarray(pairs, dtype=np.int64).T.reshape(-1)
+        moved = to_device(torch.from_numpy(host), self.device)
+        return moved[: len(ids)], moved[len(ids) :].view(2, len(pairs))
+
+    @staticmethod
+    def feed(ids: torch.Tensor, pairs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Fill ``ids`` at ``pairs[0]`` with the last step's sampled ``tokens`` at ``pairs[1]``
+        (device ops only; a failed row's ``INVALID_ROW`` becomes the null token)."""
+        if pairs.shape[1]:
+            ids.index_copy_(0, pairs[0], tokens.index_select(0, pairs[1]).clamp_min(0))
+        return ids
+
+    def _token_ids(
+        self, step: PreparedStep, rank: int, fed: dict[int, int] | None
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """The step's token ids from the requests' host lists, and (with ``fed``) the
+        (position, fed row) of each token the host does not hold yet."""
         ids: list[int] = []
+        pairs: list[tuple[int, int]] = []
         chunks = step.chunks
         for i in step.on_rank(rank):
             c = chunks[i]
+            req = c.request
             if c.num_tokens == 1 and not c.draft:  # a decode: the one token at its start
-                req, start = c.request, c.start
+                start = c.start
                 prompt, out = req.prompt_token_ids, req.output_token_ids
                 k = start - len(prompt)
-                # a request that failed after this step was scheduled never got the token the
-                # step before was to sample: a null token, in a row whose output is dropped
-                ids.append(prompt[start] if k < 0 else out[k] if k < len(out) else 0)
+                if k < 0 or k < len(out):
+                    ids.append(prompt[start] if k < 0 else out[k])
+                    continue
+                if fed is not None and k == len(out) and id(req) in fed:
+                    pairs.append((len(ids), fed[id(req)]))
+                ids.append(0)
                 continue
-            span = c.request.token_slice(c.start, c.end - len(c.draft))
-            missing = c.end - len(c.draft) - c.start - len(span)  # > 0 only as above
+            span = req.token_slice(c.start, c.end - len(c.draft))
+            missing = c.end - len(c.draft) - c.start - len(span)
             ids += span
             if missing:
+                if fed is not None and missing == 1 and id(req) in fed:
+                    pairs.append((len(ids), fed[id(req)]))
                 ids += [0] * missing
             ids += c.draft
         if rank == 0:
             ids += [0] * (step.positions.shape[0] - len(ids))  # padded null tokens
-        if self.device.type == "cpu":
-            return long_tensor(ids)
-        return torch.tensor(ids, dtype=torch.long, device=self.device)
+        return ids, pairs
 
     def steps_per_second(self, max_tokens: int, repeats: int = 3) -> SpsTable:
         """Steps per second at batch sizes 1, 2, 4, ... up to ``max_tokens`` tokens (for the

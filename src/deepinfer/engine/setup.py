@@ -70,7 +70,10 @@ def execution_modes(
         if config.enable_return_routed_experts or config.enable_lora:  # eager steps
             use_compile = use_graphs = False
         if use_graphs and platform.capture is None:
-            raise ValueError(f"capture_graphs=True: the {platform.name} platform has no graph mode")
+            raise ValueError(
+                f"capture_graphs=True: the {platform.name} platform has no graph mode "
+                "(capture_graphs=False or None runs its steps uncaptured)"
+            )
         if config.ced_prefill and model.ced_split is None:
             raise ValueError(f"ced_prefill: {type(model).__name__} has no causal encoder/decoder split")
     # compile=None on the CPU, where compiling pays: saved variants run, and a step none
@@ -78,6 +81,8 @@ def execution_modes(
     compile_missing = not (config.compile is None and not use_compile)
     if not compile_missing:
         use_compile = cpu_default_compiles(config, model, platform, checkpoint)
+    if use_graphs and not use_compile:  # no Inductor compile before the first step
+        logger.info("decode graphs are captured over the eager step (compile off)")
     return ExecutionModes(use_compile, use_graphs, compile_missing)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -21,10 +22,34 @@ from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
 from deepinfer.engine.structured_requests import StructuredRequests
-from deepinfer.sampling.sampler import INVALID_ROW, SamplingRow, sample
+from deepinfer.sampling.sampler import INVALID_ROW, SamplingRow, sample, sample_tokens
 from deepinfer.speculative.decoder import SpeculativeDecoder, VerifiedChunk
 
 logger = logging.getLogger("deepinfer")
+
+
+@dataclass
+class DeviceSampling:
+    """A step whose tokens are sampled on the device right after its forward, before the
+    host reads them: every sampling chunk is a plain one (no grammar, no logits processor,
+    no draft). ``chunks``: the indices of the sampling chunks, in the order of the rows."""
+
+    chunks: list[int]
+    logits_rows: list[int]
+    rows: list[SamplingRow]
+    positions: list[int]  # the position of the token each row draws (its random key)
+    rowwise: bool
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """The step's tokens, on the logits' device (no host read)."""
+        rows = self.logits_rows
+        picked = logits[: len(rows)] if rows == list(range(len(rows))) else logits[rows]
+        return sample_tokens(picked, self.rows, self.positions, self.rowwise)
+
+    def slots(self, chunks: list[ScheduledChunk]) -> dict[int, int]:
+        """The token row of each request (by identity) whose chunk of ``chunks``, the step's,
+        is sampled here: where the next step finds the token it feeds."""
+        return {id(chunks[i].request): j for j, i in enumerate(self.chunks)}
 
 
 class StepProcessor:
@@ -52,19 +77,49 @@ class StepProcessor:
 
     # ---- a step's results -----------------------------------------------------------------
 
-    def process(self, prepared: PreparedStep, output: StepOutput) -> list[Request]:
-        """Turn a finished step's logits into tokens: prompt logprobs, sampling, verification
-        of drafted chunks, prefix-cache publishing, then the drafter's turn. Returns the
-        requests that got tokens or ended."""
+    def device_sampling(self, prepared: PreparedStep) -> DeviceSampling | None:
+        """The plan to sample ``prepared``'s tokens on the device after its forward, or None
+        when a row needs the host first: a grammar mask (its matcher advances as the last
+        step's tokens are processed), a logits processor reading the output so far, or a
+        drafted chunk's verification."""
+        if self.spec is not None:
+            return None
+        picked, logits_rows, rows, positions = [], [], [], []
+        for i, (c, row) in enumerate(zip(prepared.chunks, prepared.sample_rows, strict=True)):
+            if row < 0:
+                continue
+            req = c.request
+            sampling_row = req.sampling_row or self._sampling_row(req)
+            if c.draft or req.grammar is not None or not sampling_row.plain:
+                return None
+            picked.append(i)
+            logits_rows.append(row)
+            rows.append(sampling_row)
+            positions.append(c.end)
+        if not picked:
+            return None
+        return DeviceSampling(picked, logits_rows, rows, positions, self.rowwise)
+
+    def process(
+        self, prepared: PreparedStep, output: StepOutput, sampled: DeviceSampling | None = None
+    ) -> list[Request]:
+        """Turn a finished step's logits into tokens: prompt logprobs, sampling (or the tokens
+        ``sampled`` drew on the device, read back now), verification of drafted chunks,
+        prefix-cache publishing, then the drafter's turn. Returns the requests that got
+        tokens or ended."""
         logits, features = output.logits, output.features
         chunks = prepared.chunks
+        drawn = None
+        if sampled is not None and output.tokens is not None:
+            values = output.tokens.tolist()  # the step's one host read
+            drawn = {id(chunks[i]): v for i, v in zip(sampled.chunks, values, strict=True)}
         live = [(c, row) for c, row in zip(chunks, prepared.sample_rows, strict=True) if row >= 0]
         if self.counts_in_flight:
             for c, _ in live:
                 c.request.pending_tokens = max(0, c.request.pending_tokens - 1)
         live = [(c, row) for c, row in live if not c.request.finished]
         self._prompt_logprobs(prepared, logits)
-        updated = self._sample([(c, row) for c, row in live if not c.draft], logits)
+        updated = self._sample([(c, row) for c, row in live if not c.draft], logits, drawn)
         spec = self.spec
         if spec is not None:
             drafted = [(c, logits[row : row + len(c.draft) + 1]) for c, row in live if c.draft]
@@ -102,19 +157,28 @@ class StepProcessor:
                         req.prompt_logprobs_full = []
                     req.prompt_logprobs_full.append(logp[max(new, 0) :])
 
-    def _sample(self, live: list[tuple[ScheduledChunk, int]], logits: torch.Tensor) -> list[Request]:
+    def _sample(
+        self,
+        live: list[tuple[ScheduledChunk, int]],
+        logits: torch.Tensor,
+        drawn: dict[int, int] | None = None,
+    ) -> list[Request]:
         """One token for each chunk that reached its sequence's end (``live``: chunk and its
-        logits row), with stop checks."""
+        logits row), with stop checks; ``drawn``: the tokens the device sampled, by chunk."""
         if not live:
             return []
-        rows = [c.request.sampling_row or self._sampling_row(c.request) for c, _ in live]
         indices = [row for _, row in live]
         if indices == list(range(len(indices))):  # the usual step: rows 0..n-1, no gather
             sampled_logits = logits[: len(indices)]
         else:
             sampled_logits = logits[torch.tensor(indices)]
-        allowed = self.structured.mask_rows(sampled_logits, [c.request for c, _ in live])
-        tokens = sample(allowed, rows, rowwise=self.rowwise)
+        if drawn is not None:
+            tokens = [drawn[id(c)] for c, _ in live]
+        else:
+            rows = [c.request.sampling_row or self._sampling_row(c.request) for c, _ in live]
+            allowed = self.structured.mask_rows(sampled_logits, [c.request for c, _ in live])
+            positions = [c.end for c, _ in live]
+            tokens = sample(allowed, rows, rowwise=self.rowwise, positions=positions)
         now = time.perf_counter()
         updated = []
         for i, ((c, _), token) in enumerate(zip(live, tokens, strict=True)):

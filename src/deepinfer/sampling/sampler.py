@@ -1,8 +1,12 @@
 """Batched sampling: logits processors, then temperature / top-k / top-p / min-p, then one
-draw per row from that request's own ``torch.Generator``.
+inverse-CDF draw per row, all rows in one batch of device ops.
 
-A seeded request therefore draws the same tokens whatever else is in the batch: the random
-numbers it consumes depend only on its own generator, never on the batch composition.
+Each row's uniform is a hash of its request's seed (its generator's seed) and the position of
+the token it draws, computed on the host with the step's other columns (``draw_uniforms``). A
+seeded request therefore draws the same tokens whatever else is in the batch, and whenever
+the host learns its previous token: the device can sample step N and feed its tokens to step
+N+1 before the host reads them (asynchronous scheduling). SGLang's deterministic sampling
+keys its draws by seed and position likewise.
 """
 
 from __future__ import annotations
@@ -174,59 +178,111 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow], rowwise: bool = False) -> list[int]:
-    """One token per row of ``logits`` [N, V]. ``rowwise`` (batch-invariant mode): each
+def draw_uniforms(seeds: list[int], positions: list[int]) -> np.ndarray:
+    """One uniform in [0, 1) per row, a pure function of the row's seed and the position of
+    the token it draws (splitmix64 of both, 53 bits). A request's draws therefore depend on
+    neither the batch around it nor when the host learns its previous token, so a step may
+    be launched before the last one's tokens reach the host; a recompute after preemption
+    draws the same token at the same position."""
+    with np.errstate(over="ignore"):
+        z = _splitmix64(np.asarray(seeds, dtype=np.uint64)) + np.asarray(positions, dtype=np.uint64)
+        z = _splitmix64(z)
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    z = z + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def row_seed(row: SamplingRow) -> int:
+    """The key of a row's draws: its generator's seed (``seed + offset`` for a seeded
+    request, a random one otherwise)."""
+    return row.generator.initial_seed() if row.generator is not None else 0
+
+
+def staged(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device`` in one copy that does not wait for the device's queue
+    (pinned memory on CUDA): a pageable copy would wait for the step before."""
+    host = torch.from_numpy(values)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def draw_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws: per row the first token whose cumulative probability exceeds
+    ``uniform * total`` (fp64 sums); a token of probability 0 is never returned (the rare
+    rounding that lands on one falls back to the row's most likely token)."""
+    cdf = probs.double().cumsum(-1)
+    target = (uniforms * cdf[:, -1]).unsqueeze(1)
+    tokens = torch.searchsorted(cdf, target, right=True).clamp_max(probs.shape[1] - 1)
+    hit = probs.gather(1, tokens) > 0
+    return torch.where(hit, tokens, probs.argmax(-1, keepdim=True)).view(-1)
+
+
+def sample_tokens(
+    logits: torch.Tensor, rows: list[SamplingRow], positions: list[int], rowwise: bool = False
+) -> torch.Tensor:
+    """One token per row of ``logits`` [N, V], as a long tensor on the logits' device, with
+    no host read of a device value: a step's tokens can feed the next step's input before
+    the host sees them. ``positions``: the position of the token each row draws (the key
+    of its random number with the row's seed). ``rowwise`` (batch-invariant mode): each
     row's filters and draw on that row alone, so no kernel sees how many rows there are.
 
     A row whose distribution is invalid gets ``INVALID_ROW``, and only it: a greedy row whose
-    best logit is NaN, a sampled row whose probabilities are not finite (NaN logits, or every
-    token filtered out). Every row is checked before any row draws, so the others consume
-    the same random numbers as without the bad row."""
+    best logit is NaN, a sampled row whose probabilities are not finite (NaN logits, or
+    every token filtered out)."""
     if rowwise and len(rows) > 1:
-        return [sample(logits[i : i + 1], [row])[0] for i, row in enumerate(rows)]
+        parts = [sample_tokens(logits[i : i + 1], [row], positions[i : i + 1]) for i, row in enumerate(rows)]
+        return torch.cat(parts)
     processed = apply_processors(logits, rows)
-    best = greedy_tokens(processed)
-    tokens = best.tolist()
+    best = greedy_tokens(processed).to(processed.device)
     # argmax takes a NaN as the maximum, so a row holding one shows it at its argmax
-    nan_rows = torch.isnan(processed.gather(1, best.view(-1, 1).to(processed.device))).view(-1)
-    if nan_rows.any():
-        for i in torch.nonzero(nan_rows).flatten().tolist():
-            if rows[i].greedy:
-                tokens[i] = INVALID_ROW
+    nan_rows = torch.isnan(processed.gather(1, best.view(-1, 1))).view(-1)
+    tokens = torch.where(nan_rows, INVALID_ROW, best)
     if all(map(_GREEDY, rows)):
         return tokens
     random_rows = [i for i, r in enumerate(rows) if not r.greedy]
-    idx = torch.tensor(random_rows)
     params = [rows[i].params for i in random_rows]
-
-    def col(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=logits.device)
-
-    temperature = col([p.temperature for p in params], torch.float32)
+    table = np.empty((6, len(random_rows)), dtype=np.float64)  # one copy for the step's columns
+    table[0] = random_rows
+    table[1] = [p.temperature for p in params]
+    table[2] = [p.top_k for p in params]
+    table[3] = [p.top_p for p in params]
+    table[4] = [p.min_p for p in params]
+    table[5] = draw_uniforms([row_seed(rows[i]) for i in random_rows], [positions[i] for i in random_rows])
+    cols = staged(table, processed.device)
+    idx, temperature = cols[0].long(), cols[1].float()
     if all(p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):
         # no filter: the same log-distribution without sorting the vocabulary
         logp = (processed[idx] / temperature.unsqueeze(1)).log_softmax(-1)
     else:
-        logp = filter_log_probs(
-            processed[idx],
-            temperature,
-            col([p.top_k for p in params], torch.long),
-            col([p.top_p for p in params], torch.float32),
-            col([p.min_p for p in params], torch.float32),
-        )
+        logp = filter_log_probs(processed[idx], temperature, cols[2].long(), cols[3].float(), cols[4].float())
     probs = logp.exp()
-    valid = torch.isfinite(probs).all(-1).tolist()
-    for j, i in enumerate(random_rows):
-        if valid[j]:
-            tokens[i] = int(torch.multinomial(probs[j], 1, generator=rows[i].generator))
-        else:
-            tokens[i] = INVALID_ROW
-    return tokens
+    valid = torch.isfinite(probs).all(-1)
+    drawn = torch.where(valid, draw_from(probs.nan_to_num(0.0), cols[5]), INVALID_ROW)
+    return tokens.index_copy(0, idx, drawn)
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Convenience for one row of logits [V] with no history (tests, research code)."""
-    return sample(logits.unsqueeze(0), [SamplingRow(params, generator, [], [], [])])[0]
+def sample(
+    logits: torch.Tensor, rows: list[SamplingRow], rowwise: bool = False, positions: list[int] | None = None
+) -> list[int]:
+    """``sample_tokens`` read back to the host. ``positions`` default to each row's next
+    position (its prompt and output lengths): the token a lone request draws next."""
+    if positions is None:
+        positions = [len(r.prompt_ids) + len(r.output_ids) for r in rows]
+    return sample_tokens(logits, rows, positions, rowwise).tolist()
+
+
+def sample_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, position: int = 0
+) -> int:
+    """Convenience for one row of logits [V] with no history (tests, research code); the draw
+    is keyed by the generator's seed and ``position``."""
+    return sample(logits.unsqueeze(0), [SamplingRow(params, generator, [], [], [])], positions=[position])[0]
 
 
 def filtered_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

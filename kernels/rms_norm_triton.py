@@ -1,0 +1,104 @@
+"""RMSNorm as one launch on CUDA: ``deepinfer::rms_norm``, with a Triton kernel.
+
+In eager PyTorch a norm is five or six launches (cast, square, mean, add, rsqrt, multiply,
+weight), each reading the whole activation; an eager CUDA decode step makes several per
+layer. ``models/layers/norms.py`` calls this op on eager non-CPU steps; CPU steps, compiled
+steps (Inductor fuses the plain form itself) and autograd keep the plain form. The op's
+default implementation is that same plain form (``reference``), which every device without
+the kernel runs. The kernel is defined at the first CUDA call, so CPU-only machines never
+import Triton; it also runs under ``TRITON_INTERPRET=1`` on CPU tensors (the CPU tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Any
+
+import torch
+
+# Longest row one program normalises (registers): longer rows run the reference.
+MAX_DIM = 16384
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``models/layers/norms.py``'s formulas: with a weight, ``w * x * rsqrt(mean(x^2) + eps)``
+    in fp32, cast back once; without, ``x * rsqrt(...)`` in x's dtype."""
+    if weight is None:
+        return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * xf).to(x.dtype)
+
+
+@torch.library.custom_op("deepinfer::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x [..., d], weight [d] (fp32) or None -> the norm of each row, in x's dtype."""
+    return reference(x, weight, eps).contiguous()
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape)
+
+
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Float rows of at most ``MAX_DIM`` (and Triton installed)."""
+    return _has_triton() and x.is_floating_point() and x.dim() >= 1 and 0 < x.shape[-1] <= MAX_DIM
+
+
+@rms_norm.register_kernel("cuda")
+def _cuda(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    if takes(x):
+        return rms_norm_triton(x, weight, eps)
+    return reference(x, weight, eps).contiguous()
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rms_norm(x_ptr, w_ptr, out_ptr, dim, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < dim
+        x = tl.load(x_ptr + row * dim + cols, mask=ok, other=0.0)
+        xf = x.to(tl.float32)
+        r = 1.0 / tl.sqrt_rn(tl.sum(xf * xf, axis=0) / dim + eps)
+        if HAS_WEIGHT:
+            w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+            y = w * (xf * r)
+        else:  # the multiply in x's dtype, as the plain form's
+            y = xf * r.to(x.dtype).to(tl.float32)
+        tl.store(out_ptr + row * dim + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+    return _rms_norm
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Same contract as ``deepinfer::rms_norm``: one program per row."""
+    import triton
+
+    dim = x.shape[-1]
+    rows = x.reshape(-1, dim).contiguous()
+    out = torch.empty_like(rows)
+    if rows.shape[0]:
+        block = triton.next_power_of_2(dim)
+        _kernel()[(rows.shape[0],)](
+            rows,
+            rows if weight is None else weight.contiguous(),
+            out,
+            dim,
+            eps,
+            HAS_WEIGHT=weight is not None,
+            BLOCK=block,
+            num_warps=max(1, min(16, block // 256)),
+        )
+    return out.view(x.shape)

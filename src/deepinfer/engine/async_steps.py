@@ -1,0 +1,113 @@
+"""Asynchronous scheduling's steps: launched on one worker thread, run in launch order.
+
+A step whose tokens are sampled on the device (``DeviceSampling``) lets the next step launch
+before the host has read them: the next step's missing input tokens are filled from the
+device tensor of sampled tokens on the worker, just before its forward (``ModelRunner.feed``),
+while the engine's thread reads the tokens back and processes the step. The host then never
+waits for the device before launching, except after a step whose rows need the host first
+(a grammar mask, a logits processor reading the output so far): that step's successor is
+launched after its processing, with its ids from the host (``host_waits`` counts them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.engine.executor import Executor, StepOutput
+from deepinfer.engine.model_runner import ModelRunner, PreparedStep
+from deepinfer.engine.step_processor import DeviceSampling
+
+Run = Callable[[PreparedStep, torch.Tensor], StepOutput]
+
+
+def run_step(
+    run: Run, prepared: PreparedStep, input_ids: torch.Tensor, sampling: DeviceSampling | None
+) -> StepOutput:
+    """The forward, then the device-side sampling of its tokens where the step has a plan."""
+    output = run(prepared, input_ids)
+    if sampling is not None:
+        output = output._replace(tokens=sampling.sample(output.logits))
+    return output
+
+
+@dataclass
+class Launched:
+    """A step handed to the worker: what processing it needs, and its result to come."""
+
+    prepared: PreparedStep
+    sampling: DeviceSampling | None
+    future: Future[StepOutput]
+
+
+class AsyncSteps:
+    """The worker thread and the steps launched on it, oldest first (at most two: the one
+    being processed and the one launched after it)."""
+
+    def __init__(self, executor: Executor, runner: ModelRunner, fed_launches: bool) -> None:
+        """``fed_launches``: a step may launch before the last step's tokens reach the host
+        (off where the forward reads the host's token lists itself: tensor and data
+        parallel steps, batch-invariant steps run chunk by chunk)."""
+        self.executor = executor
+        self.runner = runner
+        self.fed_launches = fed_launches
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-step")
+        self.launched: list[Launched] = []
+        self.early_launches = 0  # steps launched before the last step was processed
+        self.host_waits = 0  # steps launched after it, because a row needed the host
+
+    def may_launch_after(self, last: Launched) -> bool:
+        """Whether the next step can launch before ``last`` is processed."""
+        return self.fed_launches and last.sampling is not None
+
+    def launch(
+        self, prepared: PreparedStep, sampling: DeviceSampling | None, after: Launched | None = None
+    ) -> None:
+        """Hand ``prepared`` to the worker; ``after``: the unprocessed step whose device
+        tokens fill this one's missing input ids."""
+        if after is None or after.sampling is None:
+            ids = self.runner.input_ids(prepared)
+            future = self.worker.submit(self._run, prepared, ids, sampling)
+        else:
+            ids, pairs = self.runner.fed_input_ids(prepared, after.sampling.slots(after.prepared.chunks))
+            future = self.worker.submit(self._run_fed, prepared, ids, pairs, after.future, sampling)
+            self.early_launches += 1
+        self.launched.append(Launched(prepared, sampling, future))
+
+    def _run(self, prepared: PreparedStep, ids: torch.Tensor, sampling: DeviceSampling | None) -> StepOutput:
+        return run_step(self.executor.run, prepared, ids, sampling)
+
+    def _run_fed(
+        self,
+        prepared: PreparedStep,
+        ids: torch.Tensor,
+        pairs: torch.Tensor,
+        previous: Future[StepOutput],
+        sampling: DeviceSampling | None,
+    ) -> StepOutput:
+        # the worker runs steps in order: the previous one has returned (or raised, and so
+        # does this one)
+        tokens = previous.result().tokens
+        assert tokens is not None
+        return self._run(prepared, self.runner.feed(ids, pairs, tokens), sampling)
+
+    def wait_oldest(self) -> tuple[Launched, StepOutput]:
+        """The oldest launched step and its output, once it has run."""
+        launched = self.launched.pop(0)
+        return launched, launched.future.result()
+
+    def settle(self) -> None:
+        """Wait for every launched step to end, raising or not, and forget them (after a
+        failed step: their blocks may be freed only once nothing writes them)."""
+        for launched in self.launched:
+            launched.future.exception()
+        self.launched.clear()
+
+    def shutdown(self) -> None:
+        for launched in self.launched:
+            launched.future.result()
+        self.launched.clear()
+        self.worker.shutdown(wait=True)
