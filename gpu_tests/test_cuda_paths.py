@@ -4,14 +4,19 @@ cheapest first, so a stage cut short by its time limit still reports the most:
 
 - the Triton sink-attention kernel (the op's CUDA implementation) equals the plain form;
 - the Triton fp8 linear equals its CPU reference, and resident fp8/fp4 weights serve the
-  dequantize-on-load engine's greedy tokens;
+  dequantize-on-load engine's greedy tokens, with graphs captured;
 - the fused MoE op on CUDA equals its CPU result;
 - sampling with penalties runs on CUDA logits;
 - a NaN row of CUDA logits (greedy or sampled) fails its request alone, with graphs captured;
-- speculative decoding with every drafter (eager) gives the plain engine's greedy tokens;
+- speculative decoding with every drafter (eager) drafts and gives the plain engine's greedy
+  tokens (``drafter_check``, also run on the CPU by tests/sampling/test_drafter_check.py);
 - CUDA graphs captured from the eager step, then from the compiled step, give the eager
   engine's greedy tokens on every tiny model, and pure-decode steps really replay graphs;
 - an fp8 K/V cache on CUDA replays from captured graphs the eager engine's greedy tokens.
+
+Cases whose step Inductor compiles carry the id ``compiled-step``: a compile costs more than
+all the other cases together, so benchmarks/gpu_check.sh runs them (``-k compiled-step``) in a
+late stage of their own, after the short ones (``-k "not compiled-step"``).
 
 Greedy comparisons report each request's first divergent step with the reference's top-2
 logprob gap and fail only at a clear margin (``greedy_compare``): kernels that round
@@ -24,6 +29,7 @@ import random
 
 import pytest
 import torch
+from drafter_check import METHODS, check_drafter, repeating_prompts
 from greedy_compare import assert_same_up_to_near_ties, greedy_params
 
 from deepinfer import LLM, SamplingParams
@@ -55,9 +61,11 @@ def test_triton_sink_attention_on_cuda():
     assert (got - ref).abs().max() <= 1e-4
 
 
-def test_resident_fp8_and_fp4_on_cuda_equal_cpu(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager-step", "compiled-step"])
+def test_resident_fp8_and_fp4_on_cuda_equal_cpu(compiled, tmp_path):
     """The Triton fp8 linear equals the CPU reference; a release-format tiny V4 served with
-    its weights resident gives the dequantize-on-load engine's greedy tokens on CUDA."""
+    its weights resident (graphs captured from the eager or the compiled step) gives the
+    dequantize-on-load engine's greedy tokens on CUDA."""
     from deepinfer.kernels.quantized import fp8_block_linear
 
     from deepinfer.weights.quant import quantize_fp8_blocks
@@ -71,12 +79,9 @@ def test_resident_fp8_and_fp4_on_cuda_equal_cpu(tmp_path):
         assert ((got - ref).abs().max() / ref.abs().max()).item() <= tol
     path = make_tiny_checkpoint(tmp_path, arch="deepseek_v4", seed=1, quant="fp8")
     prompts = _prompts(3, 6, 60)
-    kept = LLM(str(path), device="cuda", dtype="bfloat16").generate(
-        prompts, greedy_params(16), use_tqdm=False
-    )
-    plain = LLM(str(path), device="cuda", dtype="bfloat16", quantization="none").generate(
-        prompts, greedy_params(16), use_tqdm=False
-    )
+    kw = {"device": "cuda", "dtype": "bfloat16", "compile": compiled, "capture_graphs": True}
+    kept = LLM(str(path), **kw).generate(prompts, greedy_params(16), use_tqdm=False)
+    plain = LLM(str(path), quantization="none", **kw).generate(prompts, greedy_params(16), use_tqdm=False)
     assert_same_up_to_near_ties(kept, plain)
 
 
@@ -154,23 +159,24 @@ def test_a_nan_row_fails_its_request_alone_on_cuda(tmp_path):
     assert engine.pool.num_free == engine.num_blocks
 
 
-@pytest.mark.parametrize(
-    ("arch", "method"), [("deepseek_v41", "dspark"), ("deepseek_v4", "mtp"), ("llama", "ngram")]
-)
+@pytest.mark.parametrize(("arch", "method"), list(METHODS.items()))
 def test_speculative_decoding_on_cuda_equals_plain_greedy(arch, method, tmp_path):
-    """Drafting on CUDA (eager, so the drafting logic is what is tested here): greedy tokens
-    equal the plain engine's; a sampled run keeps going (drafts' q on the device)."""
+    """Drafting on CUDA (eager, so the drafting logic is what is tested here) under the
+    options that let it draft (``drafter_check``: no logprobs, adaptive off, repeating
+    prompts): it drafts, and greedy tokens equal the plain engine's; a sampled run keeps
+    going (drafts' q on the device)."""
     path = make_tiny_checkpoint(tmp_path / arch, arch=arch)
-    prompts = _prompts(1, 8, 40)
-    params = greedy_params(16)
-    eager = {"compile": False, "capture_graphs": False}
-    plain = LLM(path, device="cuda", max_num_seqs=8, **eager).generate(prompts, params, use_tqdm=False)
-    llm = LLM(path, device="cuda", max_num_seqs=8, speculative_config={"method": method}, **eager)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.spec.stats.drafted > 0
-    assert_same_up_to_near_ties(plain, outs)
+    result = check_drafter(path, method, "cuda")
+    print(f"{method}: drafted {result.drafted}, accepted {result.accepted}")
+    assert result.drafted > 0
+    assert_same_up_to_near_ties(result.plain, result.spec)
+    spec = {"method": method, "adaptive": False}
+    llm = LLM(
+        path, device="cuda", max_num_seqs=8, compile=False, capture_graphs=False, speculative_config=spec
+    )
     sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=0, ignore_eos=True)
-    assert all(len(o.outputs[0].token_ids) == 8 for o in llm.generate(prompts, sampled, use_tqdm=False))
+    outs = llm.generate(repeating_prompts(8), sampled, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager-step", "compiled-step"])
