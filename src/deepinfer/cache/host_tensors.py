@@ -52,3 +52,24 @@ def to_device_together(tensors: list[torch.Tensor], device: torch.device) -> lis
             out[i] = moved[offset : offset + n].view(tensors[i].shape)
             offset += n
     return [t for t in out if t is not None]
+
+
+class HostCopy:
+    """A device tensor's copy to the host, queued right after the kernels that make it (and
+    before the next step's): reading it waits for those kernels only. A read of the device
+    tensor itself, made after the next step was launched, would wait for that step too."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.ready: torch.cuda.Event | None = None
+        if tensor.device.type == "cuda":
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+            tensor = host
+        self.tensor = tensor
+
+    def tolist(self) -> list:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.tensor.tolist()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.cache.host_tensors import HostCopy
 from deepinfer.engine.executor import Executor, StepOutput
 from deepinfer.engine.model_runner import ModelRunner, PreparedStep
 from deepinfer.engine.step_processor import DeviceSampling
@@ -27,10 +28,12 @@ Run = Callable[[PreparedStep, torch.Tensor], StepOutput]
 def run_step(
     run: Run, prepared: PreparedStep, input_ids: torch.Tensor, sampling: DeviceSampling | None
 ) -> StepOutput:
-    """The forward, then the device-side sampling of its tokens where the step has a plan."""
+    """The forward, then the device-side sampling of its tokens where the step has a plan,
+    and their copy to the host queued at once (before the next step's kernels)."""
     output = run(prepared, input_ids)
     if sampling is not None:
-        output = output._replace(tokens=sampling.sample(output.logits))
+        tokens = sampling.sample(output.logits)
+        output = output._replace(tokens=tokens, host_tokens=HostCopy(tokens))
     return output
 
 

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from deepinfer.cache.host_tensors import HostCopy
 from deepinfer.config import EngineConfig
 from deepinfer.distributed.eplb import (
     ExpertLoadWindow,
@@ -45,6 +46,7 @@ class StepOutput(NamedTuple):
     features: torch.Tensor | None = None  # the drafter's features (``feature_rows``)
     forward_s: float | None = None  # the forward's wall time, where it is its cost (CPU)
     tokens: torch.Tensor | None = None  # tokens sampled on the device (``DeviceSampling``)
+    host_tokens: HostCopy | None = None  # their copy to the host, queued after them
 
 
 class Executor:

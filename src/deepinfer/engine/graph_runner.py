@@ -127,10 +127,14 @@ class DecodeGraphRunner:
         return next(b for b in self.buckets if b >= len(chunks))
 
     def capture(self, bucket: int) -> None:
-        """Record the step for ``bucket`` on a batch of null tokens."""
+        """Record the step for ``bucket`` on a batch of null tokens. Off the CPU the built
+        batch is fresh device memory, one buffer per dtype (``to_device_together``), and is
+        kept as the static inputs, laid out as every later step of the bucket is: a step's
+        values then go in with one copy per dtype (``copy_step_inputs``)."""
         positions, batch = build_forward_batch(self.layout, self.pools, [], self.device, self.padding(bucket))
         ids = torch.zeros(bucket, dtype=torch.long, device=self.device)
-        positions, batch = positions.clone(), batch.clone_metadata()
+        if self.device.type == "cpu":  # host tensors the builder may share: copies of them
+            positions, batch = positions.clone(), batch.clone_metadata()
         replay = self.capture_fn(lambda: self.step(ids, positions, batch))
         self.graphs[bucket] = _Captured(ids, positions, batch, replay)
 
@@ -145,11 +149,43 @@ class DecodeGraphRunner:
         if static is None:
             raise RuntimeError(f"no graph captured for batch size {bucket}: call capture_all() first")
         static.input_ids.copy_(input_ids)
-        static.positions.copy_(positions)
-        pairs = zip(static.batch.metadata(), batch.metadata(), strict=True)
-        for (dst, _), (src, _) in pairs:
+        pairs = [(static.positions, positions)]
+        for (dst, _), (src, _) in zip(static.batch.metadata(), batch.metadata(), strict=True):
             if dst.shape != src.shape:
                 raise RuntimeError(f"step metadata shape {tuple(src.shape)} != captured {tuple(dst.shape)}")
-            dst.copy_(src)
+            pairs.append((dst, src))
+        copy_step_inputs(pairs)
         self.replays += 1
         return static.replay().clone()
+
+
+def copy_step_inputs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Copy each source into its static destination: where the destinations are views of one
+    buffer and the sources views of another laid out alike (same size, each pair at the same
+    offset), the whole buffer in one copy; the rest one by one. A step's metadata is dozens
+    of small tensors, and each copy is a launch. Returns the copies made."""
+    groups: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    alone: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for dst, src in pairs:
+        if dst._base is None or src._base is None:
+            alone.append((dst, src))
+        else:
+            groups.setdefault((id(dst._base), id(src._base)), []).append((dst, src))
+    copies = 0
+    for members in groups.values():
+        dst_base, src_base = members[0][0]._base, members[0][1]._base
+        assert dst_base is not None and src_base is not None
+        alike = (
+            dst_base.shape == src_base.shape
+            and dst_base.dtype == src_base.dtype
+            and all(d.storage_offset() == s.storage_offset() for d, s in members)
+        )
+        if alike:
+            dst_base.copy_(src_base)
+            copies += 1
+        else:
+            alone += members
+    for dst, src in alone:
+        dst.copy_(src)
+        copies += 1
+    return copies

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.cache.host_tensors import long_tensor, to_device
 from deepinfer.engine.dp_scheduler import DataParallelScheduler
 from deepinfer.engine.executor import StepOutput
 from deepinfer.engine.model_runner import PreparedStep
@@ -43,7 +44,10 @@ class DeviceSampling:
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """The step's tokens, on the logits' device (no host read)."""
         rows = self.logits_rows
-        picked = logits[: len(rows)] if rows == list(range(len(rows))) else logits[rows]
+        if rows == list(range(len(rows))):  # the usual step: rows 0..n-1, no gather
+            picked = logits[: len(rows)]
+        else:
+            picked = logits.index_select(0, to_device(long_tensor(rows), logits.device))
         return sample_tokens(picked, self.rows, self.positions, self.rowwise)
 
     def slots(self, chunks: list[ScheduledChunk]) -> dict[int, int]:
@@ -110,8 +114,8 @@ class StepProcessor:
         logits, features = output.logits, output.features
         chunks = prepared.chunks
         drawn = None
-        if sampled is not None and output.tokens is not None:
-            values = output.tokens.tolist()  # the step's one host read
+        if sampled is not None and output.host_tokens is not None:
+            values = output.host_tokens.tolist()  # the step's one host read
             drawn = {id(chunks[i]): v for i, v in zip(sampled.chunks, values, strict=True)}
         live = [(c, row) for c, row in zip(chunks, prepared.sample_rows, strict=True) if row >= 0]
         if self.counts_in_flight:
