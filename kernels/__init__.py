@@ -3,18 +3,19 @@ schema, a fake implementation for tracing, a PyTorch reference implementation th
 every device, and a faster implementation where one exists (CUDA kernels registered per
 device type; Triton when installed).
 
-Importing the package registers these six:
+Importing the package registers these seven:
 
 | op | what | faster implementation |
 |---|---|---|
 | ``routed_experts`` | sorted dispatch, clamped SwiGLU experts, weighted combine | CUDA: sync-free ``_grouped_mm`` |
 | ``fused_moe`` | gate scores + selection + weights + ``routed_experts`` | (via ``routed_experts``) |
 | ``sink_attention`` | V4 attention core: K=V sets + sink, one softmax | CUDA: Triton |
-| ``paged_attention`` | Llama: decode rows + causal prefill spans over paged K/V | |
+| ``paged_attention`` | Llama: decode rows + causal prefill spans over paged K/V | (decode rows via the next) |
+| ``paged_decode_attention`` | Llama: the decode rows of ``paged_attention`` | CUDA: Triton |
 | ``rejection_sample`` | speculative verification: acceptance + residual sampling | |
-| ``sinkhorn`` | mHC doubly-stochastic projection | CPU: NumPy loop |
+| ``sinkhorn`` | mHC doubly-stochastic projection | CPU: C++ (NumPy without a compiler); CUDA: Triton |
 
-The module that calls each of the other six imports it, which registers it:
+The module that calls each of the others imports it, which registers it:
 
 | op | module | what |
 |---|---|---|
@@ -24,6 +25,12 @@ The module that calls each of the other six imports it, which registers it:
 | ``fp8_block_linear`` | ``quantized.py`` | a linear over fp8 weights with block scales (CUDA: Triton) |
 | ``routed_experts_fp4`` | ``quantized.py`` | the routed experts over fp4 weights (CUDA: Triton) |
 | ``cpu_linear`` | ``weight_only.py`` | the engine's CPU projections inside a compiled step (``cpu.packed_gemm``) |
+| ``rms_norm``, ``add_rms_norm`` | ``rms_norm_triton.py`` | RMSNorm, and a residual add + RMSNorm (CUDA: Triton) |
+| ``rope_store`` | ``rope_triton.py`` | Llama's RoPE on q and k + the K/V cache writes (CUDA: Triton) |
+| ``silu_and_mul`` | ``silu_mul_triton.py`` | SwiGLU's ``silu(gate) * up`` (CUDA: Triton) |
+| ``hc_pre`` | ``mhc_triton.py`` | an mHC site's mixes, Sinkhorn and collapse (CUDA: Triton) |
+| ``hc_post`` | ``mhc_triton.py`` | the mHC expand back into the streams (CUDA: Triton) |
+| ``moe_gate`` | ``moe_gate_triton.py`` | router scores, top-k or hash lookup, weights (CUDA: Triton) |
 
 The C++ CPU kernels (``deepinfer.kernels.cpu``: packed projections, int4 GEMMs, paged
 attention, RoPE with the cache writes, norms, a Llama decode stack, experts, and the compiled

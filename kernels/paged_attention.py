@@ -5,9 +5,11 @@ batched SDPA; each multi-token prefill chunk attends causally to every cached po
 sequence plus its own tokens. The chunk loop depends on the step's layout, which a tracer
 would turn into one graph per layout, so the op is opaque to ``torch.compile`` and the
 layout travels as tensors (``span_meta``). The reference implementation runs on every device;
-its decode rows read the pools in place where a kernel exists (C++ on the CPU;
-``paged_decode_triton`` on CUDA, each row only up to its own length rather than the step's
-padded one).
+its decode rows read the pools in place where a kernel exists: C++ on the CPU, and on CUDA
+the op ``deepinfer::paged_decode_attention``, whose CUDA kernel is ``paged_decode_triton``
+(each row read only up to its own length rather than the step's padded one). That choice
+lives in the op's registered CUDA kernel, where the dispatcher makes it and
+``compile/launch_count.py`` sees it; every other device runs the op's default, the gather.
 """
 
 from __future__ import annotations
@@ -18,16 +20,6 @@ import torch.utils.checkpoint
 from deepinfer.kernels import kv_int8
 from deepinfer.kernels.cpu import attention as cpu_attention
 from deepinfer.kernels.cpu import prefill_attention as cpu_prefill_attention
-
-
-def _triton_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
-    """Whether the decode rows run the Triton kernel: asked only for CUDA tensors, so CPU-only
-    machines never import Triton."""
-    if q.device.type != "cuda":
-        return False
-    from deepinfer.kernels import paged_decode_triton
-
-    return paged_decode_triton.supports(q, k_pool, v_pool)
 
 
 def gather_decode_attention(
@@ -58,6 +50,37 @@ def gather_decode_attention(
     out[decode_rows] = o.squeeze(2)
 
 
+@torch.library.custom_op("deepinfer::paged_decode_attention", mutates_args=("out",))
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    decode_rows: torch.Tensor,
+    decode_kv: torch.Tensor,
+    decode_valid: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """The decode rows of ``paged_attention`` written into ``out`` [T + 1, H, d] (contiguous);
+    by default ``gather_decode_attention``."""
+    gather_decode_attention(q, k_pool, v_pool, decode_rows, decode_kv, decode_valid, out)
+
+
+@paged_decode_attention.register_kernel("cuda")
+def _decode_cuda(q, k_pool, v_pool, decode_rows, decode_kv, decode_valid, out) -> None:
+    # imported at the first CUDA call: CPU-only machines never import Triton
+    from deepinfer.kernels import paged_decode_triton
+
+    if paged_decode_triton.takes(q, k_pool, v_pool):
+        paged_decode_triton.decode_attention(q, k_pool, v_pool, decode_rows, decode_kv, decode_valid, out)
+    else:
+        gather_decode_attention(q, k_pool, v_pool, decode_rows, decode_kv, decode_valid, out)
+
+
+def _needs_autograd(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records this call (custom ops have no backward: plain PyTorch then)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def paged_attention_reference(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -78,9 +101,9 @@ def paged_attention_reference(
     Returns [T, H, d] in q's dtype (rows no span or decode covers are zero). Plain,
     differentiable PyTorch (the research path calls it directly: custom ops have no backward);
     on the CPU without autograd the decode rows run ``cpu_attention`` and the spans
-    ``cpu_prefill_attention``, which read the pool rows in place instead of gathering them,
-    and on CUDA with Triton the decode rows run ``paged_decode_triton``, which reads each
-    row's positions only up to its length."""
+    ``cpu_prefill_attention``, which read the pool rows in place instead of gathering them;
+    elsewhere the decode rows run ``deepinfer::paged_decode_attention`` (CUDA: the Triton
+    kernel, which reads each row's positions only up to its length)."""
     t, h, d = q.shape
     n_kv = kv_int8.values_per_row(k_pool) // d
     out = q.new_zeros(t + 1, h, d)  # row t takes padded decode rows (no host sync to drop them)
@@ -96,12 +119,10 @@ def paged_attention_reference(
         if dense is not out:
             out.copy_(dense)
     if n and not decode_in_place:
-        if _triton_decode(q, k_pool, v_pool):  # CUDA: each row read up to its own length
-            from deepinfer.kernels import paged_decode_triton
-
-            paged_decode_triton.decode_attention(q, k_pool, v_pool, decode_rows, decode_kv, decode_valid, out)
-        else:
+        if _needs_autograd(q, k_pool, v_pool):
             gather_decode_attention(q, k_pool, v_pool, decode_rows, decode_kv, decode_valid, out)
+        else:  # the dispatcher picks the device's kernel (CUDA: Triton)
+            paged_decode_attention(q, k_pool, v_pool, decode_rows, decode_kv, decode_valid, out)
     for first, count, start, offset in [] if spans_in_place else span_meta.tolist():  # a CPU tensor
         if count == 0:
             continue

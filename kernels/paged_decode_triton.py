@@ -105,14 +105,14 @@ if triton is not None:
         tl.store(out_ptr + out_at, o.to(out_ptr.dtype.element_ty), mask=hd_ok)
 
 
-def supports(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
-    """CUDA with Triton, no autograd (the research path keeps the differentiable reference),
-    not inside ``batch_invariant`` (whose steps compute the research forward's formula), plain
-    float pools of one dtype, contiguous."""
+def takes(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+    """Whether the kernel serves these tensors on a device that runs Triton (the caller, the
+    op's CUDA kernel, already knows the device): Triton installed, no autograd (the research
+    path keeps the differentiable gather), not inside ``batch_invariant`` (whose steps compute
+    the research forward's formula), plain float pools of one dtype, contiguous."""
     grad = torch.is_grad_enabled() and (q.requires_grad or k_pool.requires_grad or v_pool.requires_grad)
     return (
         triton is not None
-        and q.device.type == "cuda"
         and not grad
         and not batch_invariant.active()
         and q.dtype in POOL_DTYPES

@@ -6,7 +6,9 @@ inline, Inductor's CPU loops read and write the pairs' strided channels one elem
 the rotation in one call, which ``compile_passes.native_cpu_ops`` points at the C++ twin
 ``deepinfer::rope_cpu`` (``cpu_step_ops``; whole pairs in vector lanes, the formula's bits).
 This Python op is the formula itself: what eager steps compute, and what the twin falls back
-to for inputs its kernel does not take."""
+to for inputs its kernel does not take. Llama's rotate-half formula (``rotate_half_rope``)
+lives here too, beside the interleaved one, so that its fused kernel
+(``rope_triton.py``) and the model share one definition."""
 
 from __future__ import annotations
 
@@ -23,6 +25,14 @@ def interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     even, odd = rope[..., 0::2], rope[..., 1::2]
     rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
     return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+
+
+def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama's RoPE: rotate the two halves of each head in fp32 (cos/sin are [T, 1, D/2]),
+    cast back to ``x``'s dtype."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 @torch.library.custom_op("deepinfer::rope", mutates_args=())

@@ -1,8 +1,9 @@
 """A launch budget per decode layer on the CUDA code path, counted on the CPU
 (``compile/launch_count.py``): each tiny config's mean launches per layer stay within its
 budget. The counter is shown to count a known function exactly, custom ops as their CUDA
-kernels and Triton launches as one each; and an unfused variant (Sinkhorn's reference) or one
-extra op per norm pushes a config past its budget, so the budget check would fail."""
+kernels and Triton launches as one each; and an unfused variant (Sinkhorn's reference, one of
+Llama's fused kernels switched off) or one extra op per norm pushes a config past its budget,
+so the budget check would fail."""
 
 from __future__ import annotations
 
@@ -21,7 +22,15 @@ META = torch.device("meta")
 # Mean launches per decoder layer of one eager decode step of the tiny configs. The targets
 # are 30 (V4) and 12 (Llama); these are what the fused kernels reach, with one launch of
 # margin (``benchmarks/launch_budget.py`` prints the counts and what the rest is made of).
-BUDGETS = {"deepseek_v4": 185, "deepseek_v41": 198, "llama": 40}
+BUDGETS = {"deepseek_v4": 145, "deepseek_v41": 157, "llama": 13}
+# Llama's fused ops (one Triton launch each on CUDA) and the launches per layer their
+# reference costs over that one
+LLAMA_FUSED = {
+    "deepinfer::paged_decode_attention": 2,
+    "deepinfer::rope_store": 2,
+    "deepinfer::add_rms_norm": 2,
+    "deepinfer::silu_and_mul": 1,
+}
 
 
 @pytest.fixture(scope="module")
@@ -79,26 +88,46 @@ def test_custom_ops_count_their_cuda_kernel():
     assert count_launches(sinkhorn_op, comb, 20, 1e-6).total == 1  # switched back on
 
 
-def test_unfused_sinkhorn_breaks_the_v4_budgets(models):
-    """Mutation check: the count with Sinkhorn's reference on CUDA exceeds the budget."""
+@pytest.mark.parametrize("op", ["deepinfer::hc_pre", "deepinfer::hc_post", "deepinfer::moe_gate"])
+def test_each_unfused_v4_kernel_breaks_the_v4_budgets(op, models):
+    """Mutation check: with one of V4's fused kernels switched off (an mHC site's mixing,
+    Sinkhorn and collapse; its expand; the router), the count exceeds the budget."""
     for arch in ("deepseek_v4", "deepseek_v41"):
-        with launch_count.kernels_disabled(["deepinfer::sinkhorn"]):
+        with launch_count.kernels_disabled([op]):
             count = count_decode_launches(models[arch])
-        assert not within_budget(arch, count), (arch, count.per_layer_mean)
+        assert not within_budget(arch, count), (op, arch, count.per_layer_mean)
 
 
 def test_an_extra_op_per_norm_breaks_every_budget(models, monkeypatch):
     """Mutation check: one more launch in each norm (an unfused scale) is caught for each
     config."""
-    fused = norms.rms_norm
+    fused, fused_add = norms.rms_norm, norms.add_rms_norm
 
     def with_extra_op(x, weight, eps):
         return fused(x, weight, eps) * 1.0
 
+    def add_with_extra_op(x, residual, weight, eps):
+        total, normed = fused_add(x, residual, weight, eps)
+        return total, normed * 1.0
+
     monkeypatch.setattr(norms, "rms_norm", with_extra_op)
+    monkeypatch.setattr(norms, "add_rms_norm", add_with_extra_op)
     for arch in BUDGETS:
         count = count_decode_launches(models[arch])
         assert not within_budget(arch, count), (arch, count.per_layer_mean)
+
+
+@pytest.mark.parametrize("op", sorted(LLAMA_FUSED))
+def test_each_unfused_llama_kernel_costs_launches(op, models):
+    """Mutation check: with one of Llama's fused kernels switched off (its reference on CUDA),
+    each layer makes at least the launches that reference adds; those that add two or more
+    push Llama past its budget. (SiLU-and-mul's reference is two launches, one over the
+    margin: the step with it off sits at the budget.)"""
+    fused = count_decode_launches(models["llama"])
+    with launch_count.kernels_disabled([op]):
+        count = count_decode_launches(models["llama"])
+    assert count.per_layer_mean >= fused.per_layer_mean + LLAMA_FUSED[op], (op, count.by_op())
+    assert within_budget("llama", count) == (LLAMA_FUSED[op] < 2), (op, count.per_layer_mean)
 
 
 def test_layers_are_counted_apart_from_embedding_and_head(models):

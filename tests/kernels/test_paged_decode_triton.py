@@ -224,3 +224,38 @@ def test_mutated_loop_bounds_fail(mutant, tmp_path):
     path.write_text(source.replace(LOOP_BOUND, MUTANTS[mutant]))
     with pytest.raises(AssertionError):
         check_all(_load(path, f"_paged_decode_{mutant}"))
+
+
+@interpreted_only
+def test_the_ops_cuda_kernel_runs_triton(kernel):
+    """``deepinfer::paged_decode_attention``'s registered CUDA kernel takes these tensors and
+    gives the Triton kernel's result (the dispatcher, not a device test, picks it)."""
+    case = make_case(**EDGES)
+    assert kernel.takes(case.q, case.k_pool, case.v_pool)
+    out = case.q.new_zeros(case.q.shape[0] + 1, *case.q.shape[1:])
+    paged_attention._decode_cuda(*case.args(), out)
+    torch.testing.assert_close(out[:-1], reference(case), atol=2e-5, rtol=1e-5)
+    assert torch.equal(out[:-1], triton_out(kernel, case, block=64 if case.q.shape[-1] <= 128 else 32))
+
+
+def test_the_ops_default_is_the_gather():
+    """Devices without a kernel (and the CPU, when its C++ kernel does not serve the rows) run
+    the gather, bit for bit."""
+    case = make_case(**EDGES)
+    out = case.q.new_zeros(case.q.shape[0] + 1, *case.q.shape[1:])
+    torch.ops.deepinfer.paged_decode_attention(*case.args(), out)
+    assert torch.equal(out[:-1], reference(case))
+
+
+def test_the_launch_counter_sees_the_triton_kernel():
+    """On meta tensors the reference's decode rows count as the op's CUDA kernel: one Triton
+    launch (and the lengths' sum), not the gather's dozen."""
+    from deepinfer.compile.launch_count import count_launches
+
+    case = make_case(**EDGES)
+    meta = [t.to("meta") for t in case.args()]
+    spans = torch.zeros(0, 4, dtype=torch.long)
+    count = count_launches(
+        paged_attention.paged_attention_reference, *meta, spans, torch.zeros(0, dtype=torch.long)
+    )
+    assert count.outside["triton:_paged_decode"] == 1 and count.total <= 3, count.outside

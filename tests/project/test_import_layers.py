@@ -233,7 +233,10 @@ def private_names_defined(file: Path) -> set[str]:
 
 
 # privates of other projects that a name of ours shares, read on their objects
-THIRD_PARTY_PRIVATES = {"_version"}  # torch.Tensor's version counter (in-place writes)
+THIRD_PARTY_PRIVATES = {
+    "_version",  # torch.Tensor's version counter (in-place writes)
+    "_base",  # torch.Tensor's view base (a step's metadata buffer, copied whole into a graph's)
+}
 
 
 def module_aliases(tree: ast.AST, package: str, modules: dict[str, Path]) -> tuple[dict[str, Path], set[str]]:

@@ -24,9 +24,9 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from live_server import LiveServer
+from scripted_sampling import scripted_sampler
 from tiny_v4_chat import V4_VOCAB, tiny_v4_checkpoint, v4_tokenizer_dir
 
-import deepinfer.engine.step_processor as engine_module
 from deepinfer import LLM
 from deepinfer.chat import formats
 from deepinfer.chat.deepseek import V4, encode_deepseek
@@ -136,12 +136,10 @@ class BigramModel:
 def served(tmp_path_factory):
     path = tiny_v4_checkpoint(tmp_path_factory.mktemp("tiny_v4_tools"))
     llm = LLM(str(path), max_num_seqs=4, max_model_len=4096)
-    real_sample = engine_module.sample
-    engine_module.sample = BigramModel(llm.tokenizer, V4_VOCAB)
-    live = LiveServer(build_app(llm, NAME, max_queued_requests=16))
-    yield live
-    live.stop()
-    engine_module.sample = real_sample
+    with scripted_sampler(BigramModel(llm.tokenizer, V4_VOCAB)):
+        live = LiveServer(build_app(llm, NAME, max_queued_requests=16))
+        yield live
+        live.stop()
 
 
 # ---- drawn tools ----------------------------------------------------------------------------

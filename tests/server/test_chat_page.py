@@ -26,11 +26,11 @@ from pathlib import Path
 import httpx
 import pytest
 from live_server import LiveServer
+from scripted_sampling import scripted_sampler
 from starlette.testclient import TestClient
 from tiny_v4_chat import WEATHER_TOOLS as TOOLS
 from tiny_v4_chat import tiny_v4_checkpoint
 
-import deepinfer.engine.step_processor as engine_module
 from deepinfer import LLM
 from deepinfer.chat.deepseek import EOS, V4, encode_deepseek
 from deepinfer.cli.parser import build_parser
@@ -101,12 +101,10 @@ def served(tmp_path_factory):
     path = tiny_v4_checkpoint(tmp_path_factory.mktemp("tiny_v4_page"))
     llm = LLM(str(path), max_num_seqs=4, max_model_len=4096)
     model = ScriptedModel(llm.tokenizer, llm.eos_token_ids[0])
-    real_sample = engine_module.sample
-    engine_module.sample = model
-    live = LiveServer(build_app(llm, NAME, max_queued_requests=16))
-    yield live, llm, model
-    live.stop()
-    engine_module.sample = real_sample
+    with scripted_sampler(model):
+        live = LiveServer(build_app(llm, NAME, max_queued_requests=16))
+        yield live, llm, model
+        live.stop()
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 from live_server import LiveServer
+from scripted_sampling import scripted_sampler
 from tiny_v4_chat import WEATHER_TOOLS as TOOLS
 from tiny_v4_chat import tiny_v4_checkpoint
 
@@ -56,12 +57,11 @@ def served(tmp_path_factory):
         real_sample(logits, rows, **options)
         return [script[min(len(r.output_ids), len(script) - 1)] for r in rows]
 
-    engine_module.sample = scripted
-    live = LiveServer(build_app(llm, NAME, max_queued_requests=16))
-    client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=300)
-    yield live, client, llm
-    live.stop()
-    engine_module.sample = real_sample
+    with scripted_sampler(scripted):
+        live = LiveServer(build_app(llm, NAME, max_queued_requests=16))
+        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=300)
+        yield live, client, llm
+        live.stop()
 
 
 def test_prompt_is_the_formats_encoding(served):

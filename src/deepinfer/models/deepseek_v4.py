@@ -20,7 +20,6 @@ from deepinfer.models.layers.attention import Attention
 from deepinfer.models.layers.mhc import (
     MIXING_FUNCTIONS,
     HyperConnectedBlock,
-    hc_collapse,
     hc_expand,
     hc_head_collapse,
 )
@@ -48,11 +47,11 @@ class Block(HyperConnectedBlock):
     ) -> torch.Tensor:
         """streams [T, n, d] -> [T, n, d] (on the research grid: [B, S, n, d])."""
         streams = batch.to_flat(streams)
-        pre, post, comb = self.mixes(streams, "attn")
-        y = self.attn(self.attn_norm(hc_collapse(streams, pre)), positions, pools, batch)
+        x, _, post, comb = self.pre(streams, "attn")
+        y = self.attn(self.attn_norm(x), positions, pools, batch)
         streams = hc_expand(y, streams, post, comb)
-        pre, post, comb = self.mixes(streams, "ffn")
-        y = self.ffn(self.ffn_norm(hc_collapse(streams, pre)), input_ids, batch.functional, batch.routing)
+        x, _, post, comb = self.pre(streams, "ffn")
+        y = self.ffn(self.ffn_norm(x), input_ids, batch.functional, batch.routing)
         return batch.to_grid(hc_expand(y, streams, post, comb))
 
 
@@ -90,8 +89,7 @@ class MtpBlock(Block):
         """The K=V vector [N, D] of row t (streams of t, the embedding of token t + 1) at
         position t: a row-wise projection of the block input, kept for later rows' windows."""
         x = self.merge_input(token_embeds, streams)
-        pre, _, _ = self.mixes(x, "attn")
-        attn_in = self.attn_norm(hc_collapse(x, pre))
+        attn_in = self.attn_norm(self.pre(x, "attn")[0])
         cos, sin = self.attn.rotary(positions)
         return self.attn.latent_kv(attn_in, cos, sin)
 
@@ -110,8 +108,8 @@ class MtpBlock(Block):
         of this proposal's ``earlier`` rows and its own. Returns (output streams, the normed
         head input [N, d], this row's K=V)."""
         x = self.merge_input(token_embeds, streams)
-        pre, post, comb = self.mixes(x, "attn")
-        attn_in = self.attn_norm(hc_collapse(x, pre))
+        attn_in, _, post, comb = self.pre(x, "attn")
+        attn_in = self.attn_norm(attn_in)
         q, _, cos, sin = self.attn.queries(attn_in, positions)
         kv = self.attn.latent_kv(attn_in, cos, sin)
         ring, visible = window
@@ -121,8 +119,8 @@ class MtpBlock(Block):
             parts.append((rows, torch.ones(rows.shape[:2], dtype=torch.bool, device=rows.device)))
         y = self.attn.attend(q, parts, cos, sin)
         x = hc_expand(y, x, post, comb)
-        pre, post, comb = self.mixes(x, "ffn")
-        y = self.ffn(self.ffn_norm(hc_collapse(x, pre)), tokens)
+        ffn_in, _, post, comb = self.pre(x, "ffn")
+        y = self.ffn(self.ffn_norm(ffn_in), tokens)
         streams = hc_expand(y, x, post, comb)
         head_in = hc_head_collapse(
             streams,

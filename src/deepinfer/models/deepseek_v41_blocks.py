@@ -18,7 +18,7 @@ from deepinfer.models.layers.engram import (
 )
 from deepinfer.models.layers.fake_quant import fake_quant_fp4_e4m3_scale
 from deepinfer.models.layers.gather import gather_rows
-from deepinfer.models.layers.mhc import HyperConnectedBlock, hc_collapse, hc_expand
+from deepinfer.models.layers.mhc import HyperConnectedBlock, hc_expand
 from deepinfer.models.layers.moe import MoE
 from deepinfer.models.layers.rope import Rotary
 from deepinfer.models.layers.shared_indexer import SharedIndexer, select_candidate_blocks
@@ -169,14 +169,11 @@ class LaggedBlock(HyperConnectedBlock):
         """streams [T, n, d], pre_mix [T, n] -> (streams, this block's FFN-site pre mix);
         on the research grid [B, S, n, d] and [B, S, n]."""
         streams, pre_mix = batch.to_flat(streams), batch.to_flat(pre_mix)
-        attn_pre, post, comb = self.mixes(streams, "attn")
-        x = self.attn_norm(hc_collapse(streams, pre_mix))
-        y = self.attn(x, positions, pools, batch, shared, compressed)
+        x, attn_pre, post, comb = self.pre(streams, "attn", pre_mix)
+        y = self.attn(self.attn_norm(x), positions, pools, batch, shared, compressed)
         streams = hc_expand(y, streams, post, comb)
-        ffn_pre, post, comb = self.mixes(streams, "ffn")
-        y = self.ffn(
-            self.ffn_norm(hc_collapse(streams, attn_pre)), input_ids, batch.functional, batch.routing
-        )
+        x, ffn_pre, post, comb = self.pre(streams, "ffn", attn_pre)
+        y = self.ffn(self.ffn_norm(x), input_ids, batch.functional, batch.routing)
         return batch.to_grid(hc_expand(y, streams, post, comb)), batch.to_grid(ffn_pre)
 
 

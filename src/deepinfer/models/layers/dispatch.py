@@ -6,6 +6,10 @@ ops):
 - an eager engine step on the CPU runs the C++ kernel where it supports the tensors
   (``kernels/cpu``), the plain form below to rounding (a ``batch_invariant`` step runs the
   plain form itself, so its logits are the research forward's, bitwise);
+- an eager engine step on any other device runs the fused custom op (``deepinfer::rope_store``,
+  ``deepinfer::add_rms_norm``, ...), whose registered CUDA kernel is one Triton launch and
+  whose default is the plain form: the device choice is the dispatcher's, which is also where
+  ``compile/launch_count.py`` sees it;
 - a compiled step runs the custom op, which the tracer keeps opaque, or plain torch that
   Inductor fuses;
 - the research binding (``ForwardBatch.functional``) runs plain torch, which autograd and
@@ -18,14 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.cache.forward_batch import ForwardBatch, LayerPools
-from deepinfer.kernels import kv_rotation
+from deepinfer.kernels import batch_invariant, kv_rotation, rope_triton, silu_mul_triton
 from deepinfer.kernels.cpu import norm_act, rope_store
 from deepinfer.kernels.paged_attention import (
     paged_attention,
     paged_attention_invariant,
     paged_attention_reference,
 )
-from deepinfer.models.layers.norms import RMSNorm
+from deepinfer.models.layers.norms import RMSNorm, residual_rms_norm
 from deepinfer.models.layers.rope import rotate_half_rope
 
 
@@ -35,21 +39,30 @@ def _eager_engine(batch: ForwardBatch) -> bool:
     return not batch.functional and not batch.invariant and not torch.compiler.is_compiling()
 
 
+def _device_op(batch: ForwardBatch, x: torch.Tensor) -> bool:
+    """An eager engine step off the CPU, with no autograd and not ``batch_invariant`` (whose
+    steps compute the plain form): where the fused ops run."""
+    grad = torch.is_grad_enabled() and x.requires_grad
+    return _eager_engine(batch) and x.device.type != "cpu" and not grad and not batch_invariant.active()
+
+
 def add_rms_norm(
     norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x + residual`` (``x`` when None) and its RMSNorm, as one call where the kernel runs."""
     if _eager_engine(batch) and norm_act.supports(x):
         return norm_act.add_rms_norm(x, residual, norm.weight, norm.eps)
-    if residual is not None:
-        x = x + residual
-    return x, norm(x)
+    if residual is None:
+        return x, norm(x)
+    return residual_rms_norm(norm, x, residual)
 
 
 def silu_and_mul(gate_up: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     """SwiGLU's ``silu(gate) * up`` of ``[gate, up]`` concatenated on the last dimension."""
     if _eager_engine(batch) and norm_act.supports(gate_up):
         return norm_act.silu_mul(gate_up)
+    if _device_op(batch, gate_up):
+        return silu_mul_triton.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -71,6 +84,17 @@ def rope_and_store(
     assert pools.values is not None
     if _eager_engine(batch) and rope_store.supports(qkv, pools.window, pools.values):
         q = rope_store.rope_store(
+            qkv, cos, sin, batch.window_write, pools.window, pools.values, n_heads, n_kv, head_dim
+        )
+        return q, pools.window, pools.values
+    if (
+        _device_op(batch, qkv)
+        and isinstance(pools.window, torch.Tensor)
+        and isinstance(pools.values, torch.Tensor)
+        and pools.window.dtype in rope_triton.DTYPES
+        and pools.values.dtype in rope_triton.DTYPES
+    ):
+        q = rope_triton.rope_store(
             qkv, cos, sin, batch.window_write, pools.window, pools.values, n_heads, n_kv, head_dim
         )
         return q, pools.window, pools.values

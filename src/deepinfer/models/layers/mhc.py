@@ -3,6 +3,11 @@
 The residual is ``hc_mult`` parallel streams ``[..., n, d]``. Each site computes, from the
 streams themselves, a collapse mix ``pre`` (streams -> block input), an expand mix ``post``
 (block output -> streams) and a doubly-stochastic stream mixer ``comb`` (Sinkhorn).
+
+An eager step on a non-CPU device runs each site as ``deepinfer::hc_pre`` (mixes and collapse)
+and ``deepinfer::hc_post`` (expand), two launches on CUDA instead of some twenty; CPU steps,
+compiled steps, autograd and ``batch_invariant`` keep the plain form, the ops' own default
+(``kernels/mhc_triton.py``).
 """
 
 from __future__ import annotations
@@ -11,12 +16,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.kernels.sinkhorn import sinkhorn
+from deepinfer.kernels import batch_invariant, mhc_triton
 from deepinfer.models.layers.norms import RMSNorm, unweighted_rms_norm
 
 # The mixing functions of the mHC sites and of the final collapse (``hc_{site}_fn``): weights
 # the step multiplies with through ``F.linear``, packed for compiled CPU steps.
 MIXING_FUNCTIONS = ("hc_attn_fn", "hc_ffn_fn", "hc_head_fn")
+
+
+def _fused(*tensors: torch.Tensor | None) -> bool:
+    """Whether a site runs as ``deepinfer::hc_pre`` / ``hc_post`` (two launches on CUDA):
+    eager, off the CPU, no autograd, not batch-invariant; else the plain form."""
+    first = tensors[0]
+    if first.device.type == "cpu" or torch.compiler.is_compiling() or batch_invariant.active():
+        return False
+    return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors)
 
 
 def hc_mixes(
@@ -30,30 +44,21 @@ def hc_mixes(
     norm_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return ``(pre [..., n], post [..., n], comb [..., n, n])`` in fp32 for streams [..., n, d]."""
-    n = streams.shape[-2]
-    flat = unweighted_rms_norm(streams.flatten(-2).float(), norm_eps)
-    m = F.linear(flat, fn.float())
-    pre_w, post_w, comb_w = m.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
-    scale = scale.float()
-    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
-    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-    comb = comb_w.unflatten(-1, (n, n)) * scale[2] + comb_b.view(n, n)
-    return pre, post, sinkhorn(comb, sinkhorn_iters, hc_eps)
+    return mhc_triton.mixes(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
 
 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """``sum_c pre_c * X_c`` in fp32, cast to the stream dtype."""
-    return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+    return mhc_triton.collapse(streams, pre)
 
 
 def hc_expand(
     y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
 ) -> torch.Tensor:
     """``out[c'] = post_c' * y + sum_c comb[c, c'] * R_c`` (sum over comb's first index)."""
-    dtype = residual.dtype
-    mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), residual)
-    return post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2) + mixed
+    if _fused(residual, y, post, comb):
+        return mhc_triton.hc_post(y, residual, post, comb)
+    return mhc_triton.expand(y, residual, post, comb)
 
 
 def hc_head_collapse(
@@ -90,6 +95,19 @@ class HyperConnectedBlock(nn.Module):
             )
             self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
+
+    def pre(
+        self, streams: torch.Tensor, site: str, collapse_with: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(x, pre, post, comb)`` of ``site``: its mixes and the streams [T, n, d] collapsed
+        with ``collapse_with`` (V4.1's lagged mix) or, when None, with the site's own ``pre``."""
+        fn, base, scale = (getattr(self, f"hc_{site}_{part}") for part in ("fn", "base", "scale"))
+        if _fused(streams, fn, base, scale, collapse_with):
+            return mhc_triton.hc_pre(
+                streams, fn, base, scale, collapse_with, self.sinkhorn_iters, self.hc_eps, self.eps
+            )
+        pre, post, comb = self.mixes(streams, site)
+        return hc_collapse(streams, pre if collapse_with is None else collapse_with), pre, post, comb
 
     def mixes(self, streams: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(pre, post, comb)`` of ``site`` ("attn" or "ffn") for streams [T, n, d]."""

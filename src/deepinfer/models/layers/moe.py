@@ -3,7 +3,9 @@
 Routing scores are ``sqrt(softplus(logits))`` (or softmax/sigmoid); a learned bias shifts the
 *selection* only; the selected scores are normalised and scaled by ``routed_scaling_factor``.
 Hash layers select experts with a frozen ``tid2eid[token]`` table instead. The routed experts
-run as one custom op (``deepinfer::routed_experts``, kernels/moe.py).
+run as one custom op (``deepinfer::routed_experts``, kernels/moe.py). After its projection the
+router runs as ``deepinfer::moe_gate`` on eager non-CPU steps (one launch on CUDA instead of
+some ten; ``kernels/moe_gate_triton.py``, whose plain form every other step runs).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import nn
 
 from deepinfer.cache.forward_batch import RoutingTrace
 from deepinfer.kernels import batch_invariant
+from deepinfer.kernels import moe_gate_triton as gate_forms
 from deepinfer.kernels.moe import routed_experts, routed_experts_reference
 from deepinfer.kernels.quantized import routed_experts_fp4
 from deepinfer.models.deepseek_v4_config import DeepseekV4Config
@@ -37,6 +40,14 @@ def replica_slots(ids: torch.Tensor, log2phy: torch.Tensor, replicas: torch.Tens
     rank = torch.empty_like(flat)
     rank[order] = torch.arange(flat.numel(), device=flat.device) - first
     return log2phy[flat, rank % replicas[flat]].view(ids.shape)
+
+
+def _one_launch(*tensors: torch.Tensor | None) -> bool:
+    """Whether the router runs as ``deepinfer::moe_gate`` (one launch after its projection on
+    CUDA): eager, off the CPU, no autograd, not batch-invariant; else the plain form."""
+    if tensors[0].device.type == "cpu" or torch.compiler.is_compiling() or batch_invariant.active():
+        return False
+    return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors)
 
 
 class Expert(nn.Module):
@@ -73,22 +84,19 @@ class Gate(nn.Module):
         """x [N, d] -> (weights [N, k], expert ids [N, k]); ``routing`` records the choice or
         replays a given one (the weights are then the scores of the replayed experts)."""
         logits = F.linear(x, self.weight.to(x.dtype))
-        if self.scoring == "sqrtsoftplus":
-            scores = F.softplus(logits).sqrt()
-        elif self.scoring == "softmax":
-            scores = logits.softmax(dim=-1)
+        table = self.tid2eid if self.hashed else None
+        bias = None if self.hashed else self.bias
+        if routing is None and _one_launch(logits, bias):
+            args = (self.top_k, self.scoring, self.normalize, float(self.scale))
+            return gate_forms.moe_gate(logits, bias, table, input_ids, *args)
+        scores = gate_forms.scores(logits, self.scoring)
+        if table is not None:
+            ids = table[input_ids.reshape(-1)].long()
         else:
-            scores = logits.sigmoid()
-        if self.hashed:
-            ids = self.tid2eid[input_ids.reshape(-1)].long()
-        else:
-            ids = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
+            ids = torch.topk(scores + bias, self.top_k, dim=-1, sorted=False).indices
         if routing is not None:
             ids = routing.route(ids)
-        weights = scores.gather(1, ids)
-        if self.normalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scale, ids
+        return gate_forms.weigh(scores, ids, self.normalize, self.scale), ids
 
 
 class MoE(nn.Module):

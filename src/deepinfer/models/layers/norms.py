@@ -3,7 +3,9 @@ DeepSeek's reference code keeps every norm weight in fp32.
 
 An eager step on a non-CPU device runs each norm as ``deepinfer::rms_norm`` (one Triton launch
 on CUDA instead of five or six); CPU steps, compiled steps (Inductor fuses the plain form),
-autograd and ``batch_invariant`` keep the plain form, the op's own reference."""
+autograd and ``batch_invariant`` keep the plain form, the op's own reference. A residual add
+followed by a norm (``residual_rms_norm``) is one launch the same way
+(``deepinfer::add_rms_norm``)."""
 
 from __future__ import annotations
 
@@ -11,16 +13,14 @@ import torch
 from torch import nn
 
 from deepinfer.kernels import batch_invariant
-from deepinfer.kernels.rms_norm_triton import reference, rms_norm
+from deepinfer.kernels.rms_norm_triton import add_rms_norm, reference, rms_norm
 
 
-def _one_launch(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
+def _one_launch(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
     """Whether this call runs the op: eager, off the CPU, no autograd, not batch-invariant."""
     if x.device.type == "cpu" or torch.compiler.is_compiling() or batch_invariant.active():
         return False
-    return not torch.is_grad_enabled() or not (
-        x.requires_grad or (weight is not None and weight.requires_grad)
-    )
+    return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (x, *others))
 
 
 class RMSNorm(nn.Module):
@@ -42,3 +42,13 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     if _one_launch(x, None):
         return rms_norm(x, None, eps)
     return reference(x, None, eps)
+
+
+def residual_rms_norm(
+    norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x + residual`` and ``norm`` of it: one launch where ``norm`` alone is one."""
+    if _one_launch(x, residual, norm.weight) and residual.dtype == x.dtype and residual.shape == x.shape:
+        return add_rms_norm(x, residual, norm.weight, norm.eps)
+    x = x + residual
+    return x, norm(x)

@@ -1,4 +1,5 @@
-"""Interleaved partial RoPE on the trailing channels, with optional YaRN.
+"""Interleaved partial RoPE on the trailing channels, with optional YaRN; Llama's rotate-half
+RoPE (``rotate_half_rope``, defined with its kernels in ``kernels/rope.py``).
 
 V4 rotates *adjacent* channel pairs of the last ``rope_dim`` channels of a vector. Layers with
 a compressed branch use ``compress_rope_theta`` with YaRN (no mscale); sliding-only layers use
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.kernels.rope import interleaved_rope
+from deepinfer.kernels.rope import rotate_half_rope as rotate_half_rope  # the layers' name for it
 
 
 @dataclass
@@ -79,10 +81,3 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if x.device.type == "cpu" and x.dtype == torch.float32 and torch.compiler.is_compiling():
         return torch.ops.deepinfer.rope(x, cos, sin)
     return interleaved_rope(x, cos, sin)
-
-
-def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Llama's RoPE: rotate the two halves of each head (cos/sin are [T, 1, D/2])."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
