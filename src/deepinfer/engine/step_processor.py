@@ -85,8 +85,9 @@ class StepProcessor:
         """The plan to sample ``prepared``'s tokens on the device after its forward, or None
         when a row needs the host first: a grammar mask (its matcher advances as the last
         step's tokens are processed), a logits processor reading the output so far, or a
-        drafted chunk's verification."""
-        if self.spec is not None:
+        drafted chunk's verification. A synchronous engine samples in ``process`` (the same
+        ``sample_tokens``; no next step waits for the tokens there)."""
+        if self.spec is not None or not self.counts_in_flight:
             return None
         picked, logits_rows, rows, positions = [], [], [], []
         for i, (c, row) in enumerate(zip(prepared.chunks, prepared.sample_rows, strict=True)):
