@@ -11,10 +11,6 @@ interpreted checks run in a child pytest started with ``TRITON_INTERPRET=1``
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -24,11 +20,10 @@ import torch.nn.functional as F
 from deepinfer.kernels import rms_norm_triton, silu_mul_triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from triton_interpreter import INTERPRETED, interpreted_only, load_module, run_in_interpreter
 
 from deepinfer.models.layers import dispatch, norms
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreted child pytest")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # relative to |value| + 1; the interpreter truncates fp32 -> bf16 (a GPU rounds to nearest), so
 # a bf16 result may sit two bf16 steps from the reference's
@@ -52,11 +47,7 @@ MUTANTS = {
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child")
 def test_kernels_under_the_interpreter():
-    pytest.importorskip("triton")  # a dev dependency; absent only on platforms without wheels
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-4000:] + out.stderr[-2000:]
+    run_in_interpreter(__file__)
 
 
 def test_references_are_the_layers_plain_forms():
@@ -137,14 +128,6 @@ def test_strided_inputs_and_the_cuda_kernels():
     assert error(silu_mul_triton._cuda(gate_up), silu_mul_triton.reference(gate_up)) <= 2e-6
 
 
-def _load(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @interpreted_only
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
 def test_mutated_kernels_fail(mutant, tmp_path):
@@ -154,7 +137,7 @@ def test_mutated_kernels_fail(mutant, tmp_path):
     path = tmp_path / f"{mutant}.py"
     # the copy registers its ops under names of its own
     path.write_text(source.replace(line, wrong).replace('"deepinfer::', f'"deepinfer::{mutant}_'))
-    module = _load(path, f"_mutant_{mutant}")
+    module = load_module(path, f"_mutant_{mutant}")
     g = torch.Generator().manual_seed(2)
     if file == "rms_norm_triton.py":
         x, r = (torch.randn(16, 96, generator=g) for _ in range(2))

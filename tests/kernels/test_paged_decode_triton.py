@@ -9,10 +9,6 @@ each must fail ``check_all``."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -22,13 +18,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from triton_interpreter import INTERPRETED, interpreted_only, load_module, run_in_interpreter
 
 pytest.importorskip("triton")
 
 from deepinfer.kernels import paged_attention  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreted child pytest")
 KERNEL_FILE = Path(paged_attention.__file__).with_name("paged_decode_triton.py")
 LOOP_BOUND = "range(0, tl.cdiv(seq_len, BLOCK))"
 MUTANTS = {
@@ -40,18 +35,7 @@ MUTANTS = {
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child")
 def test_kernel_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-4000:] + out.stderr[-2000:]
-
-
-def _load(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    run_in_interpreter(__file__)
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +207,7 @@ def test_mutated_loop_bounds_fail(mutant, tmp_path):
     path = tmp_path / f"{mutant}.py"
     path.write_text(source.replace(LOOP_BOUND, MUTANTS[mutant]))
     with pytest.raises(AssertionError):
-        check_all(_load(path, f"_paged_decode_{mutant}"))
+        check_all(load_module(path, f"_paged_decode_{mutant}"))
 
 
 @interpreted_only

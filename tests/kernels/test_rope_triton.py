@@ -10,10 +10,6 @@ interpreted checks run in a child pytest started with ``TRITON_INTERPRET=1``
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -22,11 +18,10 @@ import torch
 from deepinfer.kernels import kv_int8, rope_triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from triton_interpreter import INTERPRETED, interpreted_only, load_module, run_in_interpreter
 
 from deepinfer.models.layers.rope import rotate_half_rope
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreted child pytest")
 KERNEL_FILE = Path(rope_triton.__file__)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # source line -> its mutant: each must fail ``check``
@@ -39,11 +34,7 @@ MUTANTS = {
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child")
 def test_kernel_under_the_interpreter():
-    pytest.importorskip("triton")  # a dev dependency; absent only on platforms without wheels
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-4000:] + out.stderr[-2000:]
+    run_in_interpreter(__file__)
 
 
 def make_case(tokens: int, n_kv: int, group: int, half: int, act: torch.dtype, pool: torch.dtype, seed: int):
@@ -132,14 +123,6 @@ def test_strided_inputs_and_the_cuda_kernel():
         assert_matches(got, want, rounded_to_bf16=False)
 
 
-def _load(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @interpreted_only
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
 def test_mutated_kernels_fail(mutant, tmp_path):
@@ -150,7 +133,7 @@ def test_mutated_kernels_fail(mutant, tmp_path):
     path.write_text(
         source.replace(line, wrong).replace('"deepinfer::rope_store"', f'"deepinfer::rope_{mutant}"')
     )
-    module = _load(path, f"_rope_triton_{mutant}")
+    module = load_module(path, f"_rope_triton_{mutant}")
     with pytest.raises(AssertionError):
         check(module, make_case(3, 2, 2, 8, torch.float32, torch.float32, seed=2))
 

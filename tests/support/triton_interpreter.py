@@ -1,0 +1,36 @@
+"""Triton kernels tested on the CPU: a test file runs itself again in a child pytest with
+``TRITON_INTERPRET=1`` (the interpreter is chosen when Triton first loads, so this process,
+which may have imported Triton already, cannot switch). The tests marked ``interpreted_only``
+run in that child; the parent's ``run_in_interpreter`` fails when any of them does."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreted child pytest")
+
+
+def run_in_interpreter(test_file: str, timeout: int = 600) -> None:
+    """Run ``test_file``'s tests under the interpreter in a child pytest; they must pass."""
+    pytest.importorskip("triton")  # a dev dependency; absent only on platforms without wheels
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", test_file]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+def load_module(path: Path, name: str) -> ModuleType:
+    """A module from a file (a kernel's mutant written beside the test)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
