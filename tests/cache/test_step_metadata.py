@@ -94,11 +94,15 @@ def _check_step(builder, step) -> None:
 @given(steps())
 def test_full_attention_meta_equals_the_row_walk(step):
     """A dense (Llama) step's decode rows, their pool rows and masks, and its prefill spans
-    equal a walk over each row and position, in every padding mode."""
+    equal a walk over each row and position, in every padding mode (a graph bucket's compact
+    form expanded by its device ops)."""
     bs, _, chunks, padding = step
     chunks = padded_chunks(chunks, padding)
     tokens = build_token_layout(chunks, padding)
     got = full_attention_meta.build(SimpleNamespace(block_size=bs), chunks, tokens, padding)
+    compact = padding is not None and padding.max_model_len is not None
+    assert (got.decode_kv is None) == compact
+    got = got.expand()
     want = reference_full_attention_meta(bs, chunks, padding)
     dtypes = {"decode_valid": torch.bool}
     for name, values in want.items():

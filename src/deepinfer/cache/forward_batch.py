@@ -84,10 +84,32 @@ class FullAttentionMeta:
     sequence). All tensors, so a compiled step does not specialise on the step's layout."""
 
     decode_rows: torch.Tensor  # [Nd] token rows of single-token chunks
-    decode_kv: torch.Tensor  # [Nd, L] pool rows of each decode token's positions (clamped)
-    decode_valid: torch.Tensor  # [Nd, L] bool
+    # [Nd, L] pool rows of each decode token's positions (clamped), and which are valid; None
+    # in the compact form a captured step is given (``expand`` makes them on the device)
+    decode_kv: torch.Tensor | None
+    decode_valid: torch.Tensor | None
     span_meta: torch.Tensor  # [S, 4] per prefill chunk: first row, tokens, start, kv offset (CPU)
     span_kv_rows: torch.Tensor  # pool rows of positions 0 .. end-1 of each chunk, concatenated
+    # the compact form: each decode row's blocks [Nd, L / block_size] (the null block past its
+    # table) and its last position [Nd] (-1: a padded row). A step padded to ``max_model_len``
+    # (a graph bucket) would otherwise build and copy L entries per row on the host each step.
+    decode_blocks: torch.Tensor | None = None
+    decode_pos: torch.Tensor | None = None
+    block_size: int = 0
+    length: int = 0
+    null_block: int = 0  # where positions a row does not read point (as the full form's)
+
+    def expand(self) -> FullAttentionMeta:
+        """The compact form's ``decode_kv`` and ``decode_valid``, made by device ops (inside a
+        captured step, so no host work); the full form as it is."""
+        if self.decode_kv is not None or self.decode_blocks is None or self.decode_pos is None:
+            return self
+        bs = self.block_size
+        q = torch.arange(self.length, device=self.decode_pos.device)
+        valid = q.unsqueeze(0) <= self.decode_pos.unsqueeze(1)
+        kv = self.decode_blocks.index_select(1, q // bs) * bs + q % bs
+        kv = torch.where(valid, kv, self.null_block * bs)
+        return dataclasses.replace(self, decode_kv=kv, decode_valid=valid)
 
 
 @dataclass(frozen=True)
@@ -235,10 +257,9 @@ class ForwardBatch:
                 yield getattr(meta, f.name), ((0, 1) if f.name in ("entry_idx", "entry_valid") else (0,))
         if self.full is not None:
             for f in dataclasses.fields(self.full):
-                yield (
-                    getattr(self.full, f.name),
-                    ((0, 1) if f.name in ("decode_kv", "decode_valid") else (0,)),
-                )
+                value = getattr(self.full, f.name)
+                if isinstance(value, torch.Tensor):
+                    yield value, ((0, 1) if f.name in ("decode_kv", "decode_valid") else (0,))
 
     def pool_tensors(self) -> Iterator[torch.Tensor]:
         """Every cache tensor of the step (a packed pool's bytes), each once: rows on dim 0,
@@ -258,6 +279,13 @@ class ForwardBatch:
 
         for layer in self.pools:
             yield from tensors(layer)
+
+    def expanded(self) -> ForwardBatch:
+        """This batch with its full-attention metadata in the full form (``expand``): a
+        model's step calls it once, before its layers read ``full``."""
+        if self.full is None or self.full.decode_kv is not None:
+            return self
+        return dataclasses.replace(self, full=self.full.expand())
 
     def clone_metadata(self) -> ForwardBatch:
         """A copy with new storage for every index tensor; the pools stay shared."""

@@ -4,6 +4,7 @@ rows and mask, and the prefill spans ``paged_attention`` reads."""
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from deepinfer.cache.forward_batch import FullAttentionMeta
 from deepinfer.cache.host_tensors import host_tensor
@@ -48,10 +49,15 @@ def build(
     rows = np.fromiter(decode, np.int64, len(decode))
     safe = np.maximum(rows, 0)
     pos = tokens.positions[safe]  # each decode token reads positions 0 .. pos
+    spans_meta = host_tensor(np.asarray(spans, dtype=np.int64).reshape(-1, 4))  # read by the host
+    span_kv = host_tensor(np.concatenate(span_rows) if span_rows else np.zeros(0, dtype=np.int64))
+    if fixed_len is not None:  # a captured graph reads max_model_len positions: the compact form
+        assert padding is not None
+        return _compact(
+            rows, pos, tokens.token_block[safe], fixed_len, bs, padding.null_block, spans_meta, span_kv
+        )
     length = int(pos[:real].max()) + 1 if real else 0  # padded rows (-1) read nothing
-    if fixed_len is not None:
-        length = fixed_len  # a captured graph reads max_model_len positions
-    elif padding is not None:
+    if padding is not None:
         length = max(length, MIN_ROWS)
     q = np.arange(length)[None, :]
     valid = (q <= pos[:, None]) & (rows >= 0)[:, None]
@@ -59,10 +65,37 @@ def build(
     kv = np.take_along_axis(tokens.token_block[safe], qc // bs, 1) * bs + qc % bs
     if padding is not None:
         kv = np.where(valid, kv, padding.null_block * bs)
+    return FullAttentionMeta(host_tensor(rows), host_tensor(kv), host_tensor(valid), spans_meta, span_kv)
+
+
+def _compact(
+    rows: np.ndarray,
+    pos: np.ndarray,
+    tables: np.ndarray,
+    length: int,
+    bs: int,
+    null_block: int,
+    span_meta: torch.Tensor,
+    span_kv: torch.Tensor,
+) -> FullAttentionMeta:
+    """The decode rows as their blocks and last positions (``FullAttentionMeta.expand`` makes
+    the per-position rows on the device): L / block_size entries per row instead of L."""
+    width = -(-length // bs)
+    blocks = np.full((len(rows), width), null_block, dtype=np.int64)
+    held = np.where(rows >= 0, pos // bs + 1, 0)  # blocks each row reads
+    cols = min(width, tables.shape[1])
+    inside = np.arange(cols)[None, :] < held[:, None]
+    blocks[:, :cols] = np.where(inside, tables[:, :cols], null_block)
+    last = np.where(rows >= 0, pos, -1)
     return FullAttentionMeta(
         host_tensor(rows),
-        host_tensor(kv),
-        host_tensor(valid),
-        host_tensor(np.asarray(spans, dtype=np.int64).reshape(-1, 4)),  # stays on the CPU: read by the host
-        host_tensor(np.concatenate(span_rows) if span_rows else np.zeros(0, dtype=np.int64)),
+        None,
+        None,
+        span_meta,
+        span_kv,
+        decode_blocks=host_tensor(blocks),
+        decode_pos=host_tensor(last),
+        block_size=bs,
+        length=length,
+        null_block=null_block,
     )

@@ -87,7 +87,7 @@ class OneCallDecode:
         self.stack: LlamaDecodeStack | None = stack
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        model, stack, meta = self.model, self.stack, batch.full
+        model, stack, meta = self.model, self.stack, batch.expanded().full
         if stack is None or meta is None or batch.grid is not None or batch.hidden_states is not None:
             return model.step(input_ids, positions, batch)
         if batch.lora is not None:  # served adapters add their terms in the layer loop

@@ -220,6 +220,7 @@ class LlamaForCausalLM(CausalLM):
 
     def step_embedded(self, h: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """``step`` from the tokens' embeddings ``h`` [T, d]."""
+        batch = batch.expanded()  # a captured step's compact decode rows, made on the device
         cos, sin = self.rope_tables(positions)
         h = batch.to_grid(h)
         batch.record(h)
