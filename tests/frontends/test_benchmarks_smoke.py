@@ -137,3 +137,28 @@ def test_the_peer_split_over_processes_computes_the_same_batches(tmp_path):
     one = transformers_throughput(Stub(), work, 4, sort=True)
     assert run.computed_tokens == one.computed_tokens
     assert run.credited_tokens == work.output_tokens and run.tok_s > 0
+
+
+def _script(name: str, *args: str) -> str:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / name), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout
+
+
+def test_decode_host_benchmarks_run():
+    """The host-work, step-metadata and launch-count scripts behind RESULTS.md's
+    device-resident token entry, at their smallest sizes."""
+    host = _script(
+        "host_overhead.py", "--batches", "2", "--steps", "4", "--repeats", "1", "--device-ms", "0.5"
+    )
+    assert host.count("| 2 |") == 4  # greedy and seeded, synchronous and asynchronous
+    metadata = _script("step_metadata.py", "--batches", "2", "--lengths", "256", "--repeats", "1")
+    assert "| llama | 2 | graph, max_model_len 256 |" in metadata
+    launches = _script("launch_budget.py", "--no-big")
+    assert "| llama | 3 |" in launches and "| deepseek_v4 |" in launches
