@@ -80,6 +80,12 @@ class AsyncSteps:
             self.early_launches += 1
         self.launched.append(Launched(prepared, sampling, future))
 
+    def launch_after_processing(self, prepared: PreparedStep, sampling: DeviceSampling | None) -> None:
+        """Launch ``prepared`` once the last step was processed, because it could not launch
+        before (its ids come from the host's lists)."""
+        self.host_waits += 1
+        self.launch(prepared, sampling)
+
     def _run(self, prepared: PreparedStep, ids: torch.Tensor, sampling: DeviceSampling | None) -> StepOutput:
         return run_step(self.executor.run, prepared, ids, sampling)
 

@@ -309,8 +309,7 @@ class Engine:
         current, output = steps.wait_oldest()
         updated = self._process(current.prepared, output, current.sampling)
         if upcoming is not None and not early:
-            steps.host_waits += 1
-            steps.launch(*upcoming)
+            steps.launch_after_processing(*upcoming)
         self.executor.count_expert_load()
         return updated
 
