@@ -22,6 +22,8 @@ The module that calls each of the others imports it, which registers it:
 | ``sink_attention_rows`` | ``sink_attention_rows.py`` | the attention core row by row (CPU compiled steps) |
 | ``indexer_topk`` | ``indexer_topk.py`` | the CSA indexer's scores and top-k |
 | ``rope`` | ``rope.py`` | rotary embedding of the rope dimensions |
+| ``interleaved_rope`` | ``interleaved_rope_triton.py`` | V4's RoPE, forwards or backwards (CUDA: Triton) |
+| ``compress_groups`` | ``compressor_triton.py`` | a V4 compressor's state writes and pooling (CUDA: two Triton) |
 | ``fp8_block_linear`` | ``quantized.py`` | a linear over fp8 weights with block scales (CUDA: Triton) |
 | ``routed_experts_fp4`` | ``quantized.py`` | the routed experts over fp4 weights (CUDA: Triton) |
 | ``cpu_linear`` | ``weight_only.py`` | the engine's CPU projections inside a compiled step (``cpu.packed_gemm``) |

@@ -139,7 +139,7 @@ class LatentAttention(nn.Module):
         sin: torch.Tensor,
     ) -> torch.Tensor:
         out = attention_with_sink(q, parts, self.attn_sink, self.head_dim**-0.5)
-        out = apply_rope(out, cos.unsqueeze(1), -sin.unsqueeze(1))
+        out = apply_rope(out, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
         y = self.wo_b(self._grouped_output(out))
         return y if self.reduce is None else self.reduce(y)
 

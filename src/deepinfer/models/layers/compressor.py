@@ -7,7 +7,10 @@ entry ``w`` pools the previous group's first half with group ``w``'s second half
 ``2 * ratio`` slots. V4.1's ratio-1 compressor has no gate: the entry is the token's own
 projection. Incomplete groups wait in per-sequence buffers until they fill.
 
-The projections run in the weights' dtype (V4.1 keeps the pooling compressor in fp32).
+The projections run in the weights' dtype (V4.1 keeps the pooling compressor in fp32). An
+eager step off the CPU (no autograd, a state-keeping binding) runs the state writes and the
+pooling as ``deepinfer::compress_groups`` (``kernels/compressor_triton.py``: two launches on
+CUDA); CPU steps, compiled steps, autograd and ``batch_invariant`` keep the plain form below.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ import torch
 from torch import nn
 
 from deepinfer.cache.forward_batch import CompressorPools, ForwardBatch, GroupMeta
+from deepinfer.kernels import compressor_triton
 from deepinfer.models.layers.gather import gather_rows
 from deepinfer.models.layers.norms import RMSNorm
-from deepinfer.models.layers.rope import Rotary, apply_rope
+from deepinfer.models.layers.rope import Rotary, apply_rope, device_op
 
 
 class Compressor(nn.Module):
@@ -63,6 +67,8 @@ class Compressor(nn.Module):
             return self._emit(kv[meta.group_rows[:, 0]], x.dtype, meta, out, batch)
         gate = self.wgate(xw)
         keeps_state = not batch.functional
+        if keeps_state and device_op(kv, gate):
+            return self._fused_step(kv, gate, x.dtype, pools, meta, out, batch)
         if keeps_state and self.overlap and meta.restore_dst.numel():
             # row writes as index_copy_ (the rows are distinct but for padding's null row);
             # compilation.inductor_options says why compiled steps keep them in place
@@ -99,6 +105,42 @@ class Compressor(nn.Module):
             pools.snap_kv.index_copy_(0, meta.snap_dst, new_snap[0].to(pools.snap_kv.dtype))
             pools.snap_gate.index_copy_(0, meta.snap_dst, new_snap[1].to(pools.snap_gate.dtype))
         return latent, out
+
+    def _fused_step(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        dtype: torch.dtype,
+        pools: CompressorPools,
+        meta: GroupMeta,
+        out: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The state writes and pooling as ``deepinfer::compress_groups`` (two launches on
+        CUDA), then the closed groups' entries as the plain path makes them."""
+        rows = [
+            meta.src_buf_rows,
+            meta.src_ovl_rows,
+            meta.group_rows,
+            meta.prev_rows,
+            meta.buf_src,
+            meta.buf_dst,
+            meta.ovl_src,
+            meta.ovl_dst,
+            meta.snap_src,
+            meta.snap_dst,
+            meta.restore_src,
+            meta.restore_dst,
+        ]
+        overlap = (
+            (pools.ovl_kv, pools.ovl_gate, pools.snap_kv, pools.snap_gate) if self.overlap else (None,) * 4
+        )
+        pooled = compressor_triton.compress_groups(
+            kv, gate, self.ape, pools.buf_kv, pools.buf_gate, *overlap, rows
+        )
+        if not meta.group_rows.shape[0]:
+            return None, out
+        return self._emit(pooled, dtype, meta, out, batch)
 
     def _emit(
         self,

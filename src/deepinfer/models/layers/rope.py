@@ -3,7 +3,9 @@ RoPE (``rotate_half_rope``, defined with its kernels in ``kernels/rope.py``).
 
 V4 rotates *adjacent* channel pairs of the last ``rope_dim`` channels of a vector. Layers with
 a compressed branch use ``compress_rope_theta`` with YaRN (no mscale); sliding-only layers use
-``rope_theta`` without scaling.
+``rope_theta`` without scaling. An eager step off the CPU rotates with one op per call
+(``deepinfer::interleaved_rope``, ``kernels/interleaved_rope_triton.py``); the rest keep the
+plain formula.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.kernels import batch_invariant, interleaved_rope_triton
 from deepinfer.kernels.rope import interleaved_rope
 from deepinfer.kernels.rope import rotate_half_rope as rotate_half_rope  # the layers' name for it
 
@@ -69,15 +72,29 @@ class Rotary:
         return freqs.cos(), freqs.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def device_op(*tensors: torch.Tensor) -> bool:
+    """An eager step off the CPU, with no autograd and not ``batch_invariant`` (whose steps
+    compute the plain form): where the layers' fused ops run (``deepinfer::interleaved_rope``,
+    ``deepinfer::compress_groups``)."""
+    if tensors[0].device.type == "cpu" or torch.compiler.is_compiling() or batch_invariant.active():
+        return False
+    return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate adjacent pairs of the last ``2 * cos.shape[-1]`` channels of ``x`` in fp32.
 
     ``cos``/``sin`` are ``[..., S, rope_dim/2]`` and broadcast against ``x``'s leading dims;
-    pass ``-sin`` to undo the rotation (as attention de-rotates its output at the query
-    position). A compiled fp32 CPU step calls it as one op (``deepinfer::rope``, the same
-    formula; its C++ twin rotates whole pairs in vector lanes where Inductor's loops went
+    ``inverse`` undoes the rotation (``-sin``: attention de-rotates its output at the query
+    position). An eager step off the CPU runs it as one op (``deepinfer::interleaved_rope``,
+    one launch on CUDA). A compiled fp32 CPU step calls it as one op (``deepinfer::rope``, the
+    same formula; its C++ twin rotates whole pairs in vector lanes where Inductor's loops went
     element by element).
     """
+    if device_op(x, cos, sin):
+        return interleaved_rope_triton.rope(x, cos, sin, inverse)
+    if inverse:
+        sin = -sin
     if x.device.type == "cpu" and x.dtype == torch.float32 and torch.compiler.is_compiling():
         return torch.ops.deepinfer.rope(x, cos, sin)
     return interleaved_rope(x, cos, sin)
