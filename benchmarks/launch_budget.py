@@ -30,7 +30,22 @@ from deepinfer.tiny import make_tiny_checkpoint, tiny_config
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_decode import MODELS  # noqa: E402  (the benchmark's shapes, one definition)
 
-FUSED = ("deepinfer::sinkhorn", "deepinfer::rms_norm")
+FUSED = tuple(
+    f"deepinfer::{op}"
+    for op in (
+        "sinkhorn",
+        "rms_norm",
+        "add_rms_norm",
+        "paged_decode_attention",
+        "rope_store",
+        "silu_and_mul",
+        "hc_pre",
+        "hc_post",
+        "moe_gate",
+        "interleaved_rope",
+        "compress_groups",
+    )
+)
 TINY = ("deepseek_v4", "deepseek_v41", "llama")
 
 
