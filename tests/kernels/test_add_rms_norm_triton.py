@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from deepinfer.kernels import rms_norm_triton, silu_mul_triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from triton_interpreter import INTERPRETED, interpreted_only, load_module, run_in_interpreter
+from triton_interpreter import INTERPRETED, interpreted_only, mutant_of, run_in_interpreter
 
 from deepinfer.models.layers import dispatch, norms
 
@@ -132,12 +132,7 @@ def test_strided_inputs_and_the_cuda_kernels():
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
 def test_mutated_kernels_fail(mutant, tmp_path):
     file, line, wrong = MUTANTS[mutant]
-    source = Path(rms_norm_triton.__file__).with_name(file).read_text()
-    assert source.count(line) == 1
-    path = tmp_path / f"{mutant}.py"
-    # the copy registers its ops under names of its own
-    path.write_text(source.replace(line, wrong).replace('"deepinfer::', f'"deepinfer::{mutant}_'))
-    module = load_module(path, f"_mutant_{mutant}")
+    module = mutant_of(Path(rms_norm_triton.__file__).with_name(file), line, wrong, tmp_path, mutant)
     g = torch.Generator().manual_seed(2)
     if file == "rms_norm_triton.py":
         x, r = (torch.randn(16, 96, generator=g) for _ in range(2))

@@ -20,7 +20,7 @@ import torch
 from deepinfer.kernels import compressor_triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from triton_interpreter import INTERPRETED, interpreted_only, load_module, run_in_interpreter
+from triton_interpreter import INTERPRETED, interpreted_only, mutant_of, run_in_interpreter
 
 from deepinfer.cache.forward_batch import CompressorPools, ForwardBatch, GroupMeta
 from deepinfer.models.layers import compressor as layer
@@ -191,16 +191,9 @@ def test_the_cuda_kernel_takes_a_step():
 
 
 @interpreted_only
-@pytest.mark.parametrize("mutant", sorted(MUTANTS))
-def test_mutated_kernels_fail(mutant, tmp_path):
-    line, wrong = MUTANTS[mutant]
-    source = KERNEL_FILE.read_text()
-    assert source.count(line) == 1
-    path = tmp_path / f"{mutant}.py"
-    path.write_text(
-        source.replace(line, wrong).replace('"deepinfer::compress_groups"', f'"deepinfer::compress_{mutant}"')
-    )
-    module = load_module(path, f"_compressor_triton_{mutant}")
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_mutated_kernels_fail(name, tmp_path):
+    module = mutant_of(KERNEL_FILE, *MUTANTS[name], tmp_path, name)
     with pytest.raises(AssertionError):
         for seed in range(4):
             check(module, make_case(4, 4, 32, True, torch.float32, True, seed))

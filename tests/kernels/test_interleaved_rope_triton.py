@@ -20,7 +20,7 @@ from deepinfer.kernels import interleaved_rope_triton
 from deepinfer.kernels.rope import interleaved_rope
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from triton_interpreter import INTERPRETED, interpreted_only, load_module, run_in_interpreter
+from triton_interpreter import INTERPRETED, interpreted_only, mutant_of, run_in_interpreter
 
 from deepinfer.models.layers import rope as layer_rope
 from deepinfer.models.layers.rope import Rotary, YarnParams
@@ -122,18 +122,9 @@ def test_strided_inputs_and_the_cuda_kernel():
 
 
 @interpreted_only
-@pytest.mark.parametrize("mutant", sorted(MUTANTS))
-def test_mutated_kernels_fail(mutant, tmp_path):
-    line, wrong = MUTANTS[mutant]
-    source = KERNEL_FILE.read_text()
-    assert source.count(line) == 1
-    path = tmp_path / f"{mutant}.py"
-    path.write_text(
-        source.replace(line, wrong).replace(
-            '"deepinfer::interleaved_rope"', f'"deepinfer::interleaved_rope_{mutant}"'
-        )
-    )
-    module = load_module(path, f"_interleaved_rope_{mutant}")
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_mutated_kernels_fail(name, tmp_path):
+    module = mutant_of(KERNEL_FILE, *MUTANTS[name], tmp_path, name)
     with pytest.raises(AssertionError):
         for inverse in (False, True):
             check(module, make_case(3, 2, 16, 8, torch.float32, 2, yarn=True), inverse)

@@ -18,7 +18,7 @@ import torch
 from deepinfer.kernels import kv_int8, rope_triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from triton_interpreter import INTERPRETED, interpreted_only, load_module, run_in_interpreter
+from triton_interpreter import INTERPRETED, interpreted_only, mutant_of, run_in_interpreter
 
 from deepinfer.models.layers.rope import rotate_half_rope
 
@@ -124,16 +124,9 @@ def test_strided_inputs_and_the_cuda_kernel():
 
 
 @interpreted_only
-@pytest.mark.parametrize("mutant", sorted(MUTANTS))
-def test_mutated_kernels_fail(mutant, tmp_path):
-    line, wrong = MUTANTS[mutant]
-    source = KERNEL_FILE.read_text()
-    assert source.count(line) == 1
-    path = tmp_path / f"{mutant}.py"
-    path.write_text(
-        source.replace(line, wrong).replace('"deepinfer::rope_store"', f'"deepinfer::rope_{mutant}"')
-    )
-    module = load_module(path, f"_rope_triton_{mutant}")
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_mutated_kernels_fail(name, tmp_path):
+    module = mutant_of(KERNEL_FILE, *MUTANTS[name], tmp_path, name)
     with pytest.raises(AssertionError):
         check(module, make_case(3, 2, 2, 8, torch.float32, torch.float32, seed=2))
 

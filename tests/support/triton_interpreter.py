@@ -34,3 +34,14 @@ def load_module(path: Path, name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def mutant_of(kernel_file: Path, line: str, wrong: str, folder: Path, name: str) -> ModuleType:
+    """The kernel module with ``line`` (there exactly once) replaced by ``wrong``, its ops
+    renamed ``deepinfer::{name}_...`` so they register beside the real ones: a mutation
+    check's broken kernel."""
+    source = kernel_file.read_text()
+    assert source.count(line) == 1, line
+    path = folder / f"{name}.py"
+    path.write_text(source.replace(line, wrong).replace('"deepinfer::', f'"deepinfer::{name}_'))
+    return load_module(path, f"_mutant_{name}")
