@@ -69,7 +69,11 @@ class HostCopy:
             tensor = host
         self.tensor = tensor
 
-    def tolist(self) -> list:
+    def wait(self) -> torch.Tensor:
+        """The host tensor, once the copy has landed."""
         if self.ready is not None:
             self.ready.synchronize()
-        return self.tensor.tolist()
+        return self.tensor
+
+    def tolist(self) -> list:
+        return self.wait().tolist()

@@ -31,9 +31,13 @@ def run_step(
     """The forward, then the device-side sampling of its tokens where the step has a plan,
     and their copy to the host queued at once (before the next step's kernels)."""
     output = run(prepared, input_ids)
-    if sampling is not None:
-        tokens = sampling.sample(output.logits)
-        output = output._replace(tokens=tokens, host_tokens=HostCopy(tokens))
+    if sampling is not None and sampling.chunks:
+        tokens, wanted = sampling.sample(output.logits)
+        output = output._replace(
+            tokens=tokens,
+            host_tokens=HostCopy(tokens),
+            host_logits=None if wanted is None else HostCopy(wanted),
+        )
     return output
 
 
@@ -100,8 +104,10 @@ class AsyncSteps:
         # the worker runs steps in order: the previous one has returned (or raised, and so
         # does this one)
         tokens = previous.result().tokens
-        assert tokens is not None
-        return self._run(prepared, self.runner.feed(ids, pairs, tokens), sampling)
+        if pairs.shape[1]:
+            assert tokens is not None
+            ids = self.runner.feed(ids, pairs, tokens)
+        return self._run(prepared, ids, sampling)
 
     def wait_oldest(self) -> tuple[Launched, StepOutput]:
         """The oldest launched step and its output, once it has run."""

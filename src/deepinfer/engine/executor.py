@@ -47,6 +47,7 @@ class StepOutput(NamedTuple):
     forward_s: float | None = None  # the forward's wall time, where it is its cost (CPU)
     tokens: torch.Tensor | None = None  # tokens sampled on the device (``DeviceSampling``)
     host_tokens: HostCopy | None = None  # their copy to the host, queued after them
+    host_logits: HostCopy | None = None  # the logits rows logprobs read, copied beside them
 
 
 class Executor:

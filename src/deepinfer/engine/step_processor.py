@@ -40,15 +40,20 @@ class DeviceSampling:
     rows: list[SamplingRow]
     positions: list[int]  # the position of the token each row draws (its random key)
     rowwise: bool
+    logprob_rows: list[int]  # the rows whose requests report logprobs (their logits go home)
 
-    def sample(self, logits: torch.Tensor) -> torch.Tensor:
-        """The step's tokens, on the logits' device (no host read)."""
+    def sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's tokens, on the logits' device (no host read), and the logits rows of
+        ``logprob_rows`` (None when there are none)."""
         rows = self.logits_rows
         if rows == list(range(len(rows))):  # the usual step: rows 0..n-1, no gather
             picked = logits[: len(rows)]
         else:
             picked = logits.index_select(0, to_device(long_tensor(rows), logits.device))
-        return sample_tokens(picked, self.rows, self.positions, self.rowwise)
+        wanted = None
+        if self.logprob_rows:
+            wanted = picked.index_select(0, to_device(long_tensor(self.logprob_rows), logits.device))
+        return sample_tokens(picked, self.rows, self.positions, self.rowwise), wanted
 
     def slots(self, chunks: list[ScheduledChunk]) -> dict[int, int]:
         """The token row of each request (by identity) whose chunk of ``chunks``, the step's,
@@ -101,9 +106,10 @@ class StepProcessor:
             logits_rows.append(row)
             rows.append(sampling_row)
             positions.append(c.end)
-        if not picked:
-            return None
-        return DeviceSampling(picked, logits_rows, rows, positions, self.rowwise)
+        if not picked:  # nothing to sample: the next step needs nothing from this one
+            return DeviceSampling([], [], [], [], self.rowwise, [])
+        wanted = [j for j, row in enumerate(rows) if row.params.logprobs is not None]
+        return DeviceSampling(picked, logits_rows, rows, positions, self.rowwise, wanted)
 
     def process(
         self, prepared: PreparedStep, output: StepOutput, sampled: DeviceSampling | None = None
@@ -114,17 +120,22 @@ class StepProcessor:
         tokens or ended."""
         logits, features = output.logits, output.features
         chunks = prepared.chunks
-        drawn = None
+        drawn = drawn_logits = None
         if sampled is not None and output.host_tokens is not None:
             values = output.host_tokens.tolist()  # the step's one host read
             drawn = {id(chunks[i]): v for i, v in zip(sampled.chunks, values, strict=True)}
+            if output.host_logits is not None:  # copied beside the tokens, for logprobs
+                rows = output.host_logits.wait()
+                drawn_logits = {
+                    id(chunks[sampled.chunks[j]]): rows[k] for k, j in enumerate(sampled.logprob_rows)
+                }
         live = [(c, row) for c, row in zip(chunks, prepared.sample_rows, strict=True) if row >= 0]
         if self.counts_in_flight:
             for c, _ in live:
                 c.request.pending_tokens = max(0, c.request.pending_tokens - 1)
         live = [(c, row) for c, row in live if not c.request.finished]
         self._prompt_logprobs(prepared, logits)
-        updated = self._sample([(c, row) for c, row in live if not c.draft], logits, drawn)
+        updated = self._sample([(c, row) for c, row in live if not c.draft], logits, drawn, drawn_logits)
         spec = self.spec
         if spec is not None:
             drafted = [(c, logits[row : row + len(c.draft) + 1]) for c, row in live if c.draft]
@@ -167,19 +178,24 @@ class StepProcessor:
         live: list[tuple[ScheduledChunk, int]],
         logits: torch.Tensor,
         drawn: dict[int, int] | None = None,
+        drawn_logits: dict[int, torch.Tensor] | None = None,
     ) -> list[Request]:
         """One token for each chunk that reached its sequence's end (``live``: chunk and its
-        logits row), with stop checks; ``drawn``: the tokens the device sampled, by chunk."""
+        logits row), with stop checks; ``drawn``: the tokens the device sampled, by chunk, and
+        ``drawn_logits`` the host copies of their logits rows that logprobs read (the device's
+        own rows are not read then: after a launch, a read would wait for the next step)."""
         if not live:
             return []
-        indices = [row for _, row in live]
-        if indices == list(range(len(indices))):  # the usual step: rows 0..n-1, no gather
-            sampled_logits = logits[: len(indices)]
-        else:
-            sampled_logits = logits[torch.tensor(indices)]
+        sampled_logits: torch.Tensor | list[torch.Tensor | None]
         if drawn is not None:
             tokens = [drawn[id(c)] for c, _ in live]
+            sampled_logits = [(drawn_logits or {}).get(id(c)) for c, _ in live]
         else:
+            indices = [row for _, row in live]
+            if indices == list(range(len(indices))):  # the usual step: rows 0..n-1, no gather
+                sampled_logits = logits[: len(indices)]
+            else:
+                sampled_logits = logits[torch.tensor(indices)]
             rows = [c.request.sampling_row or self._sampling_row(c.request) for c, _ in live]
             allowed = self.structured.mask_rows(sampled_logits, [c.request for c, _ in live])
             positions = [c.end for c, _ in live]
