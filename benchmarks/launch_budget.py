@@ -44,6 +44,7 @@ FUSED = tuple(
         "moe_gate",
         "interleaved_rope",
         "compress_groups",
+        "fake_quant",
     )
 )
 TINY = ("deepseek_v4", "deepseek_v41", "llama")

@@ -24,6 +24,7 @@ The module that calls each of the others imports it, which registers it:
 | ``rope`` | ``rope.py`` | rotary embedding of the rope dimensions |
 | ``interleaved_rope`` | ``interleaved_rope_triton.py`` | V4's RoPE, forwards or backwards (CUDA: Triton) |
 | ``compress_groups`` | ``compressor_triton.py`` | a V4 compressor's state writes and pooling (CUDA: two Triton) |
+| ``fake_quant`` | ``fake_quant_triton.py`` | QAT fake quantisation, per block scale and rounding (CUDA: Triton) |
 | ``fp8_block_linear`` | ``quantized.py`` | a linear over fp8 weights with block scales (CUDA: Triton) |
 | ``routed_experts_fp4`` | ``quantized.py`` | the routed experts over fp4 weights (CUDA: Triton) |
 | ``cpu_linear`` | ``weight_only.py`` | the engine's CPU projections inside a compiled step (``cpu.packed_gemm``) |

@@ -134,7 +134,7 @@ def test_default_is_the_layers_plain_step(overlap, monkeypatch):
     results = []
     for fused in (False, True):
         comp, x, state, meta = layer_case(overlap)
-        monkeypatch.setattr(layer, "device_op", lambda *t, fused=fused: fused)
+        monkeypatch.setattr(layer, "runs_fused", lambda *t, fused=fused: fused)
         out = torch.zeros(8, comp.out_dim)
         with torch.no_grad():
             latent, entries = comp(x, state, meta, out, BATCH)
@@ -159,9 +159,9 @@ def test_layer_calls_the_op_only_on_eager_device_steps(monkeypatch):
     with torch.no_grad():
         comp(x, state, meta, torch.zeros(8, comp.out_dim), BATCH)  # CPU: plain
     assert calls == []
-    assert layer.device_op(x.to("meta")) and not layer.device_op(x)
+    assert layer.runs_fused(x.to("meta")) and not layer.runs_fused(x)
     with torch.enable_grad():
-        assert not layer.device_op(x.to("meta").requires_grad_(True))
+        assert not layer.runs_fused(x.to("meta").requires_grad_(True))
 
 
 @interpreted_only

@@ -22,9 +22,10 @@ from torch import nn
 
 from deepinfer.cache.forward_batch import CompressorPools, ForwardBatch, GroupMeta
 from deepinfer.kernels import compressor_triton
+from deepinfer.models.layers.fused_ops import runs_fused
 from deepinfer.models.layers.gather import gather_rows
 from deepinfer.models.layers.norms import RMSNorm
-from deepinfer.models.layers.rope import Rotary, apply_rope, device_op
+from deepinfer.models.layers.rope import Rotary, apply_rope
 
 
 class Compressor(nn.Module):
@@ -67,7 +68,7 @@ class Compressor(nn.Module):
             return self._emit(kv[meta.group_rows[:, 0]], x.dtype, meta, out, batch)
         gate = self.wgate(xw)
         keeps_state = not batch.functional
-        if keeps_state and device_op(kv, gate):
+        if keeps_state and runs_fused(kv, gate):
             return self._fused_step(kv, gate, x.dtype, pools, meta, out, batch)
         if keeps_state and self.overlap and meta.restore_dst.numel():
             # row writes as index_copy_ (the rows are distinct but for padding's null row);

@@ -22,13 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.cache.forward_batch import ForwardBatch, LayerPools
-from deepinfer.kernels import batch_invariant, kv_rotation, rope_triton, silu_mul_triton
+from deepinfer.kernels import kv_rotation, rope_triton, silu_mul_triton
 from deepinfer.kernels.cpu import norm_act, rope_store
 from deepinfer.kernels.paged_attention import (
     paged_attention,
     paged_attention_invariant,
     paged_attention_reference,
 )
+from deepinfer.models.layers.fused_ops import runs_fused
 from deepinfer.models.layers.norms import RMSNorm, residual_rms_norm
 from deepinfer.models.layers.rope import rotate_half_rope
 
@@ -42,8 +43,7 @@ def _eager_engine(batch: ForwardBatch) -> bool:
 def _device_op(batch: ForwardBatch, x: torch.Tensor) -> bool:
     """An eager engine step off the CPU, with no autograd and not ``batch_invariant`` (whose
     steps compute the plain form): where the fused ops run."""
-    grad = torch.is_grad_enabled() and x.requires_grad
-    return _eager_engine(batch) and x.device.type != "cpu" and not grad and not batch_invariant.active()
+    return _eager_engine(batch) and runs_fused(x)
 
 
 def add_rms_norm(

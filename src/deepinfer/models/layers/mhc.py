@@ -16,21 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.kernels import batch_invariant, mhc_triton
+from deepinfer.kernels import mhc_triton
+from deepinfer.models.layers.fused_ops import runs_fused
 from deepinfer.models.layers.norms import RMSNorm, unweighted_rms_norm
 
 # The mixing functions of the mHC sites and of the final collapse (``hc_{site}_fn``): weights
 # the step multiplies with through ``F.linear``, packed for compiled CPU steps.
 MIXING_FUNCTIONS = ("hc_attn_fn", "hc_ffn_fn", "hc_head_fn")
-
-
-def _fused(*tensors: torch.Tensor | None) -> bool:
-    """Whether a site runs as ``deepinfer::hc_pre`` / ``hc_post`` (two launches on CUDA):
-    eager, off the CPU, no autograd, not batch-invariant; else the plain form."""
-    first = tensors[0]
-    if first.device.type == "cpu" or torch.compiler.is_compiling() or batch_invariant.active():
-        return False
-    return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors)
 
 
 def hc_mixes(
@@ -56,7 +48,7 @@ def hc_expand(
     y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
 ) -> torch.Tensor:
     """``out[c'] = post_c' * y + sum_c comb[c, c'] * R_c`` (sum over comb's first index)."""
-    if _fused(residual, y, post, comb):
+    if runs_fused(residual, y, post, comb):
         return mhc_triton.hc_post(y, residual, post, comb)
     return mhc_triton.expand(y, residual, post, comb)
 
@@ -102,7 +94,7 @@ class HyperConnectedBlock(nn.Module):
         """``(x, pre, post, comb)`` of ``site``: its mixes and the streams [T, n, d] collapsed
         with ``collapse_with`` (V4.1's lagged mix) or, when None, with the site's own ``pre``."""
         fn, base, scale = (getattr(self, f"hc_{site}_{part}") for part in ("fn", "base", "scale"))
-        if _fused(streams, fn, base, scale, collapse_with):
+        if runs_fused(streams, fn, base, scale, collapse_with):
             return mhc_triton.hc_pre(
                 streams, fn, base, scale, collapse_with, self.sinkhorn_iters, self.hc_eps, self.eps
             )

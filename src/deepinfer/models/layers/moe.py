@@ -22,6 +22,7 @@ from deepinfer.kernels import moe_gate_triton as gate_forms
 from deepinfer.kernels.moe import routed_experts, routed_experts_reference
 from deepinfer.kernels.quantized import routed_experts_fp4
 from deepinfer.models.deepseek_v4_config import DeepseekV4Config
+from deepinfer.models.layers.fused_ops import runs_fused
 from deepinfer.models.layers.lora import ExpertStack, current_step
 
 # The router's weight (``Gate.weight``), a projection the step multiplies with through
@@ -40,14 +41,6 @@ def replica_slots(ids: torch.Tensor, log2phy: torch.Tensor, replicas: torch.Tens
     rank = torch.empty_like(flat)
     rank[order] = torch.arange(flat.numel(), device=flat.device) - first
     return log2phy[flat, rank % replicas[flat]].view(ids.shape)
-
-
-def _one_launch(*tensors: torch.Tensor | None) -> bool:
-    """Whether the router runs as ``deepinfer::moe_gate`` (one launch after its projection on
-    CUDA): eager, off the CPU, no autograd, not batch-invariant; else the plain form."""
-    if tensors[0].device.type == "cpu" or torch.compiler.is_compiling() or batch_invariant.active():
-        return False
-    return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors)
 
 
 class Expert(nn.Module):
@@ -86,7 +79,7 @@ class Gate(nn.Module):
         logits = F.linear(x, self.weight.to(x.dtype))
         table = self.tid2eid if self.hashed else None
         bias = None if self.hashed else self.bias
-        if routing is None and _one_launch(logits, bias):
+        if routing is None and runs_fused(logits, bias):
             args = (self.top_k, self.scoring, self.normalize, float(self.scale))
             return gate_forms.moe_gate(logits, bias, table, input_ids, *args)
         scores = gate_forms.scores(logits, self.scoring)

@@ -12,15 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.kernels import batch_invariant
 from deepinfer.kernels.rms_norm_triton import add_rms_norm, reference, rms_norm
-
-
-def _one_launch(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
-    """Whether this call runs the op: eager, off the CPU, no autograd, not batch-invariant."""
-    if x.device.type == "cpu" or torch.compiler.is_compiling() or batch_invariant.active():
-        return False
-    return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (x, *others))
+from deepinfer.models.layers.fused_ops import runs_fused
 
 
 class RMSNorm(nn.Module):
@@ -32,14 +25,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _one_launch(x, self.weight):
+        if runs_fused(x, self.weight):
             return rms_norm(x, self.weight, self.eps)
         return reference(x, self.weight, self.eps)
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS-normalise the last dim without a learned weight (per-head q norm, mHC input)."""
-    if _one_launch(x, None):
+    if runs_fused(x):
         return rms_norm(x, None, eps)
     return reference(x, None, eps)
 
@@ -48,7 +41,7 @@ def residual_rms_norm(
     norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x + residual`` and ``norm`` of it: one launch where ``norm`` alone is one."""
-    if _one_launch(x, residual, norm.weight) and residual.dtype == x.dtype and residual.shape == x.shape:
+    if runs_fused(x, residual, norm.weight) and residual.dtype == x.dtype and residual.shape == x.shape:
         return add_rms_norm(x, residual, norm.weight, norm.eps)
     x = x + residual
     return x, norm(x)

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.kernels import batch_invariant, interleaved_rope_triton
+from deepinfer.kernels import interleaved_rope_triton
 from deepinfer.kernels.rope import interleaved_rope
 from deepinfer.kernels.rope import rotate_half_rope as rotate_half_rope  # the layers' name for it
+from deepinfer.models.layers.fused_ops import runs_fused
 
 
 @dataclass
@@ -72,15 +73,6 @@ class Rotary:
         return freqs.cos(), freqs.sin()
 
 
-def device_op(*tensors: torch.Tensor) -> bool:
-    """An eager step off the CPU, with no autograd and not ``batch_invariant`` (whose steps
-    compute the plain form): where the layers' fused ops run (``deepinfer::interleaved_rope``,
-    ``deepinfer::compress_groups``)."""
-    if tensors[0].device.type == "cpu" or torch.compiler.is_compiling() or batch_invariant.active():
-        return False
-    return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate adjacent pairs of the last ``2 * cos.shape[-1]`` channels of ``x`` in fp32.
 
@@ -91,7 +83,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     same formula; its C++ twin rotates whole pairs in vector lanes where Inductor's loops went
     element by element).
     """
-    if device_op(x, cos, sin):
+    if runs_fused(x, cos, sin):
         return interleaved_rope_triton.rope(x, cos, sin, inverse)
     if inverse:
         sin = -sin
