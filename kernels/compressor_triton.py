@@ -21,10 +21,10 @@ exponential), the state rows bit for bit.
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Any
 
 import torch
+from deepinfer.kernels.triton_support import triton_installed
 
 # Most snapshot restores one launch looks up per overlap row (registers).
 MAX_RESTORES = 1024
@@ -140,11 +140,6 @@ def _(kv, gate, ape, buf_kv, buf_gate, ovl_kv, ovl_gate, snap_kv, snap_gate, row
     return kv.new_empty(rows[2].shape[0], d, dtype=torch.promote_types(kv.dtype, buf_kv.dtype))
 
 
-@functools.cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def takes(
     kv: torch.Tensor,
     gate: torch.Tensor,
@@ -156,7 +151,7 @@ def takes(
     """Triton installed; float rows of one width with unit channel stride; contiguous fp32 or
     same-dtype state; every overlap pool or none; few enough restores and slots."""
     floats = (torch.float32, torch.bfloat16, torch.float16)
-    if not (_has_triton() and kv.dtype in floats and gate.dtype in floats and kv.dim() == 2):
+    if not (triton_installed() and kv.dtype in floats and gate.dtype in floats and kv.dim() == 2):
         return False
     if kv.stride(-1) != 1 or gate.stride(-1) != 1 or gate.shape != kv.shape:
         return False

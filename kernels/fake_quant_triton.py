@@ -31,10 +31,10 @@ tensors (the CPU tests).
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Any
 
 import torch
+from deepinfer.kernels.triton_support import triton_installed
 
 # format -> (largest code, amax floor, power-of-two scale); the e4m3-scale floor makes the
 # smallest scale e4m3's smallest subnormal
@@ -90,15 +90,10 @@ def _(x, fmt, block):
     return x.new_empty(x.shape)
 
 
-@functools.cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def takes(x: torch.Tensor, fmt: str, block: int) -> bool:
     """Triton installed; a contiguous float ``x`` whose last dim holds whole blocks of a power
     of two up to ``MAX_BLOCK``."""
-    if not (_has_triton() and fmt in FORMATS and x.dtype in DTYPES and x.is_contiguous()):
+    if not (triton_installed() and fmt in FORMATS and x.dtype in DTYPES and x.is_contiguous()):
         return False
     pow2_block = block > 0 and block & (block - 1) == 0
     return pow2_block and block <= MAX_BLOCK and x.dim() > 0 and x.shape[-1] % block == 0

@@ -19,11 +19,11 @@ defined at the first CUDA call, so CPU-only machines never import Triton; it als
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Any
 
 import torch
 from deepinfer.kernels.rope import interleaved_rope
+from deepinfer.kernels.triton_support import triton_installed
 
 # activation dtypes the kernel takes (the angles are fp32)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -46,15 +46,10 @@ def _(x, cos, sin, inverse):
     return x.new_empty(x.shape)
 
 
-@functools.cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Triton installed; x [T, D] or [T, H, D] of a float dtype with unit channel stride; fp32
     angles that broadcast against x's leading dims."""
-    if not (_has_triton() and x.dtype in DTYPES and x.dim() in (2, 3) and x.stride(-1) == 1):
+    if not (triton_installed() and x.dtype in DTYPES and x.dim() in (2, 3) and x.stride(-1) == 1):
         return False
     if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.shape != sin.shape:
         return False

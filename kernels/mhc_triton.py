@@ -17,13 +17,13 @@ CPU tensors (the CPU tests).
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from deepinfer.kernels.rms_norm_triton import reference as rms_norm_reference
 from deepinfer.kernels.sinkhorn import sinkhorn
+from deepinfer.kernels.triton_support import triton_installed
 
 # Widest stream count the kernels hold in registers (``comb`` is [n, n] per token).
 MAX_STREAMS = 16
@@ -125,15 +125,10 @@ def _(y, residual, post, comb):
     return residual.new_empty(residual.shape)
 
 
-@functools.cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def takes_pre(streams: torch.Tensor, fn: torch.Tensor, collapse_with: torch.Tensor | None) -> bool:
     """Float streams [..., n, d] of at most ``MAX_TOKENS`` tokens with n <= ``MAX_STREAMS``, an
     fp32 ``fn`` of the mixing rows, an fp32 ``collapse_with`` (and Triton installed)."""
-    if not _has_triton() or streams.dim() < 2 or not streams.is_floating_point():
+    if not triton_installed() or streams.dim() < 2 or not streams.is_floating_point():
         return False
     n = streams.shape[-2]
     return (
@@ -151,7 +146,7 @@ def takes_pre(streams: torch.Tensor, fn: torch.Tensor, collapse_with: torch.Tens
 def takes_post(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> bool:
     """y in the residual's float dtype, fp32 mixes, n <= ``MAX_STREAMS`` (and Triton installed)."""
     return (
-        _has_triton()
+        triton_installed()
         and residual.dim() >= 2
         and residual.is_floating_point()
         and y.dtype == residual.dtype

@@ -17,11 +17,11 @@ tensors (the CPU tests).
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from deepinfer.kernels.triton_support import triton_installed
 
 SCORING = ("sqrtsoftplus", "softmax", "sigmoid")
 # Most experts (padded to a power of two) and choices one program holds.
@@ -91,11 +91,6 @@ def _(logits, bias, table, input_ids, top_k, scoring, normalize, scale):
     return logits.new_empty((n, k)), logits.new_empty((n, k), dtype=torch.long)
 
 
-@functools.cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def takes(
     logits: torch.Tensor, bias: torch.Tensor | None, table: torch.Tensor | None, top_k: int, scoring: str
 ) -> bool:
@@ -103,7 +98,7 @@ def takes(
     scoring function, an fp32 bias (and Triton installed)."""
     k = table.shape[-1] if table is not None else top_k
     return (
-        _has_triton()
+        triton_installed()
         and logits.dim() == 2
         and logits.is_floating_point()
         and 0 < logits.shape[1] <= MAX_EXPERTS

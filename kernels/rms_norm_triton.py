@@ -16,10 +16,10 @@ its norm give.
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Any
 
 import torch
+from deepinfer.kernels.triton_support import triton_installed
 
 # Longest row one program normalises (registers): longer rows run the reference.
 MAX_DIM = 16384
@@ -69,14 +69,9 @@ def _(x, residual, weight, eps):
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
-@functools.cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def takes(x: torch.Tensor) -> bool:
     """Float rows of at most ``MAX_DIM`` (and Triton installed)."""
-    return _has_triton() and x.is_floating_point() and x.dim() >= 1 and 0 < x.shape[-1] <= MAX_DIM
+    return triton_installed() and x.is_floating_point() and x.dim() >= 1 and 0 < x.shape[-1] <= MAX_DIM
 
 
 @rms_norm.register_kernel("cuda")

@@ -17,11 +17,11 @@ first CUDA call, so CPU-only machines never import Triton; it also runs under
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Any
 
 import torch
 from deepinfer.kernels.rope import rotate_half_rope
+from deepinfer.kernels.triton_support import triton_installed
 
 # pool and activation element types the op takes
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -70,16 +70,11 @@ def _(qkv, cos, sin, rows, k_pool, v_pool, n_heads, n_kv, head_dim):
     return qkv.new_empty(qkv.shape[0], n_heads, head_dim)
 
 
-@functools.cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def takes(qkv: torch.Tensor, cos: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
     """Triton installed, float activations and pools, fp32 angles, unit-stride rows,
     contiguous pools."""
     return (
-        _has_triton()
+        triton_installed()
         and qkv.dtype in DTYPES
         and cos.dtype == torch.float32
         and k_pool.dtype in DTYPES

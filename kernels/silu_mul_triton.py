@@ -14,11 +14,11 @@ also runs under ``TRITON_INTERPRET=1`` on CPU tensors (the CPU tests).
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from deepinfer.kernels.triton_support import triton_installed
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK = 1024  # columns per program
@@ -42,14 +42,11 @@ def _(gate_up):
     return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
-@functools.cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def takes(gate_up: torch.Tensor) -> bool:
     """Triton installed, float rows of an even width."""
-    return _has_triton() and gate_up.dtype in DTYPES and gate_up.dim() >= 1 and gate_up.shape[-1] % 2 == 0
+    return (
+        triton_installed() and gate_up.dtype in DTYPES and gate_up.dim() >= 1 and gate_up.shape[-1] % 2 == 0
+    )
 
 
 @silu_and_mul.register_kernel("cuda")

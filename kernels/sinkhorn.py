@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.util
 
 import numpy as np
 import torch
 from deepinfer.kernels import batch_invariant
 from deepinfer.kernels.cpu import build
+from deepinfer.kernels.triton_support import triton_installed
 
 
 def reference(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -88,17 +88,12 @@ def sinkhorn_op(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 def _cuda(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """One Triton launch where Triton is installed (imported at the first CUDA call, so
     CPU-only machines never import it), else the reference."""
-    if _has_triton():
+    if triton_installed():
         from deepinfer.kernels import sinkhorn_triton
 
         if sinkhorn_triton.takes(comb):
             return sinkhorn_triton.sinkhorn_triton(comb, iters, eps)
     return reference(comb, iters, eps).contiguous()
-
-
-@functools.cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 @sinkhorn_op.register_fake

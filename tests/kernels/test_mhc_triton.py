@@ -9,13 +9,9 @@ defined, and other tests in this process may have defined them without it."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-import pytest
 import torch
 from deepinfer.kernels import mhc_triton
+from triton_interpreter import run_code_in_interpreter
 
 from deepinfer.models.layers import mhc
 
@@ -81,13 +77,6 @@ def test_blocks_call_the_ops_only_on_eager_device_steps():
     assert calls == [("pre", "meta"), ("post", "meta")]
 
 
-def _run(code: str) -> None:
-    pytest.importorskip("triton")  # a dev dependency; absent only on platforms without wheels
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
-
-
 _PRELUDE = """
 import torch
 from deepinfer.kernels import mhc_triton as m
@@ -120,7 +109,7 @@ def test_kernels_match_the_plain_forms_on_random_cases():
     """Hypothesis: 0 to 9 tokens (one or two leading dims), 1 to 6 streams, widths 1 to 300
     (crossing the 256-wide chunks), fp32 / bf16 / fp16, own or lagged collapse mix, 1 to 20
     Sinkhorn iterations; the CUDA entry points pick the kernels."""
-    _run(
+    run_code_in_interpreter(
         _PRELUDE
         + """
 from hypothesis import given, settings, strategies as st
@@ -172,7 +161,7 @@ def test_wrong_kernels_fail_the_comparison():
     """Mutation checks: the collapse with the site's own mix where a lagged one was given,
     Sinkhorn one iteration short on unconverged logits, and the expand with comb untransposed
     are each far outside the tolerance (and the right calls inside it)."""
-    _run(
+    run_code_in_interpreter(
         _PRELUDE
         + """
 streams, fn, base, scale, with_, y = case((5,), 4, 64, torch.float32, True, 3, sharp=20.0)

@@ -9,14 +9,12 @@ defined, and other tests in this process may have defined it without it."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 from deepinfer.kernels import moe_gate_triton
+from triton_interpreter import run_code_in_interpreter
 
 from deepinfer.models.layers import moe
 
@@ -80,13 +78,6 @@ def test_router_calls_the_op_only_on_eager_device_steps():
     assert calls == ["meta"]
 
 
-def _run(code: str) -> None:
-    pytest.importorskip("triton")  # a dev dependency; absent only on platforms without wheels
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
-
-
 _PRELUDE = """
 import torch
 from deepinfer.kernels import moe_gate_triton as m
@@ -131,7 +122,7 @@ def test_kernel_matches_the_plain_form_on_random_cases():
     """Hypothesis: 0 to 9 tokens, 1 to 300 experts (no power of two), k from 1 to 8, fp32 /
     bf16 / fp16 logits, each scoring function, hashed or biased top-k, with and without the
     normalisation; the CUDA entry point picks the kernel."""
-    _run(
+    run_code_in_interpreter(
         _PRELUDE
         + """
 from hypothesis import given, settings, strategies as st
@@ -177,7 +168,7 @@ print("ok")
 def test_wrong_kernels_fail_the_comparison():
     """Mutation checks: the top-k without the bias chooses other experts, and weights left
     unnormalised are far outside the tolerance (the right calls inside it)."""
-    _run(
+    run_code_in_interpreter(
         _PRELUDE
         + """
 logits, bias, table, ids_in = case(6, 64, 6, torch.float32, "sqrtsoftplus", False, 5)

@@ -8,22 +8,13 @@ other tests in this process may have imported the module without it."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
+from triton_interpreter import run_code_in_interpreter
 
 pytest.importorskip("triton")  # a dev dependency; absent only on platforms without wheels
 
 # fp32 rounding of 2 * iters normalisations of values in [0, 1] stays below this
 TOLERANCE = 1e-6
-
-
-def _run(code: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
 
 
 _PRELUDE = f"""
@@ -43,7 +34,7 @@ def error(comb, iters, eps, kernel_iters=None):
 def test_matches_the_reference_on_random_cases():
     """Hypothesis: leading shapes up to 150 matrices (past one program's 64), sides 1 to 9
     and 32, 0 to 25 iterations, eps from 0 to 0.1, logits from flat to sharp."""
-    _run(
+    run_code_in_interpreter(
         _PRELUDE
         + """
 from hypothesis import given, settings, strategies as st
@@ -73,7 +64,7 @@ print("ok")
 def test_strided_input_and_the_ops_cuda_entry_point():
     """A transposed (non-contiguous) input reads as its values; the op's CUDA kernel runs
     Triton on fp32 sides up to ``MAX_N`` and the reference on anything else."""
-    _run(
+    run_code_in_interpreter(
         _PRELUDE
         + """
 from deepinfer.kernels import sinkhorn, sinkhorn_triton as module
@@ -103,7 +94,7 @@ def test_one_iteration_fewer_fails_the_comparison():
     """Mutation check: on logits sharp enough that the iterations have not converged, the
     kernel run with one iteration fewer than the reference is far outside the tolerance (and
     with the same count, inside it)."""
-    _run(
+    run_code_in_interpreter(
         _PRELUDE
         + """
 g = torch.Generator().manual_seed(3)

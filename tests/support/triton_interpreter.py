@@ -45,3 +45,14 @@ def mutant_of(kernel_file: Path, line: str, wrong: str, folder: Path, name: str)
     path = folder / f"{name}.py"
     path.write_text(source.replace(line, wrong).replace('"deepinfer::', f'"deepinfer::{name}_'))
     return load_module(path, f"_mutant_{name}")
+
+
+def run_code_in_interpreter(code: str, timeout: int = 600) -> None:
+    """Run a script under the interpreter in a child Python; it must end by printing "ok"
+    (the checks of a kernel that a file runs as scripts rather than as a child pytest)."""
+    pytest.importorskip("triton")  # a dev dependency; absent only on platforms without wheels
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
