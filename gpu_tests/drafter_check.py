@@ -12,9 +12,10 @@ own drafters are right often enough to be accepted.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from typing import Any
+
+from spec_prompts import repeating_prompts  # tests/support, on pytest's path
 
 from deepinfer import LLM, SamplingParams
 
@@ -33,16 +34,6 @@ class DrafterResult:
         return [o.outputs[0].token_ids for o in getattr(self, which)]
 
 
-def repeating_prompts(n: int, seed: int = 0) -> list[list[int]]:
-    """Prompts that repeat a motif of 2 to 5 tokens: n-gram drafts match from the start."""
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(n):
-        motif = [rng.randrange(3, 200) for _ in range(rng.randrange(2, 6))]
-        prompts.append((motif * 16)[: rng.randrange(12, 48)])
-    return prompts
-
-
 def check_drafter(
     path: Any,
     method: str,
@@ -58,7 +49,7 @@ def check_drafter(
     drafting logic is what is checked) on repeating prompts. ``logprobs``/``adaptive`` are
     the speculative requests' options; their defaults are the ones under which it drafts.
     The plain run asks for top-2 logprobs, so a divergence can be told from a near-tie."""
-    prompts = repeating_prompts(num_prompts)
+    prompts = repeating_prompts(num_prompts, repeats=16, lengths=(12, 48))
     kw = {"device": device, "max_num_seqs": num_prompts, "compile": False, "capture_graphs": False, **engine}
     ref_params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
     plain = LLM(path, **kw).generate(prompts, ref_params, use_tqdm=False)

@@ -29,8 +29,9 @@ import random
 
 import pytest
 import torch
-from drafter_check import METHODS, check_drafter, repeating_prompts
+from drafter_check import METHODS, check_drafter
 from greedy_compare import assert_same_up_to_near_ties, greedy_params
+from spec_prompts import repeating_prompts
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.cache import kv_dtypes

@@ -13,6 +13,7 @@ import torch
 from chi_square import conditional_p_value, exact_next_token
 from mutations import accept_every_draft, wrong_from
 from rounding import assert_equal_up_to_rounding_flips
+from spec_prompts import repeating_prompts
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.models.layers.gather import gather_rows
@@ -25,17 +26,8 @@ def llama(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("spec"), arch="llama")
 
 
-def _repetitive_prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(n):
-        motif = [rng.randrange(3, 200) for _ in range(rng.randrange(2, 6))]
-        prompts.append((motif * 12)[: rng.randrange(8, 60)])
-    return prompts
-
-
 def test_greedy_outputs_equal_without_speculation(llama):
-    prompts = _repetitive_prompts(12, 0)
+    prompts = repeating_prompts(12, 0)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(llama).generate(prompts, params, use_tqdm=False)]
     llm = LLM(
@@ -106,7 +98,7 @@ def test_cache_after_rejections_equals_a_plain_run(llama):
     """Mid-generation, the cache rows of every computed position hold what a run without
     speculation holds there (rejected drafts' rows lie past the computed count and are
     overwritten later)."""
-    prompts = _repetitive_prompts(3, 1)
+    prompts = repeating_prompts(3, 1)
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(llama).generate(prompts, params, use_tqdm=False)]
     runs = []
@@ -142,7 +134,7 @@ def test_compressor_models_roll_back_rejected_drafts(arch, method, tmp_path):
     restores the slot and recomputes the accepted tokens. Greedy outputs over long generations
     (many groups closing, many rejections) equal plain decoding, with every drafter."""
     path = make_tiny_checkpoint(tmp_path / arch, arch=arch)
-    prompts = _repetitive_prompts(6, 11)
+    prompts = repeating_prompts(6, 11)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(path).generate(prompts, params, use_tqdm=False)]
     # adaptive drafting off: in a closed batch of equal budgets it may verify nothing, and
@@ -216,8 +208,8 @@ def test_speculation_under_preemption_chunking_prefix_caching_and_stops(llama):
     budget), shared prefixes (prefix hits) and stop conditions: outputs equal plain decoding
     and nothing leaks."""
     rng = random.Random(5)
-    shared = _repetitive_prompts(1, 9)[0] * 3
-    prompts = [shared + p if i % 2 else p for i, p in enumerate(_repetitive_prompts(16, 7))]
+    shared = repeating_prompts(1, 9)[0] * 3
+    prompts = [shared + p if i % 2 else p for i, p in enumerate(repeating_prompts(16, 7))]
     params = []
     for i in range(len(prompts)):
         stop_ids = [prompts[i][-1]] if i % 3 == 0 else []  # may stop on a drafted token
@@ -325,7 +317,7 @@ def test_compressor_caches_after_rejections_equal_a_plain_run(arch, method, tmp_
     """Whenever the drafted run has computed n positions, its cache (window rows, entries,
     index keys, the slot's compressor buffers and overlap) equals the plain run's at n."""
     path = make_tiny_checkpoint(tmp_path / arch, arch=arch)
-    prompt = _repetitive_prompts(1, 2)[0] + [9, 9, 9, 9]
+    prompt = repeating_prompts(1, 2)[0] + [9, 9, 9, 9]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     plain = _trace_states(LLM(path, enable_prefix_caching=False), prompt, params)
     spec_llm = LLM(
@@ -370,7 +362,7 @@ def test_hardware_schedule_verifies_less_as_concurrency_grows(llama):
 
 
 def test_threshold_schedule_drafts_only_above_the_threshold(llama):
-    prompts = _repetitive_prompts(4, 12)
+    prompts = repeating_prompts(4, 12)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(llama).generate(prompts, params, use_tqdm=False)]
     never = LLM(llama, speculative_config={"schedule": "threshold", "confidence_threshold": 1.0})
