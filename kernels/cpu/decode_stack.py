@@ -273,8 +273,10 @@ class LlamaDecodeStack:
         pools: list[tuple[torch.Tensor, torch.Tensor]],
         span_meta: torch.Tensor | None = None,
         span_kv_rows: torch.Tensor | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """Run every layer on ``h`` [M, D] (updated in place and returned); ``cos``/``sin``
+        """Run every layer (``layers``: those in ``[first, end)``) on ``h`` [M, D] (updated in
+        place and returned); ``cos``/``sin``
         [M, head_dim / 2], ``write_rows`` [M] pool rows, the decode metadata of the step, and
         its prefill spans as ``paged_attention_reference`` takes them (None: none; spans of 0
         tokens are skipped)."""
@@ -293,12 +295,14 @@ class LlamaDecodeStack:
         vnni = self.weights_vnni is not None  # every row count, as WeightOnlyLinear runs it
         table = self._table_for(pools, vnni)
         assert table is not None, "pools the kernels cannot read (check supports() first)"
+        first, end = layers if layers is not None else (0, len(self.tensors))
+        table = table[first:end]  # rows of the table are layers; a slice is a view
         widest = max(d, a, i)  # int4_vnni's int8 activations and their per-group scales
         scratch = torch.empty(m * widest + 8 * m * (widest // 32), dtype=torch.uint8) if vnni else None
         lib.llama_decode_stack(
             _functions(pools[0][0].dtype).data_ptr(),
             table.data_ptr(),
-            len(self.tensors),
+            end - first,
             h.data_ptr(),
             work.data_ptr(),
             c.data_ptr(),

@@ -175,6 +175,9 @@ class ForwardBatch:
     # Speculative decoding with a model drafter: rows whose draft features (the hidden states
     # the drafter reads) the step also returns; None: the step returns logits only.
     feature_idx: torch.Tensor | None = None
+    # which layers' entering hidden states those features are, for a model whose drafter
+    # chooses them (a separately trained DSpark head); empty: the model's own choice
+    feature_layers: tuple[int, ...] = ()
     # Causal encoder/decoder prefill (V4.1, optional): rows that run the decoder layers (None:
     # every row), and the decoder's window mask, which also hides positions before each
     # sequence's replay start (those never ran the decoder).

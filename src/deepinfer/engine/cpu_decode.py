@@ -86,7 +86,11 @@ class OneCallDecode:
         self.model = model
         self.stack: LlamaDecodeStack | None = stack
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The step's logits (and its draft features when ``batch.feature_idx`` asks, taken
+        between runs of the stack over the layers in between)."""
         model, stack, meta = self.model, self.stack, batch.expanded().full
         if stack is None or meta is None or batch.grid is not None or batch.hidden_states is not None:
             return model.step(input_ids, positions, batch)
@@ -99,19 +103,29 @@ class OneCallDecode:
         if not stack.supports(h, pools, spans=spans):
             return model.step_embedded(h, positions, batch)  # the embedding is not computed twice
         cos, sin = model.rope_tables(positions)
-        h = stack(
-            h,
-            cos,
-            sin,
-            batch.window_write,
-            meta.decode_rows,
-            meta.decode_kv,
-            meta.decode_valid,
-            pools,
-            meta.span_meta,
-            meta.span_kv_rows,
-        )
-        return model.logits(h, batch)
+        wanted = batch.feature_layers if batch.feature_idx is not None else ()
+        bounds = [0, *wanted, len(model.model.layers)]
+        features = []
+        for first, end in zip(bounds, bounds[1:], strict=False):
+            if first in wanted:  # a DSpark head reads the hidden states entering this layer
+                features.append(h[batch.feature_idx])
+            h = stack(
+                h,
+                cos,
+                sin,
+                batch.window_write,
+                meta.decode_rows,
+                meta.decode_kv,
+                meta.decode_valid,
+                pools,
+                meta.span_meta,
+                meta.span_kv_rows,
+                layers=(first, end),
+            )
+        logits = model.logits(h, batch)
+        if batch.feature_idx is not None:
+            return logits, torch.cat(features, dim=-1) if features else logits.new_zeros(0)
+        return logits
 
 
 def one_call_decode(model: CausalLM) -> OneCallDecode | None:

@@ -76,6 +76,7 @@ class ModelRunner:
         max_model_len: int = 0,
         max_graph_batch: int = 0,
         feature_offsets: Callable[[int, int], list[int]] | None = None,
+        feature_layers: tuple[int, ...] = (),
         kv_cache_dtype: torch.dtype | None = None,
         compile_cache_dir: Path | None = None,
         compile_missing: bool = True,
@@ -91,7 +92,9 @@ class ModelRunner:
         ``graph_capture``: replay pure-decode steps of up to ``max_graph_batch`` sequences
         from graphs captured by this platform backend (``DecodeGraphRunner``).
         ``feature_offsets``: (chunk tokens, drafts) -> chunk offsets whose draft features a
-        step returns, for a model drafter (None: logits only). ``kv_cache_dtype``: the pools'
+        step returns, for a model drafter (None: logits only), and ``feature_layers``: the
+        layers whose entering hidden states they are, where the drafter chooses them (a
+        separately trained DSpark head; empty: the model's own). ``kv_cache_dtype``: the pools'
         dtype (None: the model's compute dtype). ``compile_cache_dir``: where a CPU step
         compiled by Inductor is saved and found again (``precompiled.py``; None: not saved);
         ``compile_missing=False``: a step none of the saved variants covers runs eagerly,
@@ -107,6 +110,7 @@ class ModelRunner:
         self.record_routing = record_routing
         self.lora = lora
         self.feature_offsets = feature_offsets
+        self.feature_layers = feature_layers
         self.ced_replay = ced_replay
         self.forward = eager_step or model.step
         self.layout = layout
@@ -268,6 +272,8 @@ class ModelRunner:
         positions, batch = build_forward_batch(self.layout, self.pools, seq_chunks, self.device, padding)
         batch.invariant = self.batch_invariant
         batch.routing = RoutingTrace() if self.record_routing else None
+        if batch.feature_idx is not None:
+            batch.feature_layers = self.feature_layers
         return positions, batch
 
     def _step_padding(self) -> StepPadding | None:

@@ -377,6 +377,7 @@ def model_runner(
         max_model_len=max_model_len,
         max_graph_batch=graph_batch_size(config),
         feature_offsets=feature_offsets_for(drafter) if drafter is not None else None,
+        feature_layers=drafter.feature_layers if drafter is not None else (),
         kv_cache_dtype=dtype,
         compile_cache_dir=compile_cache_dir(config, checkpoint) if modes.compile else None,
         compile_missing=modes.compile_missing,

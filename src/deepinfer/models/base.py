@@ -189,6 +189,15 @@ class CausalLM(nn.Module):
         wrapped with what they share of the target (embedding, head); None when it has none."""
         return None
 
+    def draft_head(self, head: Any) -> Any:
+        """A separately trained DSpark head (``models.dspark_head.DSparkHead``, from
+        ``speculative_config.model``) joined with what it shares of this target; ValueError
+        for a family that drafts with its own layers."""
+        raise ValueError(
+            f"speculative_config.model: a separately trained DSpark head drafts for Llama-family "
+            f"targets; {type(self).__name__} drafts with the layers of its own checkpoint (leave model unset)"
+        )
+
     # -- engine interface ------------------------------------------------------------------
 
     # V4.1's causal encoder/decoder prefill: the first decoder layer (None: no such split,

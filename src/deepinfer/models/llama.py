@@ -24,6 +24,7 @@ from deepinfer.cache.forward_batch import ForwardBatch, LayerPools
 from deepinfer.cache.layer_spec import LayerCacheSpec
 from deepinfer.errors import CheckpointError
 from deepinfer.models.base import CausalLM
+from deepinfer.models.dspark_head import DSparkHead, LlamaDSparkDraft, check_target
 from deepinfer.models.layers import dispatch
 from deepinfer.models.layers.norms import RMSNorm
 from deepinfer.models.layers.projection import Projection, TiedHead
@@ -214,20 +215,46 @@ class LlamaForCausalLM(CausalLM):
         freqs = positions.unsqueeze(-1).float() * self.inv_freq(positions.device)
         return freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
 
-    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """One engine step (see ``CausalLM``): flat tokens in, logits for ``batch.logits_idx``."""
+    def draft_head(self, head: DSparkHead) -> LlamaDSparkDraft:
+        """A DSpark head trained for this target, with the embedding and head it shares."""
+        cfg = self.config
+        check_target(head.config, cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers)
+        if self.vocab_parallel is not None:
+            raise ValueError("speculative_config.model: a DSpark head runs on one rank")
+        return LlamaDSparkDraft(head, self.model.embed_tokens, self.head_rows)
+
+    def head_rows(self, h: torch.Tensor) -> torch.Tensor:
+        """The output projection of normed rows ``h`` [N, d] in the engine's form of the weight."""
+        engine = self.head.engine
+        return engine(h) if engine is not None else self.head.plain(h)
+
+    def step(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """One engine step (see ``CausalLM``): flat tokens in, logits for ``batch.logits_idx``;
+        with ``batch.feature_idx`` also those rows' hidden states entering each of
+        ``batch.feature_layers``, concatenated (a DSpark head's features)."""
         return self.step_embedded(self.embed(input_ids), positions, batch)
 
-    def step_embedded(self, h: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def step_embedded(
+        self, h: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``step`` from the tokens' embeddings ``h`` [T, d]."""
         batch = batch.expanded()  # a captured step's compact decode rows, made on the device
         cos, sin = self.rope_tables(positions)
         h = batch.to_grid(h)
         batch.record(h)
-        for layer, layer_pools in zip(self.model.layers, batch.pools, strict=True):
+        wanted = batch.feature_layers if batch.feature_idx is not None else ()
+        features = []
+        for i, (layer, layer_pools) in enumerate(zip(self.model.layers, batch.pools, strict=True)):
+            if i in wanted:
+                features.append(batch.to_flat(h)[batch.feature_idx])
             h = layer(h, cos, sin, layer_pools, batch)
             batch.record(h)
-        return self.logits(batch.to_flat(h), batch)
+        logits = self.logits(batch.to_flat(h), batch)
+        if batch.feature_idx is not None:
+            return logits, torch.cat(features, dim=-1) if features else logits.new_zeros(0)
+        return logits
 
     def logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """fp32 logits of the rows ``batch.logits_idx`` picks (every row when None) of the

@@ -32,6 +32,9 @@ class SpeculativeConfig:
     # (speculative/adaptive.py); and in LLM.generate's closed batches, verify only the drafts
     # of requests that could be the last to finish (SpeculativeDecoder._cannot_shorten)
     adaptive: bool = True
+    # DSpark on a Llama-family target: the directory of a separately trained head
+    # (``deepinfer train-drafter``), or the name of one in the cache (``smollm2-135m-dspark``)
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -42,6 +45,13 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config.adaptive must be a bool, got {self.adaptive!r}")
+        if self.model is not None:
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError(f"speculative_config.model must be a directory path or name, got {self.model!r}")
+            if self.method != "dspark":
+                raise ValueError(
+                    f"speculative_config.model names a DSpark head; method={self.method!r} takes none"
+                )
         t = self.confidence_threshold
         if not isinstance(t, float | int) or isinstance(t, bool) or not 0 <= t <= 1:
             raise ValueError(f"speculative_config.confidence_threshold must be in [0, 1], got {t!r}")

@@ -54,6 +54,9 @@ class Drafter(Protocol):
     num_draft_tokens: int  # the most drafts one proposal yields
     window: int  # positions of history its private cache keeps (and feature rows it needs)
     cache_bytes: int  # memory of its per-slot state (taken from the KV-cache budget)
+    # the target layers whose entering hidden states its features are, where the drafter
+    # chooses them (a separately trained DSpark head); empty: the model's own choice
+    feature_layers: tuple[int, ...]
 
     def claim(self, slot: int, request_id: str) -> None:
         """``request_id`` now owns ``slot`` (state left by an earlier owner is not read)."""

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from deepinfer.models.dspark_head import load_head
 from deepinfer.speculative.config import SpeculativeConfig
 from deepinfer.speculative.drafter import Drafter
 from deepinfer.speculative.dspark import DSparkDrafter
 from deepinfer.speculative.mtp import MtpDrafter
 from deepinfer.speculative.ngram import NgramDrafter
+from deepinfer.weights.catalog import resolve_draft_head
 
 # What each model drafter needs of the checkpoint (its error when the model has none).
 _DRAFT_LAYERS = {
@@ -25,6 +27,9 @@ def build_drafter(model: Any, config: SpeculativeConfig, num_slots: int) -> Draf
     if config.method == "ngram":
         assert k is not None
         return NgramDrafter(k, config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.model is not None:  # a separately trained DSpark head beside the target
+        head = load_head(resolve_draft_head(config.model), model.compute_dtype, next(model.parameters()).device)
+        return DSparkDrafter(model.draft_head(head), num_slots, k)
     draft = model.draft_model(config.method)
     if draft is None:
         raise ValueError(

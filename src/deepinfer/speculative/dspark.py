@@ -71,6 +71,8 @@ class DSparkDrafter:
             )
         self.num_draft_tokens = num_speculative_tokens or self.block_size
         self.window = draft.window
+        # V4.1's stages read the layers its config names; a separately trained head names its own
+        self.feature_layers: tuple[int, ...] = getattr(draft, "feature_layers", ())
         self.ring = DraftRing(
             draft.num_stages, num_slots, self.window, draft.kv_dim, draft.dtype, draft.device
         )

@@ -55,6 +55,8 @@ class MtpDrafter:
     """A ``Drafter`` over V4's MTP layer: a window ring of the layer's K=V per slot and the
     newest accepted row's streams, from which each proposal chains ``num_draft_tokens`` rows."""
 
+    feature_layers: tuple[int, ...] = ()  # the model's own features (its final streams)
+
     def __init__(self, draft: MtpModel, num_slots: int, num_speculative_tokens: int) -> None:
         self.draft = draft
         self.num_draft_tokens = num_speculative_tokens

@@ -38,6 +38,7 @@ class NgramDrafter:
 
     window = 0
     cache_bytes = 0
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, num_speculative_tokens: int = 5, min_n: int = 1, max_n: int = 4) -> None:
         for name, value in (

@@ -44,3 +44,26 @@ def resolve_model(name_or_path: str | Path) -> Path:
     if (target / "config.json").is_file():
         return target
     return convert_gguf_llama(smollm2_gguf_path(), target)
+
+
+# DSpark heads trained for a named model by ``deepinfer train-drafter`` (kept in the cache)
+DRAFT_HEADS = {f"{SMOLLM2}-dspark": SMOLLM2}
+
+
+def draft_head_dir(name: str) -> Path:
+    """Where ``deepinfer train-drafter`` keeps the head it trains for named model ``name``."""
+    return cache_root() / f"{name}-dspark"
+
+
+def resolve_draft_head(name_or_path: str | Path) -> Path:
+    """A DSpark head directory for a path or a cached head's name (``smollm2-135m-dspark``)."""
+    path = Path(name_or_path)
+    if path.is_dir() or str(name_or_path) not in DRAFT_HEADS:
+        return path
+    target = draft_head_dir(DRAFT_HEADS[str(name_or_path)])
+    if not (target / "config.json").is_file():
+        raise CheckpointError(
+            f"speculative_config.model={str(name_or_path)!r}: no trained head in {target}; train it with "
+            f"`deepinfer train-drafter {DRAFT_HEADS[str(name_or_path)]}` (about an hour on two CPU cores)"
+        )
+    return target
