@@ -13,6 +13,7 @@ from deepinfer.cli.generate import generate
 from deepinfer.cli.perplexity import add_perplexity_parser
 from deepinfer.cli.serve import serve
 from deepinfer.cli.tools import dump_graphs, make_tiny, plan
+from deepinfer.cli.train_drafter import add_train_drafter_parser
 from deepinfer.server.limits import ServerLimits
 from deepinfer.tiny import TINY_CONFIGS
 
@@ -155,4 +156,5 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_perplexity_parser(sub, add_engine_arguments)
     _add_dump_graphs(sub)
+    add_train_drafter_parser(sub)
     return parser

@@ -1,0 +1,142 @@
+"""DSpark's training objective on blocks cut from self-distillation data (paper §3, eq. 12).
+
+A block anchored at position ``a`` of a sequence has the anchor token at ``a`` (the token the
+target emitted last), sees the target's features of positions ``[a - W, a - 1]`` and predicts
+the tokens at ``a + 1 .. a + g``. Row ``k`` is scored three ways, each weighted by
+``exp(-k / decay)`` and masked past the sequence's end:
+
+- cross entropy against the data's token (the Markov head teacher-forced with the data's
+  previous token);
+- the total variation distance between the draft's and the target's distributions;
+- the confidence head's binary cross entropy against the chance that row ``k`` survives
+  verification given the rows before it did: ``1 - TV`` for sampled decoding (the paper's soft
+  label), or whether the draft's argmax is the target's for greedy decoding.
+
+Total: ``0.1 * CE + 0.9 * TV + 1.0 * confidence`` (the paper's weights).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.drafter_training.dataset import DistillSet
+from deepinfer.models.dspark_head import DSparkHead
+
+CE_WEIGHT, TV_WEIGHT, CONFIDENCE_WEIGHT = 0.1, 0.9, 1.0
+DECAY = 4.0  # exp(-k / DECAY) per block row
+
+
+@dataclass
+class Blocks:
+    """One training batch: the chosen sequences' rows and the blocks cut from them."""
+
+    ctx_rows: torch.Tensor  # [P] rows of the data set whose features the blocks read
+    ctx_positions: torch.Tensor  # [P] their positions in their sequences
+    window_index: torch.Tensor  # [A, W] index into ctx rows (clamped where not visible)
+    visible: torch.Tensor  # [A, W] bool
+    anchors: torch.Tensor  # [A] anchor tokens
+    positions: torch.Tensor  # [A, g] block positions a .. a + g - 1
+    prev: torch.Tensor  # [A, g] the token before each row's target (the anchor for row 0)
+    labels: torch.Tensor  # [A, g] the data's token at a + 1 + k
+    target_rows: torch.Tensor  # [A, g] data rows whose target distribution row k matches
+    valid: torch.Tensor  # [A, g] bool: a + 1 + k lies inside the sequence
+
+
+def cut_blocks(
+    data: DistillSet, sequences: list[int], anchors_per_sequence: int, g: int, window: int, gen: torch.Generator
+) -> Blocks:
+    """Blocks anchored at up to ``anchors_per_sequence`` random reply positions of each of
+    ``sequences`` (positions with at least one token after them)."""
+    ctx_rows, ctx_pos, win_idx, vis = [], [], [], []
+    anchors, positions, prev, labels, target_rows, valid = [], [], [], [], [], []
+    offset = 0
+    k = torch.arange(g)
+    back = torch.arange(window, 0, -1)  # a - W .. a - 1
+    for s in sequences:
+        rows = data.sequence(s)
+        length = rows.stop - rows.start
+        first = int(data.reply_starts[s])
+        choices = torch.arange(first, length - 1)
+        if choices.numel() == 0:
+            continue
+        pick = choices[torch.randperm(choices.numel(), generator=gen)[:anchors_per_sequence]]
+        ctx_rows.append(torch.arange(rows.start, rows.stop))
+        ctx_pos.append(torch.arange(length))
+        win = pick.unsqueeze(1) - back  # [a, W]
+        vis.append(win >= 0)
+        win_idx.append(offset + win.clamp(min=0))
+        tokens = data.tokens[rows]
+        at = pick.unsqueeze(1) + k  # [a, g] positions a + k
+        inside = at + 1 < length
+        anchors.append(tokens[pick])
+        positions.append(at)
+        prev.append(tokens[at.clamp(max=length - 1)])
+        labels.append(torch.where(inside, tokens[(at + 1).clamp(max=length - 1)], -1))
+        target_rows.append(rows.start + at.clamp(max=length - 1))
+        valid.append(inside)
+        offset += length
+    return Blocks(
+        torch.cat(ctx_rows),
+        torch.cat(ctx_pos),
+        torch.cat(win_idx),
+        torch.cat(vis),
+        torch.cat(anchors),
+        torch.cat(positions),
+        torch.cat(prev),
+        torch.cat(labels),
+        torch.cat(target_rows),
+        torch.cat(valid),
+    )
+
+
+@dataclass
+class BlockOutputs:
+    """The head's outputs on a batch of blocks (teacher-forced Markov rows)."""
+
+    hidden: torch.Tensor  # [A, g, d]
+    draft_logits: torch.Tensor  # [A, g, V] with the Markov bias
+    markov_embeds: torch.Tensor  # [A, g, r]
+    target_logits: torch.Tensor  # [A, g, V] (no gradient)
+
+
+def run_blocks(
+    head: DSparkHead, data: DistillSet, blocks: Blocks, embed: torch.Tensor, output: torch.Tensor
+) -> BlockOutputs:
+    """The head over ``blocks`` as a serving drafter runs it (``window_kv``, ``block_hidden``),
+    with the target's frozen embedding ``embed`` [V, d] and output projection ``output`` [V, d]."""
+    ring = head.window_kv(data.features[blocks.ctx_rows], blocks.ctx_positions)  # [layers, P, kv]
+    windows = [layer_ring[blocks.window_index] for layer_ring in ring]
+    hidden = head.block_hidden(F.embedding(blocks.anchors, embed), blocks.positions, windows, blocks.visible)
+    bias, markov_embeds = head.markov(blocks.prev)
+    draft = F.linear(head.norm(hidden), output).float() + bias
+    with torch.no_grad():
+        target = F.linear(data.final[blocks.target_rows], output).float()
+    return BlockOutputs(hidden, draft, markov_embeds, target)
+
+
+def block_loss(
+    head: DSparkHead, out: BlockOutputs, blocks: Blocks, greedy_confidence: bool
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The weighted loss and its parts (and the argmax agreement of each row, teacher-forced)."""
+    g = blocks.positions.shape[1]
+    weight = torch.exp(-torch.arange(g, dtype=torch.float32) / DECAY) * blocks.valid
+    total = weight.sum().clamp(min=1.0)
+    log_q = F.log_softmax(out.draft_logits, dim=-1)
+    p = F.softmax(out.target_logits, dim=-1)
+    ce = F.nll_loss(log_q.flatten(0, 1), blocks.labels.clamp(min=0).flatten(), reduction="none").view_as(weight)
+    tv = 0.5 * (log_q.exp() - p).abs().sum(dim=-1)
+    agree = (out.draft_logits.argmax(-1) == out.target_logits.argmax(-1)).float()
+    label = agree if greedy_confidence else (1.0 - tv).detach()
+    conf = F.binary_cross_entropy_with_logits(
+        head.confidence_logits(out.hidden, out.markov_embeds), label.clamp(0.0, 1.0), reduction="none"
+    )
+    parts = {"ce": ce, "tv": tv, "confidence": conf}
+    loss = (weight * (CE_WEIGHT * ce + TV_WEIGHT * tv + CONFIDENCE_WEIGHT * conf)).sum() / total
+    stats = {name: float((weight * v.detach()).sum() / total) for name, v in parts.items()}
+    valid = blocks.valid.float()
+    for k in range(g):
+        stats[f"agree_{k}"] = float((agree[:, k] * valid[:, k]).sum() / valid[:, k].sum().clamp(min=1.0))
+    return loss, stats

@@ -1,0 +1,144 @@
+"""``deepinfer train-drafter``: the whole recipe from a target to a served DSpark head.
+
+1. replies of the target to chat prompts (``prompts.chat_prompts``), greedy and some sampled;
+2. the target's features of every position (``dataset.target_features``), kept in the output
+   directory so a second run with the same settings trains without generating again;
+3. training (``train.train_head``), then calibration and evaluation on held-out greedy replies;
+4. the head (``config.json`` + ``model.safetensors``), its training log and loss curve.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepinfer.drafter_training.dataset import DistillSet, generate_replies, target_features
+from deepinfer.drafter_training.prompts import chat_prompts
+from deepinfer.drafter_training.train import TrainOptions, evaluate, train_head
+from deepinfer.models.dspark_head import DSparkHeadConfig, check_target, save_head
+from deepinfer.models.loading import load_model
+from deepinfer.models.registry import load_config_json
+from deepinfer.weights.catalog import resolve_model
+
+DATA_FILE, DATA_SETTINGS, LOG_FILE = "distill.safetensors", "distill.json", "training_log.json"
+
+
+def default_layers(num_layers: int, count: int = 4) -> list[int]:
+    """``count`` target layers spread evenly over ``[1, num_layers - 1]`` (never the input
+    embedding alone, never the last layer's output)."""
+    count = min(count, num_layers - 1)
+    if count < 1:
+        raise ValueError(f"a DSpark head needs a target of at least 2 layers, got {num_layers}")
+    span = num_layers - 2
+    return sorted({1 + round(i * span / max(1, count - 1)) for i in range(count)})
+
+
+def distill_data(
+    model: Path, out: Path, settings: dict[str, Any], layers: list[int]
+) -> DistillSet:
+    """The self-distillation set of ``settings``, generated or found in ``out``."""
+    data_path, settings_path = out / DATA_FILE, out / DATA_SETTINGS
+    if data_path.is_file() and settings_path.is_file() and json.loads(settings_path.read_text()) == settings:
+        return DistillSet.load(data_path)
+    conversations = chat_prompts(settings["prompts"], settings["seed"])
+    pairs = generate_replies(
+        model, conversations, settings["max_tokens"], settings["sampled_fraction"], settings["seed"]
+    )
+    data = target_features(model, pairs, layers)
+    out.mkdir(parents=True, exist_ok=True)
+    data.save(data_path)
+    settings_path.write_text(json.dumps(settings, indent=2) + "\n")
+    return data
+
+
+def plot_losses(log: list[dict[str, float]], out: Path, title: str) -> None:
+    """The loss and row-0 agreement curves as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [e["step"] for e in log]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for key in ("loss", "tv", "ce", "confidence"):
+        left.plot(steps, [e[key] for e in log], label=key)
+    left.set_yscale("log")
+    left.set_xlabel("step")
+    left.set_title("training loss (weighted parts)")
+    left.legend()
+    for k in range(5):
+        key = f"agree_{k}"
+        if key in log[0]:
+            right.plot(steps, [e[key] for e in log], label=f"row {k}")
+    right.set_xlabel("step")
+    right.set_title("argmax agreement with the target")
+    right.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def train_drafter(
+    model: str | Path,
+    out: Path,
+    prompts: int = 640,
+    max_tokens: int = 192,
+    sampled_fraction: float = 0.25,
+    held_out_fraction: float = 0.05,
+    layers: list[int] | None = None,
+    options: TrainOptions | None = None,
+    head_shape: dict[str, Any] | None = None,
+    plot: Path | None = None,
+) -> dict[str, Any]:
+    """Run the recipe; returns the summary written into the head's ``trained_for``."""
+    options = options or TrainOptions()
+    path = resolve_model(model)
+    raw = load_config_json(path)
+    hidden, vocab, num_layers = raw["hidden_size"], raw["vocab_size"], raw["num_hidden_layers"]
+    layers = layers or default_layers(num_layers)
+    cfg = DSparkHeadConfig(hidden, vocab, list(layers), **(head_shape or {}))
+    cfg.validate()
+    check_target(cfg, hidden, vocab, num_layers)
+    settings = {
+        "model": str(model),
+        "prompts": prompts,
+        "max_tokens": max_tokens,
+        "sampled_fraction": sampled_fraction,
+        "seed": options.seed,
+        "layers": list(layers),
+    }
+    data = distill_data(path, out, settings, list(layers))
+    # held out: the last greedy replies (the first sampled_fraction of the prompts are sampled)
+    n_held = max(1, int(round(held_out_fraction * data.num_sequences)))
+    held = data.subset(list(range(data.num_sequences - n_held, data.num_sequences)))
+    train = data.subset(list(range(data.num_sequences - n_held)))
+    target = load_model(path)
+    embed = target.model.embed_tokens.weight.detach()
+    output = target.head.weight_and_bias()[0]
+    result = train_head(train, cfg, embed, output, options)
+    raw_eval = evaluate(result.head, held, embed, output, fit_temperatures=False)
+    calibrated = evaluate(result.head, held, embed, output, fit_temperatures=True)
+    summary = {
+        "target": str(model),
+        "settings": settings,
+        "options": asdict(options),
+        "train_sequences": train.num_sequences,
+        "train_tokens": int(train.tokens.numel()),
+        "held_out_sequences": held.num_sequences,
+        "train_seconds": round(result.seconds, 1),
+        "threads": torch.get_num_threads(),
+        "held_out_raw": raw_eval.as_dict(),
+        "held_out_calibrated": calibrated.as_dict(),
+        "confidence_temperature": [round(float(t), 4) for t in result.head.confidence_temperature],
+    }
+    result.head.config.trained_for = summary
+    save_head(result.head, out)
+    (out / LOG_FILE).write_text(json.dumps({"summary": summary, "log": result.log}, indent=1) + "\n")
+    if plot is not None:
+        plot_losses(result.log, plot, f"DSpark head for {Path(str(model)).name}")
+    return summary
