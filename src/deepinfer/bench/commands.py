@@ -106,6 +106,9 @@ def throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
             f"bs=1 decode: {bs1['decode_tok_s']:.1f} tok/s; bandwidth bound {bs1['bound_tok_s']:.0f} tok/s "
             f"({100 * bs1['fraction_of_bound']:.2f}% of it)"
         )
+        if llm.engine.spec is not None:
+            for line in llm.engine.spec.stats.report(llm.engine.spec.config.method):
+                print(line)
         llm.close()
         if peer_processes is not None:
             peer_processes.close()

@@ -47,11 +47,6 @@ def generate(args: argparse.Namespace) -> int:
     print(f"{generated} tokens in {elapsed:.3f}s: {generated / elapsed:.1f} tokens/s", file=sys.stderr)
     spec = llm.engine.spec
     if spec is not None:
-        s = spec.stats
-        print(
-            f"speculative ({spec.config.method}): {s.drafted} drafted, {s.accepted} accepted, "
-            f"mean acceptance length {s.mean_acceptance_length:.2f}, "
-            f"{s.verified_tokens_per_step:.2f} verified tokens per step",
-            file=sys.stderr,
-        )
+        for line in spec.stats.report(spec.config.method):
+            print(line, file=sys.stderr)
     return 0

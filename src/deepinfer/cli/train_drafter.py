@@ -19,7 +19,9 @@ def add_train_drafter_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", type=int, default=640, help="chat prompts the target replies to")
     p.add_argument("--max-tokens", type=int, default=192, help="longest reply")
     p.add_argument("--sampled-fraction", type=float, default=0.25, help="share of replies sampled (T=0.8)")
-    p.add_argument("--layers", default=None, help="comma-separated target layer ids (default: 4 spread evenly)")
+    p.add_argument(
+        "--layers", default=None, help="comma-separated target layer ids (default: 4 spread evenly)"
+    )
     p.add_argument("--num-layers", type=int, default=2, help="draft layers")
     p.add_argument("--block-size", type=int, default=5, help="draft tokens per proposal")
     p.add_argument("--markov-rank", type=int, default=32)
@@ -42,7 +44,9 @@ def train_drafter(args: argparse.Namespace) -> int:
 
     if args.out is None:
         if args.model not in NAMED_MODELS:
-            raise ValueError("--out is required for a checkpoint directory (the cache keeps named models' heads)")
+            raise ValueError(
+                "--out is required for a checkpoint directory (the cache keeps named models' heads)"
+            )
         out = draft_head_dir(args.model)
     else:
         out = Path(args.out)
@@ -72,7 +76,11 @@ def train_drafter(args: argparse.Namespace) -> int:
         sampled_fraction=args.sampled_fraction,
         layers=layers,
         options=options,
-        head_shape={"num_layers": args.num_layers, "block_size": args.block_size, "markov_rank": args.markov_rank},
+        head_shape={
+            "num_layers": args.num_layers,
+            "block_size": args.block_size,
+            "markov_rank": args.markov_rank,
+        },
         plot=Path(args.plot) if args.plot else None,
     )
     print(json.dumps({"out": str(out), **summary}, indent=2))

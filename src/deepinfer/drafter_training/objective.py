@@ -46,7 +46,12 @@ class Blocks:
 
 
 def cut_blocks(
-    data: DistillSet, sequences: list[int], anchors_per_sequence: int, g: int, window: int, gen: torch.Generator
+    data: DistillSet,
+    sequences: list[int],
+    anchors_per_sequence: int,
+    g: int,
+    window: int,
+    gen: torch.Generator,
 ) -> Blocks:
     """Blocks anchored at up to ``anchors_per_sequence`` random reply positions of each of
     ``sequences`` (positions with at least one token after them)."""
@@ -126,7 +131,9 @@ def block_loss(
     total = weight.sum().clamp(min=1.0)
     log_q = F.log_softmax(out.draft_logits, dim=-1)
     p = F.softmax(out.target_logits, dim=-1)
-    ce = F.nll_loss(log_q.flatten(0, 1), blocks.labels.clamp(min=0).flatten(), reduction="none").view_as(weight)
+    ce = F.nll_loss(log_q.flatten(0, 1), blocks.labels.clamp(min=0).flatten(), reduction="none").view_as(
+        weight
+    )
     tv = 0.5 * (log_q.exp() - p).abs().sum(dim=-1)
     agree = (out.draft_logits.argmax(-1) == out.target_logits.argmax(-1)).float()
     label = agree if greedy_confidence else (1.0 - tv).detach()

@@ -37,9 +37,7 @@ def default_layers(num_layers: int, count: int = 4) -> list[int]:
     return sorted({1 + round(i * span / max(1, count - 1)) for i in range(count)})
 
 
-def distill_data(
-    model: Path, out: Path, settings: dict[str, Any], layers: list[int]
-) -> DistillSet:
+def distill_data(model: Path, out: Path, settings: dict[str, Any], layers: list[int]) -> DistillSet:
     """The self-distillation set of ``settings``, generated or found in ``out``."""
     data_path, settings_path = out / DATA_FILE, out / DATA_SETTINGS
     if data_path.is_file() and settings_path.is_file() and json.loads(settings_path.read_text()) == settings:

@@ -53,7 +53,11 @@ class Evaluation:
     ece: list[float]  # per row, of the cumulative confidence against survival
 
     def as_dict(self) -> dict:
-        return {k: (round(v, 4) if isinstance(v, float) else [round(x, 4) for x in v]) for k, v in vars(self).items() if k != "blocks"} | {"blocks": self.blocks}
+        return {
+            k: (round(v, 4) if isinstance(v, float) else [round(x, 4) for x in v])
+            for k, v in vars(self).items()
+            if k != "blocks"
+        } | {"blocks": self.blocks}
 
 
 @dataclass
@@ -92,7 +96,9 @@ def train_head(
             group["lr"] = lr_at(step, options)
         sequences = [picker.randrange(data.num_sequences) for _ in range(options.sequences_per_step)]
         blocks = cut_blocks(data, sequences, options.anchors_per_sequence, cfg.block_size, cfg.window, gen)
-        loss, stats = block_loss(head, run_blocks(head, data, blocks, embed, output), blocks, options.greedy_confidence)
+        loss, stats = block_loss(
+            head, run_blocks(head, data, blocks, embed, output), blocks, options.greedy_confidence
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -126,7 +132,9 @@ def free_running(
         blocks = cut_blocks(data, seqs, per_seq, g, head.config.window, gen)
         ring = head.window_kv(data.features[blocks.ctx_rows], blocks.ctx_positions)
         windows = [r[blocks.window_index] for r in ring]
-        hidden = head.block_hidden(F.embedding(blocks.anchors, embed), blocks.positions, windows, blocks.visible)
+        hidden = head.block_hidden(
+            F.embedding(blocks.anchors, embed), blocks.positions, windows, blocks.visible
+        )
         base = F.linear(head.norm(hidden), output).float()
         target = F.linear(data.final[blocks.target_rows], output).float().argmax(-1)
         prev, drafts, embeds = blocks.anchors, [], []

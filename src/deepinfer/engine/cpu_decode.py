@@ -120,7 +120,7 @@ class OneCallDecode:
                 pools,
                 meta.span_meta,
                 meta.span_kv_rows,
-                layers=(first, end),
+                (first, end),
             )
         logits = model.logits(h, batch)
         if batch.feature_idx is not None:

@@ -27,7 +27,7 @@ from deepinfer.engine import memory, setup
 from deepinfer.engine.admission import check_request
 from deepinfer.engine.async_steps import AsyncSteps, run_step
 from deepinfer.engine.executor import Executor, StepOutput
-from deepinfer.engine.metrics_snapshot import cache_metrics
+from deepinfer.engine.metrics_snapshot import cache_metrics, spec_metrics
 from deepinfer.engine.model_runner import PreparedStep
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import Request
@@ -371,8 +371,10 @@ class Engine:
             self.executor.routing.forget()
 
     def metrics(self) -> list[Metric]:
-        """The cache's metrics now (``metrics_snapshot.py``)."""
-        return cache_metrics(self.block_pools, self.layout.block_size, self.tiers)
+        """The cache's and speculative decoding's metrics now (``metrics_snapshot.py``)."""
+        return cache_metrics(self.block_pools, self.layout.block_size, self.tiers) + spec_metrics(
+            self.spec and self.spec.stats
+        )
 
     def memory_report(self) -> dict[str, Any]:
         """The KV cache's bytes, allocated and in use (``memory.kv_cache_report``)."""

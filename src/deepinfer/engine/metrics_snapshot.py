@@ -1,6 +1,7 @@
 """The engine's cache figures as named metrics (``LLM.get_metrics()``, and the same series on
 the server's ``/metrics``): the device pool's prefix-cache queries and hits, and the host and
-disk tiers' hits, bytes moved, load time and errors."""
+disk tiers' hits, bytes moved, load time and errors; with speculative decoding, acceptance by
+draft position and the confidence head's predicted survival beside the observed one."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from deepinfer.outputs import Metric
 if TYPE_CHECKING:
     from deepinfer.cache.tiers import KVTiers
     from deepinfer.engine.block_pool import BlockPool
+    from deepinfer.speculative.stats import SpecStats
 
 
 def cache_metrics(pools: list[BlockPool], bs: int, tiers: KVTiers | None) -> list[Metric]:
@@ -123,4 +125,47 @@ def cache_metrics(pools: list[BlockPool], bs: int, tiers: KVTiers | None) -> lis
             doc="1 while the disk tier's disk is full",
         ),
     ]
+    return out
+
+
+def spec_metrics(stats: SpecStats | None) -> list[Metric]:
+    """Speculative decoding's per-position counters (none without it). vLLM's
+    ``spec_decode_num_accepted_tokens_per_pos`` by position, the drafts verified there, and
+    the confidence head's summed predicted survival: predicted / drafts against accepted /
+    drafts is the head's calibration at that position."""
+    if stats is None:
+        return []
+    out = [
+        Metric(
+            "deepinfer:spec_decode_num_verified_chunks",
+            "counter",
+            stats.verify_steps,
+            doc="Drafted chunks verified (mean acceptance length: (accepted + this) / this)",
+        )
+    ]
+    for j, drafted in enumerate(stats.position_drafted):
+        pos = {"position": str(j)}
+        out += [
+            Metric(
+                "deepinfer:spec_decode_num_drafts_per_pos",
+                "counter",
+                drafted,
+                pos,
+                "Verified chunks with a draft at this position",
+            ),
+            Metric(
+                "deepinfer:spec_decode_num_accepted_tokens_per_pos",
+                "counter",
+                stats.position_survived[j],
+                pos,
+                "Verified chunks whose drafts up to this position were all accepted",
+            ),
+            Metric(
+                "deepinfer:spec_decode_predicted_survival",
+                "counter",
+                stats.position_predicted[j],
+                pos,
+                "The confidence head's predicted survival up to this position, summed over scored chunks",
+            ),
+        ]
     return out

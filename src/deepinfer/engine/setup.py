@@ -35,6 +35,7 @@ from deepinfer.kernels.huge_pages import HugePageArena
 from deepinfer.lora.registry import LoraRegistry
 from deepinfer.models import prepare
 from deepinfer.models.base import CausalLM
+from deepinfer.models.dspark_head import load_head
 from deepinfer.models.llama import LlamaForCausalLM
 from deepinfer.platforms import Platform
 from deepinfer.platforms.cpu import tune_malloc
@@ -270,7 +271,12 @@ def drafter_for(model: CausalLM, config: EngineConfig) -> Drafter | None:
     spec_config = config.speculative_config
     if spec_config is None:
         return None
-    drafter = build_drafter(model, spec_config, config.max_num_seqs)
+    head_draft = None
+    if spec_config.model is not None:  # a separately trained DSpark head beside the target
+        device = next(model.parameters()).device
+        head = load_head(spec_config.model, model.compute_dtype, device)
+        head_draft = model.draft_head(head)
+    drafter = build_drafter(model, spec_config, config.max_num_seqs, head_draft)
     if drafter.window and config.ced_prefill:
         raise ValueError(
             f"speculative_config.method={spec_config.method!r} reads every prompt row's "

@@ -36,6 +36,7 @@ from torch import nn
 
 from deepinfer.errors import CheckpointError
 from deepinfer.models.layers.norms import RMSNorm
+from deepinfer.weights.catalog import resolve_draft_head
 
 ARCHITECTURE = "LlamaDSparkHead"
 CONFIG_FILE = "config.json"
@@ -79,7 +80,9 @@ class DSparkHeadConfig:
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise CheckpointError(f"DSpark head config.json: {name} must be an integer >= 1, got {value!r}")
+                raise CheckpointError(
+                    f"DSpark head config.json: {name} must be an integer >= 1, got {value!r}"
+                )
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError("DSpark head config.json: num_heads must be a multiple of num_kv_heads")
         if self.head_dim % 2:
@@ -234,8 +237,12 @@ def save_head(head: DSparkHead, out: Path) -> None:
     save_file(state, str(out / WEIGHTS_FILE))
 
 
-def load_head(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DSparkHead:
-    """A head saved by ``save_head`` (CheckpointError when the directory is not one)."""
+def load_head(
+    name_or_path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> DSparkHead:
+    """A head saved by ``save_head``, from its directory or a cached head's name
+    (``smollm2-135m-dspark``); CheckpointError when it is not one."""
+    path = resolve_draft_head(name_or_path)
     config_path, weights_path = path / CONFIG_FILE, path / WEIGHTS_FILE
     if not config_path.is_file() or not weights_path.is_file():
         raise CheckpointError(f"{path} is not a DSpark head: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")

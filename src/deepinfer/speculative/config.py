@@ -47,7 +47,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.adaptive must be a bool, got {self.adaptive!r}")
         if self.model is not None:
             if not isinstance(self.model, str) or not self.model:
-                raise ValueError(f"speculative_config.model must be a directory path or name, got {self.model!r}")
+                raise ValueError(
+                    f"speculative_config.model must be a directory path or name, got {self.model!r}"
+                )
             if self.method != "dspark":
                 raise ValueError(
                     f"speculative_config.model names a DSpark head; method={self.method!r} takes none"

@@ -35,6 +35,7 @@ from deepinfer.speculative.schedule import (
     survival,
     threshold_schedule,
 )
+from deepinfer.speculative.stats import SpecStats
 from deepinfer.speculative.verify import DraftedRows, verify
 
 
@@ -106,26 +107,6 @@ def can_draft(req: SequenceState) -> bool:
         or p.frequency_penalty
         or p.logprobs is not None
     )
-
-
-@dataclass
-class SpecStats:
-    """Engine-wide counters (per-request ones live on the Request)."""
-
-    verify_steps: int = 0  # drafted chunks verified
-    drafted: int = 0
-    accepted: int = 0
-    engine_steps: int = 0  # engine steps that verified at least one drafted chunk
-
-    @property
-    def verified_tokens_per_step(self) -> float:
-        """Tokens the target checked per such step (anchors + drafts, over all requests)."""
-        return (self.drafted + self.verify_steps) / self.engine_steps if self.engine_steps else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens emitted per verified chunk (accepted drafts + the final token)."""
-        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
 
 
 # a request's own acceptance history weighs as much as this many trials of the global one
@@ -339,6 +320,10 @@ class SpeculativeDecoder:
             items.append(DraftedRows(req.params, req.generator, list(c.draft), q, logits))
         out = []
         for (c, logits), tokens in zip(drafted, verify(items), strict=True):
+            # a confidence head's scores (DSpark), for the calibration figures
+            model_draft = self.drafts.get(c.request.request_id)
+            confidences = model_draft.confidences if model_draft is not None else None
+            self.stats.record_positions(len(c.draft), len(tokens) - 1, confidences or None)
             self._count(c.request, len(c.draft), len(tokens) - 1)
             anchor = c.end - len(c.draft) - 1
             self._accepted_end[c.request.request_id] = anchor + len(tokens)

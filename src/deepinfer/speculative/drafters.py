@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from deepinfer.models.dspark_head import load_head
 from deepinfer.speculative.config import SpeculativeConfig
 from deepinfer.speculative.drafter import Drafter
 from deepinfer.speculative.dspark import DSparkDrafter
 from deepinfer.speculative.mtp import MtpDrafter
 from deepinfer.speculative.ngram import NgramDrafter
-from deepinfer.weights.catalog import resolve_draft_head
 
 # What each model drafter needs of the checkpoint (its error when the model has none).
 _DRAFT_LAYERS = {
@@ -20,16 +18,16 @@ _DRAFT_LAYERS = {
 }
 
 
-def build_drafter(model: Any, config: SpeculativeConfig, num_slots: int) -> Drafter:
+def build_drafter(model: Any, config: SpeculativeConfig, num_slots: int, head_draft: Any = None) -> Drafter:
     """The drafter ``config.method`` names: n-gram lookup, or a model drafter over the draft
-    layers the target declares (``CausalLM.draft_model``)."""
+    layers the target declares (``CausalLM.draft_model``), or over ``head_draft``: a
+    separately trained DSpark head joined with the target (``CausalLM.draft_head``)."""
     k = config.num_speculative_tokens
     if config.method == "ngram":
         assert k is not None
         return NgramDrafter(k, config.prompt_lookup_min, config.prompt_lookup_max)
-    if config.model is not None:  # a separately trained DSpark head beside the target
-        head = load_head(resolve_draft_head(config.model), model.compute_dtype, next(model.parameters()).device)
-        return DSparkDrafter(model.draft_head(head), num_slots, k)
+    if head_draft is not None:
+        return DSparkDrafter(head_draft, num_slots, k)
     draft = model.draft_model(config.method)
     if draft is None:
         raise ValueError(

@@ -64,6 +64,6 @@ def resolve_draft_head(name_or_path: str | Path) -> Path:
     if not (target / "config.json").is_file():
         raise CheckpointError(
             f"speculative_config.model={str(name_or_path)!r}: no trained head in {target}; train it with "
-            f"`deepinfer train-drafter {DRAFT_HEADS[str(name_or_path)]}` (about an hour on two CPU cores)"
+            f"`deepinfer train-drafter {DRAFT_HEADS[str(name_or_path)]}`"
         )
     return target

@@ -1,0 +1,266 @@
+"""A separately trained DSpark head on a Llama-family target (``speculative_config.model``).
+
+- each proposal equals a dense computation written from the files alone
+  (tests/support/dspark_head_reference.py), batched and alone, with windows that wrap their
+  rings; a head whose two layers' query projections are swapped fails that check;
+- greedy outputs equal plain decoding under random workloads (batching, chunked prefill, a
+  small cache that preempts, prefix hits), with the one-call CPU decode and the layer loop
+  (whose features, and so drafts, are the same);
+- sampled outputs keep the target's distribution (mutation: a verifier accepting everything);
+- the per-position acceptance and calibration figures count what happened;
+- bad heads and configurations are clear errors.
+Training (tests/sampling/test_drafter_training.py) and the trained SmolLM2 head
+(test_trained_smollm2_head.py) have their own files.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+from chi_square import conditional_p_value, exact_next_token
+from dspark_head_reference import HeadReference
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mutations import accept_every_draft
+from safetensors.torch import load_file, save_file
+
+from deepinfer import LLM, CheckpointError, SamplingParams
+from deepinfer.models.dspark_head import DSparkHead, DSparkHeadConfig, load_head, save_head
+from deepinfer.models.loading import load_model
+from deepinfer.speculative.drafter import DraftRequest
+from deepinfer.speculative.dspark import DSparkDrafter
+from deepinfer.speculative.stats import SpecStats
+from deepinfer.tiny import make_tiny_checkpoint
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def random_head(path, target_cfg: dict, seed: int, **shape) -> DSparkHead:
+    """A head with every parameter random (confidence temperatures too), saved at ``path``."""
+    torch.manual_seed(seed)
+    cfg = DSparkHeadConfig(
+        hidden_size=target_cfg["hidden_size"],
+        vocab_size=target_cfg["vocab_size"],
+        **{
+            "target_layer_ids": [1, 2],
+            "num_layers": 2,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 16,
+            "intermediate_size": 48,
+            "block_size": 4,
+            "window": 8,
+            "markov_rank": 8,
+            **shape,
+        },
+    )
+    head = DSparkHead(cfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0.0, 0.3)
+        head.confidence_temperature.uniform_(0.5, 2.0)
+    save_head(head, path)
+    return head
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("head_target"), arch="llama")
+
+
+@pytest.fixture(scope="module")
+def head_dir(target, tmp_path_factory):
+    import json
+
+    path = tmp_path_factory.mktemp("head")
+    random_head(path, json.loads((target / "config.json").read_text()), seed=0)
+    return path
+
+
+def _proposals(target, head_path):
+    """Three sequences' proposals batched and alone after two observed chunks each (21 and 9
+    rows wrap the ring of 8): [(features, ask, batched draft, alone draft)]."""
+    model = load_model(target)
+    drafter = DSparkDrafter(model.draft_head(load_head(head_path)), num_slots=3, num_speculative_tokens=None)
+    gen = torch.Generator().manual_seed(1)
+    width = model.config.hidden_size * len(drafter.feature_layers)
+    lengths, anchors = {0: 21, 2: 5, 1: 9}, {0: 17, 2: 100, 1: 4}
+    feats = {s: torch.randn(p, width, generator=gen) for s, p in lengths.items()}
+    for s, p in lengths.items():
+        drafter.claim(s, f"r{s}")
+        for lo, hi in ((0, p // 2), (p // 2, p)):
+            drafter.observe([s] * (hi - lo), list(range(lo, hi)), feats[s][lo:hi], [0] * (hi - lo))
+    asks = [DraftRequest(s, p, anchors[s], GREEDY, None) for s, p in lengths.items()]
+    batched = drafter.propose(asks)
+    alone = [drafter.propose([ask])[0] for ask in asks]
+    return [(feats[a.slot], a, d, o) for a, d, o in zip(asks, batched, alone, strict=True)]
+
+
+def _close(got: list[float], want: list[float]) -> bool:
+    return torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_proposals_equal_the_reference_computation(target, head_dir):
+    ref = HeadReference(head_dir, target)
+    for feats, ask, draft, alone in _proposals(target, head_dir):
+        tokens, conf = ref.propose(feats, ask.anchor_token, ask.anchor_pos)
+        assert draft.tokens == alone.tokens == tokens
+        assert _close(draft.confidences, conf) and _close(alone.confidences, conf)
+
+
+@torch.inference_mode()
+def test_the_reference_check_fails_on_swapped_layers(target, head_dir, tmp_path):
+    """Mutation check of the test above: the two layers' query projections swapped in the file."""
+    shutil.copy(head_dir / "config.json", tmp_path / "config.json")
+    state = load_file(str(head_dir / "model.safetensors"))
+    a, b = "layers.0.q_proj.weight", "layers.1.q_proj.weight"
+    state[a], state[b] = state[b], state[a]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    ref = HeadReference(head_dir, target)
+    for feats, ask, draft, _ in _proposals(target, tmp_path):
+        _, conf = ref.propose(feats, ask.anchor_token, ask.anchor_pos)
+        assert not _close(draft.confidences, conf)
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 10_000),
+    n=st.integers(1, 6),
+    budget=st.sampled_from([16, 40, 256]),
+    blocks=st.sampled_from([None, 20]),
+    k=st.sampled_from([None, 2]),
+)
+def test_greedy_outputs_equal_plain_decoding(target, head_dir, seed, n, budget, blocks, k):
+    """Random prompts (some sharing a prefix: cache hits leave the ring without those rows)
+    with chunked prefill and, with 20 blocks, preemption."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(2, 258) for _ in range(rng.randrange(0, 20))]
+    prompts = [shared + [rng.randrange(2, 258) for _ in range(rng.randrange(1, 24))] for _ in range(n)]
+    max_tokens = rng.randrange(4, 30)
+    options = {"max_num_batched_tokens": budget, "block_size": 4, "max_num_seqs": 4}
+    if blocks is not None:
+        options["num_cache_blocks"] = blocks
+    plain = _greedy(LLM(target, **options), prompts, max_tokens)
+    spec = {"method": "dspark", "model": str(head_dir), "adaptive": False, "num_speculative_tokens": k}
+    llm = LLM(target, speculative_config=spec, **options)
+    assert _greedy(llm, prompts, max_tokens) == plain
+    assert llm.engine.spec.stats.verify_steps > 0
+    assert llm.engine.block_pools[0].num_free == llm.engine.num_blocks
+
+
+def test_the_one_call_decode_hands_the_head_the_layer_loops_features(target, head_dir):
+    """The one-call CPU stack, run in segments between the head's layers, gives the same
+    features as the layer loop: the same drafts, acceptances and rings."""
+    prompts = [[5, 6, 7, 8, 9] * 3, [11, 12, 13], list(range(40, 70))]
+    spec = {"method": "dspark", "model": str(head_dir), "adaptive": False}
+    runs = []
+    for one_call in (True, False):
+        llm = LLM(target, speculative_config=spec, max_num_seqs=4, enable_prefix_caching=False)
+        forward = llm.engine.runner.forward
+        assert getattr(forward, "stack", None) is not None
+        if not one_call:
+            forward.stack = None
+        outs = _greedy(llm, prompts, 20)
+        s = llm.engine.spec.stats
+        runs.append((outs, s.drafted, s.accepted, llm.engine.spec.drafter.ring.kv.clone()))
+    (a, da, aa, ring_a), (b, db, ab, ring_b) = runs
+    assert a == b and (da, aa) == (db, ab)
+    torch.testing.assert_close(ring_a, ring_b, rtol=1e-5, atol=1e-5)
+
+
+def _sampled_p_value(target, head_dir, broken: bool, monkeypatch) -> tuple[float, SpecStats]:
+    n, temperature, prompt = 600, 0.7, [7, 9, 11, 13] * 3
+    if broken:  # mutation: every draft accepted
+        accept_every_draft(monkeypatch)
+    params = [
+        SamplingParams(max_tokens=3, temperature=temperature, seed=s, ignore_eos=True) for s in range(n)
+    ]
+    spec = {"method": "dspark", "model": str(head_dir), "num_speculative_tokens": 2, "adaptive": False}
+    llm = LLM(target, max_num_seqs=64, speculative_config=spec)
+    outs = [o.outputs[0].token_ids for o in llm.generate([prompt] * n, params, use_tqdm=False)]
+    p, used = conditional_p_value(outs, (1, 2), exact_next_token(target, prompt, temperature))
+    assert used >= n // 3, f"only {used} samples fell in groups large enough to test"
+    return p, llm.engine.spec.stats
+
+
+def test_sampled_tokens_keep_the_target_distribution(target, head_dir, monkeypatch):
+    p, stats = _sampled_p_value(target, head_dir, False, monkeypatch)
+    assert 0 < stats.accepted < stats.drafted
+    assert p > 1e-3, p
+
+
+def test_a_verifier_accepting_everything_fails(target, head_dir, monkeypatch):
+    p, _ = _sampled_p_value(target, head_dir, True, monkeypatch)
+    assert p < 1e-6, p
+
+
+def test_position_figures_count_what_was_verified(target, head_dir):
+    """Acceptance by position and calibration from the engine equal a recount of its own
+    verified chunks; ``get_metrics`` reports the same counters."""
+    spec = {"method": "dspark", "model": str(head_dir), "adaptive": False}
+    llm = LLM(target, speculative_config=spec, max_num_seqs=4)
+    seen: list[tuple[int, int, list[float] | None]] = []
+    record = llm.engine.spec.stats.record_positions
+
+    def spy(drafted, accepted, confidences):
+        seen.append((drafted, accepted, confidences))
+        record(drafted, accepted, confidences)
+
+    llm.engine.spec.stats.record_positions = spy
+    _greedy(llm, [[5, 6, 7, 8, 9] * 3, [11, 12, 13], list(range(40, 60))], 24)
+    s = llm.engine.spec.stats
+    assert seen and all(c is not None and len(c) >= d for d, _, c in seen)
+    k = max(d for d, _, _ in seen)
+    for j in range(k):
+        drafted = [(d, a, c) for d, a, c in seen if d > j]
+        assert s.position_drafted[j] == len(drafted)
+        assert s.position_survived[j] == sum(a > j for _, a, _ in drafted)
+        tested = [a for _, a, _ in drafted if a >= j]
+        rate = sum(a > j for a in tested) / len(tested) if tested else 0.0
+        assert s.acceptance_by_position[j] == pytest.approx(rate)
+        predicted = sum(float(torch.tensor(c[: j + 1]).prod()) for _, _, c in drafted) / len(drafted)
+        assert s.calibration[j][0] == pytest.approx(predicted, rel=1e-6)
+        assert s.calibration[j][1] == pytest.approx(s.position_survived[j] / len(drafted))
+    metrics = {(m.name, m.labels.get("position")): m.value for m in llm.get_metrics()}
+    assert metrics[("deepinfer:spec_decode_num_accepted_tokens_per_pos", "0")] == s.position_survived[0]
+    assert metrics[("deepinfer:spec_decode_num_drafts_per_pos", "0")] == s.position_drafted[0]
+    assert metrics[("deepinfer:spec_decode_num_verified_chunks", None)] == s.verify_steps
+
+
+def test_bad_heads_and_configurations_are_clear_errors(target, head_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_CACHE", str(tmp_path / "empty_cache"))
+    with pytest.raises(ValueError, match="speculative_config.model names a DSpark head"):
+        LLM(target, speculative_config={"method": "ngram", "model": str(head_dir)})
+    with pytest.raises(CheckpointError, match="is not a DSpark head"):
+        LLM(target, speculative_config={"method": "dspark", "model": str(tmp_path)})
+    import json
+
+    raw = json.loads((head_dir / "config.json").read_text())
+    for field, value, message in [
+        ("hidden_size", 128, "trained for hidden_size=128"),
+        ("target_layer_ids", [1, 3], r"reads layers \[3\]"),
+        ("target_layer_ids", [2, 1], "must increase"),
+        ("num_heads", 3, "multiple of num_kv_heads"),
+        ("block_size", 0, "block_size must be an integer >= 1"),
+    ]:
+        bad = tmp_path / f"bad_{field}_{value}"
+        bad.mkdir()
+        shutil.copy(head_dir / "model.safetensors", bad / "model.safetensors")
+        (bad / "config.json").write_text(json.dumps({**raw, field: value}))
+        with pytest.raises(CheckpointError, match=message):
+            LLM(target, speculative_config={"method": "dspark", "model": str(bad)})
+    with pytest.raises(CheckpointError, match="train-drafter smollm2-135m"):
+        LLM(target, speculative_config={"method": "dspark", "model": "smollm2-135m-dspark"})
+    v41 = make_tiny_checkpoint(tmp_path / "v41", arch="deepseek_v41")
+    with pytest.raises(ValueError, match="drafts with the layers of its own checkpoint"):
+        LLM(v41, speculative_config={"method": "dspark", "model": str(head_dir)})
