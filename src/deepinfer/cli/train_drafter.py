@@ -25,6 +25,12 @@ def add_train_drafter_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-layers", type=int, default=2, help="draft layers")
     p.add_argument("--block-size", type=int, default=5, help="draft tokens per proposal")
     p.add_argument("--markov-rank", type=int, default=32)
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="draft from this many of the replies' most frequent tokens (0: all; default 8192 for large vocabularies)",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -80,6 +86,7 @@ def train_drafter(args: argparse.Namespace) -> int:
             "num_layers": args.num_layers,
             "block_size": args.block_size,
             "markov_rank": args.markov_rank,
+            **({} if args.draft_vocab is None else {"draft_vocab_size": args.draft_vocab}),
         },
         plot=Path(args.plot) if args.plot else None,
     )

@@ -117,6 +117,29 @@ def train_head(
     return result
 
 
+def draft_vocabulary(data: DistillSet, size: int) -> torch.Tensor:
+    """The ``size`` tokens most frequent in the replies of ``data``, most frequent first (ties:
+    the lower id; tokens never seen fill the rest by id)."""
+    counts = torch.zeros(int(data.tokens.max()) + 1, dtype=torch.long)
+    for s in range(data.num_sequences):
+        rows = data.sequence(s)
+        counts += torch.bincount(data.tokens[rows][int(data.reply_starts[s]) :], minlength=counts.numel())
+    order = sorted(range(counts.numel()), key=lambda t: (-int(counts[t]), t))
+    return torch.tensor(order[:size], dtype=torch.long)
+
+
+def reply_coverage(data: DistillSet, vocab: torch.Tensor) -> float:
+    """Share of the reply tokens of ``data`` inside ``vocab``."""
+    inside = torch.zeros(int(max(int(data.tokens.max()), int(vocab.max()))) + 1, dtype=torch.bool)
+    inside[vocab] = True
+    hits = total = 0
+    for s in range(data.num_sequences):
+        reply = data.tokens[data.sequence(s)][int(data.reply_starts[s]) :]
+        hits += int(inside[reply].sum())
+        total += reply.numel()
+    return hits / total if total else 0.0
+
+
 @torch.no_grad()
 def free_running(
     head: DSparkHead, data: DistillSet, embed: torch.Tensor, output: torch.Tensor, max_blocks: int = 4000
@@ -136,6 +159,10 @@ def free_running(
             F.embedding(blocks.anchors, embed), blocks.positions, windows, blocks.visible
         )
         base = F.linear(head.norm(hidden), output).float()
+        if hasattr(head, "draft_vocab"):  # drafts come from the draft vocabulary only
+            outside = torch.ones(base.shape[-1], dtype=torch.bool)
+            outside[head.draft_vocab] = False
+            base[..., outside] = float("-inf")
         target = F.linear(data.final[blocks.target_rows], output).float().argmax(-1)
         prev, drafts, embeds = blocks.anchors, [], []
         for k in range(g):

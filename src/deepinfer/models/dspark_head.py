@@ -58,6 +58,11 @@ class DSparkHeadConfig:
     block_size: int = 5  # draft tokens per proposal (the anchor's row predicts the first)
     window: int = 128  # context positions each draft attends to
     markov_rank: int = 32
+    # drafts come from the most frequent tokens of the training replies only (0: every token):
+    # the draft's logits then read that many rows of the shared head instead of the whole
+    # vocabulary, as EAGLE-3's and FR-Spec's draft vocabularies do; exactness is unchanged
+    # (a token outside it has draft probability 0)
+    draft_vocab_size: int = 0
     rms_norm_eps: float = 1e-5
     rope_theta: float = 100000.0
     # what the head was trained for: the target's name, its layer count, the recipe's figures
@@ -77,6 +82,10 @@ class DSparkHeadConfig:
             "window",
             "markov_rank",
         )
+        if not isinstance(self.draft_vocab_size, int) or not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise CheckpointError(
+                f"DSpark head config.json: draft_vocab_size must be in [0, vocab_size], got {self.draft_vocab_size!r}"
+            )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -176,6 +185,8 @@ class DSparkHead(nn.Module):
         self.confidence_head = nn.Linear(d + cfg.markov_rank, 1, bias=True)
         # Sequential temperature scaling of the confidence logits (one per block row)
         self.register_buffer("confidence_temperature", torch.ones(cfg.block_size))
+        if cfg.draft_vocab_size:  # the token ids drafts may take, most frequent first
+            self.register_buffer("draft_vocab", torch.arange(cfg.draft_vocab_size))
 
     def window_kv(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Every layer's ring entries [layers, N, kv_dim] from target features [N, m * d]."""
@@ -273,11 +284,22 @@ class LlamaDSparkDraft:
     noise_token_id = 0  # block rows after the anchor embed as the head's noise vector instead
 
     def __init__(
-        self, head: DSparkHead, embed: nn.Embedding, output: Callable[[torch.Tensor], torch.Tensor]
+        self,
+        head: DSparkHead,
+        embed: nn.Embedding,
+        output: Callable[[torch.Tensor], torch.Tensor],
+        output_weight: torch.Tensor,
     ) -> None:
-        """``output``: the target's head over normed hidden rows [N, d] -> logits [N, V]."""
+        """``output``: the target's head over normed hidden rows [N, d] -> logits [N, V], and
+        its weight [V, d] (whose draft-vocabulary rows a head with one reads instead)."""
         cfg = head.config
         self.head, self.embed, self.output = head, embed, output
+        # a draft vocabulary: logits over its tokens only (the head's and the Markov head's rows)
+        self.vocab: torch.Tensor | None = getattr(head, "draft_vocab", None)
+        self.vocab_size = output_weight.shape[0]
+        if self.vocab is not None:
+            self.vocab_out = output_weight.detach()[self.vocab].contiguous()
+            self.vocab_markov = head.markov_head.weight.detach()[self.vocab].contiguous()
         self.block_size, self.window, self.kv_dim = cfg.block_size, cfg.window, cfg.kv_dim
         self.feature_layers = tuple(cfg.target_layer_ids)
         self.dtype = head.main_proj.weight.dtype
@@ -300,11 +322,20 @@ class LlamaDSparkDraft:
         return hidden.flatten(0, 1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of hidden rows: the head's norm, then the target's output projection."""
-        return self.output(self.head.norm(hidden)).float()
+        """fp32 logits of hidden rows (over the draft vocabulary where the head has one): the
+        head's norm, then the target's output projection."""
+        normed = self.head.norm(hidden)
+        if self.vocab is not None:
+            return F.linear(normed, self.vocab_out).float()
+        return self.output(normed).float()
 
     def markov(self, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.head.markov(prev)
+        """The Markov bias after tokens ``prev`` (full-vocabulary ids), over the columns
+        ``logits`` gives, and the tokens' rank-r embeddings."""
+        if self.vocab is None:
+            return self.head.markov(prev)
+        embed = self.head.markov_embed(prev)
+        return F.linear(embed, self.vocab_markov).float(), embed
 
     def confidence(self, hidden: torch.Tensor, markov_embeds: torch.Tensor) -> torch.Tensor:
         return self.head.confidence(hidden, markov_embeds)

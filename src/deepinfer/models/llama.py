@@ -221,7 +221,7 @@ class LlamaForCausalLM(CausalLM):
         check_target(head.config, cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers)
         if self.vocab_parallel is not None:
             raise ValueError("speculative_config.model: a DSpark head runs on one rank")
-        return LlamaDSparkDraft(head, self.model.embed_tokens, self.head_rows)
+        return LlamaDSparkDraft(head, self.model.embed_tokens, self.head_rows, self.head.weight_and_bias()[0])
 
     def head_rows(self, h: torch.Tensor) -> torch.Tensor:
         """The output projection of normed rows ``h`` [N, d] in the engine's form of the weight."""

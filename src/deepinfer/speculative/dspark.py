@@ -114,10 +114,14 @@ class DSparkDrafter:
         logits = draft.logits(hidden).view(b, g, -1)
         prev = anchors
         tokens, qs, embeds = [], [], []
+        vocab = getattr(draft, "vocab", None)  # a draft vocabulary: logits' columns are its tokens
         for i in range(self.num_draft_tokens):
             bias, embed = draft.markov(prev)
             logits[:, i] += bias
             prev, q = sample_drafts(logits[:, i], requests)
+            if vocab is not None:
+                prev = vocab[prev]
+                q = [None if row is None else full_distribution(row, vocab, draft.vocab_size) for row in q]
             tokens.append(prev)
             qs.append(q)
             embeds.append(embed)
@@ -130,3 +134,8 @@ class DSparkDrafter:
             q_rows = None if r.params.greedy else torch.stack([qs[j][i] for j in range(k)])
             out.append(Draft(r.anchor_pos, drafted[i], q_rows, confidences[i]))
         return out
+
+
+def full_distribution(q: torch.Tensor, vocab: torch.Tensor, size: int) -> torch.Tensor:
+    """A draft distribution over ``vocab``'s tokens as one over the whole vocabulary."""
+    return torch.zeros(size, dtype=q.dtype, device=q.device).index_copy_(0, vocab, q)
