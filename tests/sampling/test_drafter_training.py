@@ -24,7 +24,15 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.cli import main as cli
 from deepinfer.drafter_training import train as training
 from deepinfer.drafter_training.dataset import DistillSet
-from deepinfer.drafter_training.recipe import DATA_FILE, LOG_FILE, default_layers, train_drafter
+from deepinfer.drafter_training.objective import target_view
+from deepinfer.drafter_training.recipe import (
+    DATA_FILE,
+    LOG_FILE,
+    default_layers,
+    restrict,
+    target_rows,
+    train_drafter,
+)
 from deepinfer.drafter_training.train import TrainOptions, evaluate, expected_calibration_error
 from deepinfer.models.dspark_head import DSparkHead, DSparkHeadConfig
 from deepinfer.models.loading import load_model
@@ -34,7 +42,7 @@ SHAPE = {
     "num_heads": 4,
     "num_kv_heads": 2,
     "head_dim": 16,
-    "intermediate_size": 64,
+    "intermediate_size": 128,
     "window": 16,
     "markov_rank": 8,
 }
@@ -71,18 +79,23 @@ def test_training_learns_to_draft(target, trained):
     log = json.loads((out / LOG_FILE).read_text())["log"]
     assert log[-1]["loss"] < 0.8 * log[0]["loss"]
     data = DistillSet.load(out / DATA_FILE)
-    held = data.subset(list(range(data.num_sequences - summary["held_out_sequences"], data.num_sequences)))
+    held_ids = list(range(data.num_sequences - summary["held_out_sequences"], data.num_sequences))
     model = load_model(target)
     embed, output = model.model.embed_tokens.weight.detach(), model.head.weight_and_bias()[0]
+    view = target_view(data, embed, output, torch.arange(output.shape[0]))
     raw = json.loads((out / "config.json").read_text())
     raw.pop("architecture")
-    cfg = DSparkHeadConfig(**raw)
     torch.manual_seed(0)
-    untrained = evaluate(
-        DSparkHead(cfg).eval().requires_grad_(False), held, embed, output, fit_temperatures=False
+    untrained = DSparkHead(DSparkHeadConfig(**raw)).eval().requires_grad_(False)
+    held = data.subset(held_ids)
+    untrained_eval = evaluate(
+        untrained, held, restrict(view, target_rows(data, held_ids)), fit_temperatures=False
     )
     trained_tokens = summary["held_out_calibrated"]["tokens_per_step"]
-    assert trained_tokens > untrained.tokens_per_step + 0.3, (trained_tokens, untrained.tokens_per_step)
+    assert trained_tokens > untrained_eval.tokens_per_step + 0.3, (
+        trained_tokens,
+        untrained_eval.tokens_per_step,
+    )
 
 
 def _miscalibrated(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ Training (tests/sampling/test_drafter_training.py) and the trained SmolLM2 head
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 
@@ -62,6 +63,8 @@ def random_head(path, target_cfg: dict, seed: int, **shape) -> DSparkHead:
         for p in head.parameters():
             p.normal_(0.0, 0.3)
         head.confidence_temperature.uniform_(0.5, 2.0)
+        if cfg.draft_vocab_size:
+            head.draft_vocab.copy_(torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size])
     save_head(head, path)
     return head
 
@@ -71,12 +74,13 @@ def target(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("head_target"), arch="llama")
 
 
-@pytest.fixture(scope="module")
-def head_dir(target, tmp_path_factory):
-    import json
-
+@pytest.fixture(scope="module", params=[0, 96], ids=["full_vocab", "draft_vocab"])
+def head_dir(target, tmp_path_factory, request):
+    """A random head drafting from the whole vocabulary, and one from 96 random tokens."""
     path = tmp_path_factory.mktemp("head")
-    random_head(path, json.loads((target / "config.json").read_text()), seed=0)
+    random_head(
+        path, json.loads((target / "config.json").read_text()), seed=0, draft_vocab_size=request.param
+    )
     return path
 
 
@@ -243,15 +247,13 @@ def test_bad_heads_and_configurations_are_clear_errors(target, head_dir, tmp_pat
         LLM(target, speculative_config={"method": "ngram", "model": str(head_dir)})
     with pytest.raises(CheckpointError, match="is not a DSpark head"):
         LLM(target, speculative_config={"method": "dspark", "model": str(tmp_path)})
-    import json
-
     raw = json.loads((head_dir / "config.json").read_text())
     for field, value, message in [
-        ("hidden_size", 128, "trained for hidden_size=128"),
         ("target_layer_ids", [1, 3], r"reads layers \[3\]"),
         ("target_layer_ids", [2, 1], "must increase"),
         ("num_heads", 3, "multiple of num_kv_heads"),
         ("block_size", 0, "block_size must be an integer >= 1"),
+        ("draft_vocab_size", 10**6, r"draft_vocab_size must be in \[0, vocab_size\]"),
     ]:
         bad = tmp_path / f"bad_{field}_{value}"
         bad.mkdir()
@@ -259,8 +261,45 @@ def test_bad_heads_and_configurations_are_clear_errors(target, head_dir, tmp_pat
         (bad / "config.json").write_text(json.dumps({**raw, field: value}))
         with pytest.raises(CheckpointError, match=message):
             LLM(target, speculative_config={"method": "dspark", "model": str(bad)})
+    random_head(tmp_path / "wide", {"hidden_size": 128, "vocab_size": raw["vocab_size"]}, seed=1)
+    with pytest.raises(CheckpointError, match="trained for hidden_size=128"):
+        LLM(target, speculative_config={"method": "dspark", "model": str(tmp_path / "wide")})
     with pytest.raises(CheckpointError, match="train-drafter smollm2-135m"):
         LLM(target, speculative_config={"method": "dspark", "model": "smollm2-135m-dspark"})
     v41 = make_tiny_checkpoint(tmp_path / "v41", arch="deepseek_v41")
     with pytest.raises(ValueError, match="drafts with the layers of its own checkpoint"):
         LLM(v41, speculative_config={"method": "dspark", "model": str(head_dir)})
+
+
+def test_the_server_reports_the_position_figures(target, head_dir):
+    """``/metrics`` carries the per-position counters, equal to the engine's own."""
+    import httpx
+    from live_server import LiveServer
+
+    from deepinfer.server.app import build_app
+
+    spec = {"method": "dspark", "model": str(head_dir), "adaptive": False}
+    llm = LLM(target, speculative_config=spec, max_num_seqs=4)
+    live = LiveServer(build_app(llm, "tiny"))
+    try:
+        body = {"model": "tiny", "prompt": [5, 6, 7, 8, 9] * 3, "max_tokens": 16, "temperature": 0.0}
+        assert httpx.post(f"{live.url}/v1/completions", json=body, timeout=60).status_code == 200
+        text = httpx.get(f"{live.url}/metrics").text
+    finally:
+        live.stop()
+    s = llm.engine.spec.stats
+    assert s.verify_steps > 0
+    for name, value in [
+        (
+            'deepinfer:spec_decode_num_drafts_per_pos_total{model_name="tiny",position="0"}',
+            s.position_drafted[0],
+        ),
+        (
+            'deepinfer:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}',
+            s.position_survived[0],
+        ),
+        ('deepinfer:spec_decode_num_verified_chunks_total{model_name="tiny"}', s.verify_steps),
+    ]:
+        line = next(row for row in text.splitlines() if row.startswith(name + " "))
+        assert float(line.split()[-1]) == value
+    assert 'deepinfer:spec_decode_predicted_survival_total{model_name="tiny",position="0"}' in text

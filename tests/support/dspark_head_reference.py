@@ -5,7 +5,7 @@ Reads the head's ``config.json`` and ``model.safetensors`` and the target's embe
 sequence's proposal loop by loop: the context rows' keys and values from the projected target
 features, each block row attending head by head to the context window and the whole block,
 the layers' SwiGLU, the norm and the target's head, then left to right the Markov bigram bias,
-the argmax draft and the calibrated confidence of ``[h_k ; markov_embed(prev)]``.
+the argmax draft (over the draft vocabulary where the head has one) and the calibrated confidence of ``[h_k ; markov_embed(prev)]``.
 """
 
 from __future__ import annotations
@@ -99,7 +99,12 @@ class HeadReference:
         prev, tokens, conf = anchor, [], []
         for i in range(g):
             m = w["markov_embed.weight"][prev]
-            tok = int(torch.argmax(logits[i] + w["markov_head.weight"] @ m))
+            row = logits[i] + w["markov_head.weight"] @ m
+            if "draft_vocab" in w:  # drafts only from the draft vocabulary
+                vocab = w["draft_vocab"]
+                tok = int(vocab[torch.argmax(row[vocab])])
+            else:
+                tok = int(torch.argmax(row))
             z = w["confidence_head.weight"][0] @ torch.cat([x[i], m]) + w["confidence_head.bias"][0]
             conf.append(float(torch.sigmoid(z / w["confidence_temperature"][i])))
             tokens.append(tok)

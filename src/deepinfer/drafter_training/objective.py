@@ -7,7 +7,8 @@ the tokens at ``a + 1 .. a + g``. Row ``k`` is scored three ways, each weighted 
 
 - cross entropy against the data's token (the Markov head teacher-forced with the data's
   previous token);
-- the total variation distance between the draft's and the target's distributions;
+- the total variation distance between the draft's and the target's distributions (the
+  draft's over its draft vocabulary, the target's exact, from its full log-normaliser);
 - the confidence head's binary cross entropy against the chance that row ``k`` survives
   verification given the rows before it did: ``1 - TV`` for sampled decoding (the paper's soft
   label), or whether the draft's argmax is the target's for greedy decoding.
@@ -98,47 +99,85 @@ def cut_blocks(
 
 
 @dataclass
+class TargetView:
+    """What training reads of the target: its frozen embedding [V, d], the rows of its output
+    projection for the draft vocabulary ``vocab`` [S] (every token when the head has none),
+    and per data row the log-normaliser [N] and argmax [N] of its full distribution (so the
+    vocabulary's probabilities are exact without the whole head in every step)."""
+
+    embed: torch.Tensor
+    vocab: torch.Tensor
+    vocab_out: torch.Tensor
+    lse: torch.Tensor
+    top: torch.Tensor
+    slot: torch.Tensor  # [V] each token's index in ``vocab`` (-1: outside it)
+
+
+@torch.no_grad()
+def target_view(
+    data: DistillSet, embed: torch.Tensor, output: torch.Tensor, vocab: torch.Tensor
+) -> TargetView:
+    """The target's normalisers and argmaxes over every row of ``data`` (chunked)."""
+    lse, top = [], []
+    for rows in torch.split(data.final, 2048):
+        logits = F.linear(rows, output).float()
+        lse.append(torch.logsumexp(logits, dim=-1))
+        top.append(logits.argmax(dim=-1))
+    slot = torch.full((output.shape[0],), -1, dtype=torch.long)
+    slot[vocab] = torch.arange(vocab.numel())
+    return TargetView(embed, vocab, output[vocab].contiguous(), torch.cat(lse), torch.cat(top), slot)
+
+
+@dataclass
 class BlockOutputs:
-    """The head's outputs on a batch of blocks (teacher-forced Markov rows)."""
+    """The head's outputs on a batch of blocks (teacher-forced Markov rows), over the draft
+    vocabulary."""
 
     hidden: torch.Tensor  # [A, g, d]
-    draft_logits: torch.Tensor  # [A, g, V] with the Markov bias
+    draft_logits: torch.Tensor  # [A, g, S] with the Markov bias
     markov_embeds: torch.Tensor  # [A, g, r]
-    target_logits: torch.Tensor  # [A, g, V] (no gradient)
+    target_log_probs: torch.Tensor  # [A, g, S] the target's exact log-probabilities (no gradient)
 
 
-def run_blocks(
-    head: DSparkHead, data: DistillSet, blocks: Blocks, embed: torch.Tensor, output: torch.Tensor
-) -> BlockOutputs:
-    """The head over ``blocks`` as a serving drafter runs it (``window_kv``, ``block_hidden``),
-    with the target's frozen embedding ``embed`` [V, d] and output projection ``output`` [V, d]."""
+def run_blocks(head: DSparkHead, data: DistillSet, blocks: Blocks, target: TargetView) -> BlockOutputs:
+    """The head over ``blocks`` as a serving drafter runs it (``window_kv``, ``block_hidden``)."""
     ring = head.window_kv(data.features[blocks.ctx_rows], blocks.ctx_positions)  # [layers, P, kv]
     windows = [layer_ring[blocks.window_index] for layer_ring in ring]
-    hidden = head.block_hidden(F.embedding(blocks.anchors, embed), blocks.positions, windows, blocks.visible)
-    bias, markov_embeds = head.markov(blocks.prev)
-    draft = F.linear(head.norm(hidden), output).float() + bias
+    anchors = F.embedding(blocks.anchors, target.embed)
+    hidden = head.block_hidden(anchors, blocks.positions, windows, blocks.visible)
+    markov_embeds = head.markov_embed(blocks.prev)
+    bias = F.linear(markov_embeds, head.markov_head.weight[target.vocab]).float()
+    draft = F.linear(head.norm(hidden), target.vocab_out).float() + bias
     with torch.no_grad():
-        target = F.linear(data.final[blocks.target_rows], output).float()
-    return BlockOutputs(hidden, draft, markov_embeds, target)
+        rows = blocks.target_rows
+        target_logits = F.linear(data.final[rows], target.vocab_out).float()
+        target_log_probs = target_logits - target.lse[rows].unsqueeze(-1)
+    return BlockOutputs(hidden, draft, markov_embeds, target_log_probs)
 
 
 def block_loss(
-    head: DSparkHead, out: BlockOutputs, blocks: Blocks, greedy_confidence: bool
+    head: DSparkHead, out: BlockOutputs, blocks: Blocks, target: TargetView, greedy_confidence: bool
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The weighted loss and its parts (and the argmax agreement of each row, teacher-forced)."""
+    """The weighted loss and its parts (and the argmax agreement of each row, teacher-forced).
+    Tokens outside the draft vocabulary count as mass the draft cannot have (total variation)
+    and as rows the cross entropy skips."""
     g = blocks.positions.shape[1]
     weight = torch.exp(-torch.arange(g, dtype=torch.float32) / DECAY) * blocks.valid
     total = weight.sum().clamp(min=1.0)
     log_q = F.log_softmax(out.draft_logits, dim=-1)
-    p = F.softmax(out.target_logits, dim=-1)
-    ce = F.nll_loss(log_q.flatten(0, 1), blocks.labels.clamp(min=0).flatten(), reduction="none").view_as(
-        weight
+    p = out.target_log_probs.exp()
+    label = target.slot[blocks.labels.clamp(min=0)]
+    known = (label >= 0) & blocks.valid
+    ce = (
+        F.nll_loss(log_q.flatten(0, 1), label.clamp(min=0).flatten(), reduction="none").view_as(weight)
+        * known
     )
-    tv = 0.5 * (log_q.exp() - p).abs().sum(dim=-1)
-    agree = (out.draft_logits.argmax(-1) == out.target_logits.argmax(-1)).float()
-    label = agree if greedy_confidence else (1.0 - tv).detach()
+    tv = 0.5 * ((log_q.exp() - p).abs().sum(dim=-1) + (1.0 - p.sum(dim=-1)).clamp(min=0.0))
+    drafted = target.vocab[out.draft_logits.argmax(-1)]
+    agree = (drafted == target.top[blocks.target_rows]).float()
+    conf_label = agree if greedy_confidence else (1.0 - tv).detach()
     conf = F.binary_cross_entropy_with_logits(
-        head.confidence_logits(out.hidden, out.markov_embeds), label.clamp(0.0, 1.0), reduction="none"
+        head.confidence_logits(out.hidden, out.markov_embeds), conf_label.clamp(0.0, 1.0), reduction="none"
     )
     parts = {"ce": ce, "tv": tv, "confidence": conf}
     loss = (weight * (CE_WEIGHT * ce + TV_WEIGHT * tv + CONFIDENCE_WEIGHT * conf)).sum() / total

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from deepinfer.drafter_training.dataset import DistillSet, generate_replies, target_features
+from deepinfer.drafter_training.objective import TargetView, target_view
 from deepinfer.drafter_training.prompts import chat_prompts
 from deepinfer.drafter_training.train import (
     TrainOptions,
@@ -66,6 +68,38 @@ def distill_data(model: Path, out: Path, settings: dict[str, Any], layers: list[
     return data
 
 
+def target_rows(data: DistillSet, sequences: list[int]) -> torch.Tensor:
+    """The rows of ``data`` that ``data.subset(sequences)`` holds, in its order."""
+    return torch.cat([torch.arange(data.sequence(s).start, data.sequence(s).stop) for s in sequences])
+
+
+def restrict(target: TargetView, rows: torch.Tensor) -> TargetView:
+    """``target``'s per-row figures for a subset's rows."""
+    return dataclasses.replace(target, lse=target.lse[rows], top=target.top[rows])
+
+
+def last_layers(model: torch.nn.Module, count: int) -> list[dict[str, torch.Tensor]]:
+    """The weights of the target's last ``count`` decoder layers, for the draft layers to
+    start from (Llama names)."""
+    out = []
+    for layer in list(model.model.layers)[-count:]:
+        attn, mlp = layer.self_attn, layer.mlp
+        out.append(
+            {
+                "q": attn.q_proj.weight.detach(),
+                "k": attn.k_proj.weight.detach(),
+                "v": attn.v_proj.weight.detach(),
+                "o": attn.o_proj.weight.detach(),
+                "gate": mlp.gate_proj.weight.detach(),
+                "up": mlp.up_proj.weight.detach(),
+                "down": mlp.down_proj.weight.detach(),
+                "norm1": layer.input_layernorm.weight.detach(),
+                "norm2": layer.post_attention_layernorm.weight.detach(),
+            }
+        )
+    return out
+
+
 def plot_losses(log: list[dict[str, float]], out: Path, title: str) -> None:
     """The loss and row-0 agreement curves as a PNG."""
     import matplotlib
@@ -110,12 +144,17 @@ def train_drafter(
     options = options or TrainOptions()
     path = resolve_model(model)
     raw = load_config_json(path)
-    hidden, vocab, num_layers = raw["hidden_size"], raw["vocab_size"], raw["num_hidden_layers"]
+    hidden, vocab_size, num_layers = raw["hidden_size"], raw["vocab_size"], raw["num_hidden_layers"]
     layers = layers or default_layers(num_layers)
-    shape = {"draft_vocab_size": default_draft_vocab(vocab), **(head_shape or {})}
-    cfg = DSparkHeadConfig(hidden, vocab, list(layers), **shape)
+    shape = {
+        "draft_vocab_size": default_draft_vocab(vocab_size),
+        "rope_theta": float(raw.get("rope_theta", 10000.0)),
+        "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-5)),
+        **(head_shape or {}),
+    }
+    cfg = DSparkHeadConfig(hidden, vocab_size, list(layers), **shape)
     cfg.validate()
-    check_target(cfg, hidden, vocab, num_layers)
+    check_target(cfg, hidden, vocab_size, num_layers)
     settings = {
         "model": str(model),
         "prompts": prompts,
@@ -127,19 +166,23 @@ def train_drafter(
     data = distill_data(path, out, settings, list(layers))
     # held out: the last greedy replies (the first sampled_fraction of the prompts are sampled)
     n_held = max(1, int(round(held_out_fraction * data.num_sequences)))
-    held = data.subset(list(range(data.num_sequences - n_held, data.num_sequences)))
-    train = data.subset(list(range(data.num_sequences - n_held)))
-    target = load_model(path)
-    embed = target.model.embed_tokens.weight.detach()
-    output = target.head.weight_and_bias()[0]
-    result = train_head(train, cfg, embed, output, options)
-    coverage = None
-    if cfg.draft_vocab_size:
-        vocab = draft_vocabulary(train, cfg.draft_vocab_size)
-        result.head.draft_vocab.copy_(vocab)
-        coverage = round(reply_coverage(held, vocab), 4)
-    raw_eval = evaluate(result.head, held, embed, output, fit_temperatures=False)
-    calibrated = evaluate(result.head, held, embed, output, fit_temperatures=True)
+    held_ids = list(range(data.num_sequences - n_held, data.num_sequences))
+    train_ids = list(range(data.num_sequences - n_held))
+    held, train = data.subset(held_ids), data.subset(train_ids)
+    model = load_model(path)
+    embed = model.model.embed_tokens.weight.detach()
+    output = model.head.weight_and_bias()[0]
+    vocab = (
+        draft_vocabulary(train, cfg.draft_vocab_size) if cfg.draft_vocab_size else torch.arange(vocab_size)
+    )
+    target = target_view(data, embed, output, vocab)
+    train_rows = target_rows(data, train_ids)
+    held_rows = target_rows(data, held_ids)
+    result = train_head(train, cfg, restrict(target, train_rows), options, last_layers(model, cfg.num_layers))
+    held_target = restrict(target, held_rows)
+    raw_eval = evaluate(result.head, held, held_target, fit_temperatures=False)
+    calibrated = evaluate(result.head, held, held_target, fit_temperatures=True)
+    coverage = round(reply_coverage(held, vocab), 4) if cfg.draft_vocab_size else None
     summary = {
         "target": str(model),
         "settings": settings,

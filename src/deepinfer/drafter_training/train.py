@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from deepinfer.drafter_training.dataset import DistillSet
-from deepinfer.drafter_training.objective import block_loss, cut_blocks, run_blocks
+from deepinfer.drafter_training.objective import TargetView, block_loss, cut_blocks, run_blocks
 from deepinfer.models.dspark_head import DSparkHead, DSparkHeadConfig
 
 TEMPERATURE_GRID = tuple(round(0.05 * 1.1**i, 4) for i in range(60))  # 0.05 .. ~14
@@ -75,15 +75,48 @@ def lr_at(step: int, options: TrainOptions) -> float:
     return options.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, done))))
 
 
-def train_head(
-    data: DistillSet, cfg: DSparkHeadConfig, embed: torch.Tensor, output: torch.Tensor, options: TrainOptions
-) -> TrainResult:
-    """A head trained on ``data`` with the target's frozen ``embed`` and ``output`` weights."""
-    torch.manual_seed(options.seed)
-    head = DSparkHead(cfg)
+def start_from_target(head: DSparkHead, layers: list[dict[str, torch.Tensor]], embed: torch.Tensor) -> None:
+    """Start the draft layers as copies of the target's last decoder layers (``layers``: their
+    ``q``, ``k``, ``v``, ``o``, ``gate``, ``up``, ``down``, ``norm1``, ``norm2`` weights, as many
+    as the head has layers, where the shapes agree), and ``main_proj`` as the identity on the
+    deepest target feature: the head's first step is then the target's own last layers reading
+    the target's own context. The noise row starts at the embeddings' scale."""
+    cfg = head.config
+    d = cfg.hidden_size
     with torch.no_grad():
         head.noise_embed.normal_(0.0, float(embed.std()))
         head.confidence_head.weight.zero_()
+        head.main_proj.weight.zero_()
+        head.main_proj.weight[:, -d:] = torch.eye(d)
+        for draft, source in zip(head.layers, layers, strict=False):
+            pairs = {
+                draft.q_proj.weight: source["q"],
+                draft.kv_proj.weight: torch.cat([source["k"], source["v"]]),
+                draft.o_proj.weight: source["o"],
+                draft.gate_up.weight: torch.cat([source["gate"], source["up"]]),
+                draft.down.weight: source["down"],
+                draft.input_norm.weight: source["norm1"],
+                draft.post_norm.weight: source["norm2"],
+            }
+            if all(a.shape == b.shape for a, b in pairs.items()):
+                for a, b in pairs.items():
+                    a.copy_(b)
+
+
+def train_head(
+    data: DistillSet,
+    cfg: DSparkHeadConfig,
+    target: TargetView,
+    options: TrainOptions,
+    source_layers: list[dict[str, torch.Tensor]] | None = None,
+) -> TrainResult:
+    """A head trained on ``data`` against the frozen ``target``, its draft vocabulary that of
+    ``target``; ``source_layers``: the target layers the draft layers start from."""
+    torch.manual_seed(options.seed)
+    head = DSparkHead(cfg)
+    if cfg.draft_vocab_size:
+        head.draft_vocab.copy_(target.vocab)
+    start_from_target(head, source_layers or [], target.embed)
     gen = torch.Generator().manual_seed(options.seed)
     picker = random.Random(options.seed)
     opt = torch.optim.AdamW(head.parameters(), lr=options.lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -96,14 +129,13 @@ def train_head(
             group["lr"] = lr_at(step, options)
         sequences = [picker.randrange(data.num_sequences) for _ in range(options.sequences_per_step)]
         blocks = cut_blocks(data, sequences, options.anchors_per_sequence, cfg.block_size, cfg.window, gen)
-        loss, stats = block_loss(
-            head, run_blocks(head, data, blocks, embed, output), blocks, options.greedy_confidence
-        )
+        out = run_blocks(head, data, blocks, target)
+        loss, stats = block_loss(head, out, blocks, target, options.greedy_confidence)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
-        stats["loss"] = float(loss)
+        stats["loss"] = float(loss.detach())
         for k, v in stats.items():
             running[k] = running.get(k, 0.0) + v
         if (step + 1) % options.log_every == 0 or step + 1 == options.steps:
@@ -142,35 +174,32 @@ def reply_coverage(data: DistillSet, vocab: torch.Tensor) -> float:
 
 @torch.no_grad()
 def free_running(
-    head: DSparkHead, data: DistillSet, embed: torch.Tensor, output: torch.Tensor, max_blocks: int = 4000
+    head: DSparkHead, data: DistillSet, target: TargetView, max_blocks: int = 4000
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Blocks at reply positions of ``data`` drafted greedily as an engine drafts them:
-    (drafts accepted per row [A, g] bool, valid [A, g], raw confidence logits [A, g])."""
+    """Blocks at reply positions of ``data`` drafted greedily as an engine drafts them (from
+    the draft vocabulary, the Markov head fed the head's own drafts), checked against the
+    target's greedy tokens: (drafts accepted per row [A, g] bool, valid [A, g], raw confidence
+    logits [A, g])."""
     g = head.config.block_size
     gen = torch.Generator().manual_seed(0)
     per_seq = max(1, max_blocks // max(1, data.num_sequences))
+    markov_out = head.markov_head.weight[target.vocab]
     accepted, valid, logits = [], [], []
     for first in range(0, data.num_sequences, 8):
         seqs = list(range(first, min(first + 8, data.num_sequences)))
         blocks = cut_blocks(data, seqs, per_seq, g, head.config.window, gen)
         ring = head.window_kv(data.features[blocks.ctx_rows], blocks.ctx_positions)
         windows = [r[blocks.window_index] for r in ring]
-        hidden = head.block_hidden(
-            F.embedding(blocks.anchors, embed), blocks.positions, windows, blocks.visible
-        )
-        base = F.linear(head.norm(hidden), output).float()
-        if hasattr(head, "draft_vocab"):  # drafts come from the draft vocabulary only
-            outside = torch.ones(base.shape[-1], dtype=torch.bool)
-            outside[head.draft_vocab] = False
-            base[..., outside] = float("-inf")
-        target = F.linear(data.final[blocks.target_rows], output).float().argmax(-1)
+        anchors = F.embedding(blocks.anchors, target.embed)
+        hidden = head.block_hidden(anchors, blocks.positions, windows, blocks.visible)
+        base = F.linear(head.norm(hidden), target.vocab_out).float()
         prev, drafts, embeds = blocks.anchors, [], []
         for k in range(g):
-            bias, emb = head.markov(prev)
-            prev = (base[:, k] + bias).argmax(-1)
+            emb = head.markov_embed(prev)
+            prev = target.vocab[(base[:, k] + F.linear(emb, markov_out).float()).argmax(-1)]
             drafts.append(prev)
             embeds.append(emb)
-        match = torch.stack(drafts, dim=1) == target
+        match = torch.stack(drafts, dim=1) == target.top[blocks.target_rows]
         accepted.append(torch.cumprod((match & blocks.valid).int(), dim=1).bool())
         valid.append(blocks.valid)
         logits.append(head.confidence_logits(hidden, torch.stack(embeds, dim=1)))
@@ -212,12 +241,10 @@ def calibrate(logits: torch.Tensor, survived: torch.Tensor, valid: torch.Tensor)
     return temps
 
 
-def evaluate(
-    head: DSparkHead, data: DistillSet, embed: torch.Tensor, output: torch.Tensor, fit_temperatures: bool
-) -> Evaluation:
+def evaluate(head: DSparkHead, data: DistillSet, target: TargetView, fit_temperatures: bool) -> Evaluation:
     """Acceptance and calibration on ``data``; ``fit_temperatures``: first set the head's
     confidence temperatures by sequential temperature scaling on it."""
-    survived, valid, logits = free_running(head, data, embed, output)
+    survived, valid, logits = free_running(head, data, target)
     if fit_temperatures:
         head.confidence_temperature.copy_(calibrate(logits, survived, valid))
     g = head.config.block_size

@@ -270,7 +270,10 @@ def load_head(
         raise CheckpointError(f"{config_path}: {exc}") from None
     head = DSparkHead(cfg)
     state = load_file(str(weights_path))
-    missing, unexpected = head.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = head.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # a tensor whose shape config.json contradicts
+        raise CheckpointError(f"{weights_path}: {exc}") from None
     if missing or unexpected:
         raise CheckpointError(f"{weights_path}: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
     return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
