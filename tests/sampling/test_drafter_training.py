@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -24,18 +26,14 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.cli import main as cli
 from deepinfer.drafter_training import train as training
 from deepinfer.drafter_training.dataset import DistillSet
-from deepinfer.drafter_training.objective import target_view
 from deepinfer.drafter_training.recipe import (
     DATA_FILE,
+    DATA_SETTINGS,
     LOG_FILE,
     default_layers,
-    restrict,
-    target_rows,
     train_drafter,
 )
-from deepinfer.drafter_training.train import TrainOptions, evaluate, expected_calibration_error
-from deepinfer.models.dspark_head import DSparkHead, DSparkHeadConfig
-from deepinfer.models.loading import load_model
+from deepinfer.drafter_training.train import TrainOptions, expected_calibration_error
 from deepinfer.tiny import make_tiny_checkpoint
 
 SHAPE = {
@@ -46,7 +44,7 @@ SHAPE = {
     "window": 16,
     "markov_rank": 8,
 }
-SETTINGS = {"prompts": 24, "max_tokens": 24, "sampled_fraction": 0.25, "held_out_fraction": 0.2}
+SETTINGS = {"prompts": 48, "max_tokens": 32, "sampled_fraction": 0.25, "held_out_fraction": 0.2}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +56,7 @@ def target(tmp_path_factory):
 def trained(target, tmp_path_factory):
     out = tmp_path_factory.mktemp("trained")
     options = TrainOptions(
-        steps=60, lr=3e-3, warmup=5, sequences_per_step=4, anchors_per_sequence=8, log_every=5
+        steps=100, lr=3e-3, warmup=5, sequences_per_step=4, anchors_per_sequence=8, log_every=5
     )
     summary = train_drafter(target, out, options=options, head_shape=SHAPE, **SETTINGS)
     return out, summary, options
@@ -74,28 +72,21 @@ def test_the_recipe_is_deterministic_from_its_seed(target, trained, tmp_path):
     assert torch.equal(data_a.tokens, data_b.tokens) and torch.equal(data_a.features, data_b.features)
 
 
-def test_training_learns_to_draft(target, trained):
-    out, summary, _ = trained
+def test_training_learns_to_draft(target, trained, tmp_path):
+    """The loss falls, and held-out drafts are accepted far more often than the same head's
+    at its starting point (the recipe with a learning rate of 0, on the same data)."""
+    out, summary, options = trained
     log = json.loads((out / LOG_FILE).read_text())["log"]
     assert log[-1]["loss"] < 0.8 * log[0]["loss"]
-    data = DistillSet.load(out / DATA_FILE)
-    held_ids = list(range(data.num_sequences - summary["held_out_sequences"], data.num_sequences))
-    model = load_model(target)
-    embed, output = model.model.embed_tokens.weight.detach(), model.head.weight_and_bias()[0]
-    view = target_view(data, embed, output, torch.arange(output.shape[0]))
-    raw = json.loads((out / "config.json").read_text())
-    raw.pop("architecture")
-    torch.manual_seed(0)
-    untrained = DSparkHead(DSparkHeadConfig(**raw)).eval().requires_grad_(False)
-    held = data.subset(held_ids)
-    untrained_eval = evaluate(
-        untrained, held, restrict(view, target_rows(data, held_ids)), fit_temperatures=False
-    )
+    start = tmp_path / "start"
+    start.mkdir()
+    for name in (DATA_FILE, DATA_SETTINGS):
+        shutil.copy(out / name, start / name)
+    frozen = dataclasses.replace(options, steps=1, lr=0.0, warmup=1)
+    untrained = train_drafter(target, start, options=frozen, head_shape=SHAPE, **SETTINGS)
     trained_tokens = summary["held_out_calibrated"]["tokens_per_step"]
-    assert trained_tokens > untrained_eval.tokens_per_step + 0.3, (
-        trained_tokens,
-        untrained_eval.tokens_per_step,
-    )
+    untrained_tokens = untrained["held_out_calibrated"]["tokens_per_step"]
+    assert trained_tokens > untrained_tokens + 1.0, (trained_tokens, untrained_tokens)
 
 
 def _miscalibrated(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

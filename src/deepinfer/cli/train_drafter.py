@@ -15,7 +15,7 @@ def add_train_drafter_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model", help="checkpoint directory or a named model (smollm2-135m)")
     p.add_argument("--out", default=None, help="output directory (default: the cache, for a named model)")
-    p.add_argument("--steps", type=int, default=3000, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=6000, help="optimizer steps")
     p.add_argument("--prompts", type=int, default=640, help="chat prompts the target replies to")
     p.add_argument("--max-tokens", type=int, default=192, help="longest reply")
     p.add_argument("--sampled-fraction", type=float, default=0.25, help="share of replies sampled (T=0.8)")
@@ -32,6 +32,12 @@ def add_train_drafter_parser(sub: argparse._SubParsersAction) -> None:
         help="draft from this many of the replies' most frequent tokens (0: all; default 8192 for large vocabularies)",
     )
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument(
+        "--soft-weight",
+        type=float,
+        default=1.0,
+        help="weight of the cross entropy against the target's distribution (0: the paper's loss alone)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--confidence-label",
@@ -73,6 +79,7 @@ def train_drafter(args: argparse.Namespace) -> int:
         seed=args.seed,
         warmup=min(100, max(1, args.steps // 10)),
         greedy_confidence=args.confidence_label == "greedy",
+        soft_weight=args.soft_weight,
     )
     summary = run(
         args.model,

@@ -13,7 +13,10 @@ the tokens at ``a + 1 .. a + g``. Row ``k`` is scored three ways, each weighted 
   verification given the rows before it did: ``1 - TV`` for sampled decoding (the paper's soft
   label), or whether the draft's argmax is the target's for greedy decoding.
 
-Total: ``0.1 * CE + 0.9 * TV + 1.0 * confidence`` (the paper's weights).
+Total: ``0.1 * CE + 0.9 * TV + 1.0 * confidence`` (the paper's weights), plus, with
+``soft_weight``, the cross entropy against the target's whole distribution (EAGLE's
+distillation term): total variation's gradient fades where the two distributions barely
+overlap, which is where a head trained from scratch starts.
 """
 
 from __future__ import annotations
@@ -156,7 +159,12 @@ def run_blocks(head: DSparkHead, data: DistillSet, blocks: Blocks, target: Targe
 
 
 def block_loss(
-    head: DSparkHead, out: BlockOutputs, blocks: Blocks, target: TargetView, greedy_confidence: bool
+    head: DSparkHead,
+    out: BlockOutputs,
+    blocks: Blocks,
+    target: TargetView,
+    greedy_confidence: bool,
+    soft_weight: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The weighted loss and its parts (and the argmax agreement of each row, teacher-forced).
     Tokens outside the draft vocabulary count as mass the draft cannot have (total variation)
@@ -179,8 +187,10 @@ def block_loss(
     conf = F.binary_cross_entropy_with_logits(
         head.confidence_logits(out.hidden, out.markov_embeds), conf_label.clamp(0.0, 1.0), reduction="none"
     )
-    parts = {"ce": ce, "tv": tv, "confidence": conf}
-    loss = (weight * (CE_WEIGHT * ce + TV_WEIGHT * tv + CONFIDENCE_WEIGHT * conf)).sum() / total
+    soft = -(p * log_q).sum(dim=-1)  # cross entropy against the target's distribution
+    parts = {"ce": ce, "tv": tv, "soft": soft, "confidence": conf}
+    per_row = CE_WEIGHT * ce + TV_WEIGHT * tv + soft_weight * soft + CONFIDENCE_WEIGHT * conf
+    loss = (weight * per_row).sum() / total
     stats = {name: float((weight * v.detach()).sum() / total) for name, v in parts.items()}
     valid = blocks.valid.float()
     for k in range(g):

@@ -31,13 +31,14 @@ ECE_BINS = 20
 
 @dataclass
 class TrainOptions:
-    steps: int = 3000
+    steps: int = 6000
     lr: float = 1e-3
     warmup: int = 100
     sequences_per_step: int = 4
     anchors_per_sequence: int = 16
     seed: int = 0
     greedy_confidence: bool = True  # the confidence label: greedy agreement, else 1 - TV
+    soft_weight: float = 1.0  # weight of the cross entropy against the target's distribution
     log_every: int = 20
 
 
@@ -130,7 +131,7 @@ def train_head(
         sequences = [picker.randrange(data.num_sequences) for _ in range(options.sequences_per_step)]
         blocks = cut_blocks(data, sequences, options.anchors_per_sequence, cfg.block_size, cfg.window, gen)
         out = run_blocks(head, data, blocks, target)
-        loss, stats = block_loss(head, out, blocks, target, options.greedy_confidence)
+        loss, stats = block_loss(head, out, blocks, target, options.greedy_confidence, options.soft_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)

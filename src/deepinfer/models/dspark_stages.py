@@ -118,6 +118,9 @@ class DSparkDraftModel:
         self.kv_dim = cfg.head_dim
         self.dtype = embed.weight.dtype
         self.device = embed.weight.device
+        self.feature_layers: tuple[int, ...] = ()  # the backbone reads dspark_target_layer_ids itself
+        self.vocab: torch.Tensor | None = None  # drafts over the whole vocabulary
+        self.vocab_size = cfg.vocab_size
 
     @property
     def num_stages(self) -> int:

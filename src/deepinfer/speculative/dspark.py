@@ -41,6 +41,11 @@ class DSparkModel(Protocol):
     num_stages: int
     dtype: torch.dtype
     device: torch.device
+    # the target layers whose entering hidden states it reads (empty: the target's own choice)
+    feature_layers: tuple[int, ...]
+    # a draft vocabulary: the token id of each column ``logits`` gives (None: every token)
+    vocab: torch.Tensor | None
+    vocab_size: int
 
     def window_kv(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
 
@@ -71,8 +76,7 @@ class DSparkDrafter:
             )
         self.num_draft_tokens = num_speculative_tokens or self.block_size
         self.window = draft.window
-        # V4.1's stages read the layers its config names; a separately trained head names its own
-        self.feature_layers: tuple[int, ...] = getattr(draft, "feature_layers", ())
+        self.feature_layers = draft.feature_layers
         self.ring = DraftRing(
             draft.num_stages, num_slots, self.window, draft.kv_dim, draft.dtype, draft.device
         )
@@ -114,7 +118,7 @@ class DSparkDrafter:
         logits = draft.logits(hidden).view(b, g, -1)
         prev = anchors
         tokens, qs, embeds = [], [], []
-        vocab = getattr(draft, "vocab", None)  # a draft vocabulary: logits' columns are its tokens
+        vocab = draft.vocab  # a draft vocabulary: the logits' columns are its tokens
         for i in range(self.num_draft_tokens):
             bias, embed = draft.markov(prev)
             logits[:, i] += bias
