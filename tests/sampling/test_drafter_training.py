@@ -18,6 +18,7 @@ import shutil
 
 import pytest
 import torch
+from dspark_heads import TINY_HEAD_SHAPE
 from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load_file
@@ -36,14 +37,7 @@ from deepinfer.drafter_training.recipe import (
 from deepinfer.drafter_training.train import TrainOptions, expected_calibration_error
 from deepinfer.tiny import make_tiny_checkpoint
 
-SHAPE = {
-    "num_heads": 4,
-    "num_kv_heads": 2,
-    "head_dim": 16,
-    "intermediate_size": 128,
-    "window": 16,
-    "markov_rank": 8,
-}
+SHAPE = TINY_HEAD_SHAPE
 SETTINGS = {"prompts": 48, "max_tokens": 32, "sampled_fraction": 0.25, "held_out_fraction": 0.2}
 
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 from chi_square import conditional_p_value, exact_next_token
 from dspark_head_reference import HeadReference
+from dspark_heads import TINY_HEAD_SHAPE, observed_proposals, random_head
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mutations import accept_every_draft
@@ -32,44 +33,11 @@ from safetensors.torch import load_file, save_file
 from deepinfer import LLM, CheckpointError, SamplingParams
 from deepinfer.drafter_training.recipe import train_drafter
 from deepinfer.drafter_training.train import TrainOptions
-from deepinfer.models.dspark_head import DSparkHead, DSparkHeadConfig, load_head, save_head
+from deepinfer.models.dspark_head import load_head
 from deepinfer.models.loading import load_model
-from deepinfer.speculative.drafter import DraftRequest
 from deepinfer.speculative.dspark import DSparkDrafter
 from deepinfer.speculative.stats import SpecStats
 from deepinfer.tiny import make_tiny_checkpoint
-
-GREEDY = SamplingParams(temperature=0.0)
-
-
-def random_head(path, target_cfg: dict, seed: int, **shape) -> DSparkHead:
-    """A head with every parameter random (confidence temperatures too), saved at ``path``."""
-    torch.manual_seed(seed)
-    cfg = DSparkHeadConfig(
-        hidden_size=target_cfg["hidden_size"],
-        vocab_size=target_cfg["vocab_size"],
-        **{
-            "target_layer_ids": [1, 2],
-            "num_layers": 2,
-            "num_heads": 4,
-            "num_kv_heads": 2,
-            "head_dim": 16,
-            "intermediate_size": 48,
-            "block_size": 4,
-            "window": 8,
-            "markov_rank": 8,
-            **shape,
-        },
-    )
-    head = DSparkHead(cfg)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0.0, 0.1)
-        head.confidence_temperature.uniform_(0.5, 2.0)
-        if cfg.draft_vocab_size:
-            head.draft_vocab.copy_(torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size])
-    save_head(head, path)
-    return head
 
 
 @pytest.fixture(scope="module")
@@ -88,22 +56,9 @@ def head_dir(target, tmp_path_factory, request):
 
 
 def _proposals(target, head_path):
-    """Three sequences' proposals batched and alone after two observed chunks each (21 and 9
-    rows wrap the ring of 8): [(features, ask, batched draft, alone draft)]."""
     model = load_model(target)
     drafter = DSparkDrafter(model.draft_head(load_head(head_path)), num_slots=3, num_speculative_tokens=None)
-    gen = torch.Generator().manual_seed(1)
-    width = model.config.hidden_size * len(drafter.feature_layers)
-    lengths, anchors = {0: 21, 2: 5, 1: 9}, {0: 17, 2: 100, 1: 4}
-    feats = {s: torch.randn(p, width, generator=gen) for s, p in lengths.items()}
-    for s, p in lengths.items():
-        drafter.claim(s, f"r{s}")
-        for lo, hi in ((0, p // 2), (p // 2, p)):
-            drafter.observe([s] * (hi - lo), list(range(lo, hi)), feats[s][lo:hi], [0] * (hi - lo))
-    asks = [DraftRequest(s, p, anchors[s], GREEDY, None) for s, p in lengths.items()]
-    batched = drafter.propose(asks)
-    alone = [drafter.propose([ask])[0] for ask in asks]
-    return [(feats[a.slot], a, d, o) for a, d, o in zip(asks, batched, alone, strict=True)]
+    return observed_proposals(drafter, model.config.hidden_size * len(drafter.feature_layers), seed=1)
 
 
 def _close(got: list[float], want: list[float]) -> bool:
@@ -129,8 +84,8 @@ def test_the_reference_check_fails_on_swapped_layers(target, head_dir, tmp_path)
     save_file(state, str(tmp_path / "model.safetensors"))
     ref = HeadReference(head_dir, target)
     for feats, ask, draft, _ in _proposals(target, tmp_path):
-        _, conf = ref.propose(feats, ask.anchor_token, ask.anchor_pos)
-        assert not _close(draft.confidences, conf)
+        tokens, conf = ref.propose(feats, ask.anchor_token, ask.anchor_pos)
+        assert draft.tokens != tokens or not _close(draft.confidences, conf)
 
 
 def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -192,16 +147,7 @@ def trained_head_dir(target, tmp_path_factory, request):
     tokens."""
     out = tmp_path_factory.mktemp("trained_head")
     options = TrainOptions(steps=60, lr=3e-3, warmup=5, sequences_per_step=4, anchors_per_sequence=8)
-    shape = {
-        "num_heads": 4,
-        "num_kv_heads": 2,
-        "head_dim": 16,
-        "intermediate_size": 128,
-        "window": 16,
-        "markov_rank": 8,
-        "block_size": 4,
-        "draft_vocab_size": request.param,
-    }
+    shape = {**TINY_HEAD_SHAPE, "block_size": 4, "draft_vocab_size": request.param}
     train_drafter(target, out, prompts=24, max_tokens=24, options=options, head_shape=shape)
     return out
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from chi_square import conditional_p_value, exact_next_token
 from draft_reference import dspark_proposal, mtp_proposal
+from dspark_heads import observed_proposals
 from mutations import accept_every_draft, wrong_from
 from reference_mutations import swap_on_load
 from v41_reference import read_checkpoint
@@ -61,24 +62,14 @@ def v4_ref(v4):
 
 def _dspark_proposals(model):
     """DSpark's proposals for three sequences batched together, and each alone, after two
-    steps' worth of accepted rows each (21 and 9 rows wrap the ring of 8):
+    steps' worth of accepted rows each (``dspark_heads.observed_proposals``):
     [(features, ask, batched draft, alone draft)], and the drafter."""
     cfg = model.config
-    k = cfg.dspark_block_size
-    gen = torch.Generator().manual_seed(0)
+    drafter = DSparkDrafter(
+        model.draft_model("dspark"), num_slots=3, num_speculative_tokens=cfg.dspark_block_size
+    )
     width = cfg.hidden_size * len(cfg.dspark_target_layer_ids)
-    lengths = {0: 21, 2: 5, 1: 9}  # slot -> P
-    feats = {s: torch.randn(p, width, generator=gen) for s, p in lengths.items()}
-    anchors = {0: 17, 2: 100, 1: 4}
-    drafter = DSparkDrafter(model.draft_model("dspark"), num_slots=3, num_speculative_tokens=k)
-    for s, p in lengths.items():
-        drafter.claim(s, f"r{s}")
-        for lo, hi in ((0, p // 2), (p // 2, p)):
-            drafter.observe([s] * (hi - lo), list(range(lo, hi)), feats[s][lo:hi], [0] * (hi - lo))
-    asks = [DraftRequest(s, p, anchors[s], GREEDY, None) for s, p in lengths.items()]
-    batched = drafter.propose(asks)
-    alone = [drafter.propose([ask])[0] for ask in asks]
-    return [(feats[a.slot], a, d, o) for a, d, o in zip(asks, batched, alone, strict=True)], drafter
+    return observed_proposals(drafter, width, seed=0), drafter
 
 
 def _confidences_close(got: list[float], want: list[float]) -> bool:
