@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.drafter_training.dataset import reply
 from deepinfer.drafter_training.prompts import chat_prompts
 
 MODES = {
@@ -38,17 +39,19 @@ MODES = {
 }
 
 
-def run_mode(spec: dict | None, convs: list, batch: int, max_tokens: int) -> tuple[float, list, dict | None]:
+def run_mode(
+    model: str, spec: dict | None, convs: list, batch: int, max_tokens: int
+) -> tuple[float, list, dict | None]:
     """Output tok/s, the outputs, and the speculative figures of one mode at one batch size."""
-    llm = LLM("smollm2-135m", max_num_seqs=max(batch, 1), speculative_config=spec)
+    llm = LLM(model, max_num_seqs=max(batch, 1), speculative_config=spec)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    llm.chat(convs[:batch], params, use_tqdm=False)  # warm-up (its figures are dropped below)
+    reply(llm, convs[:batch], params)  # warm-up (its figures are dropped below)
     if llm.engine.spec is not None:
         llm.engine.spec.stats = type(llm.engine.spec.stats)()
     outs, tokens = [], 0
     start = time.perf_counter()
     for i in range(0, len(convs), batch):
-        got = llm.chat(convs[i : i + batch], params, use_tqdm=False)
+        got = reply(llm, convs[i : i + batch], params)
         outs += [o.outputs[0].token_ids for o in got]
         tokens += sum(len(o.outputs[0].token_ids) for o in got)
     seconds = time.perf_counter() - start
@@ -95,6 +98,7 @@ def llama_server_rows(
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--head", default="smollm2-135m-dspark", help="DSpark head: directory or cached name")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -116,7 +120,7 @@ def main() -> None:
         plain_out = None
         for _ in range(args.rounds):
             for name, spec in modes.items():
-                tok_s, outs, stats = run_mode(spec, convs, batch, args.max_tokens)
+                tok_s, outs, stats = run_mode(args.model, spec, convs, batch, args.max_tokens)
                 if plain_out is None:
                     plain_out = outs
                 elif outs != plain_out:

@@ -162,3 +162,22 @@ def test_decode_host_benchmarks_run():
     assert "| llama | 2 | graph, max_model_len 256 |" in metadata
     launches = _script("launch_budget.py", "--no-big")
     assert "| llama | 3 |" in launches and "| deepseek_v4 |" in launches
+
+
+def test_the_dspark_benchmark_runs(tmp_path):
+    """``spec_dspark.py`` at its smallest: a tiny target with a random head, every mode, our
+    modes' outputs checked equal to the plain run's."""
+    import json
+
+    from dspark_heads import random_head
+
+    from deepinfer.tiny import make_tiny_checkpoint
+
+    target = make_tiny_checkpoint(tmp_path / "target", arch="llama")
+    random_head(tmp_path / "head", json.loads((target / "config.json").read_text()), seed=0)
+    out = _script(
+        "spec_dspark.py",
+        *("--model", str(target), "--head", str(tmp_path / "head"), "--prompts", "2", "--max-tokens", "6"),
+        *("--batch", "1", "2", "--rounds", "1"),
+    )
+    assert out.count("| deepinfer DSpark static |") == 2 and "| 2 | deepinfer plain |" in out

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from deepinfer.llm import LLM
 from deepinfer.models.loading import load_model
+from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -62,6 +63,19 @@ class DistillSet:
         return cls(**load_file(str(path)))
 
 
+def reply(
+    llm: LLM,
+    conversations: list[list[dict[str, str]]],
+    params: SamplingParams | list[SamplingParams],
+    use_tqdm: bool = False,
+) -> list[RequestOutput]:
+    """``LLM.chat`` in the model's chat format, or, for a model without one, the last
+    message's words as a plain prompt."""
+    if getattr(llm.tokenizer, "chat_template", None):
+        return llm.chat(conversations, params, use_tqdm=use_tqdm)
+    return llm.generate([c[-1]["content"] for c in conversations], params, use_tqdm=use_tqdm)
+
+
 def generate_replies(
     model: str | Path,
     conversations: list[list[dict[str, str]]],
@@ -81,10 +95,7 @@ def generate_replies(
         else SamplingParams(max_tokens=max_tokens, temperature=0.0)
         for i in range(len(conversations))
     ]
-    if getattr(llm.tokenizer, "chat_template", None):
-        outs = llm.chat(conversations, params, use_tqdm=True)
-    else:  # a base model: the user's words as a plain prompt
-        outs = llm.generate([c[-1]["content"] for c in conversations], params, use_tqdm=True)
+    outs = reply(llm, conversations, params, use_tqdm=True)
     pairs = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
     del llm
     gc.collect()
