@@ -1,5 +1,6 @@
 """``deepinfer`` command line: ``make-tiny``, ``plan``, ``generate``, ``serve``, ``chat``,
-``bench throughput|latency|batched|serve|startup`` and ``dump-graphs``. The argparse tree is
+``bench throughput|latency|batched|serve|startup``, ``perplexity``, ``dump-graphs`` and
+``train-drafter``. The argparse tree is
 in ``parser`` (shared flag groups in ``arguments``), flags become engine options in
 ``engine_args``, each command's handler has its own module (the benchmarks' in
 ``deepinfer.bench``)."""
