@@ -2,7 +2,7 @@
 greedy outputs equal plain decoding on held-out chat prompts, and sampled outputs keep the
 target's distribution at drafted positions (mutation: a verifier that accepts every draft).
 
-Training takes the better part of an hour on two cores, so a fresh checkout has no such head:
+Training one takes far longer than the suite may, so a fresh checkout has no such head:
 these tests run where it is in the cache and are skipped, saying so, where it is not. The
 same checks run on random and briefly trained heads in every run (test_dspark_head.py,
 test_drafter_training.py).
@@ -49,7 +49,7 @@ def _p_value(broken: bool, monkeypatch) -> tuple[float, object]:
     prompt = llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Name a color."}], add_generation_prompt=True, tokenize=True
     )
-    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     params = [
         SamplingParams(max_tokens=3, temperature=temperature, seed=s, ignore_eos=True) for s in range(n)
     ]

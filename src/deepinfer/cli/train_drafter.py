@@ -15,8 +15,8 @@ def add_train_drafter_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model", help="checkpoint directory or a named model (smollm2-135m)")
     p.add_argument("--out", default=None, help="output directory (default: the cache, for a named model)")
-    p.add_argument("--steps", type=int, default=6000, help="optimizer steps")
-    p.add_argument("--prompts", type=int, default=640, help="chat prompts the target replies to")
+    p.add_argument("--steps", type=int, default=4000, help="optimizer steps")
+    p.add_argument("--prompts", type=int, default=1280, help="chat prompts the target replies to")
     p.add_argument("--max-tokens", type=int, default=192, help="longest reply")
     p.add_argument("--sampled-fraction", type=float, default=0.25, help="share of replies sampled (T=0.8)")
     p.add_argument(

@@ -131,7 +131,7 @@ def plot_losses(log: list[dict[str, float]], out: Path, title: str) -> None:
 def train_drafter(
     model: str | Path,
     out: Path,
-    prompts: int = 640,
+    prompts: int = 1280,
     max_tokens: int = 192,
     sampled_fraction: float = 0.25,
     held_out_fraction: float = 0.05,

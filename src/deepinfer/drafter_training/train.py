@@ -31,7 +31,7 @@ ECE_BINS = 20
 
 @dataclass
 class TrainOptions:
-    steps: int = 6000
+    steps: int = 4000
     lr: float = 1e-3
     warmup: int = 100
     sequences_per_step: int = 4

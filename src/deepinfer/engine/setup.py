@@ -276,6 +276,8 @@ def drafter_for(model: CausalLM, config: EngineConfig) -> Drafter | None:
         device = next(model.parameters()).device
         head = load_head(spec_config.model, model.compute_dtype, device)
         head_draft = model.draft_head(head)
+        if device.type == "cpu":
+            head_draft.pack_for_cpu()
     drafter = build_drafter(model, spec_config, config.max_num_seqs, head_draft)
     if drafter.window and config.ced_prefill:
         raise ValueError(

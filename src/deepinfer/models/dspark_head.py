@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from deepinfer.errors import CheckpointError
+from deepinfer.kernels.weight_only import PackedLinear
 from deepinfer.models.layers.norms import RMSNorm
 from deepinfer.weights.catalog import resolve_draft_head
 
@@ -307,6 +308,19 @@ class LlamaDSparkDraft:
         self.feature_layers = tuple(cfg.target_layer_ids)
         self.dtype = head.main_proj.weight.dtype
         self.device = head.main_proj.weight.device
+        self._vocab_linear: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._markov_linear: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def pack_for_cpu(self) -> None:
+        """Serve the head's projections from packed copies on the engine's CPU GEMM (as the
+        target's are): a draft step is a few rows, where ``F.linear`` is several times slower.
+        Engine-only: the packed copies have no autograd, so the head is not trained after."""
+        for module in self.head.modules():
+            if isinstance(module, nn.Linear) and PackedLinear.available(module.weight):
+                module.forward = PackedLinear(module.weight, module.bias)  # type: ignore[method-assign]
+        if self.vocab is not None and PackedLinear.available(self.vocab_out):
+            self._vocab_linear = PackedLinear(self.vocab_out, None)
+            self._markov_linear = PackedLinear(self.vocab_markov, None)
 
     @property
     def num_stages(self) -> int:
@@ -328,6 +342,8 @@ class LlamaDSparkDraft:
         """fp32 logits of hidden rows (over the draft vocabulary where the head has one): the
         head's norm, then the target's output projection."""
         normed = self.head.norm(hidden)
+        if self._vocab_linear is not None:
+            return self._vocab_linear(normed).float()
         if self.vocab is not None:
             return F.linear(normed, self.vocab_out).float()
         return self.output(normed).float()
@@ -338,6 +354,8 @@ class LlamaDSparkDraft:
         if self.vocab is None:
             return self.head.markov(prev)
         embed = self.head.markov_embed(prev)
+        if self._markov_linear is not None:
+            return self._markov_linear(embed).float(), embed
         return F.linear(embed, self.vocab_markov).float(), embed
 
     def confidence(self, hidden: torch.Tensor, markov_embeds: torch.Tensor) -> torch.Tensor:
