@@ -211,6 +211,42 @@ def test_position_figures_count_what_was_verified(target, head_dir):
     assert metrics[("deepinfer:spec_decode_num_verified_chunks", None)] == s.verify_steps
 
 
+def _shadow_proposals(target, head_dir) -> tuple[int, int]:
+    """(proposals nobody verified, tokens decoded without verification) of greedy requests
+    drafted by a random head, whose drafts fail so adaptive drafting pauses them; outputs
+    equal plain decoding's."""
+    prompts, max_tokens = [[5, 6, 7, 8, 9] * 3, list(range(40, 60))], 48
+    plain = _greedy(LLM(target, max_num_seqs=1), prompts, max_tokens)
+    llm = LLM(target, max_num_seqs=1, speculative_config={"method": "dspark", "model": str(head_dir)})
+    asked: list[int] = []
+    propose = llm.engine.spec.drafter.propose
+    llm.engine.spec.drafter.propose = lambda requests: asked.append(len(requests)) or propose(requests)
+    assert _greedy(llm, prompts, max_tokens) == plain
+    stats = llm.engine.spec.stats
+    # each verified step used one proposal; the rest were proposed for shadow trials
+    unverified_tokens = len(prompts) * max_tokens - stats.accepted - stats.verify_steps
+    return sum(asked) - stats.verify_steps, unverified_tokens
+
+
+def test_unverified_requests_ask_the_head_only_every_few_tokens(target, head_dir):
+    """A paused request keeps proposing for shadow trials, but a model drafter's proposal is
+    a forward: it asks one only every ``SHADOW_STRIDE``-th step."""
+    from deepinfer.speculative.decoder import SHADOW_STRIDE
+
+    shadow, unverified = _shadow_proposals(target, head_dir)
+    assert unverified > 48  # the random head's requests did pause
+    assert shadow <= unverified / SHADOW_STRIDE + 4, (shadow, unverified)
+
+
+def test_a_head_asked_for_every_unverified_token_fails_the_count(target, head_dir, monkeypatch):
+    from deepinfer.speculative import decoder
+
+    stride = decoder.SHADOW_STRIDE
+    monkeypatch.setattr(decoder, "SHADOW_STRIDE", 1)
+    shadow, unverified = _shadow_proposals(target, head_dir)
+    assert shadow > unverified / stride + 4, (shadow, unverified)
+
+
 def test_bad_heads_and_configurations_are_clear_errors(target, head_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("DEEPINFER_CACHE", str(tmp_path / "empty_cache"))
     with pytest.raises(ValueError, match="speculative_config.model names a DSpark head"):

@@ -3,9 +3,10 @@ and starts again when its history matches its drafts again, so that speculation 
 a batch slower than plain decoding.
 
 Each request keeps an exponential moving average of how many of its drafted tokens were
-accepted. Below ``pause_below`` it pauses: the drafter still proposes for it (an n-gram
-lookup costs nothing), but nothing is verified. Instead its paused drafts are scored against
-the tokens the request goes on to produce ("shadow" trials, free; one opens every step): a
+accepted. Below ``pause_below`` it pauses: the drafter still proposes for it (every token
+for an n-gram lookup, which costs nothing; every few steps for a model drafter, whose
+proposal is a forward), but nothing is verified. Instead its paused drafts are scored against
+the tokens the request goes on to produce ("shadow" trials; one opens each time it proposes): a
 trial's accepted count is the longest prefix that matches, as a verification would have found
 it. A trial whose first ``resume_hits`` tokens match resumes drafting at once; one that fails
 earlier moves the average by its accepted fraction, as a verification would, and above

@@ -112,6 +112,11 @@ def can_draft(req: SequenceState) -> bool:
 # a request's own acceptance history weighs as much as this many trials of the global one
 # before it has any: two verifications already separate a copying request from a free one
 REQUEST_PRIOR_TRIALS = 2.0
+# a model drafter's proposal is a forward of its own: requests whose drafts are not being
+# verified (paused, or kept from drafting in a closed batch) propose only every
+# SHADOW_STRIDE-th step, all in that step's one batch, enough shadow trials to notice when
+# they should draft again
+SHADOW_STRIDE = 8
 
 
 class SpeculativeDecoder:
@@ -157,6 +162,8 @@ class SpeculativeDecoder:
         # be until they finish, so the batch's end is what counts, not any one request's
         self.closed_batch = False
         self._shadow_trials: dict[str, list[Draft]] = {}  # paused requests: drafts being scored
+        self._steps = 0  # steps seen by ``after_step`` (the shadow proposals' stride)
+        self._kept_from_drafting: set[str] = set()  # this step's closed-batch rule
 
     @contextlib.contextmanager
     def closed(self) -> Iterator[None]:
@@ -210,6 +217,7 @@ class SpeculativeDecoder:
         drafts cannot shorten it. ``running``: every running request (decoding or not);
         ``num_waiting``: requests queued for a slot."""
         self.allowed = {}
+        self._kept_from_drafting = set()
         if not requests:
             return
         schedule = self.config.schedule
@@ -232,7 +240,8 @@ class SpeculativeDecoder:
                 lengths = threshold_schedule(conf, self.config.confidence_threshold)
             self.allowed = {r.request_id: n for r, n in zip(requests, lengths, strict=True)}
         if self.closed_batch and self.adaptive is not None and num_waiting == 0 and len(running) > 1:
-            for rid in self._cannot_shorten(requests, running):
+            self._kept_from_drafting = set(self._cannot_shorten(requests, running))
+            for rid in self._kept_from_drafting:
                 self.allowed[rid] = 0
 
     def _cannot_shorten(self, requests: list[SequenceState], running: Sequence[SequenceState]) -> list[str]:
@@ -243,7 +252,7 @@ class SpeculativeDecoder:
         acceptance rates; one for a paused or non-decoding request, or one whose drafts have
         no history yet). A decoding request whose remaining tokens, one per step, would end
         by then gains nothing from drafting; its drafts would only cost the rows that are
-        rejected. Its drafts are scored as shadow trials instead (free), so its rates are
+        rejected. Its drafts are scored as shadow trials instead, so its rates are
         learnt before it verifies anything. Remaining tokens are ``max_tokens``' (an end of
         sequence is not foreseen), so requests with equal budgets draft only when all the
         slow ones can; any request drafts again once it is the one left."""
@@ -345,6 +354,7 @@ class SpeculativeDecoder:
         offset of that row); the drafter stores the features of the rows now accepted. Then
         it proposes for the requests ``ready`` to draft next step (all in one batch) unless
         their draft still follows their newest token."""
+        self._steps += 1
         rows = self._accepted_rows(featured)
         verified = set(self._accepted_end)
         self._accepted_end = {}
@@ -367,8 +377,12 @@ class SpeculativeDecoder:
             if self._current_draft(req) is not None:
                 continue  # not stepped since: its ring and newest token are unchanged
             old = self.drafts.pop(req.request_id, None)
-            if self._paused(req) or (self.closed_batch and req.request_id not in verified):
+            shadow = self._paused(req) or (self.closed_batch and req.request_id not in verified)
+            if shadow:
                 self._score_shadow_trials(req, old)
+            unverified = self._paused(req) or req.request_id in self._kept_from_drafting
+            if unverified and self.drafter.window and self._steps % SHADOW_STRIDE:
+                continue  # a costly proposal nobody will verify: only every few steps
             if req.slot is not None and can_draft(req):
                 ask = DraftRequest(
                     req.slot,
