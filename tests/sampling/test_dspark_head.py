@@ -228,7 +228,7 @@ def _shadow_proposals(target, head_dir) -> tuple[int, int]:
     return sum(asked) - stats.verify_steps, unverified_tokens
 
 
-def test_unverified_requests_ask_the_head_only_every_few_tokens(target, head_dir):
+def test_unverified_requests_ask_the_head_only_every_few_steps(target, head_dir):
     """A paused request keeps proposing for shadow trials, but a model drafter's proposal is
     a forward: it asks one only every ``SHADOW_STRIDE``-th step."""
     from deepinfer.speculative.decoder import SHADOW_STRIDE
@@ -238,7 +238,7 @@ def test_unverified_requests_ask_the_head_only_every_few_tokens(target, head_dir
     assert shadow <= unverified / SHADOW_STRIDE + 4, (shadow, unverified)
 
 
-def test_a_head_asked_for_every_unverified_token_fails_the_count(target, head_dir, monkeypatch):
+def test_a_head_asked_every_step_fails_the_count(target, head_dir, monkeypatch):
     from deepinfer.speculative import decoder
 
     stride = decoder.SHADOW_STRIDE

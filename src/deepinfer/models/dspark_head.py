@@ -23,6 +23,7 @@ Training (``deepinfer.drafter_training``) calls the same ``block_hidden`` and ``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -301,15 +302,21 @@ class LlamaDSparkDraft:
         # a draft vocabulary: logits over its tokens only (the head's and the Markov head's rows)
         self.vocab: torch.Tensor | None = getattr(head, "draft_vocab", None)
         self.vocab_size = output_weight.shape[0]
+        # the draft vocabulary's rows of the shared head and of the Markov head, as projections
+        # (``pack_for_cpu`` swaps in packed copies)
+        self.vocab_out: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.vocab_markov: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._vocab_rows: tuple[torch.Tensor, torch.Tensor] | None = None
         if self.vocab is not None:
-            self.vocab_out = output_weight.detach()[self.vocab].contiguous()
-            self.vocab_markov = head.markov_head.weight.detach()[self.vocab].contiguous()
+            out_rows = output_weight.detach()[self.vocab].contiguous()
+            markov_rows = head.markov_head.weight.detach()[self.vocab].contiguous()
+            self._vocab_rows = (out_rows, markov_rows)
+            self.vocab_out = functools.partial(F.linear, weight=out_rows)
+            self.vocab_markov = functools.partial(F.linear, weight=markov_rows)
         self.block_size, self.window, self.kv_dim = cfg.block_size, cfg.window, cfg.kv_dim
         self.feature_layers = tuple(cfg.target_layer_ids)
         self.dtype = head.main_proj.weight.dtype
         self.device = head.main_proj.weight.device
-        self._vocab_linear: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self._markov_linear: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def pack_for_cpu(self) -> None:
         """Serve the head's projections from packed copies on the engine's CPU GEMM (as the
@@ -318,9 +325,9 @@ class LlamaDSparkDraft:
         for module in self.head.modules():
             if isinstance(module, nn.Linear) and PackedLinear.available(module.weight):
                 module.forward = PackedLinear(module.weight, module.bias)  # type: ignore[method-assign]
-        if self.vocab is not None and PackedLinear.available(self.vocab_out):
-            self._vocab_linear = PackedLinear(self.vocab_out, None)
-            self._markov_linear = PackedLinear(self.vocab_markov, None)
+        if self._vocab_rows is not None and PackedLinear.available(self._vocab_rows[0]):
+            self.vocab_out = PackedLinear(self._vocab_rows[0], None)
+            self.vocab_markov = PackedLinear(self._vocab_rows[1], None)
 
     @property
     def num_stages(self) -> int:
@@ -342,21 +349,17 @@ class LlamaDSparkDraft:
         """fp32 logits of hidden rows (over the draft vocabulary where the head has one): the
         head's norm, then the target's output projection."""
         normed = self.head.norm(hidden)
-        if self._vocab_linear is not None:
-            return self._vocab_linear(normed).float()
-        if self.vocab is not None:
-            return F.linear(normed, self.vocab_out).float()
+        if self.vocab_out is not None:
+            return self.vocab_out(normed).float()
         return self.output(normed).float()
 
     def markov(self, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The Markov bias after tokens ``prev`` (full-vocabulary ids), over the columns
         ``logits`` gives, and the tokens' rank-r embeddings."""
-        if self.vocab is None:
+        if self.vocab_markov is None:
             return self.head.markov(prev)
         embed = self.head.markov_embed(prev)
-        if self._markov_linear is not None:
-            return self._markov_linear(embed).float(), embed
-        return F.linear(embed, self.vocab_markov).float(), embed
+        return self.vocab_markov(embed).float(), embed
 
     def confidence(self, hidden: torch.Tensor, markov_embeds: torch.Tensor) -> torch.Tensor:
         return self.head.confidence(hidden, markov_embeds)

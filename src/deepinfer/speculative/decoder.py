@@ -377,10 +377,10 @@ class SpeculativeDecoder:
             if self._current_draft(req) is not None:
                 continue  # not stepped since: its ring and newest token are unchanged
             old = self.drafts.pop(req.request_id, None)
-            shadow = self._paused(req) or (self.closed_batch and req.request_id not in verified)
-            if shadow:
+            paused = self._paused(req)
+            if paused or (self.closed_batch and req.request_id not in verified):
                 self._score_shadow_trials(req, old)
-            unverified = self._paused(req) or req.request_id in self._kept_from_drafting
+            unverified = paused or req.request_id in self._kept_from_drafting
             if unverified and self.drafter.window and self._steps % SHADOW_STRIDE:
                 continue  # a costly proposal nobody will verify: only every few steps
             if req.slot is not None and can_draft(req):
