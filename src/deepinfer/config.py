@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deepinfer import feature_modes
 from deepinfer.cache import kv_dtypes
 from deepinfer.speculative.config import SpeculativeConfig
 
@@ -199,18 +200,18 @@ class EngineConfig:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if not self.enable_lora:
             return
-        for name in ("compile", "capture_graphs", "async_scheduling", "speculative_config", "ced_prefill"):
-            if getattr(self, name):
-                raise ValueError(
-                    f"enable_lora=True runs eager synchronous steps (the adapters' rows are set around an "
-                    f"eager forward): turn {name} off"
-                )
-        for name in ("batch_invariant", "enable_return_routed_experts"):
-            if getattr(self, name):
-                raise ValueError(f"enable_lora=True with {name}=True is refused: turn one of them off")
-        if self.world_size > 1 or self.data_parallel_replicas > 1:
+        if self.ced_prefill:
             raise ValueError(
-                "enable_lora=True runs on one rank and one replica (the adapters' slots are this process's)"
+                "enable_lora=True with ced_prefill=True is refused: its prefill passes run without the adapters"
+            )
+        if self.enable_return_routed_experts:
+            raise ValueError(
+                "enable_lora=True with enable_return_routed_experts=True is refused: turn one of them off"
+            )
+        if self.data_parallel_replicas > 1:
+            raise ValueError(
+                "enable_lora=True with data_parallel_replicas > 1 is refused: run one replica (the "
+                "adapters' slots are this process's)"
             )
 
     @property
@@ -238,17 +239,6 @@ class EngineConfig:
                 "kv_offload_bytes / kv_cache_dir with enable_return_routed_experts=True is refused: a tier "
                 "restores K/V but not the routing record of its positions"
             )
-        if self.world_size > 1:
-            raise ValueError(
-                "kv_offload_bytes / kv_cache_dir run on one rank (the tiers copy this process's pools)"
-            )
-        if self.async_scheduling:
-            raise ValueError(
-                "kv_offload_bytes / kv_cache_dir run with synchronous scheduling (loads and stores between "
-                "steps): set "
-                "async_scheduling=False (or leave it unset)"
-            )
-        self.async_scheduling = False  # the platform's default would be asynchronous on CUDA
 
     def validate(self) -> None:
         def need(ok: bool, name: str, rule: str) -> None:
@@ -281,23 +271,20 @@ class EngineConfig:
         need(isinstance(self.ced_prefill, bool), "ced_prefill", "a bool")
         need(isinstance(self.batch_invariant, bool), "batch_invariant", "a bool")
         need(isinstance(self.enable_return_routed_experts, bool), "enable_return_routed_experts", "a bool")
-        if self.enable_return_routed_experts:
-            for name in ("compile", "capture_graphs", "async_scheduling", "ced_prefill"):
-                if getattr(self, name):
-                    raise ValueError(
-                        f"enable_return_routed_experts=True records the routing in eager synchronous "
-                        f"steps: turn {name} off"
-                    )
-            if self.world_size > 1:
-                raise ValueError("enable_return_routed_experts=True runs on one rank")
+        if self.enable_return_routed_experts and self.ced_prefill:
+            raise ValueError(
+                "enable_return_routed_experts=True with ced_prefill=True is refused: its prefill passes "
+                "record no routing; set ced_prefill=False"
+            )
         self._validate_lora(positive_int)
         self._validate_tiers()
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        feature_modes.check(self)
         if self.batch_invariant:
             for name in (
                 "compile",
                 "capture_graphs",
                 "async_scheduling",
-                "speculative_config",
                 "ced_prefill",
             ):
                 if getattr(self, name):
@@ -374,7 +361,6 @@ class EngineConfig:
                 "ced_prefill=True needs enable_prefix_caching=False: a cached prefix holds no decoder "
                 "window for positions its own prompt never replayed"
             )
-        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         need(
             self.quantization in QUANTIZATIONS,
             "quantization",
@@ -394,8 +380,8 @@ class EngineConfig:
         for option in ("tensor_parallel_size", "data_parallel_size"):
             if getattr(self, option) == 1:
                 continue
-            for name in ("compile", "capture_graphs", "speculative_config"):
+            for name in ("compile", "capture_graphs"):
                 if getattr(self, name):
-                    raise ValueError(f"{option} > 1 runs eager steps: turn {name} off")
+                    raise ValueError(f"{option} > 1 runs eager steps: set {name}=False")
             if self.quantization in ("int8", "int4", "bf16"):
                 raise ValueError(f"{option} > 1 with quantization={self.quantization!r} is not supported")

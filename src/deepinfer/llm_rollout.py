@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from deepinfer import feature_modes
 from deepinfer.engine.driver import EngineDriver
 from deepinfer.engine.weight_sync import write_parameters
 from deepinfer.models.base import CausalLM
@@ -214,12 +215,13 @@ def check_trainer_model(model: Any, engine_kwargs: dict[str, Any]) -> dict[str, 
         given = kwargs.setdefault(key, have)
         if str(given).removeprefix("torch.") != have:
             raise ValueError(f"LLM.from_model: {key}={given!r}, but the model's parameters are {have}")
-    for key in ("tensor_parallel_size", "data_parallel_size", "data_parallel_replicas"):
+    for key, mode in (("tensor_parallel_size", "tp"), ("data_parallel_size", "dp")):
         if kwargs.get(key, 1) != 1:
-            raise ValueError(f"LLM.from_model: {key} must be 1 (the engine shares this process's parameters)")
-    if kwargs.get("async_scheduling"):
+            raise ValueError(f"LLM.from_model: {feature_modes.refusal('rl_updates', mode)}")
+    if kwargs.get("enable_expert_parallel"):
+        raise ValueError(f"LLM.from_model: {feature_modes.refusal('rl_updates', 'ep')}")
+    if kwargs.get("data_parallel_replicas", 1) != 1:
         raise ValueError(
-            "LLM.from_model: async_scheduling runs steps while the trainer could write the weights"
+            "LLM.from_model: data_parallel_replicas must be 1 (the engine shares this process's parameters)"
         )
-    kwargs["async_scheduling"] = False  # also where the platform's default would be on (CUDA)
     return kwargs

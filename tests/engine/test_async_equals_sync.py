@@ -5,6 +5,7 @@ decoding, chunked prefill, preemption from a small cache)."""
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -54,7 +55,7 @@ def _workload(seed: int, kinds: list[str], n: int) -> tuple[list[list[int]], lis
     return prompts, [_params(rng, kinds) for _ in range(n)]
 
 
-def _run(ckpt: str, prompts, params, asynchronous: bool, **options) -> tuple[list, LLM]:
+def _run(ckpt: str, prompts, params, asynchronous: bool | None, **options) -> tuple[list, LLM]:
     llm = LLM(ckpt, async_scheduling=asynchronous, max_num_seqs=6, **options)
     outs = llm.generate(prompts, params, use_tqdm=False)
     engine = llm.engine
@@ -107,9 +108,10 @@ def test_async_engine_equals_sync_engine(llama_ckpt, seed, kinds, budget, blocks
         assert steps.host_waits == 0 and steps.early_launches > 0
 
 
-def test_speculative_decoding_equals_sync(llama_ckpt):
-    """With n-gram drafting on, asking for asynchronous scheduling changes no output (the
-    drafter needs the last tokens on the host, so such an engine steps synchronously)."""
+def test_speculative_decoding_steps_synchronously(llama_ckpt, caplog):
+    """With n-gram drafting on, asking for asynchronous scheduling changes no output: the
+    drafter needs the last tokens on the host, so such an engine steps synchronously, and
+    says so."""
     rng = random.Random(3)
     prompts = [[5, 6, 7, 8] * 6 + [rng.randrange(3, VOCAB) for _ in range(4)] for _ in range(4)]
     params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * 2 + [
@@ -117,7 +119,10 @@ def test_speculative_decoding_equals_sync(llama_ckpt):
     ]
     spec = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
     sync, _ = _run(llama_ckpt, prompts, params, False, **spec)
-    got, _ = _run(llama_ckpt, prompts, params, True, **spec)
+    with caplog.at_level(logging.WARNING, logger="deepinfer"):
+        got, llm = _run(llama_ckpt, prompts, params, True, **spec)
+    assert llm.engine.async_steps is None
+    assert "steps run synchronously" in caplog.text
     assert _same(got, sync)
 
 

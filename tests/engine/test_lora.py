@@ -28,6 +28,7 @@ from lora_adapters import (
     random_lora_config,
 )
 from safetensors.torch import load_file, save_file
+from spec_prompts import repeating_prompts
 from v41_reference import read_checkpoint, reference_logits
 
 from deepinfer import LLM, LoRARequest, SamplingParams, load_model
@@ -132,6 +133,13 @@ ENGINE_MODES = {
     "chunked": {"max_loras": 8, "max_num_batched_tokens": 7},
     "preempted": {"max_loras": 8, "num_cache_blocks": 10, "block_size": 4},
     "three_slots": {"max_loras": 3, "max_cpu_loras": 4, "max_num_batched_tokens": 16},
+    "async_three_slots": {
+        "max_loras": 3,
+        "max_cpu_loras": 4,
+        "max_num_batched_tokens": 16,
+        "async_scheduling": True,
+    },
+    "async_preempted": {"max_loras": 8, "num_cache_blocks": 10, "block_size": 4, "async_scheduling": True},
 }
 
 
@@ -172,6 +180,69 @@ def test_mixed_adapter_batch_equals_each_alone(llama_setup, mixed_engines, workl
         outs = llm.generate(prompts, params, lora_request=requests)
         got = [o.outputs[0].token_ids for o in outs]
         assert got == expected, name
+
+
+def _slot_tensors(registry) -> list[torch.Tensor]:
+    """Copies of every slot tensor of the registry's linear targets."""
+    from deepinfer.lora.targets import stack_for
+
+    out = []
+    for target in registry.targets.values():
+        stack = stack_for(target, registry.max_loras, registry.max_rank, registry.dtype, registry.device)
+        out += [stack.a.clone(), *(b.clone() for b in stack.b)]
+    return out
+
+
+@pytest.mark.parametrize("mutant", [False, True])
+def test_a_prepared_step_leaves_the_slots_to_the_step_in_flight(llama_setup, monkeypatch, mutant):
+    """Under asynchronous scheduling a step is prepared while the one before it runs: the slot
+    it gives a new adapter (evicting one the running step may read) is written only when the
+    step itself runs (``write_slots``, on the thread that runs steps in order). Mutation: a
+    slot written as the step is prepared changes the running step's slots."""
+    from deepinfer.lora.registry import LoraRegistry
+
+    ckpt, _, adapters = llama_setup
+    if mutant:
+        original = LoraRegistry.step
+
+        def written_when_prepared(self, chunk_adapters, lengths, rows):
+            step = original(self, chunk_adapters, lengths, rows)
+            if step is not None:
+                step.write_slots()
+            return step
+
+        monkeypatch.setattr(LoraRegistry, "step", written_when_prepared)
+    llm = LLM(ckpt, enable_lora=True, max_loras=2, max_cpu_loras=3)
+    registry = llm.engine.lora
+    a, b, c = (registry.resolve(r) for r, _ in adapters[:3])
+    running = registry.step([a, b], [2, 3], 5)
+    running.write_slots()
+    before = _slot_tensors(registry)
+    prepared = registry.step([c], [4], 4)  # takes the slot of a or b
+    during = _slot_tensors(registry)
+    assert all(torch.equal(x, y) for x, y in zip(before, during, strict=True)) != mutant
+    prepared.write_slots()
+    after = _slot_tensors(registry)
+    assert not all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+
+
+def test_speculative_decoding_with_adapters_changes_no_token(llama_setup, mixed_engines):
+    """n-gram drafts verified by rows of several adapters: every request gets the tokens it
+    gets alone without drafts, and drafts were accepted (the check is not vacuous)."""
+    _, _, adapters = llama_setup
+    alone, _ = mixed_engines
+    prompts = repeating_prompts(8, seed=5)
+    requests = [a for a, _ in adapters]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = [
+        alone.generate([p], params, lora_request=r)[0].outputs[0].token_ids
+        for p, r in zip(prompts, requests, strict=True)
+    ]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(llama_setup[0], enable_lora=True, max_loras=4, speculative_config=spec)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=requests)]
+    assert got == expected
+    assert llm.engine.spec.stats.accepted > 0
 
 
 def test_preemption_happens_in_the_preempted_mode(llama_setup, mixed_engines):

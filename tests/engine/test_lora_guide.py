@@ -120,8 +120,6 @@ def test_alpha_pattern_sets_a_modules_scale(setup, llm, tmp_path):
     "option,match",
     [
         ({"capture_graphs": True}, "capture_graphs"),
-        ({"async_scheduling": True}, "async_scheduling"),
-        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative_config"),
         ({"batch_invariant": True}, "batch_invariant"),
         ({"enable_return_routed_experts": True}, "enable_return_routed_experts"),
         ({"tensor_parallel_size": 2}, "one rank"),
@@ -130,7 +128,7 @@ def test_alpha_pattern_sets_a_modules_scale(setup, llm, tmp_path):
     ],
 )
 def test_enable_lora_refuses_what_it_does_not_run_with(setup, option, match):
-    """Adapters run in eager synchronous steps on one rank: every other mode is refused with
+    """Adapters run in eager steps on one rank: the modes they do not run in are refused with
     the reason, before any weights are loaded or ranks started."""
     with pytest.raises(ValueError, match=rf"enable_lora=True.*{match}"):
         LLM(setup["ckpt"], enable_lora=True, **option)

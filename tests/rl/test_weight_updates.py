@@ -51,6 +51,7 @@ def _prompts(seed: int) -> list[list[int]]:
     [
         ("llama", {}),
         ("llama", {"compile": False}),
+        ("llama", {"async_scheduling": True}),
         ("llama", {"quantization": "int8", "compile": False}),
         ("llama", {"quantization": "int4", "compile": False}),
         ("deepseek_v4", {}),
@@ -114,8 +115,6 @@ def test_from_model_refuses_what_it_cannot_share(tmp_path_factory):
         LLM.from_model(model, dtype="bfloat16")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM.from_model(model, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="async_scheduling"):
-        LLM.from_model(model, async_scheduling=True)
     with pytest.raises(ValueError, match="tokenizer"):
         LLM.from_model(model).generate("text")
 
@@ -159,16 +158,26 @@ def test_a_prefix_of_the_old_weights_reused_is_caught(two_llamas, monkeypatch):
     assert tokens_and_logprob_dicts(llm.generate(prompts, GREEDY, use_tqdm=False)) != expected
 
 
-def test_requests_running_across_an_update_continue_under_the_new_weights(two_llamas):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_requests_running_across_an_update_continue_under_the_new_weights(two_llamas, async_scheduling):
+    """An update between steps: the tokens before it are the old weights', those after it the
+    new weights' on the whole sequence. Under asynchronous scheduling the step in flight is
+    processed first (its token is the old weights')."""
     old, new = two_llamas
     prompt = _prompts(5)[2]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    llm = LLM(old)
+    llm = LLM(old, async_scheduling=async_scheduling)
     req = llm.engine.add_request("r", prompt, params)
     while len(req.output_token_ids) < 4:
         llm.engine.step()
-    early = list(req.output_token_ids)
+    assert llm.engine.in_flight == async_scheduling
     llm.load_weights_from_disk(new)
+    assert not llm.engine.in_flight
+    early = list(req.output_token_ids)
+    alone = LLM(old).generate(
+        [prompt], SamplingParams(max_tokens=len(early), temperature=0.0, ignore_eos=True)
+    )
+    assert early == alone[0].outputs[0].token_ids
     while not req.finished:
         llm.engine.step()
     rest = LLM(new).generate(

@@ -53,19 +53,17 @@ class EngineDriver:
         changed = weights.changed() if changed is None else changed
         if not changed and version is None:
             return
-        if engine.in_flight:
-            raise RuntimeError(
-                "weights cannot change while an asynchronous step is in flight; let the requests "
-                "finish, or run the engine with async_scheduling=False"
-            )
+        engine.drain()  # the step in flight ends with the old weights
         weights.check_in_place(changed)
         engine.forget_computed_cache()
         weights.refresh(changed, version)
 
     @contextlib.contextmanager
     def between_steps(self) -> Iterator[None]:
-        """Hold the step lock: no step runs inside the block."""
+        """Hold the step lock: no step runs inside the block (a launched asynchronous step
+        is waited for and processed first)."""
         with self.lock:
+            self.engine.drain()
             yield
 
     # ---- pausing ----------------------------------------------------------------------------

@@ -150,6 +150,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         # drafting needs the previous step's tokens; EPLB moves experts between steps
         use_async = platform_async and self.spec is None and not config.enable_eplb
+        if config.async_scheduling and self.spec is not None:  # ``feature_modes``: a fallback
+            logger.warning("async_scheduling=True with speculative_config: steps run synchronously")
         self.processor = StepProcessor(
             self.scheduler,
             self.output_processor,
@@ -282,7 +284,8 @@ class Engine:
                 raise EngineDeadError(f"scheduling failed: {type(exc).__name__}: {exc}") from exc
             updated = self._fail_open_steps(f"engine step failed: {type(exc).__name__}: {exc}")
         if self._ended:
-            updated, self._ended = self._ended + updated, []
+            known = {id(r) for r in updated}
+            updated, self._ended = [r for r in self._ended if id(r) not in known] + updated, []
         return updated
 
     def _step(self) -> list[Request]:
@@ -312,6 +315,19 @@ class Engine:
             steps.launch_after_processing(*upcoming)
         self.executor.count_expert_load()
         return updated
+
+    def drain(self) -> None:
+        """Wait for and process every launched step, scheduling none: afterwards no step runs
+        on the asynchronous worker (a weight update applies between steps). The requests they
+        updated are reported by the next ``step``."""
+        steps = self.async_steps
+        while steps is not None and steps.launched:
+            try:
+                current, output = steps.wait_oldest()
+                self._ended += self._process(current.prepared, output, current.sampling)
+            except Exception as exc:
+                logger.exception("engine step failed")
+                self._ended += self._fail_open_steps(f"engine step failed: {type(exc).__name__}: {exc}")
 
     def _fail_open_steps(self, error: str) -> list[Request]:
         """After a step raised: fail every request of the steps scheduled, not processed."""

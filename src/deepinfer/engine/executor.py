@@ -101,6 +101,8 @@ class Executor:
         """One forward on this rank, ``batch_invariant``'s products and the routing record
         as configured."""
         batch = prepared.batch
+        if batch.lora is not None:  # after the step before it, which may read the old slots
+            batch.lora.write_slots()
         with invariant_products(batch.invariant), running_step(batch.lora):
             out = self.runner.execute(prepared, input_ids)
         if self.routing is not None and batch.routing is not None and prepared.seq_chunks is not None:

@@ -201,6 +201,21 @@ class Scheduler:
             self.free_slots.append(request.slot)
             request.slot = None
 
+    def _give_back_loaded_hits(self) -> bool:
+        """Free the blocks that waiting requests hold from tier loads that ended (published:
+        their prefix stays cached), before a running request is preempted for blocks. A
+        running request preempted before its step was processed publishes nothing of that
+        step (asynchronous scheduling), so two requests that keep taking each other's blocks
+        would otherwise start over forever. Whether any were freed."""
+        if self.tier_hits is None:
+            return False
+        held = [r for r in self.waiting if r.block_ids and r.tier_load is None]
+        for request in held:
+            self._release(request)
+            request.num_computed_tokens = 0
+            request.restore_overlap = False
+        return bool(held)
+
     def _prefix_hit(self, request: Request) -> None:
         """Take cached blocks for the longest cached prefix (always leaving >= 1 token)."""
         if not self.config.enable_prefix_caching or request.block_ids:
@@ -363,6 +378,8 @@ class Scheduler:
                 not windowed or (first == (end - 1) // bs and first < len(ids) and ids[first] >= 0)
             )
             ready = ready or self._ensure_blocks(request, end)
+            if not ready and self._give_back_loaded_hits():
+                ready = self._ensure_blocks(request, end)
             while not ready:
                 victim = next((r for r in reversed(self.running) if id(r) not in scheduled), None)
                 if victim is None:

@@ -217,9 +217,11 @@ class StepProcessor:
                 logger.exception("request %s failed after sampling", req.request_id)
                 self.fail(req, f"{type(exc).__name__}: {exc}")
                 continue
-            if req.finish_reason is not None:  # the token just sampled has no row yet (an
-                # asynchronous engine may count the next step's row already)
-                self.finish(req, computed=min(req.num_computed_tokens, req.num_tokens - 1))
+            if req.finish_reason is not None:
+                # the token just sampled has no row yet: an asynchronous engine counts the
+                # next step's row for it (and that step's token) already, and may be writing it
+                known = len(req.prompt_token_ids) + len(req.output_token_ids)
+                self.finish(req, computed=min(req.num_computed_tokens, known - 1))
         return updated
 
     def _sampling_row(self, request: Request) -> SamplingRow:

@@ -11,10 +11,11 @@ used first. The scheduler never runs more than ``max_loras`` adapters at once.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,25 +123,27 @@ class LoraRegistry:
 
     # ---- slots and steps ------------------------------------------------------------------
 
-    def _place(self, loaded: LoadedAdapter, keep: set[int]) -> int:
-        """The slot holding ``loaded``, loading it into the least recently used slot outside
-        ``keep`` (the step's other adapters) if it has none."""
+    def _place(self, loaded: LoadedAdapter, keep: set[int], writes: list[Callable[[], None]]) -> int:
+        """The slot holding ``loaded``, given the least recently used slot outside ``keep``
+        (the step's other adapters) if it has none. The slot's tensors are written by
+        ``writes``, which the step runs before its forward: under asynchronous scheduling the
+        step in flight may still read the slot's previous adapter."""
         if loaded in self.slots:
             slot = self.slots.index(loaded)
         else:
             slot = next(s for s in self._slot_order if s not in keep)
             previous = self.slots[slot]
             if previous is not None:
-                for stack in previous.stacks:
-                    stack.clear(slot)
+                writes += [functools.partial(stack.clear, slot) for stack in previous.stacks]
                 previous.stacks = []
             for module, update in loaded.adapter.updates.items():
                 target = self.targets[module]
                 stack = stack_for(target, self.max_loras, self.max_rank, self.dtype, self.device)
                 if target.kind == "expert":
-                    stack.load(slot, target.index, target.name, update.a, update.b, update.scale)
+                    args = (slot, target.index, target.name, update.a, update.b, update.scale)
                 else:
-                    stack.load(slot, target.index, update.a, update.b, update.scale)
+                    args = (slot, target.index, update.a, update.b, update.scale)
+                writes.append(functools.partial(stack.load, *args))
                 if stack not in loaded.stacks:
                     loaded.stacks.append(stack)
             self.slots[slot] = loaded
@@ -152,7 +155,8 @@ class LoraRegistry:
         self, adapters: Sequence[LoadedAdapter | None], lengths: Sequence[int], rows: int
     ) -> LoraStep | None:
         """The step's mask: chunk ``i`` has ``lengths[i]`` rows with ``adapters[i]`` (None:
-        the base model), in order, then padding up to ``rows``. None when no row has one."""
+        the base model), in order, then padding up to ``rows``. None when no row has one.
+        Slots given to new adapters are filled when the step runs (``LoraStep.write_slots``)."""
         if all(a is None for a in adapters):
             return None
         distinct = list(dict.fromkeys(a for a in adapters if a is not None))
@@ -160,15 +164,16 @@ class LoraRegistry:
             raise RuntimeError(f"a step holds {len(distinct)} adapters; max_loras is {self.max_loras}")
         keep: set[int] = {self.slots.index(a) for a in distinct if a in self.slots}
         slot_of = {}
+        writes: list[Callable[[], None]] = []
         for loaded in distinct:
-            slot_of[loaded] = self._place(loaded, keep)
+            slot_of[loaded] = self._place(loaded, keep, writes)
             keep.add(slot_of[loaded])
         per_chunk = torch.tensor([-1 if a is None else slot_of[a] for a in adapters], dtype=torch.long)
         slot_rows = torch.full((rows,), -1, dtype=torch.long)
         used = sum(lengths)
         slot_rows[:used] = per_chunk.repeat_interleave(torch.tensor(list(lengths), dtype=torch.long))
         return LoraStep.build(
-            slot_rows, self.max_loras, self.max_rank, self.dtype, self.device, self._experts
+            slot_rows, self.max_loras, self.max_rank, self.dtype, self.device, self._experts, tuple(writes)
         )
 
     def running(self, adapters: Sequence[LoadedAdapter | None]) -> list[str]:

@@ -20,7 +20,7 @@ experts use a per-row slot mask instead (``ExpertStack``). Which adapters hold w
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -56,6 +56,15 @@ class LoraStep:
     order: torch.Tensor
     group_slots: torch.Tensor
     group_starts: torch.Tensor
+    # the slot tensors to write before the forward (adapters newly given a slot): run by
+    # the thread that runs the step, after the step before it
+    slot_writes: tuple[Callable[[], None], ...] = ()
+
+    def write_slots(self) -> None:
+        """Fill the slots this step gave to new adapters (once; the step's forward reads them)."""
+        for write in self.slot_writes:
+            write()
+        object.__setattr__(self, "slot_writes", ())
 
     @staticmethod
     def build(
@@ -65,9 +74,11 @@ class LoraStep:
         dtype: torch.dtype,
         device: torch.device,
         experts: bool = True,
+        slot_writes: tuple[Callable[[], None], ...] = (),
     ) -> LoraStep:
         """From each row's slot (``slot_rows`` [T] on the host, -1 for the base model);
-        ``experts``: the model has routed experts, which read the mask."""
+        ``experts``: the model has routed experts, which read the mask; ``slot_writes``: the
+        slot fills the step runs first."""
         lora_rows = (slot_rows >= 0).nonzero().flatten()
         by_slot = torch.argsort(slot_rows[lora_rows], stable=True)
         rows, row_slots = lora_rows[by_slot], slot_rows[lora_rows][by_slot]
@@ -106,6 +117,7 @@ class LoraStep:
             rows,
             group_slots,
             group_starts,
+            slot_writes,
         )
 
     def check(self, x: torch.Tensor) -> None:
