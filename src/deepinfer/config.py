@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deepinfer import feature_modes
 from deepinfer.cache import kv_dtypes
+from deepinfer.feature_modes import check_config as check_feature_modes
 from deepinfer.speculative.config import SpeculativeConfig
 
 KV_CACHE_DTYPES = ("auto", *kv_dtypes.KV_CACHE_DTYPES)
@@ -279,7 +279,7 @@ class EngineConfig:
         self._validate_lora(positive_int)
         self._validate_tiers()
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        feature_modes.check(self)
+        check_feature_modes(self)
         if self.batch_invariant:
             for name in (
                 "compile",

@@ -147,7 +147,7 @@ def refusal(feature: str, mode: str) -> str | None:
     return f"{FEATURES[feature].option} with {MODES[mode].option} is refused: {c.note}"
 
 
-def check(config: Any) -> None:
+def check_config(config: Any) -> None:
     """Raise ``ValueError`` for the first feature the config turns on in a mode that refuses it."""
     for feature, f_axis in FEATURES.items():
         if f_axis.on is None or not f_axis.on(config):

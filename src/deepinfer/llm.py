@@ -18,7 +18,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.distributed.replicas import ReplicaPool, RequestSpec, balanced_shares, serve, torch_threads
 from deepinfer.engine.driver import EngineDriver
 from deepinfer.engine.engine import Engine
-from deepinfer.engine.memory import weight_bytes
+from deepinfer.engine.memory import engine_kv_cache_report, weight_bytes
 from deepinfer.engine.request import Request
 from deepinfer.llm_rollout import RolloutMixin, check_trainer_model
 from deepinfer.lora.request import LoRARequest, per_prompt
@@ -149,11 +149,11 @@ class LLM(RolloutMixin):
 
     def memory_report(self) -> dict[str, Any]:
         """Where the memory goes: resident weight bytes by dtype, and the KV cache (bytes
-        allocated and in use, bytes per token by layer kind; ``Engine.memory_report``)."""
+        allocated and in use, bytes per token by layer kind; ``engine_kv_cache_report``)."""
         by_dtype = weight_bytes(self.model)
         return {
             "weights": {"bytes": sum(by_dtype.values()), "by_dtype": by_dtype},
-            "kv_cache": self.engine.memory_report(),
+            "kv_cache": engine_kv_cache_report(self.engine),
         }
 
     def kv_cache_usage(self) -> float:
@@ -326,7 +326,7 @@ class LLM(RolloutMixin):
         per group. ``on_finished(count)`` hears of finished requests, ``each_step`` runs
         after every step."""
         pending = {req.request_id for group in groups for req in group}
-        with self.engine.closed_batch():  # nothing else arrives until the call returns
+        with self.driver.closed_batch():  # nothing else arrives until the call returns
             while pending:
                 for req in self.driver.step():
                     if req.finished and req.request_id in pending:

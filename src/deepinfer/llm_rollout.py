@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from deepinfer import feature_modes
 from deepinfer.engine.driver import EngineDriver
 from deepinfer.engine.weight_sync import write_parameters
+from deepinfer.feature_modes import refusal
 from deepinfer.models.base import CausalLM
 
 if TYPE_CHECKING:
@@ -217,9 +217,9 @@ def check_trainer_model(model: Any, engine_kwargs: dict[str, Any]) -> dict[str, 
             raise ValueError(f"LLM.from_model: {key}={given!r}, but the model's parameters are {have}")
     for key, mode in (("tensor_parallel_size", "tp"), ("data_parallel_size", "dp")):
         if kwargs.get(key, 1) != 1:
-            raise ValueError(f"LLM.from_model: {feature_modes.refusal('rl_updates', mode)}")
+            raise ValueError(f"LLM.from_model: {refusal('rl_updates', mode)}")
     if kwargs.get("enable_expert_parallel"):
-        raise ValueError(f"LLM.from_model: {feature_modes.refusal('rl_updates', 'ep')}")
+        raise ValueError(f"LLM.from_model: {refusal('rl_updates', 'ep')}")
     if kwargs.get("data_parallel_replicas", 1) != 1:
         raise ValueError(
             "LLM.from_model: data_parallel_replicas must be 1 (the engine shares this process's parameters)"

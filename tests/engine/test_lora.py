@@ -418,7 +418,7 @@ def test_lora_needs_enable_lora_and_eager_steps(llama_setup):
     ckpt, _, adapters = llama_setup
     with pytest.raises(ValueError, match="enable_lora=True"):
         LLM(ckpt).generate([[5, 6]], _greedy(2), lora_request=adapters[0][0])
-    with pytest.raises(ValueError, match="turn compile off"):
+    with pytest.raises(ValueError, match="set compile=False"):
         LLM(ckpt, enable_lora=True, compile=True)
     with pytest.raises(ValueError, match="max_cpu_loras"):
         LLM(ckpt, enable_lora=True, max_loras=4, max_cpu_loras=2)

@@ -11,6 +11,7 @@ launched after its processing, with its ids from the host (``host_waits`` counts
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -18,9 +19,15 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.cache.host_tensors import HostCopy
+from deepinfer.config import EngineConfig
 from deepinfer.engine.executor import Executor, StepOutput
 from deepinfer.engine.model_runner import ModelRunner, PreparedStep
 from deepinfer.engine.step_processor import DeviceSampling
+from deepinfer.models.base import CausalLM
+from deepinfer.platforms import Platform
+from deepinfer.speculative.decoder import SpeculativeDecoder
+
+logger = logging.getLogger("deepinfer")
 
 Run = Callable[[PreparedStep, torch.Tensor], StepOutput]
 
@@ -126,3 +133,28 @@ class AsyncSteps:
             launched.future.result()
         self.launched.clear()
         self.worker.shutdown(wait=True)
+
+
+def asks_async(config: EngineConfig, platform: Platform) -> bool:
+    """Whether asynchronous scheduling is asked for: the option, or the platform's default."""
+    return platform.name == "cuda" if config.async_scheduling is None else config.async_scheduling
+
+
+def async_steps(
+    config: EngineConfig,
+    asked: bool,
+    spec: SpeculativeDecoder | None,
+    executor: Executor,
+    runner: ModelRunner,
+    model: CausalLM,
+) -> AsyncSteps | None:
+    """The asynchronous worker where asked for, unless drafting (it reads each step's tokens
+    on the host: a fallback, logged) or EPLB (experts move between steps) rules it out."""
+    if config.async_scheduling and spec is not None:
+        logger.warning("async_scheduling=True with speculative_config: steps run synchronously")
+    if not asked or spec is not None or config.enable_eplb:
+        return None
+    # tensor/data parallel and chunk-by-chunk steps read the host's token lists themselves
+    return AsyncSteps(
+        executor, runner, executor.tp is None and not (config.batch_invariant and not model.invariant_rows)
+    )

@@ -58,6 +58,12 @@ class EngineDriver:
         engine.forget_computed_cache()
         weights.refresh(changed, version)
 
+    def closed_batch(self) -> contextlib.AbstractContextManager[None]:
+        """No request arrives until the block ends (``LLM.generate``): the speculative decoder
+        plans for the batch it holds."""
+        spec = self.engine.spec
+        return spec.closed() if spec is not None else contextlib.nullcontext()
+
     @contextlib.contextmanager
     def between_steps(self) -> Iterator[None]:
         """Hold the step lock: no step runs inside the block (a launched asynchronous step

@@ -12,10 +12,10 @@ draw is keyed by its request's seed and position, so outputs equal synchronous m
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +23,9 @@ from deepinfer.cache import kv_dtypes
 from deepinfer.cache.pools import CacheLayout
 from deepinfer.config import EngineConfig
 from deepinfer.distributed.workers import TensorParallelGroup
-from deepinfer.engine import memory, setup
+from deepinfer.engine import setup
 from deepinfer.engine.admission import check_request
-from deepinfer.engine.async_steps import AsyncSteps, run_step
+from deepinfer.engine.async_steps import asks_async, async_steps, run_step
 from deepinfer.engine.executor import Executor, StepOutput
 from deepinfer.engine.metrics_snapshot import cache_metrics, spec_metrics
 from deepinfer.engine.model_runner import PreparedStep
@@ -124,9 +124,7 @@ class Engine:
             # every bucket now, on this thread, before any step (and before the asynchronous
             # worker exists): a capture must never overlap the host preparing another step
             self.runner.graphs.capture_all()
-        platform_async = (
-            platform.name == "cuda" if config.async_scheduling is None else config.async_scheduling
-        )
+        platform_async = asks_async(config, platform)
         self.spec: SpeculativeDecoder | None = None
         if config.speculative_config is not None and drafter is not None:
             self.spec = setup.speculative_decoder(
@@ -148,10 +146,7 @@ class Engine:
         self.structured = StructuredRequests(tokenizer, self.vocab_size, self.eos_token_ids)
         self._ended: list[Request] = []  # ended outside a step (reported by the next one)
         self.requests: dict[str, Request] = {}
-        # drafting needs the previous step's tokens; EPLB moves experts between steps
-        use_async = platform_async and self.spec is None and not config.enable_eplb
-        if config.async_scheduling and self.spec is not None:  # ``feature_modes``: a fallback
-            logger.warning("async_scheduling=True with speculative_config: steps run synchronously")
+        self.async_steps = async_steps(config, platform_async, self.spec, self.executor, self.runner, model)
         self.processor = StepProcessor(
             self.scheduler,
             self.output_processor,
@@ -159,11 +154,8 @@ class Engine:
             self.spec,
             self.eos_token_ids,
             rowwise=config.batch_invariant,
-            counts_in_flight=use_async,
+            counts_in_flight=self.async_steps is not None,
         )
-        # tensor/data parallel and chunk-by-chunk steps read the host's token lists themselves
-        fed = self.tp is None and not (config.batch_invariant and not model.invariant_rows)
-        self.async_steps = AsyncSteps(self.executor, self.runner, fed) if use_async else None
         self._open_steps: list[list[ScheduledChunk]] = []  # scheduled, not yet processed
         repack = model.register_packed_projections if self.device.type == "cpu" and modes.compile else None
         self.weights = WeightSync(model, follow_parameters, repack)
@@ -274,19 +266,32 @@ class Engine:
         with finish reason "error"; requests outside them go on. ``EngineDeadError`` (the
         engine cannot step again, or a step failed before holding any request, which no
         retry would change) is raised."""
+        updated = self._guarded(self._step)
+        if self._ended:  # a request drained before this step may have moved again in it
+            updated, self._ended = [r for r in self._ended if r not in updated] + updated, []
+        return updated
+
+    def drain(self) -> None:
+        """Process every launched step, scheduling none (a weight update applies between
+        steps); the requests they updated are reported by the next ``step``."""
+        while self.in_flight:
+            self._ended += self._guarded(self._process_oldest)
+
+    def _guarded(self, run: Callable[[], list[Request]]) -> list[Request]:
         try:
-            updated = self._step()
+            return run()
         except EngineDeadError:
             raise
         except Exception as exc:
             logger.exception("engine step failed")
             if not self._open_steps and not self.in_flight:
                 raise EngineDeadError(f"scheduling failed: {type(exc).__name__}: {exc}") from exc
-            updated = self._fail_open_steps(f"engine step failed: {type(exc).__name__}: {exc}")
-        if self._ended:
-            known = {id(r) for r in updated}
-            updated, self._ended = [r for r in self._ended if id(r) not in known] + updated, []
-        return updated
+            return self._fail_open_steps(f"engine step failed: {type(exc).__name__}: {exc}")
+
+    def _process_oldest(self) -> list[Request]:
+        assert self.async_steps is not None
+        current, output = self.async_steps.wait_oldest()
+        return self._process(current.prepared, output, current.sampling)
 
     def _step(self) -> list[Request]:
         steps = self.async_steps
@@ -309,25 +314,11 @@ class Engine:
         early = upcoming is not None and steps.may_launch_after(last)
         if upcoming is not None and early:
             steps.launch(*upcoming, after=last)  # its input: last's tokens, on the device
-        current, output = steps.wait_oldest()
-        updated = self._process(current.prepared, output, current.sampling)
+        updated = self._process_oldest()
         if upcoming is not None and not early:
             steps.launch_after_processing(*upcoming)
         self.executor.count_expert_load()
         return updated
-
-    def drain(self) -> None:
-        """Wait for and process every launched step, scheduling none: afterwards no step runs
-        on the asynchronous worker (a weight update applies between steps). The requests they
-        updated are reported by the next ``step``."""
-        steps = self.async_steps
-        while steps is not None and steps.launched:
-            try:
-                current, output = steps.wait_oldest()
-                self._ended += self._process(current.prepared, output, current.sampling)
-            except Exception as exc:
-                logger.exception("engine step failed")
-                self._ended += self._fail_open_steps(f"engine step failed: {type(exc).__name__}: {exc}")
 
     def _fail_open_steps(self, error: str) -> list[Request]:
         """After a step raised: fail every request of the steps scheduled, not processed."""
@@ -391,16 +382,6 @@ class Engine:
         return cache_metrics(self.block_pools, self.layout.block_size, self.tiers) + spec_metrics(
             self.spec and self.spec.stats
         )
-
-    def memory_report(self) -> dict[str, Any]:
-        """The KV cache's bytes, allocated and in use (``memory.kv_cache_report``)."""
-        pools, windows, dp = self.block_pools, self.window_block_pools, self.config.data_parallel_size
-        return memory.kv_cache_report(self.layout, self.kv_dtype, self.runner.pools, pools, windows, dp)
-
-    def closed_batch(self) -> contextlib.AbstractContextManager[None]:
-        """No request arrives until the block ends (``LLM.generate``): the speculative decoder
-        plans for the batch it holds."""
-        return self.spec.closed() if self.spec is not None else contextlib.nullcontext()
 
     # ---- outputs --------------------------------------------------------------------------
 

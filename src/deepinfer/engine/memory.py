@@ -297,3 +297,10 @@ def kv_cache_report(
         "data_parallel_size": data_parallel_size,
         **window,
     }
+
+
+def engine_kv_cache_report(engine: Any) -> dict[str, Any]:
+    """``kv_cache_report`` of an ``Engine``'s cache: its pools' tensors and blocks."""
+    pools, windows = engine.block_pools, engine.window_block_pools
+    dp = engine.config.data_parallel_size
+    return kv_cache_report(engine.layout, engine.kv_dtype, engine.runner.pools, pools, windows, dp)
