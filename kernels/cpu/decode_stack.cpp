@@ -19,6 +19,32 @@ using span_attn_t = void (*)(const float*, const void*, const void*, const int64
                              int64_t, int64_t, int64_t, int64_t, float, int);
 using packed_i8_t = void (*)(const float*, const int8_t*, const uint16_t*, const float*, float*, int64_t,
                              int64_t, int64_t, int);
+using sgmv_t = void (*)(const float*, int64_t, const int64_t*, const int64_t*, const int64_t*, int64_t,
+                        const float*, int64_t, int64_t, const float* const*, const int64_t*, float*, int64_t);
+
+// served LoRA adapters' terms of one step: the adapter rows sorted by slot and each group's
+// slot and start (lora.py's LoraStep), and per layer and projection (qkv, o, gate_up, down) the
+// slot matrices as lora_sgmv_f32 reads them: A, rank, linears, their B pointers, their output
+// widths, the total width (a zero A: no adapter of the step touches it)
+struct Lora {
+  const int64_t* table;  // [layers, 4 * LORA_FIELDS]
+  const int64_t* rows;
+  const int64_t* group_slot;
+  const int64_t* group_start;
+  int64_t groups;
+  sgmv_t sgmv;
+};
+constexpr int64_t LORA_FIELDS = 6;
+
+// y [M, out] += the step's adapter rows' terms of projection j of layer l, x [M, in]
+static void add_lora(const Lora* lora, int64_t l, int64_t j, const float* x, int64_t in, float* y) {
+  if (lora == nullptr) return;
+  const int64_t* e = lora->table + (l * 4 + j) * LORA_FIELDS;
+  if (e[0] == 0) return;
+  lora->sgmv(x, in, lora->rows, lora->group_slot, lora->group_start, lora->groups,
+             reinterpret_cast<const float*>(e[0]), e[1], e[2], reinterpret_cast<const float* const*>(e[3]),
+             reinterpret_cast<const int64_t*>(e[4]), y, e[5]);
+}
 
 // the offset slot of an int4 weight packed for cpu_int4_vnni (no scale or offset arrays)
 constexpr int64_t VNNI_PACKED = 1;
@@ -51,7 +77,8 @@ struct Fns {
 
 // fns: gemv_i4, add_rms_norm, silu_mul, rope_store, decode_attention (for the
 // pools' dtype), gemm_i4_i8 (0 without VNNI), packed_gemm_f32, packed_gemm_i8,
-// prefill_attention (for the pools' dtype: the step's prefill spans). table [layers,
+// prefill_attention (for the pools' dtype: the step's prefill spans). lora: the step's adapter
+// terms (null: none). table [layers,
 // 20]: norm1 w, (qkv, o, gate_up, down) x (w, bias, scale or packed copy, int4 offset or a
 // marker: VNNI_PACKED, F32_PACKED, I8_PACKED), norm2 w, k pool, v pool (0 for an absent bias,
 // scale or offset).
@@ -61,7 +88,8 @@ extern "C" void llama_decode_stack(const int64_t* fns, const int64_t* table, int
                                    const int64_t* dec_kv, const bool* dec_valid, int64_t M, int64_t D,
                                    int64_t H, int64_t KV, int64_t HD, int64_t I, int64_t n_dec,
                                    int64_t len_dec, float eps, float scale, void* scratch,
-                                   const int64_t* spans, const int64_t* span_rows, int64_t n_spans, int threads) {
+                                   const int64_t* spans, const int64_t* span_rows, int64_t n_spans, int threads,
+                                   const Lora* lora) {
   const Fns f{reinterpret_cast<gemv_i4_t>(fns[0]), reinterpret_cast<gemm_vnni_t>(fns[5]),
               reinterpret_cast<packed_t>(fns[6]), reinterpret_cast<packed_i8_t>(fns[7]), scratch, threads};
   const auto norm = reinterpret_cast<norm_t>(fns[1]);
@@ -87,15 +115,19 @@ extern "C" void llama_decode_stack(const int64_t* fns, const int64_t* table, int
     void* v_pool = reinterpret_cast<void*>(t[19]);
     norm(h, nullptr, norm1, h, normed, M, D, eps);
     f.proj(t, 1, normed, qkv, M, QKV, D);
+    add_lora(lora, l, 0, normed, D, qkv);
     rope(qkv, cos, sin, write_rows, k_pool, v_pool, q, M, H, KV, HD);
     std::memset(att, 0, sizeof(float) * (M + 1) * A);
     attn(q, k_pool, v_pool, dec_rows, dec_kv, dec_valid, att, n_dec, len_dec, H, KV, HD, scale, threads);
     if (n_spans) span_attn(q, k_pool, v_pool, spans, span_rows, att, n_spans, H, KV, HD, scale, threads);
     f.proj(t, 5, att, o, M, D, A);
+    add_lora(lora, l, 1, att, A, o);
     norm(h, o, norm2, res, normed, M, D, eps);
     f.proj(t, 9, normed, gu, M, 2 * I, D);
+    add_lora(lora, l, 2, normed, D, gu);
     silu(gu, act, M, I);
     f.proj(t, 13, act, down, M, D, I);
+    add_lora(lora, l, 3, act, I, down);
     for (int64_t i = 0; i < M * D; ++i) h[i] = res[i] + down[i];
   }
 }

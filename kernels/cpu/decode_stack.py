@@ -38,6 +38,7 @@ from deepinfer.kernels.cpu import (
     prefill_attention,
     rope_store,
 )
+from deepinfer.kernels.cpu import lora as cpu_lora
 
 _ARGS = (
     [ctypes.c_void_p] * 2
@@ -46,8 +47,24 @@ _ARGS = (
     + [ctypes.c_int64] * 8
     + [ctypes.c_float] * 2
     + [ctypes.c_void_p] * 3
-    + [ctypes.c_int64, ctypes.c_int]
+    + [ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
 )
+
+
+class StepLora(ctypes.Structure):
+    """The driver's ``Lora``: a step's served-adapter terms (``LoraTerms.struct``)."""
+
+    _fields_ = [
+        ("table", ctypes.c_void_p),
+        ("rows", ctypes.c_void_p),
+        ("group_slot", ctypes.c_void_p),
+        ("group_start", ctypes.c_void_p),
+        ("groups", ctypes.c_int64),
+        ("sgmv", ctypes.c_void_p),
+    ]
+
+
+LORA_FIELDS = 6  # per projection: A, rank, linears, B pointers, output widths, total width
 # rows up to which int4 projections run in the stack's widening loop (CPUs without VNNI): above,
 # PyTorch's kernel (bf16 activations) beats it (RESULTS.md)
 QUANTIZED_MAX_ROWS = weight_only.QUANTIZED_SMALL_ROWS
@@ -68,6 +85,7 @@ def library() -> ctypes.CDLL | None:
         attention.library(),
         packed_gemm.library(),
         prefill_attention.library(),
+        cpu_lora.library(),
     )
     if any(p is None for p in parts):
         return None
@@ -274,12 +292,14 @@ class LlamaDecodeStack:
         span_meta: torch.Tensor | None = None,
         span_kv_rows: torch.Tensor | None = None,
         layers: tuple[int, int] | None = None,
+        lora: LoraTerms | None = None,
     ) -> torch.Tensor:
         """Run every layer (``layers``: those in ``[first, end)``) on ``h`` [M, D] (updated in
         place and returned); ``cos``/``sin``
         [M, head_dim / 2], ``write_rows`` [M] pool rows, the decode metadata of the step, and
         its prefill spans as ``paged_attention_reference`` takes them (None: none; spans of 0
-        tokens are skipped)."""
+        tokens are skipped); ``lora``: the step's served-adapter terms, added after each
+        projection as the layer loop adds them."""
         lib = library()
         assert lib is not None
         m, d = h.shape
@@ -326,5 +346,48 @@ class LlamaDecodeStack:
             span_rows.data_ptr(),
             spans.shape[0],
             torch.get_num_threads(),
+            None if lora is None else ctypes.byref(lora.struct(first, end)),
         )
         return h
+
+
+class LoraTerms:
+    """A step's served-adapter terms as the driver reads them: per layer and projection
+    (qkv, o, gate_up, down) the slot stack's addresses, zero where no adapter of the step
+    touches it, and the step's adapter rows grouped by slot (``LoraStep``'s CPU form)."""
+
+    def __init__(
+        self,
+        stacks: list[list[object | None]],
+        active: frozenset[int],
+        order: torch.Tensor,
+        group_slots: torch.Tensor,
+        group_starts: torch.Tensor,
+    ) -> None:
+        """``stacks``: per layer the four projections' ``LinearStack`` (None: no slots)."""
+        rows = []
+        for layer in stacks:
+            row: list[int] = []
+            for stack in layer:
+                if stack is None or not stack.filled & active:  # type: ignore[attr-defined]
+                    row += [0] * LORA_FIELDS
+                    continue
+                m = stack.matrices  # type: ignore[attr-defined]
+                pointers = ctypes.cast(m.pointers, ctypes.c_void_p).value or 0
+                row += [m.a.data_ptr(), m.rank, len(m.bs), pointers, m.outs.data_ptr(), m.out_total]
+            rows.append(row)
+        self.table = torch.tensor(rows, dtype=torch.int64)
+        self.order, self.group_slots, self.group_starts = order, group_slots, group_starts
+        self.any = bool(self.table[:, 0::LORA_FIELDS].any())
+
+    def struct(self, first: int, end: int) -> StepLora:
+        """The driver's view of layers ``[first, end)`` (the table's rows are layers)."""
+        self._rows = self.table[first:end].contiguous()
+        return StepLora(
+            self._rows.data_ptr(),
+            self.order.data_ptr(),
+            self.group_slots.data_ptr(),
+            self.group_starts.data_ptr(),
+            self.group_slots.shape[0],
+            ctypes.cast(cpu_lora.library().lora_sgmv_f32, ctypes.c_void_p).value,
+        )

@@ -80,7 +80,7 @@ TABLE: dict[str, dict[str, Cell]] = {
         "compiled": _refused("set compile=False: the adapters' rows are set around an eager forward"),
         "graphs": _refused("set capture_graphs=False: the adapters' rows are set around an eager forward"),
         "async": W,
-        "one_call": Cell(Support.FALLS_BACK, "steps holding adapter rows run the layer loop"),
+        "one_call": W,
         "tp": _one_rank("the adapters' slots are this process's"),
         "dp": _one_rank("the adapters' slots are this process's"),
         "ep": _one_rank("the adapters' slots are this process's"),

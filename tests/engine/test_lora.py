@@ -495,3 +495,47 @@ def test_grouped_product_equals_each_rows_own_adapter(slots, rank, outs, rows, s
             expected[t] += torch.cat([updates[slot, i] @ x[t] for i in range(len(outs))])
     tol = 1e-12 if dtype == torch.float64 else 1e-4
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("mutant", [False, True])
+def test_the_one_call_stack_adds_the_adapters_terms(llama_setup, monkeypatch, mutant):
+    """Decode steps holding adapter rows run the one-call CPU stack, which adds each row's
+    low-rank terms after each projection as the layer loop does: tokens and logprobs equal
+    the layer loop's. Mutation: the stack run without the terms differs."""
+    from deepinfer.engine import setup as engine_setup
+    from deepinfer.engine.cpu_decode import OneCallDecode
+
+    ckpt, _, adapters = llama_setup
+    prompts = [[21 + i, 22, 23, 24, 25, 26][: 3 + i % 4] for i in range(8)]
+    requests = [adapters[i % 4][0] if i % 3 else None for i in range(8)]
+
+    def run(**patches) -> tuple[list, LLM]:
+        with monkeypatch.context() as m:
+            for patch in patches.values():
+                m.setattr(*patch)
+            llm = LLM(ckpt, enable_lora=True, max_loras=4, compile=False)
+            outs = llm.generate(prompts, _greedy(6), lora_request=requests)
+        return [
+            (
+                o.outputs[0].token_ids,
+                [max(d.values(), key=lambda v: v.logprob).logprob for d in o.outputs[0].logprobs],
+            )
+            for o in outs
+        ], llm
+
+    loop, _ = run(off=(engine_setup, "one_call_decode", lambda model: None))
+    used = []
+    original = OneCallDecode.lora_terms
+
+    def counted(self, step, h):
+        terms = original(self, step, h)
+        used.append(terms is not None)
+        return None if mutant else terms
+
+    got, llm = run(spy=(OneCallDecode, "lora_terms", counted))
+    assert isinstance(llm.engine.runner.forward, OneCallDecode) and any(used)
+    same = all(
+        t == u and max(abs(a - b) for a, b in zip(p, q, strict=True)) < 1e-5
+        for (t, p), (u, q) in zip(got, loop, strict=True)
+    )
+    assert same != mutant

@@ -18,9 +18,10 @@ import torch
 
 from deepinfer.cache.forward_batch import ForwardBatch
 from deepinfer.kernels.cpu import decode_stack
-from deepinfer.kernels.cpu.decode_stack import LlamaDecodeStack
+from deepinfer.kernels.cpu.decode_stack import LlamaDecodeStack, LoraTerms
 from deepinfer.kernels.weight_only import PackedLinear, WeightOnlyLinear
 from deepinfer.models.base import CausalLM
+from deepinfer.models.layers.lora import LoraStep
 from deepinfer.models.layers.projection import Projection
 from deepinfer.models.llama import LlamaForCausalLM
 
@@ -94,8 +95,6 @@ class OneCallDecode:
         model, stack, meta = self.model, self.stack, batch.expanded().full
         if stack is None or meta is None or batch.grid is not None or batch.hidden_states is not None:
             return model.step(input_ids, positions, batch)
-        if batch.lora is not None:  # served adapters add their terms in the layer loop
-            return model.step(input_ids, positions, batch)
         h = model.embed(input_ids)
         pools = [(p.window, p.values) for p in batch.pools]
         # padded steps carry spans of 0 tokens, which need no span kernel
@@ -103,6 +102,7 @@ class OneCallDecode:
         if not stack.supports(h, pools, spans=spans):
             return model.step_embedded(h, positions, batch)  # the embedding is not computed twice
         cos, sin = model.rope_tables(positions)
+        lora = self.lora_terms(batch.lora, h)
         wanted = batch.feature_layers if batch.feature_idx is not None else ()
         bounds = [0, *wanted, len(model.model.layers)]
         features = []
@@ -121,11 +121,25 @@ class OneCallDecode:
                 meta.span_meta,
                 meta.span_kv_rows,
                 (first, end),
+                lora,
             )
         logits = model.logits(h, batch)
         if batch.feature_idx is not None:
             return logits, torch.cat(features, dim=-1) if features else logits.new_zeros(0)
         return logits
+
+    def lora_terms(self, step: LoraStep | None, h: torch.Tensor) -> LoraTerms | None:
+        """The step's served-adapter terms for the stack (None: no adapter row), with the
+        projections' slot stacks as they are now (a stack appears with its first adapter)."""
+        if step is None:
+            return None
+        step.check(h)
+        stacks = [
+            [p.lora for p in (layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down)]
+            for layer in self.model.model.layers
+        ]
+        terms = LoraTerms(stacks, step.active, step.order, step.group_slots, step.group_starts)
+        return terms if terms.any else None
 
 
 def one_call_decode(model: CausalLM) -> OneCallDecode | None:
