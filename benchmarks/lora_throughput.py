@@ -5,10 +5,16 @@ model's throughput, in one run, on the same requests.
   one-call decode stack);
 - ``mixed``: ``LLM(path, enable_lora=True, max_loras=8)`` with the requests spread over eight
   PEFT adapters (rank ``--rank`` on ``--targets``), every step mixing them;
+- ``mixed, layer loop``: the same mixed batch with the one-call CPU decode stack switched off
+  (steps holding adapter rows run the model's layer loop): the feature's eager form;
 - ``one adapter at a time``: the same engine given each adapter's requests as a batch of
   their own, one after another (what serving without grouped LoRA steps does);
 - peer: transformers + PEFT, the same mixed batch through ``generate(adapter_names=...)``
   (PEFT's mixed-adapter inference), prompts of equal length, greedy.
+
+The bytes bound of the mixed batch is the base model's throughput scaled by the bytes a
+decode step reads: base weights / (base weights + every adapter's A and B), each adapter's
+matrices read once a step.
 
 Every request has the same prompt length and generates ``--tokens`` tokens (``ignore_eos``),
 so every form computes the same tokens. Throughput is generated tokens per second; each form
@@ -26,10 +32,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from deepinfer import LLM, LoRARequest, SamplingParams
+from deepinfer.engine import setup as engine_setup
 from deepinfer.weights.catalog import resolve_model
 
 MODEL = "smollm2-135m"
@@ -111,9 +119,12 @@ def main() -> None:
         spread = [requests[i % ADAPTERS] for i in range(args.requests)]
 
         base = LLM(path, max_num_seqs=args.requests)
-        lora = LLM(
-            path, enable_lora=True, max_loras=ADAPTERS, max_lora_rank=args.rank, max_num_seqs=args.requests
+        options = dict(
+            enable_lora=True, max_loras=ADAPTERS, max_lora_rank=args.rank, max_num_seqs=args.requests
         )
+        lora = LLM(path, **options)
+        with mock.patch.object(engine_setup, "one_call_decode", lambda model: None):
+            layer_loop = LLM(path, **options)
 
         def one_at_a_time() -> int:
             for r in requests:
@@ -125,6 +136,9 @@ def main() -> None:
             "base": lambda: len(base.generate(prompts, params, use_tqdm=False)) * args.tokens,
             "mixed": lambda: (
                 len(lora.generate(prompts, params, use_tqdm=False, lora_request=spread)) * args.tokens
+            ),
+            "mixed, layer loop": lambda: (
+                len(layer_loop.generate(prompts, params, use_tqdm=False, lora_request=spread)) * args.tokens
             ),
             "one adapter at a time": one_at_a_time,
         }
@@ -154,6 +168,18 @@ def main() -> None:
     )
     for name, rate in rates.items():
         print(f"  {name:32s} {rate:8.1f} tok/s   {rate / rates['base']:.3f}x base")
+    base_bytes = sum(p.numel() * p.element_size() for p in base.engine.model.parameters())
+    adapter_bytes = sum(
+        (u.a.numel() + u.b.numel()) * u.a.element_size()
+        for loaded in lora.engine.lora.adapters.values()
+        for u in loaded.adapter.updates.values()
+    )
+    bound = rates["base"] * base_bytes / (base_bytes + adapter_bytes)
+    print(
+        f"  bytes bound of the mixed batch   {bound:8.1f} tok/s   {bound / rates['base']:.3f}x base "
+        f"(base {base_bytes / 1e6:.1f} MB + adapters {adapter_bytes / 1e6:.1f} MB a step); "
+        f"mixed reaches {rates['mixed'] / bound:.3f} of it"
+    )
 
 
 if __name__ == "__main__":
