@@ -5,7 +5,7 @@ The CPU's fastest decode path is the one-call decode stack (the whole layer stac
 call); "eager" is the same engine with the stack switched off, so every step runs the model's
 layer loop. Features: LoRA (a batch mixing eight rank-16 adapters on every linear), the KV
 cache's host tier (a pool too small for the prompts' prefixes, so turns come back from the
-tier), n-gram speculative decoding, and an engine over a trainer's module (``LLM.from_model``,
+tier; its base is the same pool without a tier), n-gram speculative decoding, and an engine over a trainer's module (``LLM.from_model``,
 which checks the parameters' version counters every step). Routed-expert return needs a MoE
 model and is measured elsewhere.
 
@@ -76,20 +76,21 @@ def main() -> None:
         # a pool that holds about two requests' prompts: the shared prefix is evicted and comes
         # back from the host tier
         blocks = 2 * (args.prompt_len + args.tokens) // 16 + 4
+        small_pool = dict(num_cache_blocks=blocks, block_size=16)
         features: dict[str, tuple[dict, dict]] = {
             "none (the base model)": ({}, {}),
             "LoRA, 8 adapters": (
                 dict(enable_lora=True, max_loras=ADAPTERS, max_lora_rank=16),
                 {"lora_request": spread},
             ),
-            "KV host tier": (dict(kv_offload_bytes=1 << 30, num_cache_blocks=blocks, block_size=16), {}),
+            "KV host tier": (dict(kv_offload_bytes=1 << 30, **small_pool), {}),
             "n-gram speculation": (
                 dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
                 {},
             ),
             "engine over a trainer's module": (dict(from_model=True), {}),
         }
-        base = build(path, False, **common)
+        bases = {False: build(path, False, **common), True: build(path, False, **common, **small_pool)}
 
         def run(llm: LLM, extra: dict) -> Callable[[], int]:
             return lambda: len(llm.generate(prompts, params, use_tqdm=False, **extra)) * args.tokens
@@ -97,6 +98,7 @@ def main() -> None:
         rows = []
         for name, (options, extra) in features.items():  # one group per feature, the base in each
             fast, slow = build(path, False, **common, **options), build(path, True, **common, **options)
+            base = bases["kv_offload_bytes" in options]  # the tier's base: the same small pool
             rates = alternated(
                 {"base": run(base, {}), "fast": run(fast, extra), "slow": run(slow, extra)}, args.repeats
             )
@@ -109,6 +111,7 @@ def main() -> None:
         f"SmolLM2-135M, {args.requests} requests x {args.prompt_len} prompt + {args.tokens} generated tokens, "
         f"torch threads {torch.get_num_threads()}; fastest: the one-call decode stack, eager: the layer loop"
     )
+    print("  base: the fastest engine without the feature (for the tier: the same small pool, no tier)")
     print(f"  {'feature':32s} {'fastest':>9s} {'eager':>9s} {'base':>9s}  fastest/eager  fastest/base")
     for name, r in rows:
         print(
