@@ -113,7 +113,7 @@ TABLE: dict[str, dict[str, Cell]] = {
         "batch_invariant": _refused("set batch_invariant=False: verification chunks follow the drafts"),
     },
     "routed_experts": {
-        "compiled": _refused("set compile=False: the routing is recorded in eager steps"),
+        "compiled": W,
         "graphs": _refused("set capture_graphs=False: the routing is recorded in eager steps"),
         "async": _refused("set async_scheduling=False: the routing is recorded in synchronous steps"),
         "one_call": NA,

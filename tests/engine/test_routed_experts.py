@@ -158,9 +158,27 @@ def test_prefix_cache_hits_report_their_blocks_routing(checkpoint, monkeypatch):
     assert int(llm2.generate([prompt], _params(3), use_tqdm=False)[0].routed_experts.min()) == -1
 
 
+def test_compiled_steps_record_the_eager_steps_routing(checkpoint):
+    """A compiled step (padded to at least two rows) records the routing of its own rows only,
+    and records what the eager step records: Inductor on V4; dynamo's eager backend on V4.1,
+    whose fp8 scale dtype Inductor's CPU code generator does not take."""
+    prompts = [[5, 6, 7, 8, 9][: 2 + i] + [30 + i] * (i + 1) for i in range(4)]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+    def run(**options) -> list:
+        llm = LLM(str(checkpoint), enable_return_routed_experts=True, max_num_seqs=3, **options)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert (llm.engine.runner.padding is not None) == options["compile"]
+        return [(o.outputs[0].token_ids, o.routed_experts.tolist()) for o in outs]
+
+    backend = "eager" if "deepseek_v41" in str(checkpoint) else "inductor"
+    torch._dynamo.reset()
+    assert run(compile=True, capture_graphs=False, compile_backend=backend) == run(compile=False)
+
+
 def test_bad_routing_options_and_replays_are_named(checkpoint):
-    with pytest.raises(ValueError, match="compile"):
-        LLM(str(checkpoint), enable_return_routed_experts=True, compile=True)
+    with pytest.raises(ValueError, match="set capture_graphs=False"):
+        LLM(str(checkpoint), enable_return_routed_experts=True, capture_graphs=True)
     model = load_model(checkpoint)
     tokens = torch.tensor([[5, 6, 7, 8]])
     n_moe = _moe_layers(model)

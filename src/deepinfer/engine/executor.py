@@ -112,6 +112,7 @@ class Executor:
                 [s.start for s in seq],
                 [s.num_tokens for s in seq],
                 batch.routing,
+                padded=prepared.padding is not None,
             )
         return out
 

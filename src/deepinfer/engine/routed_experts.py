@@ -30,13 +30,20 @@ class RoutedExpertsRecorder:
         self.by_hash: OrderedDict[bytes, torch.Tensor] = OrderedDict()
 
     def record(
-        self, requests: list[Request], starts: list[int], counts: list[int], trace: RoutingTrace
+        self,
+        requests: list[Request],
+        starts: list[int],
+        counts: list[int],
+        trace: RoutingTrace,
+        padded: bool = False,
     ) -> None:
         """A step's choices: ``counts[i]`` rows from position ``starts[i]`` of ``requests[i]``,
-        in step order."""
+        in step order; ``padded``: null rows follow them (a compiled step's padding)."""
         if not trace.recorded:
             return
         rows = trace.stacked().to(device="cpu", dtype=torch.int16)
+        if padded and rows.shape[0] > sum(counts):
+            rows = rows[: sum(counts)]
         if sum(counts) != rows.shape[0]:
             raise RuntimeError(
                 f"routed experts: the step recorded {rows.shape[0]} rows for {sum(counts)} tokens"

@@ -68,8 +68,10 @@ def execution_modes(
     else:
         use_compile = platform.compile_by_default if config.compile is None else config.compile
         use_graphs = platform.capture is not None if config.capture_graphs is None else config.capture_graphs
-        if config.enable_return_routed_experts or config.enable_lora:  # eager steps
+        if config.enable_lora:  # eager steps (``feature_modes``)
             use_compile = use_graphs = False
+        if config.enable_return_routed_experts:  # compiled steps, no graphs (``feature_modes``)
+            use_graphs = False
         if use_graphs and platform.capture is None:
             raise ValueError(
                 f"capture_graphs=True: the {platform.name} platform has no graph mode "
