@@ -539,3 +539,21 @@ def test_the_one_call_stack_adds_the_adapters_terms(llama_setup, monkeypatch, mu
         for (t, p), (u, q) in zip(got, loop, strict=True)
     )
     assert same != mutant
+
+
+def test_a_step_that_never_ran_leaves_its_slot_fills_to_the_next(llama_setup):
+    """A step prepared and never run (it failed) did not fill the slot it gave an adapter;
+    the next step using that adapter fills it, and a fill runs once."""
+    ckpt, _, adapters = llama_setup
+    llm = LLM(ckpt, enable_lora=True, max_loras=2, max_cpu_loras=3)
+    registry = llm.engine.lora
+    a = registry.resolve(adapters[0][0])
+    empty = _slot_tensors(registry)
+    registry.step([a], [3], 3)  # prepared, never run
+    assert all(torch.equal(x, y) for x, y in zip(empty, _slot_tensors(registry), strict=True))
+    step = registry.step([a], [2], 2)
+    assert len(step.slot_writes) == 1
+    step.write_slots()
+    filled = _slot_tensors(registry)
+    assert not all(torch.equal(x, y) for x, y in zip(empty, filled, strict=True))
+    assert registry.step([a], [1], 1).slot_writes == ()

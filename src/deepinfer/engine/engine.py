@@ -268,7 +268,8 @@ class Engine:
         retry would change) is raised."""
         updated = self._guarded(self._step)
         if self._ended:  # a request drained before this step may have moved again in it
-            updated, self._ended = [r for r in self._ended if r not in updated] + updated, []
+            seen = {id(r) for r in updated}
+            updated, self._ended = [r for r in self._ended if id(r) not in seen] + updated, []
         return updated
 
     def drain(self) -> None:

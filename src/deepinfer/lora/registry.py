@@ -58,6 +58,13 @@ class LoraRegistry:
         self.adapters: OrderedDict[str, LoadedAdapter] = OrderedDict()
         self.slots: list[LoadedAdapter | None] = [None] * max_loras
         self._slot_order: list[int] = list(range(max_loras))  # least recently used first
+        # each slot's latest placement (version, its tensor writes) and the version its tensors
+        # hold: a step runs the writes of its slots not yet applied, so a step prepared and
+        # never run (it failed) leaves them to the next step that uses the slot
+        self._versions = itertools.count(1)
+        self._placed: dict[int, tuple[int, list[Callable[[], None]]]] = {}
+        self._applied: dict[int, int] = {}
+        self._fill_lock = threading.Lock()  # steps may run on the asynchronous worker
         self._uids = itertools.count(1)
         self._lock = threading.Lock()  # the server loads from its own thread
 
@@ -123,15 +130,16 @@ class LoraRegistry:
 
     # ---- slots and steps ------------------------------------------------------------------
 
-    def _place(self, loaded: LoadedAdapter, keep: set[int], writes: list[Callable[[], None]]) -> int:
+    def _place(self, loaded: LoadedAdapter, keep: set[int]) -> int:
         """The slot holding ``loaded``, given the least recently used slot outside ``keep``
-        (the step's other adapters) if it has none. The slot's tensors are written by
-        ``writes``, which the step runs before its forward: under asynchronous scheduling the
-        step in flight may still read the slot's previous adapter."""
+        (the step's other adapters) if it has none. The slot's tensors are written when a step
+        using it runs (``_fill``): under asynchronous scheduling the step in flight may still
+        read the slot's previous adapter."""
         if loaded in self.slots:
             slot = self.slots.index(loaded)
         else:
             slot = next(s for s in self._slot_order if s not in keep)
+            writes: list[Callable[[], None]] = []
             previous = self.slots[slot]
             if previous is not None:
                 writes += [functools.partial(stack.clear, slot) for stack in previous.stacks]
@@ -147,6 +155,7 @@ class LoraRegistry:
                 if stack not in loaded.stacks:
                     loaded.stacks.append(stack)
             self.slots[slot] = loaded
+            self._placed[slot] = (next(self._versions), writes)
         self._slot_order.remove(slot)
         self._slot_order.append(slot)
         return slot
@@ -164,17 +173,30 @@ class LoraRegistry:
             raise RuntimeError(f"a step holds {len(distinct)} adapters; max_loras is {self.max_loras}")
         keep: set[int] = {self.slots.index(a) for a in distinct if a in self.slots}
         slot_of = {}
-        writes: list[Callable[[], None]] = []
         for loaded in distinct:
-            slot_of[loaded] = self._place(loaded, keep, writes)
+            slot_of[loaded] = self._place(loaded, keep)
             keep.add(slot_of[loaded])
+        fills = tuple(
+            functools.partial(self._fill, slot, *self._placed[slot])
+            for slot in sorted(slot_of.values())
+            if slot in self._placed and self._applied.get(slot, 0) < self._placed[slot][0]
+        )
         per_chunk = torch.tensor([-1 if a is None else slot_of[a] for a in adapters], dtype=torch.long)
         slot_rows = torch.full((rows,), -1, dtype=torch.long)
         used = sum(lengths)
         slot_rows[:used] = per_chunk.repeat_interleave(torch.tensor(list(lengths), dtype=torch.long))
         return LoraStep.build(
-            slot_rows, self.max_loras, self.max_rank, self.dtype, self.device, self._experts, tuple(writes)
+            slot_rows, self.max_loras, self.max_rank, self.dtype, self.device, self._experts, fills
         )
+
+    def _fill(self, slot: int, version: int, writes: list[Callable[[], None]]) -> None:
+        """Write placement ``version`` into ``slot``'s tensors unless they hold it or a later one."""
+        with self._fill_lock:
+            if self._applied.get(slot, 0) >= version:
+                return
+            for write in writes:
+                write()
+            self._applied[slot] = version
 
     def running(self, adapters: Sequence[LoadedAdapter | None]) -> list[str]:
         """The distinct adapter names among ``adapters`` (a metric's view of running requests)."""
