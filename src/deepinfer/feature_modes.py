@@ -115,7 +115,7 @@ TABLE: dict[str, dict[str, Cell]] = {
     "routed_experts": {
         "compiled": W,
         "graphs": _refused("set capture_graphs=False: the routing is recorded in eager steps"),
-        "async": _refused("set async_scheduling=False: the routing is recorded in synchronous steps"),
+        "async": W,
         "one_call": NA,
         "tp": _one_rank("the routing record is this process's"),
         "dp": _one_rank("the routing record is this process's"),

@@ -176,6 +176,43 @@ def test_compiled_steps_record_the_eager_steps_routing(checkpoint):
     assert run(compile=True, capture_graphs=False, compile_backend=backend) == run(compile=False)
 
 
+@pytest.mark.parametrize("mutant", [False, True])
+def test_asynchronous_steps_record_the_synchronous_steps_routing(v41_ckpt, monkeypatch, mutant):
+    """Under asynchronous scheduling a step records on the worker while the next one is
+    scheduled, and a block is published while the step writing its last row still runs: its
+    rows are kept when they arrive, so a later prefix hit reports them as a synchronous
+    engine does (V4.1, whose tiny checkpoint takes prefix hits). Mutation: rows kept only at
+    publication leave such hits unknown (-1)."""
+    if mutant:
+        write = RoutedExpertsRecorder._write
+
+        def without_late_keeps(self, req, start, rows):
+            keep, self._keep = self._keep, lambda *args: None
+            try:
+                write(self, req, start, rows)
+            finally:
+                self._keep = keep
+
+        monkeypatch.setattr(RoutedExpertsRecorder, "_write", without_late_keeps)
+    rng = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 200, (n,), generator=rng).tolist() for n in (9, 13, 18)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def run(asynchronous: bool) -> list:
+        llm = LLM(
+            str(v41_ckpt), enable_return_routed_experts=True, block_size=8, async_scheduling=asynchronous
+        )
+        assert (llm.engine.async_steps is not None) == asynchronous
+        first = llm.generate(prompts, params, use_tqdm=False)
+        # the next turn's prompt holds the first reply: its hits cover blocks decode steps filled
+        turns = [p + list(o.outputs[0].token_ids) + [7, 8, 9] for p, o in zip(prompts, first, strict=True)]
+        second = llm.generate(turns, params, use_tqdm=False)
+        assert llm.engine.block_pools[0].hit_blocks > 0
+        return [(o.outputs[0].token_ids, o.routed_experts.tolist()) for o in first + second]
+
+    assert (run(True) == run(False)) != mutant
+
+
 def test_bad_routing_options_and_replays_are_named(checkpoint):
     with pytest.raises(ValueError, match="set capture_graphs=False"):
         LLM(str(checkpoint), enable_return_routed_experts=True, capture_graphs=True)

@@ -11,6 +11,7 @@ forget those rows with the prefix cache.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 import torch
@@ -28,6 +29,8 @@ class RoutedExpertsRecorder:
         self.block_size = block_size
         self.max_blocks = max_blocks  # as many block rows kept as the cache has blocks
         self.by_hash: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        # steps record on the asynchronous worker while the scheduler publishes blocks
+        self._lock = threading.Lock()
 
     def record(
         self,
@@ -49,9 +52,10 @@ class RoutedExpertsRecorder:
                 f"routed experts: the step recorded {rows.shape[0]} rows for {sum(counts)} tokens"
             )
         first = 0
-        for req, start, count in zip(requests, starts, counts, strict=True):
-            self._write(req, start, rows[first : first + count])
-            first += count
+        with self._lock:
+            for req, start, count in zip(requests, starts, counts, strict=True):
+                self._write(req, start, rows[first : first + count])
+                first += count
 
     def _write(self, req: Request, start: int, rows: torch.Tensor) -> None:
         end = start + rows.shape[0]
@@ -72,9 +76,19 @@ class RoutedExpertsRecorder:
                 req.routed_known[k * bs : (k + 1) * bs] = True
         req.routed_experts[start:end] = rows
         req.routed_known[start:end] = True
+        # blocks published before these rows came (asynchronous scheduling publishes a block
+        # while the step writing its last row runs) are kept now
+        hashes = req.block_hashes
+        for k in range(start // bs, min(-(-end // bs), len(hashes))):
+            self._keep(req, k, hashes[k])
 
     def published(self, req: Request, block: int, h: bytes) -> None:
-        """The scheduler published ``req``'s block ``block`` under ``h``: keep its rows."""
+        """The scheduler published ``req``'s block ``block`` under ``h``: keep its rows (once
+        they are all recorded)."""
+        with self._lock:
+            self._keep(req, block, h)
+
+    def _keep(self, req: Request, block: int, h: bytes) -> None:
         bs, known = self.block_size, req.routed_known
         if known is None or req.routed_experts is None or h in self.by_hash:
             return
@@ -87,11 +101,13 @@ class RoutedExpertsRecorder:
         """[tokens read, MoE layers, k] int32 for the request's prompt and completion tokens
         the model read (all but the newest); -1 only where no routing is known (a hit on a
         block whose rows were no longer kept)."""
-        if req.routed_experts is None:
-            return None
-        n = len(req.prompt_token_ids) + len(req.output_token_ids) - 1
-        return req.routed_experts[:n].to(torch.int32)
+        with self._lock:
+            if req.routed_experts is None:
+                return None
+            n = len(req.prompt_token_ids) + len(req.output_token_ids) - 1
+            return req.routed_experts[:n].to(torch.int32)
 
     def forget(self) -> None:
         """The weights changed: no kept block routing describes the cache any more."""
-        self.by_hash.clear()
+        with self._lock:
+            self.by_hash.clear()
