@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from lora_adapters import hf_llama, make_adapter, random_lora_config
 from rl_steps import train_step
 
@@ -54,7 +56,7 @@ FEATURE_OPTIONS = {
     "routed_experts": {"enable_return_routed_experts": True},
     "rl_updates": {},
 }
-BASE = {"block_size": 8, "num_cache_blocks": 40, "max_num_batched_tokens": 32, "max_num_seqs": 4}
+BASE = {"block_size": 8, "max_num_seqs": 4}
 
 
 def _cells(*supports: Support) -> list[tuple[str, str]]:
@@ -118,10 +120,15 @@ def _outputs(outs) -> list:
     ]
 
 
-def _run(feature: str, options: dict, ckpt: Path, adapters: list[LoRARequest]) -> tuple[list, LLM]:
+def _run(
+    feature: str, options: dict, ckpt: Path, adapters: list[LoRARequest], workload: tuple[int, int, int]
+) -> tuple[list, LLM]:
     """The feature's workload under ``options``: two rounds of prompts (the second reuses the
-    first's prefixes; with RL updates a training step comes between them)."""
-    kwargs = {**BASE, **FEATURE_OPTIONS[feature], **options}
+    first's prefixes; with RL updates a training step comes between them). ``workload``:
+    the prompts' seed, the prefill chunk and the pool's blocks (small pools preempt)."""
+    seed, chunk, blocks = workload
+    kwargs = {**BASE, "max_num_batched_tokens": chunk, "num_cache_blocks": blocks, **FEATURE_OPTIONS[feature]}
+    kwargs.update(options)
     if feature == "rl_updates":
         model = load_model(str(ckpt), requires_grad=True)
         llm = LLM.from_model(model, **kwargs)
@@ -129,7 +136,7 @@ def _run(feature: str, options: dict, ckpt: Path, adapters: list[LoRARequest]) -
         llm = LLM(str(ckpt), **kwargs)
     got = []
     for round_ in range(2):
-        prompts = _prompts(round_)
+        prompts = _prompts(seed + round_)
         extra = {}
         if feature == "lora":
             extra["lora_request"] = [adapters[i % 2] if i % 3 else None for i in range(len(prompts))]
@@ -151,17 +158,25 @@ def _in_mode(llm: LLM, mode: str) -> bool:
     }[mode]()
 
 
+WORKLOADS = st.tuples(st.integers(0, 1000), st.sampled_from([32, 48]), st.sampled_from([14, 40]))
+
+
 @pytest.mark.parametrize(("feature", "mode"), _cells(Support.WORKS, Support.FALLS_BACK))
-def test_a_cell_that_runs_equals_the_eager_engine(feature, mode, llama, v4_short_ckpt, adapters, monkeypatch):
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(workload=WORKLOADS)
+def test_a_cell_that_runs_equals_the_eager_engine(
+    feature, mode, llama, v4_short_ckpt, adapters, monkeypatch, workload
+):
     ckpt = v4_short_ckpt if feature == "routed_experts" else llama
-    with monkeypatch.context() as eager_only:  # the reference: the layer loop, no graphs
-        eager_only.setattr(engine_setup, "one_call_decode", lambda model: None)
-        expected, _ = _run(feature, EAGER, ckpt, adapters)
-    if mode == "graphs":  # graphs "replayed" as eager calls on the CPU
-        platform = Platform("cpu-graphs", False, replay_eagerly, False)
-        monkeypatch.setattr(engine_module, "platform_for", lambda device: platform)
-    torch._dynamo.reset()
-    got, llm = _run(feature, MODE_OPTIONS[mode], ckpt, adapters)
+    with monkeypatch.context() as patched:
+        patched.setattr(engine_setup, "one_call_decode", lambda model: None)  # the layer loop
+        expected, _ = _run(feature, EAGER, ckpt, adapters, workload)
+    with monkeypatch.context() as patched:
+        if mode == "graphs":  # graphs "replayed" as eager calls on the CPU
+            platform = Platform("cpu-graphs", False, replay_eagerly, False)
+            patched.setattr(engine_module, "platform_for", lambda device: platform)
+        torch._dynamo.reset()
+        got, llm = _run(feature, MODE_OPTIONS[mode], ckpt, adapters, workload)
     assert got == expected
     if TABLE[feature][mode].support is Support.WORKS:
         assert _in_mode(llm, mode), f"{feature} did not run {mode}"
