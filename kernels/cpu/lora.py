@@ -66,6 +66,11 @@ class Matrices:
         self.outs = torch.tensor([b.shape[-1] for b in bs], dtype=torch.long)
         self.out_total = int(self.outs.sum())
 
+    def __reduce__(self) -> tuple:
+        """Pickled as its tensors (a compiled step's cache key reads the stacks): the pointer
+        array is made again from them."""
+        return (Matrices, (self.a, self.bs, self.rank))
+
 
 def sgmv(
     y: torch.Tensor,

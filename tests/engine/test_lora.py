@@ -414,12 +414,10 @@ def test_bad_adapters_are_refused_and_leave_the_served_ones(llama_setup, tmp_pat
     assert after == before
 
 
-def test_lora_needs_enable_lora_and_eager_steps(llama_setup):
+def test_lora_needs_enable_lora(llama_setup):
     ckpt, _, adapters = llama_setup
     with pytest.raises(ValueError, match="enable_lora=True"):
         LLM(ckpt).generate([[5, 6]], _greedy(2), lora_request=adapters[0][0])
-    with pytest.raises(ValueError, match="set compile=False"):
-        LLM(ckpt, enable_lora=True, compile=True)
     with pytest.raises(ValueError, match="max_cpu_loras"):
         LLM(ckpt, enable_lora=True, max_loras=4, max_cpu_loras=2)
 
@@ -452,19 +450,21 @@ def test_unloaded_adapter_lets_running_requests_finish(llama_setup):
     outs=st.lists(st.integers(1, 9), min_size=1, max_size=3),
     rows=st.lists(st.integers(-1, 4), min_size=1, max_size=40),
     seed=st.integers(0, 2**16),
-    form=st.sampled_from(["aten-fp64", "aten-fp32", "kernel-fp32"]),
+    form=st.sampled_from(["aten-fp64", "aten-fp32", "kernel-fp32", "op-mask-fp64", "op-cpu-fp32"]),
 )
 def test_grouped_product_equals_each_rows_own_adapter(slots, rank, outs, rows, seed, form):
     """Any mix of slots, ranks and row counts (ATen's padded and per-run forms in float64 and
-    float32, the CPU kernel in float32): every row gets ``scale * x @ A.T @ B.T`` of its own
-    slot's adapter and a base row gets nothing."""
+    float32, the CPU kernel in float32; a compiled step's ``deepinfer::lora_add``: its
+    graph-safe mask form in float64, its CPU kernel in float32): every row gets
+    ``scale * x @ A.T @ B.T`` of its own slot's adapter and a base row gets nothing."""
     from unittest import mock
 
+    from deepinfer.kernels import lora_op
     from deepinfer.kernels.cpu import lora as cpu_lora
 
     from deepinfer.models.layers.lora import LinearStack, LoraStep
 
-    dtype = torch.float64 if form == "aten-fp64" else torch.float32
+    dtype = torch.float64 if form.endswith("fp64") else torch.float32
 
     gen = torch.Generator().manual_seed(seed)
     slot_rows = torch.tensor([r if r < slots else -1 for r in rows])
@@ -487,8 +487,13 @@ def test_grouped_product_equals_each_rows_own_adapter(slots, rank, outs, rows, s
         path = mock.patch.object(cpu_lora, "supports", side_effect=lambda *_: False)
     else:  # the kernel takes every group size here, not only decode-sized ones
         path = mock.patch.object(cpu_lora, "BLOCK_ROWS", 10**6)
-    with path:
-        got = stack.add_to(y.to(dtype, copy=True), x.to(dtype), step).double()
+    if form == "op-mask-fp64":
+        got = lora_op.reference(y, x, slot_rows, stack.a, stack.b, rank)
+    elif form == "op-cpu-fp32":
+        got = lora_op.lora_add(y.to(dtype), x.to(dtype), slot_rows, stack.a, stack.b, rank).double()
+    else:
+        with path:
+            got = stack.add_to(y.to(dtype, copy=True), x.to(dtype), step).double()
     expected = y.clone()
     for t, slot in enumerate(slot_rows.tolist()):
         if slot >= 0 and slot != slots - 1:
@@ -557,3 +562,44 @@ def test_a_step_that_never_ran_leaves_its_slot_fills_to_the_next(llama_setup):
     filled = _slot_tensors(registry)
     assert not all(torch.equal(x, y) for x, y in zip(empty, filled, strict=True))
     assert registry.step([a], [1], 1).slot_writes == ()
+
+
+@pytest.mark.parametrize("mutant", [False, True])
+def test_compiled_steps_add_the_adapters_terms(llama_setup, monkeypatch, mutant):
+    """A compiled step (Inductor, padded rows) hands each row's slot to ``deepinfer::lora_add``
+    and gives a mixed batch the eager engine's tokens. Mutation: the op's CPU form reading
+    every row as slot 0 differs."""
+    from deepinfer.kernels import lora_op
+
+    ckpt, _, adapters = llama_setup
+    prompts = [[31 + i, 32, 33, 34, 35][: 2 + i % 4] for i in range(7)]
+    requests = [adapters[i % 3][0] if i % 4 else None for i in range(7)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run(**options) -> list:
+        llm = LLM(ckpt, enable_lora=True, max_loras=2, max_num_seqs=4, **options)
+        outs = llm.generate(prompts, params, lora_request=requests, use_tqdm=False)
+        assert (llm.engine.runner.padding is not None) == options["compile"]
+        return [o.outputs[0].token_ids for o in outs]
+
+    expected = run(compile=False)
+    if mutant:
+        real = lora_op._cpu
+
+        def slot_zero(y, x, slot_rows, a, bs, rank):
+            return real(y, x, torch.where(slot_rows >= 0, 0, -1), a, bs, rank)
+
+        monkeypatch.setattr(lora_op, "_cpu", slot_zero)
+        lora_op.lora_add.register_kernel("cpu")(lambda *args: lora_op._cpu(*args))
+    torch._dynamo.reset()
+    try:
+        got = run(compile=True, capture_graphs=False)
+    finally:
+        if mutant:
+            lora_op.lora_add.register_kernel("cpu")(real)
+    assert (got == expected) != mutant
+
+
+def test_compile_with_adapters_on_routed_experts_is_refused(v4_ckpt):
+    with pytest.raises(ValueError, match="set compile=False"):
+        LLM(str(v4_ckpt), enable_lora=True, compile=True)

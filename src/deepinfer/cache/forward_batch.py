@@ -196,6 +196,9 @@ class ForwardBatch:
     # ``models.layers.lora.LoraStep`` (None: no adapter in the step); the executor makes it
     # current around the forward, where the projections read it
     lora: Any = None
+    # a compiled step's form of the same: each row's adapter slot [T] (-1: none; padding rows
+    # too), which the projections hand to ``deepinfer::lora_add``
+    lora_slots: torch.Tensor | None = None
 
     def write(
         self,

@@ -33,6 +33,7 @@ from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.kernels.huge_pages import HugePageArena
 from deepinfer.lora.registry import LoraRegistry
+from deepinfer.lora.targets import find_targets
 from deepinfer.models import prepare
 from deepinfer.models.base import CausalLM
 from deepinfer.models.dspark_head import load_head
@@ -68,8 +69,13 @@ def execution_modes(
     else:
         use_compile = platform.compile_by_default if config.compile is None else config.compile
         use_graphs = platform.capture is not None if config.capture_graphs is None else config.capture_graphs
-        if config.enable_lora:  # eager steps (``feature_modes``)
-            use_compile = use_graphs = False
+        if config.enable_lora:  # compiled steps, no graphs (``feature_modes``)
+            use_graphs = False
+            if use_compile and not all(t.kind == "projection" for t in find_targets(model).values()):
+                raise ValueError(
+                    f"enable_lora=True with compile=True: {type(model).__name__} has adapter targets "
+                    "outside its fused projections (routed experts, other linears); set compile=False"
+                )
         if config.enable_return_routed_experts:  # compiled steps, no graphs (``feature_modes``)
             use_graphs = False
         if use_graphs and platform.capture is None:

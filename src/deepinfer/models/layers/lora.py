@@ -56,6 +56,8 @@ class LoraStep:
     order: torch.Tensor
     group_slots: torch.Tensor
     group_starts: torch.Tensor
+    # each row's slot [T] on the step's device (-1: none), as a compiled step reads it
+    slots: torch.Tensor | None = None
     # the slot tensors to write before the forward (adapters newly given a slot): run by
     # the thread that runs the step, after the step before it
     slot_writes: tuple[Callable[[], None], ...] = ()
@@ -117,6 +119,7 @@ class LoraStep:
             rows,
             group_slots,
             group_starts,
+            slot_rows.to(device),
             slot_writes,
         )
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.cache.forward_batch import ForwardBatch
+from deepinfer.kernels import lora_op
 from deepinfer.kernels.huge_pages import HugePageArena
 from deepinfer.kernels.weight_only import PackedLinear, WeightOnlyLinear
 from deepinfer.models.layers.lora import current_step
@@ -70,6 +71,9 @@ class Projection:
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         y = self.engine(x) if self.engine is not None and not batch.functional else self.plain(x)
+        if self.lora is not None and batch.lora_slots is not None:  # a compiled step's form
+            stack = self.lora
+            return lora_op.lora_add(y, x, batch.lora_slots, stack.a, stack.b, stack.rank)
         if self.lora is not None:
             step = current_step()
             if step is not None:
