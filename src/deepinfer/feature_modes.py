@@ -82,7 +82,7 @@ TABLE: dict[str, dict[str, Cell]] = {
             "each row's slot goes to one op per projection; a model whose adapters reach routed "
             "experts or other linears (DeepSeek V4) refuses it: set compile=False",
         ),
-        "graphs": _refused("set capture_graphs=False: the adapters' rows are set around an eager forward"),
+        "graphs": _refused("set capture_graphs=False: a captured graph takes no per-row adapter slots"),
         "async": W,
         "one_call": W,
         "tp": _one_rank("the adapters' slots are this process's"),
@@ -118,7 +118,10 @@ TABLE: dict[str, dict[str, Cell]] = {
     },
     "routed_experts": {
         "compiled": W,
-        "graphs": _refused("set capture_graphs=False: the routing is recorded in eager steps"),
+        "graphs": _refused(
+            "set capture_graphs=False: the routing is collected by Python during the forward, which a "
+            "graph replay does not run"
+        ),
         "async": W,
         "one_call": NA,
         "tp": _one_rank("the routing record is this process's"),
