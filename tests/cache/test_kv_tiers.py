@@ -492,3 +492,24 @@ def test_the_server_reports_the_tiers(llama_ckpt, tmp_path):
     assert series['deepinfer:kv_tier_bytes_total{direction="store",model_name="tiny",tier="host"}'] > 0
     assert series['deepinfer:kv_tier_loads_total{model_name="tiny"}'] >= 1
     assert 'deepinfer:kv_tier_load_seconds_total{model_name="tiny"}' in series
+
+
+@pytest.mark.parametrize("mutant", [False, True])
+def test_a_block_handed_out_before_its_copy_is_not_kept(llama_ckpt, mutant):
+    """A published block's copy waits for the step that may still write its last row; if the
+    pool hands the block to a new owner first (its request ended or was preempted, and a full
+    pool takes it at once), the copy is dropped: the new owner's step could write it before
+    the copy runs. Mutation: a pool that does not tell the tiers keeps the block's new rows
+    under the old prefix."""
+    llm = LLM(str(llama_ckpt), num_cache_blocks=16, block_size=8, kv_offload_bytes=64 * MIB)
+    tiers, pool = llm.engine.tiers, llm.engine.block_pools[0]
+    if mutant:
+        pool.on_allocate = None
+    key = b"\x01" * 32
+    tiers.store(key, 5, None)  # published, its copy queued
+    tiers.flush(complete=False)  # held: the step scheduled meanwhile may write its last row
+    taken = pool.allocate(pool.num_free)  # the pool hands every block out, block 5 among them
+    assert taken is not None and 5 in taken
+    tiers.flush()
+    assert tiers.has(key) == mutant
+    llm.close()

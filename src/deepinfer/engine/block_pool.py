@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def block_hash(parent: bytes | None, tokens: Sequence[int], salt: str | None = None) -> bytes:
@@ -39,6 +39,8 @@ class BlockPool:
         self._block_of: dict[bytes, int] = {}
         self.query_blocks = 0  # prefix-cache statistics, in blocks
         self.hit_blocks = 0
+        # told of every block handed out (the KV tiers drop a copy still queued for it)
+        self.on_allocate: Callable[[list[int]], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -54,6 +56,8 @@ class BlockPool:
             self._forget(block)
             self.ref_count[block] = 1
             blocks.append(block)
+        if self.on_allocate is not None:
+            self.on_allocate(blocks)
         return blocks
 
     def free(self, blocks: Sequence[int]) -> None:

@@ -14,6 +14,7 @@ tables.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -120,6 +121,10 @@ class Scheduler:
         self.window = window
         self.block_published = block_published
         self.tier_hits = None if tiers is None else TierHits(tiers, pool, window_pool, block_size, window)
+        if tiers is not None:  # a block handed out drops the tier copy still queued for it
+            pool.on_allocate = tiers.reallocated
+            if window_pool is not None:
+                window_pool.on_allocate = functools.partial(tiers.reallocated, window=True)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)

@@ -97,6 +97,17 @@ class KVTiers:
         else:
             self._pending.append((key, block, window_block))
 
+    def reallocated(self, blocks: list[int], window: bool = False) -> None:
+        """Pool blocks (``window``: window-pool blocks) were handed to a new owner: a copy still
+        queued for one of them is dropped, since the new owner's step may write it before the
+        copy runs (a preempted or finished request's freshly published block, taken at once
+        from a full pool); the tier then misses that block instead of keeping wrong rows."""
+        if not (self._pending or self._held):
+            return
+        taken, at = set(blocks), 2 if window else 1
+        self._pending = [item for item in self._pending if item[at] not in taken]
+        self._held = [item for item in self._held if item[at] not in taken]
+
     def flush(self, complete: bool = True) -> None:
         """Copy queued blocks out of the pools (into the host tier now, to disk on the writer
         thread), while no step runs. ``complete``: no step is scheduled and not yet run, so
