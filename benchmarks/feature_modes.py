@@ -7,7 +7,7 @@ layer loop. Features: LoRA (a batch mixing eight rank-16 adapters on every linea
 cache's host tier (a pool too small for the prompts' prefixes, so turns come back from the
 tier; its base is the same pool without a tier), n-gram speculative decoding, and an engine over a trainer's module (``LLM.from_model``,
 which checks the parameters' version counters every step). Routed-expert return needs a MoE
-model and is measured elsewhere.
+model: it has no row here.
 
 Every form computes the same tokens: each request has the same prompt length and generates
 ``--tokens`` tokens (``ignore_eos``). Throughput is generated tokens per second, the best of

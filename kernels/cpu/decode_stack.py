@@ -365,17 +365,19 @@ class LoraTerms:
         group_starts: torch.Tensor,
     ) -> None:
         """``stacks``: per layer the four projections' ``LinearStack`` (None: no slots)."""
-        rows = []
-        for layer in stacks:
-            row: list[int] = []
-            for stack in layer:
-                if stack is None or not stack.filled & active:  # type: ignore[attr-defined]
-                    row += [0] * LORA_FIELDS
-                    continue
-                m = stack.matrices  # type: ignore[attr-defined]
-                pointers = ctypes.cast(m.pointers, ctypes.c_void_p).value or 0
-                row += [m.a.data_ptr(), m.rank, len(m.bs), pointers, m.outs.data_ptr(), m.out_total]
-            rows.append(row)
+        none = [0] * LORA_FIELDS
+        rows = [
+            [
+                field
+                for stack in layer
+                for field in (
+                    stack.matrices.driver_fields  # type: ignore[attr-defined]
+                    if stack is not None and stack.filled & active  # type: ignore[attr-defined]
+                    else none
+                )
+            ]
+            for layer in stacks
+        ]
         self.table = torch.tensor(rows, dtype=torch.int64)
         self.order, self.group_slots, self.group_starts = order, group_slots, group_starts
         self.any = bool(self.table[:, 0::LORA_FIELDS].any())
@@ -389,5 +391,5 @@ class LoraTerms:
             self.group_slots.data_ptr(),
             self.group_starts.data_ptr(),
             self.group_slots.shape[0],
-            ctypes.cast(cpu_lora.library().lora_sgmv_f32, ctypes.c_void_p).value,
+            cpu_lora.sgmv_address(),
         )

@@ -65,11 +65,22 @@ class Matrices:
         self.pointers = (ctypes.c_void_p * len(bs))(*[b.data_ptr() for b in bs])
         self.outs = torch.tensor([b.shape[-1] for b in bs], dtype=torch.long)
         self.out_total = int(self.outs.sum())
+        # the decode stack driver's fields for these matrices (``decode_stack.LoraTerms``)
+        pointers = ctypes.cast(self.pointers, ctypes.c_void_p).value or 0
+        self.driver_fields = [a.data_ptr(), rank, len(bs), pointers, self.outs.data_ptr(), self.out_total]
 
     def __reduce__(self) -> tuple:
         """Pickled as its tensors (a compiled step's cache key reads the stacks): the pointer
         array is made again from them."""
         return (Matrices, (self.a, self.bs, self.rank))
+
+
+@functools.cache
+def sgmv_address() -> int:
+    """``lora_sgmv_f32``'s entry point, for drivers that call it from C++."""
+    lib = library()
+    assert lib is not None
+    return ctypes.cast(lib.lora_sgmv_f32, ctypes.c_void_p).value or 0
 
 
 def sgmv(

@@ -86,6 +86,12 @@ class OneCallDecode:
     def __init__(self, model: LlamaForCausalLM, stack: LlamaDecodeStack) -> None:
         self.model = model
         self.stack: LlamaDecodeStack | None = stack
+        # per layer, the projections the driver runs (their adapter slot stacks are read per
+        # step: a stack appears with the first adapter that touches it)
+        self.projections = [
+            (layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down)
+            for layer in model.model.layers
+        ]
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
@@ -134,10 +140,7 @@ class OneCallDecode:
         if step is None:
             return None
         step.check(h)
-        stacks = [
-            [p.lora for p in (layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down)]
-            for layer in self.model.model.layers
-        ]
+        stacks = [[p.lora for p in layer] for layer in self.projections]
         terms = LoraTerms(stacks, step.active, step.order, step.group_slots, step.group_starts)
         return terms if terms.any else None
 

@@ -253,7 +253,7 @@ class ModelRunner:
             lengths = [s.num_tokens for s in seq_chunks]
             batch.lora = self.lora.step([c.request.lora for c in chunks], lengths, positions.shape[0])
             if batch.lora is not None and self.padding is not None:  # a compiled step's form
-                batch.lora_slots = batch.lora.slots
+                batch.lora_slots = batch.lora.slots.to(self.device)
         return PreparedStep(
             chunks,
             positions,

@@ -56,7 +56,7 @@ class LoraStep:
     order: torch.Tensor
     group_slots: torch.Tensor
     group_starts: torch.Tensor
-    # each row's slot [T] on the step's device (-1: none), as a compiled step reads it
+    # each row's slot [T] on the host (-1: none), which a compiled step reads on its device
     slots: torch.Tensor | None = None
     # the slot tensors to write before the forward (adapters newly given a slot): run by
     # the thread that runs the step, after the step before it
@@ -119,7 +119,7 @@ class LoraStep:
             rows,
             group_slots,
             group_starts,
-            slot_rows.to(device),
+            slot_rows,
             slot_writes,
         )
 
