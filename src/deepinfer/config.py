@@ -129,12 +129,12 @@ class EngineConfig:
     batch_invariant: bool = False
     # Each output carries the routed experts every token it read went through, per MoE layer
     # (``RequestOutput.routed_experts``; vLLM's and SGLang's option), so a trainer replays the
-    # rollout's routing (``model(..., routed_experts=...)``). Eager synchronous steps on one
-    # rank; prefix-cache hits report the routing their blocks were computed with
+    # rollout's routing (``model(..., routed_experts=...)``). On one rank, in every step mode
+    # (``feature_modes``); prefix-cache hits report the routing their blocks were computed with
     enable_return_routed_experts: bool = False
     # Serve LoRA adapters (PEFT's format) per request, many in one batch (vLLM's names):
     # up to max_loras adapters run at once, each of rank <= max_lora_rank, and max_cpu_loras
-    # are kept loaded by name (lora/). Eager synchronous steps on one rank
+    # are kept loaded by name (lora/). Which step modes take them: ``feature_modes``
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16

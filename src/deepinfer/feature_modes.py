@@ -82,7 +82,11 @@ TABLE: dict[str, dict[str, Cell]] = {
             "each row's slot goes to one op per projection; a model whose adapters reach routed "
             "experts or other linears (DeepSeek V4) refuses it: set compile=False",
         ),
-        "graphs": _refused("set capture_graphs=False: a captured graph takes no per-row adapter slots"),
+        "graphs": Cell(
+            Support.WORKS,
+            "each row's slot is a static input of the graph, as under compile; DeepSeek V4 refuses "
+            "it as it refuses compile: set capture_graphs=False",
+        ),
         "async": W,
         "one_call": W,
         "tp": _one_rank("the adapters' slots are this process's"),
@@ -118,10 +122,7 @@ TABLE: dict[str, dict[str, Cell]] = {
     },
     "routed_experts": {
         "compiled": W,
-        "graphs": _refused(
-            "set capture_graphs=False: the routing is collected by Python during the forward, which a "
-            "graph replay does not run"
-        ),
+        "graphs": Cell(Support.WORKS, "the routing is a second output of the captured step"),
         "async": W,
         "one_call": NA,
         "tp": _one_rank("the routing record is this process's"),

@@ -98,11 +98,13 @@ def _meta_model(tmp_path, arch: str, ckpt_kw: dict, load_kw: dict):
     return model
 
 
-def _meta_runner(model) -> DecodeGraphRunner:
+def _meta_runner(model, **options) -> DecodeGraphRunner:
     layout = CacheLayout.from_specs(model.cache_spec(), 16)
     blocks, slots = 8, 4
     pools = allocate_pools(layout, blocks, slots, model.compute_dtype, META)
-    return DecodeGraphRunner(model.step, layout, pools, blocks, slots, 256, slots, guarded_capture, META)
+    return DecodeGraphRunner(
+        model.step, layout, pools, blocks, slots, 256, slots, guarded_capture, META, **options
+    )
 
 
 @pytest.mark.parametrize(("arch", "ckpt_kw", "load_kw"), CASES)
@@ -153,6 +155,22 @@ def test_decode_step_of_a_model_with_draft_layers_is_capturable(arch, method, tm
     runner = _meta_runner(model)
     runner.capture_all()
     assert all(g.batch.feature_idx is None for g in runner.graphs.values())
+
+
+def test_decode_steps_with_adapter_slots_or_a_routing_trace_are_capturable(tmp_path):
+    """Served adapters (each row's slot a static input, ``deepinfer::lora_add``'s default
+    form) and the routing record (a second static output) keep every bucket capturable."""
+    from deepinfer.lora.targets import find_targets, stack_for
+
+    llama = _meta_model(tmp_path, "llama", {}, {})
+    stacks = [stack_for(t, 2, 8, llama.compute_dtype, META) for t in find_targets(llama).values()]
+    assert stacks and all(t.kind == "projection" for t in find_targets(llama).values())
+    runner = _meta_runner(llama, lora=True)
+    runner.capture_all()
+    assert all(g.batch.lora_slots is not None for g in runner.graphs.values())
+    v4 = _meta_runner(_meta_model(tmp_path, "deepseek_v4", {}, {}), record_routing=True)
+    v4.capture_all()
+    assert all(isinstance(g.replay(), tuple) for g in v4.graphs.values())
 
 
 def test_step_metadata_is_built_on_the_host():

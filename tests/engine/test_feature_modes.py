@@ -5,6 +5,7 @@ table's reason before any weights load. The documentation's copy of the table is
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,9 @@ from deepinfer.engine import engine as engine_module
 from deepinfer.engine import setup as engine_setup
 from deepinfer.engine.cpu_decode import OneCallDecode
 from deepinfer.feature_modes import FEATURES, MODES, TABLE, Support
+from deepinfer.models.layers.lora import running_step
 from deepinfer.models.loading import load_model
-from deepinfer.platforms import Platform
+from deepinfer.platforms import GraphOutput, Platform
 from deepinfer.platforms.cpu import replay_eagerly
 from deepinfer.tiny import make_tiny_checkpoint
 
@@ -57,6 +59,21 @@ FEATURE_OPTIONS = {
     "rl_updates": {},
 }
 BASE = {"block_size": 8, "max_num_seqs": 4}
+
+
+def replay_as_a_graph(fn: Callable[[], GraphOutput]) -> Callable[[], GraphOutput]:
+    """``replay_eagerly``, where a replay sees none of the step's Python state (the running
+    LoRA step), as a real graph replay would not: what the step reads must be its inputs."""
+    replay = replay_eagerly(fn)
+
+    def run() -> GraphOutput:
+        with running_step(None):
+            return replay()
+
+    return run
+
+
+GRAPHS = Platform("cpu-graphs", False, replay_as_a_graph, False)
 
 
 def _cells(*supports: Support) -> list[tuple[str, str]]:
@@ -172,9 +189,9 @@ def test_a_cell_that_runs_equals_the_eager_engine(
         patched.setattr(engine_setup, "one_call_decode", lambda model: None)  # the layer loop
         expected, _ = _run(feature, EAGER, ckpt, adapters, workload)
     with monkeypatch.context() as patched:
-        if mode == "graphs":  # graphs "replayed" as eager calls on the CPU
-            platform = Platform("cpu-graphs", False, replay_eagerly, False)
-            patched.setattr(engine_module, "platform_for", lambda device: platform)
+        if mode == "graphs":  # the layer loop, as on a GPU, "replayed" as eager calls
+            patched.setattr(engine_setup, "one_call_decode", lambda model: None)
+            patched.setattr(engine_module, "platform_for", lambda device: GRAPHS)
         torch._dynamo.reset()
         got, llm = _run(feature, MODE_OPTIONS[mode], ckpt, adapters, workload)
     assert got == expected

@@ -600,6 +600,8 @@ def test_compiled_steps_add_the_adapters_terms(llama_setup, monkeypatch, mutant)
     assert (got == expected) != mutant
 
 
-def test_compile_with_adapters_on_routed_experts_is_refused(v4_ckpt):
+def test_compile_or_graphs_with_adapters_on_routed_experts_is_refused(v4_ckpt):
     with pytest.raises(ValueError, match="set compile=False"):
         LLM(str(v4_ckpt), enable_lora=True, compile=True)
+    with pytest.raises(ValueError, match="set capture_graphs=False"):
+        LLM(str(v4_ckpt), enable_lora=True, capture_graphs=True)

@@ -153,6 +153,11 @@ class RoutingTrace:
         """[T, layers, k] of the choices kept."""
         return torch.stack(self.recorded, dim=1)
 
+    def keep(self, rows: torch.Tensor) -> None:
+        """Take a replayed step's choices, ``stacked``'s [T, layers, k] as the captured step
+        returned them."""
+        self.recorded = list(rows.unbind(1))
+
 
 @dataclass
 class ForwardBatch:

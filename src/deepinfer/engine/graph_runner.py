@@ -10,6 +10,12 @@ change no sequence's cache. Only pure-decode steps replay; anything else runs th
 (or eager) step: prefill chunks, speculative verify steps (several tokens per sequence) and
 steps that return a model drafter's features never replay.
 
+Two per-step inputs besides the metadata travel the same way: each row's adapter slot
+(``ForwardBatch.lora_slots``; -1 for base rows and padding), which the projections hand to
+``deepinfer::lora_add``, and the MoE layers' expert choices, which the captured step returns
+as a second static output (``RoutingTrace``) instead of leaving them on a Python list that a
+replay would never fill.
+
 The recorded step is the compiled one, or with ``compile=False`` the eager step (graphs with
 no Inductor compile at start). Either must read nothing on the host: the routed experts take
 their grouped, sync-free kernels on CUDA (``kernels/moe.py``, ``kernels/quantized.py``), and
@@ -24,11 +30,11 @@ from collections.abc import Callable
 
 import torch
 
-from deepinfer.cache.forward_batch import ForwardBatch, LayerPools
+from deepinfer.cache.forward_batch import ForwardBatch, LayerPools, RoutingTrace
 from deepinfer.cache.pools import CacheLayout, allocate_pools
 from deepinfer.cache.step_chunks import SeqChunk, StepPadding
 from deepinfer.cache.step_metadata import build_forward_batch
-from deepinfer.platforms import GraphCapture
+from deepinfer.platforms import GraphCapture, GraphOutput
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +88,7 @@ class _Captured:
     input_ids: torch.Tensor
     positions: torch.Tensor
     batch: ForwardBatch
-    replay: Callable[[], torch.Tensor]
+    replay: Callable[[], GraphOutput]
 
 
 class DecodeGraphRunner:
@@ -98,7 +104,12 @@ class DecodeGraphRunner:
         capture: GraphCapture,
         device: torch.device,
         null_window_block: int | None = None,
+        lora: bool = False,
+        record_routing: bool = False,
     ) -> None:
+        """``lora``: steps carry each row's adapter slot; ``record_routing``: steps return the
+        MoE layers' expert choices."""
+        self.lora, self.record_routing = lora, record_routing
         self.step, self.layout, self.pools, self.device = step, layout, pools, device
         self.null_block, self.null_slot = null_block, null_slot
         self.null_window_block = null_window_block
@@ -135,7 +146,17 @@ class DecodeGraphRunner:
         ids = torch.zeros(bucket, dtype=torch.long, device=self.device)
         if self.device.type == "cpu":  # host tensors the builder may share: copies of them
             positions, batch = positions.clone(), batch.clone_metadata()
-        replay = self.capture_fn(lambda: self.step(ids, positions, batch))
+        if self.lora:
+            batch.lora_slots = torch.full((bucket,), -1, dtype=torch.long, device=self.device)
+
+        def step() -> GraphOutput:
+            if not self.record_routing:
+                return self.step(ids, positions, batch)
+            batch.routing = RoutingTrace()
+            logits = self.step(ids, positions, batch)
+            return logits, batch.routing.stacked()
+
+        replay = self.capture_fn(step)
         self.graphs[bucket] = _Captured(ids, positions, batch, replay)
 
     def capture_all(self) -> None:
@@ -154,9 +175,20 @@ class DecodeGraphRunner:
             if dst.shape != src.shape:
                 raise RuntimeError(f"step metadata shape {tuple(src.shape)} != captured {tuple(dst.shape)}")
             pairs.append((dst, src))
+        if static.batch.lora_slots is not None:
+            if batch.lora_slots is None:  # no adapter row in this step
+                static.batch.lora_slots.fill_(-1)
+            else:
+                pairs.append((static.batch.lora_slots, batch.lora_slots))
         copy_step_inputs(pairs)
         self.replays += 1
-        return static.replay().clone()
+        out = static.replay()
+        if isinstance(out, tuple):
+            logits, routing = out
+            if batch.routing is not None:
+                batch.routing.keep(routing.clone())
+            return logits.clone()
+        return out.clone()
 
 
 def copy_step_inputs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> int:

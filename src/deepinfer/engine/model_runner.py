@@ -144,6 +144,8 @@ class ModelRunner:
                 graph_capture,
                 device,
                 self.null_window_block,
+                lora=lora is not None,
+                record_routing=record_routing,
             )
 
     @staticmethod
@@ -252,7 +254,8 @@ class ModelRunner:
         if self.lora is not None:  # each row's adapter slot
             lengths = [s.num_tokens for s in seq_chunks]
             batch.lora = self.lora.step([c.request.lora for c in chunks], lengths, positions.shape[0])
-            if batch.lora is not None and self.padding is not None:  # a compiled step's form
+            # a compiled or replayed step's form
+            if batch.lora is not None and (self.padding is not None or bucket is not None):
                 batch.lora_slots = batch.lora.slots.to(self.device)
         return PreparedStep(
             chunks,

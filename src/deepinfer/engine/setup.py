@@ -69,15 +69,9 @@ def execution_modes(
     else:
         use_compile = platform.compile_by_default if config.compile is None else config.compile
         use_graphs = platform.capture is not None if config.capture_graphs is None else config.capture_graphs
-        if config.enable_lora:  # compiled steps, no graphs (``feature_modes``)
-            use_graphs = False
-            if use_compile and not all(t.kind == "projection" for t in find_targets(model).values()):
-                raise ValueError(
-                    f"enable_lora=True with compile=True: {type(model).__name__} has adapter targets "
-                    "outside its fused projections (routed experts, other linears); set compile=False"
-                )
-        if config.enable_return_routed_experts:  # compiled steps, no graphs (``feature_modes``)
-            use_graphs = False
+        if config.enable_lora and not all(t.kind == "projection" for t in find_targets(model).values()):
+            # adapters on routed experts or hooked linears read the running step from Python
+            use_compile, use_graphs = lora_eager_steps(config, model, use_compile, use_graphs)
         if use_graphs and platform.capture is None:
             raise ValueError(
                 f"capture_graphs=True: the {platform.name} platform has no graph mode "
@@ -93,6 +87,24 @@ def execution_modes(
     if use_graphs and not use_compile:  # no Inductor compile before the first step
         logger.info("decode graphs are captured over the eager step (compile off)")
     return ExecutionModes(use_compile, use_graphs, compile_missing)
+
+
+def lora_eager_steps(
+    config: EngineConfig, model: CausalLM, use_compile: bool, use_graphs: bool
+) -> tuple[bool, bool]:
+    """A model whose adapter targets reach past its fused projections (DeepSeek V4's routed
+    experts and other linears) adds their terms from the running step's Python context, which
+    neither a compiled step nor a graph replay runs: eager steps, and a refusal where the
+    user asked for either."""
+    for name, asked in (("compile", config.compile), ("capture_graphs", config.capture_graphs)):
+        if asked:
+            raise ValueError(
+                f"enable_lora=True with {name}=True: {type(model).__name__} has adapter targets "
+                f"outside its fused projections (routed experts, other linears); set {name}=False"
+            )
+    if use_compile or use_graphs:
+        logger.info("enable_lora: %s runs eager steps (adapters past its projections)", type(model).__name__)
+    return False, False
 
 
 def cpu_default_compiles(

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 import torch
 
 # A graph backend captures ``fn`` (reading and writing only static tensors) and returns a
-# replay callable that re-runs the captured work and returns ``fn``'s static output.
-GraphCapture = Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]]
+# replay callable that re-runs the captured work and returns ``fn``'s static output (the
+# logits, or the logits and the step's routing trace).
+GraphOutput = torch.Tensor | tuple[torch.Tensor, ...]
+GraphCapture = Callable[[Callable[[], GraphOutput]], Callable[[], GraphOutput]]
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,10 @@ import functools
 import logging
 from collections.abc import Callable
 
-import torch
-
-from deepinfer.platforms import Platform
+from deepinfer.platforms import GraphOutput, Platform
 
 
-def replay_eagerly(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+def replay_eagerly(fn: Callable[[], GraphOutput]) -> Callable[[], GraphOutput]:
     fn()  # the warm-up run a real capture makes (it touches only null cache rows)
     return fn
 

@@ -12,12 +12,12 @@ from collections.abc import Callable
 
 import torch
 
-from deepinfer.platforms import Platform
+from deepinfer.platforms import GraphOutput, Platform
 
 _POOL = None
 
 
-def capture_cuda_graph(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+def capture_cuda_graph(fn: Callable[[], GraphOutput]) -> Callable[[], GraphOutput]:
     global _POOL
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -31,7 +31,7 @@ def capture_cuda_graph(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Ten
     with torch.cuda.graph(graph, pool=_POOL):
         out = fn()
 
-    def replay() -> torch.Tensor:
+    def replay() -> GraphOutput:
         graph.replay()
         return out
 

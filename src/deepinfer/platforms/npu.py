@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from deepinfer.platforms import Platform
+from deepinfer.platforms import GraphOutput, Platform
 
 
 def _torch_npu():
@@ -22,14 +22,14 @@ def _torch_npu():
     return torch.npu  # type: ignore[attr-defined]
 
 
-def capture_npu_graph(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+def capture_npu_graph(fn: Callable[[], GraphOutput]) -> Callable[[], GraphOutput]:
     npu = _torch_npu()
     fn()  # warm-up (compile, allocator)
     graph = npu.NPUGraph()
     with npu.graph(graph):
         out = fn()
 
-    def replay() -> torch.Tensor:
+    def replay() -> GraphOutput:
         graph.replay()
         return out
 
