@@ -89,7 +89,11 @@ TABLE: dict[str, dict[str, Cell]] = {
         ),
         "async": W,
         "one_call": W,
-        "tp": _one_rank("the adapters' slots are this process's"),
+        "tp": Cell(
+            Support.WORKS,
+            "Llama-family models: each rank holds its cut of every adapter (q/k/v and gate/up by "
+            "output rows, o and down by input columns); DeepSeek V4 refuses it: run on one rank",
+        ),
         "dp": _one_rank("the adapters' slots are this process's"),
         "ep": _one_rank("the adapters' slots are this process's"),
         "batch_invariant": _refused(

@@ -171,6 +171,7 @@ def _in_mode(llm: LLM, mode: str) -> bool:
         "graphs": lambda: engine.runner.graphs is not None and engine.runner.graphs.replays > 0,
         "async": lambda: engine.async_steps is not None,
         "one_call": lambda: isinstance(engine.runner.forward, OneCallDecode),
+        "tp": lambda: engine.executor.tp is not None and engine.executor.tp.size == 2,
         "batch_invariant": lambda: engine.config.batch_invariant,
     }[mode]()
 
@@ -194,11 +195,14 @@ def test_a_cell_that_runs_equals_the_eager_engine(
             patched.setattr(engine_module, "platform_for", lambda device: GRAPHS)
         torch._dynamo.reset()
         got, llm = _run(feature, MODE_OPTIONS[mode], ckpt, adapters, workload)
-    assert got == expected
-    if TABLE[feature][mode].support is Support.WORKS:
-        assert _in_mode(llm, mode), f"{feature} did not run {mode}"
-    elif mode == "async":  # the fallback: synchronous steps
-        assert not _in_mode(llm, mode)
+    try:
+        assert got == expected
+        if TABLE[feature][mode].support is Support.WORKS:
+            assert _in_mode(llm, mode), f"{feature} did not run {mode}"
+        elif mode == "async":  # the fallback: synchronous steps
+            assert not _in_mode(llm, mode)
+    finally:
+        llm.close()  # a tensor-parallel engine's workers leave the group
 
 
 @pytest.mark.parametrize(("feature", "mode"), _cells(Support.REFUSED))

@@ -600,8 +600,10 @@ def test_compiled_steps_add_the_adapters_terms(llama_setup, monkeypatch, mutant)
     assert (got == expected) != mutant
 
 
-def test_compile_or_graphs_with_adapters_on_routed_experts_is_refused(v4_ckpt):
+def test_compile_graphs_or_tensor_parallel_with_adapters_on_routed_experts_is_refused(v4_ckpt):
     with pytest.raises(ValueError, match="set compile=False"):
         LLM(str(v4_ckpt), enable_lora=True, compile=True)
     with pytest.raises(ValueError, match="set capture_graphs=False"):
         LLM(str(v4_ckpt), enable_lora=True, capture_graphs=True)
+    with pytest.raises(ValueError, match=r"run on one rank \(tensor_parallel_size=1\)"):
+        LLM(str(v4_ckpt), enable_lora=True, tensor_parallel_size=2)

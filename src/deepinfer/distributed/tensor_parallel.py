@@ -83,6 +83,8 @@ def shard_llama(model: nn.Module, rank: int, size: int, group: dist.ProcessGroup
         attn.n_kv //= size
         for projection in (attn.qkv, attn.out, mlp.gate_up, mlp.down):
             projection.fuse()  # this rank's share as one weight; no quantized or packed form
+        attn.qkv.split = mlp.gate_up.split = ("out", rank, size)
+        attn.out.split = mlp.down.split = ("in", rank, size)
         layer.reduce = functools.partial(all_reduce_sum, group=group)
     # vocab parallel: this rank's rows of the embedding (and of an untied head)
     vocab = cfg.vocab_size // size

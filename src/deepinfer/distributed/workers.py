@@ -35,7 +35,9 @@ from deepinfer.distributed.eplb import ExpertLoadWindow
 from deepinfer.distributed.expert_parallel import apply_placement, shard_experts
 from deepinfer.distributed.tensor_parallel import shard_deepseek, shard_llama
 from deepinfer.errors import EngineDeadError
+from deepinfer.lora.registry import LoraRegistry
 from deepinfer.models import prepare
+from deepinfer.models.layers.lora import LoraStep, running_step
 from deepinfer.models.loading import load_model
 
 TIMEOUT_S = 300  # a collective waits this long for a rank before failing
@@ -54,6 +56,7 @@ class CacheSetup:
     num_slots: int
     num_window_blocks: int | None
     count_expert_load: bool = False  # EPLB under data parallel: every rank counts its tokens
+    lora: tuple[int, int] | None = None  # served adapters: (max_loras, max_lora_rank)
 
 
 def _free_port() -> int:
@@ -174,6 +177,7 @@ def worker_main(rank: int, size: int, port: int | None, mode: str, load_kwargs: 
         setup.num_window_blocks,
     )
     counters = ExpertLoadWindow(model, 1).layers if setup.count_expert_load else []
+    adapters = None if setup.lora is None else LoraRegistry(model, *setup.lora, setup.lora[0])
     while (message := _broadcast()) is not None:
         if "placement" in message:  # EPLB: every rank moves its experts together
             apply_placement(model, message["placement"], rank, size)
@@ -191,7 +195,9 @@ def worker_main(rank: int, size: int, port: int | None, mode: str, load_kwargs: 
             continue
         chunks, input_ids, padding = message["step"]
         positions, batch = build_forward_batch(layout, pools, chunks, torch.device(device), padding)
-        with torch.inference_mode():
+        lora = message.get("lora")
+        step = None if lora is None or adapters is None else adapters.follow(*lora)
+        with torch.inference_mode(), running_step(step):
             model.step(input_ids.to(device), positions, batch)
     _leave_group()
 
@@ -299,12 +305,17 @@ class TensorParallelGroup:
     def setup(self, setup: CacheSetup) -> None:
         self.checked(lambda: _broadcast(setup))
 
-    def step(self, chunks: list, input_ids: torch.Tensor, padding: Any) -> None:
-        """Send a step to every worker (rank 0 then runs its own share)."""
+    def step(self, chunks: list, input_ids: torch.Tensor, padding: Any, lora: LoraStep | None = None) -> None:
+        """Send a step to every worker (rank 0 then runs its own share); ``lora``: its rows'
+        adapter slots and the adapters in them."""
         dead = self.dead_ranks()
         if dead:
             raise EngineDeadError(f"tensor parallel: worker rank(s) {dead} died")
-        self.checked(lambda: _broadcast({"step": (chunks, input_ids.cpu(), padding)}))
+        message: dict[str, Any] = {"step": (chunks, input_ids.cpu(), padding)}
+        if lora is not None:
+            assert lora.slots is not None
+            message["lora"] = (lora.slots, lora.placements)
+        self.checked(lambda: _broadcast(message))
 
     def data_parallel_step(self, parts: list[tuple[list[SeqChunk], torch.Tensor]], rows: list[int]) -> None:
         """Send every rank its part of a data-parallel step (chunks and input ids) and the

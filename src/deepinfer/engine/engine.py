@@ -23,7 +23,7 @@ from deepinfer.cache import kv_dtypes
 from deepinfer.cache.pools import CacheLayout
 from deepinfer.config import EngineConfig
 from deepinfer.distributed.workers import TensorParallelGroup
-from deepinfer.engine import setup
+from deepinfer.engine import lora_setup, setup
 from deepinfer.engine.admission import check_request
 from deepinfer.engine.async_steps import asks_async, async_steps, run_step
 from deepinfer.engine.executor import Executor, StepOutput
@@ -101,7 +101,7 @@ class Engine:
             drafter,
             setup.graph_batch_size(config) if modes.graphs else None,
         )
-        self.lora = setup.lora_registry(model, config)
+        self.lora = lora_setup.registry(model, config)
         self.runner = setup.model_runner(
             model,
             config,

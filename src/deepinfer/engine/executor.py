@@ -94,8 +94,8 @@ class Executor:
             return self._execute(prepared, input_ids)
         if self.data_parallel:
             return self._run_data_parallel(self.tp, prepared, input_ids)
-        self.tp.step(prepared.seq_chunks or [], input_ids, prepared.padding)
-        return self.tp.checked(lambda: self.runner.execute(prepared, input_ids))
+        self.tp.step(prepared.seq_chunks or [], input_ids, prepared.padding, prepared.batch.lora)
+        return self.tp.checked(lambda: self._execute(prepared, input_ids))
 
     def _execute(self, prepared: PreparedStep, input_ids: torch.Tensor) -> StepResult:
         """One forward on this rank, ``batch_invariant``'s products and the routing record

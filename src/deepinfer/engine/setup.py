@@ -24,6 +24,7 @@ from deepinfer.cache.tiers.fingerprint import checkpoint_fingerprint, module_fin
 from deepinfer.config import EngineConfig
 from deepinfer.distributed.tensor_parallel import check_divisible
 from deepinfer.distributed.workers import CacheSetup, TensorParallelGroup, parallel_mode, shard
+from deepinfer.engine import lora_setup
 from deepinfer.engine.block_pool import BlockPool
 from deepinfer.engine.cpu_decode import OneCallDecode, one_call_decode
 from deepinfer.engine.dp_scheduler import DataParallelScheduler
@@ -33,7 +34,6 @@ from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.kernels.huge_pages import HugePageArena
 from deepinfer.lora.registry import LoraRegistry
-from deepinfer.lora.targets import find_targets
 from deepinfer.models import prepare
 from deepinfer.models.base import CausalLM
 from deepinfer.models.dspark_head import load_head
@@ -69,9 +69,8 @@ def execution_modes(
     else:
         use_compile = platform.compile_by_default if config.compile is None else config.compile
         use_graphs = platform.capture is not None if config.capture_graphs is None else config.capture_graphs
-        if config.enable_lora and not all(t.kind == "projection" for t in find_targets(model).values()):
-            # adapters on routed experts or hooked linears read the running step from Python
-            use_compile, use_graphs = lora_eager_steps(config, model, use_compile, use_graphs)
+        if config.enable_lora:
+            use_compile, use_graphs = lora_setup.step_modes(config, model, use_compile, use_graphs)
         if use_graphs and platform.capture is None:
             raise ValueError(
                 f"capture_graphs=True: the {platform.name} platform has no graph mode "
@@ -87,24 +86,6 @@ def execution_modes(
     if use_graphs and not use_compile:  # no Inductor compile before the first step
         logger.info("decode graphs are captured over the eager step (compile off)")
     return ExecutionModes(use_compile, use_graphs, compile_missing)
-
-
-def lora_eager_steps(
-    config: EngineConfig, model: CausalLM, use_compile: bool, use_graphs: bool
-) -> tuple[bool, bool]:
-    """A model whose adapter targets reach past its fused projections (DeepSeek V4's routed
-    experts and other linears) adds their terms from the running step's Python context, which
-    neither a compiled step nor a graph replay runs: eager steps, and a refusal where the
-    user asked for either."""
-    for name, asked in (("compile", config.compile), ("capture_graphs", config.capture_graphs)):
-        if asked:
-            raise ValueError(
-                f"enable_lora=True with {name}=True: {type(model).__name__} has adapter targets "
-                f"outside its fused projections (routed experts, other linears); set {name}=False"
-            )
-    if use_compile or use_graphs:
-        logger.info("enable_lora: %s runs eager steps (adapters past its projections)", type(model).__name__)
-    return False, False
 
 
 def cpu_default_compiles(
@@ -236,6 +217,11 @@ def start_tensor_parallel(
     experts = getattr(model.config, "n_routed_experts", 0)
     llama = isinstance(model, LlamaForCausalLM)
     mode = parallel_mode(llama, config.data_parallel_size, config.enable_expert_parallel)
+    if config.enable_lora and mode != "llama":  # DeepSeek's adapted linears are cut otherwise
+        raise ValueError(
+            f"enable_lora=True with tensor_parallel_size > 1: {type(model).__name__}'s adapters are "
+            "not cut across ranks; run on one rank (tensor_parallel_size=1)"
+        )
     if mode.endswith("ep") and (not experts or experts % size):
         raise ValueError(f"expert parallel size {size} does not divide the {experts} routed experts")
     if mode == "llama":
@@ -282,6 +268,7 @@ def worker_caches(
             config.max_num_seqs,
             size.num_window_blocks,
             count_expert_load=eplb and config.data_parallel_size > 1,
+            lora=(config.max_loras, config.max_lora_rank) if config.enable_lora else None,
         )
     )
 
@@ -421,14 +408,6 @@ def model_runner(
 def graph_batch_size(config: EngineConfig) -> int:
     """The largest batch a captured decode graph covers."""
     return min(config.max_graph_batch_size, config.max_num_seqs)
-
-
-def lora_registry(model: CausalLM, config: EngineConfig) -> LoraRegistry | None:
-    """The served adapters' registry (``enable_lora``), over the model's target linears."""
-    if not config.enable_lora:
-        return None
-    assert config.max_cpu_loras is not None  # set by validate
-    return LoraRegistry(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
 
 
 def kv_tiers(

@@ -11,6 +11,7 @@ used first. The scheduler never runs more than ``max_loras`` adapters at once.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import threading
@@ -53,7 +54,14 @@ class LoraRegistry:
         param = next(model.parameters())
         self.dtype, self.device = getattr(model, "compute_dtype", param.dtype), param.device
         self.targets: dict[str, Target] = find_targets(model)
-        self.linears = {n: (t.in_features, t.out_features) for n, t in self.targets.items()}
+        # tensor parallel: the projections this rank holds a cut of; adapters are read whole
+        # (checked against the checkpoint's shapes) and cut the same way
+        self.splits = {
+            n: t.owner.split
+            for n, t in self.targets.items()
+            if t.kind == "projection" and t.owner.split is not None
+        }
+        self.linears = {n: _whole_shape(t, self.splits.get(n)) for n, t in self.targets.items()}
         self._experts = any(t.kind == "expert" for t in self.targets.values())  # steps need the mask
         self.adapters: OrderedDict[str, LoadedAdapter] = OrderedDict()
         self.slots: list[LoadedAdapter | None] = [None] * max_loras
@@ -79,7 +87,7 @@ class LoraRegistry:
             raise ValueError(f"lora_path must be a non-empty string, got {path!r}")
         if name in self.adapters:
             raise ValueError(f"lora_name {name!r} is loaded already; unload it first")
-        adapter = read_adapter(path, self.linears, self.max_rank, self.dtype)
+        adapter = self._read(path)
         with self._lock:
             if name in self.adapters:
                 raise ValueError(f"lora_name {name!r} is loaded already; unload it first")
@@ -139,26 +147,69 @@ class LoraRegistry:
             slot = self.slots.index(loaded)
         else:
             slot = next(s for s in self._slot_order if s not in keep)
-            writes: list[Callable[[], None]] = []
-            previous = self.slots[slot]
-            if previous is not None:
-                writes += [functools.partial(stack.clear, slot) for stack in previous.stacks]
-                previous.stacks = []
-            for module, update in loaded.adapter.updates.items():
-                target = self.targets[module]
-                stack = stack_for(target, self.max_loras, self.max_rank, self.dtype, self.device)
-                if target.kind == "expert":
-                    args = (slot, target.index, target.name, update.a, update.b, update.scale)
-                else:
-                    args = (slot, target.index, update.a, update.b, update.scale)
-                writes.append(functools.partial(stack.load, *args))
-                if stack not in loaded.stacks:
-                    loaded.stacks.append(stack)
-            self.slots[slot] = loaded
-            self._placed[slot] = (next(self._versions), writes)
+            self._placed[slot] = (next(self._versions), self._slot_writes(slot, loaded))
         self._slot_order.remove(slot)
         self._slot_order.append(slot)
         return slot
+
+    def _slot_writes(self, slot: int, loaded: LoadedAdapter) -> list[Callable[[], None]]:
+        """Give ``slot`` to ``loaded``: the writes that clear its previous adapter's matrices
+        and load ``loaded``'s (run later, by the step that uses the slot)."""
+        writes: list[Callable[[], None]] = []
+        previous = self.slots[slot]
+        if previous is not None:
+            writes += [functools.partial(stack.clear, slot) for stack in previous.stacks]
+            previous.stacks = []
+        for module, update in loaded.adapter.updates.items():
+            target = self.targets[module]
+            stack = stack_for(target, self.max_loras, self.max_rank, self.dtype, self.device)
+            if target.kind == "expert":
+                args = (slot, target.index, target.name, update.a, update.b, update.scale)
+            else:
+                args = (slot, target.index, update.a, update.b, update.scale)
+            writes.append(functools.partial(stack.load, *args))
+            if stack not in loaded.stacks:
+                loaded.stacks.append(stack)
+        self.slots[slot] = loaded
+        return writes
+
+    def _read(self, path: str) -> Adapter:
+        """The adapter at ``path``, checked against the checkpoint's shapes, then cut to this
+        rank's share of each split projection (tensor parallel: q/k/v and gate/up by output
+        rows, so B's rows; o and down by input columns, so A's columns, whose partial terms
+        the layer's all-reduce sums with the base output's)."""
+        adapter = read_adapter(path, self.linears, self.max_rank, self.dtype)
+        if not self.splits:
+            return adapter
+        updates = {}
+        for module, update in adapter.updates.items():
+            split = self.splits.get(module)
+            if split is not None:
+                side, rank, size = split
+                if side == "out":
+                    n = update.b.shape[0] // size
+                    update = dataclasses.replace(update, b=update.b[rank * n : (rank + 1) * n].contiguous())
+                else:
+                    n = update.a.shape[1] // size
+                    update = dataclasses.replace(
+                        update, a=update.a[:, rank * n : (rank + 1) * n].contiguous()
+                    )
+            updates[module] = update
+        return dataclasses.replace(adapter, updates=updates)
+
+    def follow(self, slot_rows: torch.Tensor, placements: Sequence[tuple[int, int, str]]) -> LoraStep:
+        """A tensor-parallel worker's step: rank 0's slots as it placed them (``placements``:
+        (slot, adapter uid, path) of every slot the step uses), each new one read from its
+        path and written at once, then the step's rows by slot."""
+        for slot, uid, path in placements:
+            held = self.slots[slot]
+            if held is None or held.uid != uid:
+                loaded = LoadedAdapter(f"rank-0-adapter-{uid}", uid, uid, self._read(path), pinned=False)
+                for write in self._slot_writes(slot, loaded):
+                    write()
+        return LoraStep.build(
+            slot_rows, self.max_loras, self.max_rank, self.dtype, self.device, self._experts
+        )
 
     def step(
         self, adapters: Sequence[LoadedAdapter | None], lengths: Sequence[int], rows: int
@@ -185,8 +236,16 @@ class LoraRegistry:
         slot_rows = torch.full((rows,), -1, dtype=torch.long)
         used = sum(lengths)
         slot_rows[:used] = per_chunk.repeat_interleave(torch.tensor(list(lengths), dtype=torch.long))
+        placements = tuple((slot, a.uid, str(a.adapter.path)) for a, slot in slot_of.items())
         return LoraStep.build(
-            slot_rows, self.max_loras, self.max_rank, self.dtype, self.device, self._experts, fills
+            slot_rows,
+            self.max_loras,
+            self.max_rank,
+            self.dtype,
+            self.device,
+            self._experts,
+            fills,
+            placements,
         )
 
     def _fill(self, slot: int, version: int, writes: list[Callable[[], None]]) -> None:
@@ -201,6 +260,16 @@ class LoraRegistry:
     def running(self, adapters: Sequence[LoadedAdapter | None]) -> list[str]:
         """The distinct adapter names among ``adapters`` (a metric's view of running requests)."""
         return list(dict.fromkeys(a.name for a in adapters if a is not None))
+
+
+def _whole_shape(target: Target, split: tuple[str, int, int] | None) -> tuple[int, int]:
+    """(in, out) features of a target linear as the checkpoint has it, before any cut."""
+    if split is None:
+        return target.in_features, target.out_features
+    side, _, size = split
+    if side == "out":
+        return target.in_features, target.out_features * size
+    return target.in_features * size, target.out_features
 
 
 def adapter_for(registry: LoraRegistry | None, lora_request: object) -> LoadedAdapter | None:

@@ -61,6 +61,9 @@ class LoraStep:
     # the slot tensors to write before the forward (adapters newly given a slot): run by
     # the thread that runs the step, after the step before it
     slot_writes: tuple[Callable[[], None], ...] = ()
+    # (slot, adapter uid, adapter path) of every slot the step uses: what a tensor-parallel
+    # worker places in its own slots before it runs the step (``LoraRegistry.follow``)
+    placements: tuple[tuple[int, int, str], ...] = ()
 
     def write_slots(self) -> None:
         """Fill the slots this step gave to new adapters (once; the step's forward reads them)."""
@@ -77,10 +80,11 @@ class LoraStep:
         device: torch.device,
         experts: bool = True,
         slot_writes: tuple[Callable[[], None], ...] = (),
+        placements: tuple[tuple[int, int, str], ...] = (),
     ) -> LoraStep:
         """From each row's slot (``slot_rows`` [T] on the host, -1 for the base model);
         ``experts``: the model has routed experts, which read the mask; ``slot_writes``: the
-        slot fills the step runs first."""
+        slot fills the step runs first; ``placements``: the adapters in the step's slots."""
         lora_rows = (slot_rows >= 0).nonzero().flatten()
         by_slot = torch.argsort(slot_rows[lora_rows], stable=True)
         rows, row_slots = lora_rows[by_slot], slot_rows[lora_rows][by_slot]
@@ -121,6 +125,7 @@ class LoraStep:
             group_starts,
             slot_rows,
             slot_writes,
+            placements,
         )
 
     def check(self, x: torch.Tensor) -> None:

@@ -68,6 +68,10 @@ class Projection:
         self.fused_bias: torch.Tensor | None = None
         self.shares = True  # the fused weight is the linears' storage (``fuse``)
         self.lora: Any = None  # served adapters' slots (``layers/lora.LinearStack``)
+        # under tensor parallel, which share of the checkpoint's linears this rank holds:
+        # ("out", rank, size) its rows (column parallel) or ("in", rank, size) its columns
+        # (row parallel); None: whole. Served adapters are cut the same way
+        self.split: tuple[str, int, int] | None = None
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         y = self.engine(x) if self.engine is not None and not batch.functional else self.plain(x)
