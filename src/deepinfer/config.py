@@ -143,7 +143,7 @@ class EngineConfig:
     # publishes is also kept in a host tier of kv_offload_bytes (pinned memory on CUDA) and in
     # files under kv_cache_dir, bounded by kv_disk_bytes (least recently used out first); a
     # prompt whose prefix the pool evicted is loaded back from them, and the files serve later
-    # processes over the same weights. 0 / None: no such tier. One rank
+    # processes over the same weights. 0 / None: no such tier. Under tensor parallel, per rank
     kv_offload_bytes: int = 0
     kv_cache_dir: str | None = None
     kv_disk_bytes: int = 16 << 30

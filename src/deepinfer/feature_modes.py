@@ -105,7 +105,11 @@ TABLE: dict[str, dict[str, Cell]] = {
         "graphs": W,
         "async": W,
         "one_call": W,
-        "tp": _one_rank("the tiers copy this process's pools"),
+        "tp": Cell(
+            Support.WORKS,
+            "every rank keeps its cut of each block in its own tiers (its own disk namespace); "
+            "rank 0 decides, and a load counts only where every rank found its part",
+        ),
         "dp": _one_rank("the tiers copy this process's pools"),
         "ep": _one_rank("the tiers copy this process's pools"),
         "batch_invariant": W,

@@ -411,13 +411,13 @@ def test_an_abort_while_loading_frees_the_blocks_once_the_load_ends(llama_ckpt, 
     _generate(llm, prompt)
     _generate(llm, _one_prompt(length=100, seed=9))  # evicts the first prompt's blocks
     gate = threading.Event()
-    load = KVTiers._load
+    load = KVTiers.load_blocks
 
     def held(self, items):
         gate.wait(30)
         return load(self, items)
 
-    monkeypatch.setattr(KVTiers, "_load", held)
+    monkeypatch.setattr(KVTiers, "load_blocks", held)
     engine = llm.engine
     engine.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0.0))
     engine.step()
@@ -513,3 +513,62 @@ def test_a_block_handed_out_before_its_copy_is_not_kept(llama_ckpt, mutant):
     tiers.flush()
     assert tiers.has(key) == mutant
     llm.close()
+
+
+def _tensor_parallel_turns(llama_ckpt, tier_kwargs: dict, seed: int) -> tuple[list, list, LLM]:
+    """A multi-turn workload over a small pool: the replies of one rank without tiers, and of
+    two tensor-parallel ranks with ``tier_kwargs`` (that engine left open)."""
+    convs = conversations(seed, 200, 4, 3)
+    longest = max(sum(len(u) for u in c) for c in convs) + 3 * 6
+    kwargs = dict(
+        num_cache_blocks=-(-longest // 8) + 2, block_size=8, max_num_batched_tokens=16, max_num_seqs=4
+    )
+    plain = LLM(str(llama_ckpt), **kwargs)
+    expected = run_turns(plain, convs, 6)
+    plain.close()
+    tiered = LLM(str(llama_ckpt), **kwargs, **tier_kwargs, tensor_parallel_size=2)
+    try:
+        return expected, run_turns(tiered, convs, 6), tiered
+    except BaseException:
+        tiered.close()
+        raise
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_tensor_parallel_ranks_each_keep_their_cut(llama_ckpt, tier, tmp_path):
+    """Two tensor-parallel ranks, each with its own tiers over its own pools (its own disk
+    namespace): prefixes come back from the tier and every reply equals one rank's without
+    tiers."""
+    directory = tmp_path / "kv"
+    options = {"host": {"kv_offload_bytes": 64 * MIB}, "disk": {"kv_cache_dir": str(directory)}}[tier]
+    expected, got, llm = _tensor_parallel_turns(llama_ckpt, options, seed=11)
+    hits = tier_hits(llm)
+    llm.close()
+    assert got == expected
+    assert hits[tier] > 0, f"no prefix came back from the {tier} tier"
+    if tier == "disk":
+        spaces = {p.relative_to(directory).parts[0] for p in directory.rglob("*.kvb")}
+        assert {s.rsplit("-", 1)[1] for s in spaces} == {"tp0of2", "tp1of2"}, spaces
+
+
+@pytest.mark.parametrize("mutant", [False, True])
+def test_a_load_counts_only_where_every_rank_found_its_part(llama_ckpt, monkeypatch, mutant):
+    """Rank 0 withholds its copies from the workers, so a worker's tier never has the blocks
+    rank 0's has: every load is agreed missing and the prefix is computed again, changing no
+    reply. Mutation: rank 0 taking its own finding as the answer serves blocks the worker
+    never filled, and replies change."""
+    from deepinfer.cache.tiers import KVTiers
+    from deepinfer.distributed import tiers as tp_tiers
+
+    def copy_without_sending(self, items):
+        KVTiers.copy_blocks(self, items)
+
+    monkeypatch.setattr(tp_tiers.TensorParallelTiers, "copy_blocks", copy_without_sending)
+    if mutant:
+        agree = tp_tiers.agree
+        monkeypatch.setattr(tp_tiers, "agree", lambda found, group: agree(found, group) or found)
+    expected, got, llm = _tensor_parallel_turns(llama_ckpt, {"kv_offload_bytes": 64 * MIB}, seed=12)
+    stats = llm.engine.tiers.stats()
+    llm.close()
+    assert stats.loads + stats.failed_loads > 0, "the workload loaded nothing from the tier"
+    assert (got == expected) != mutant

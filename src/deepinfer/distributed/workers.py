@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,9 +32,17 @@ import torch.multiprocessing as mp
 from deepinfer.cache.pools import CacheLayout, allocate_pools
 from deepinfer.cache.step_chunks import SeqChunk, StepPadding
 from deepinfer.cache.step_metadata import build_forward_batch
+from deepinfer.cache.tiers.codec import BlockCodec
 from deepinfer.distributed.eplb import ExpertLoadWindow
 from deepinfer.distributed.expert_parallel import apply_placement, shard_experts
 from deepinfer.distributed.tensor_parallel import shard_deepseek, shard_llama
+from deepinfer.distributed.tiers import (
+    FollowedCopies,
+    TensorParallelTiers,
+    TierSetup,
+    follow_tiers,
+    tier_group,
+)
 from deepinfer.errors import EngineDeadError
 from deepinfer.lora.registry import LoraRegistry
 from deepinfer.models import prepare
@@ -57,6 +66,7 @@ class CacheSetup:
     num_window_blocks: int | None
     count_expert_load: bool = False  # EPLB under data parallel: every rank counts its tokens
     lora: tuple[int, int] | None = None  # served adapters: (max_loras, max_lora_rank)
+    tiers: TierSetup | None = None  # KV cache tiers: every rank its own, rank 0 deciding
 
 
 def _free_port() -> int:
@@ -178,6 +188,12 @@ def worker_main(rank: int, size: int, port: int | None, mode: str, load_kwargs: 
     )
     counters = ExpertLoadWindow(model, 1).layers if setup.count_expert_load else []
     adapters = None if setup.lora is None else LoraRegistry(model, *setup.lora, setup.lora[0])
+    tiers, copies, follower = None, FollowedCopies(), None
+    if setup.tiers is not None:  # this rank's tiers, made and fed by their own thread
+        group = tier_group()
+        tiers = setup.tiers.tiers(BlockCodec(layout, pools), rank, size, group)
+        follower = threading.Thread(target=follow_tiers, args=(tiers, group, copies), daemon=True)
+        follower.start()
     while (message := _broadcast()) is not None:
         if "placement" in message:  # EPLB: every rank moves its experts together
             apply_placement(model, message["placement"], rank, size)
@@ -194,11 +210,15 @@ def worker_main(rank: int, size: int, port: int | None, mode: str, load_kwargs: 
                 reduce_expert_load(counters, idle=not chunks)
             continue
         chunks, input_ids, padding = message["step"]
+        copies.wait_for(message.get("tier_copies", 0))  # blocks copied out before a step reuses them
         positions, batch = build_forward_batch(layout, pools, chunks, torch.device(device), padding)
         lora = message.get("lora")
         step = None if lora is None or adapters is None else adapters.follow(*lora)
         with torch.inference_mode(), running_step(step):
             model.step(input_ids.to(device), positions, batch)
+    if follower is not None and tiers is not None:  # rank 0 stopped it before this message
+        follower.join()
+        tiers.close()
     _leave_group()
 
 
@@ -271,6 +291,7 @@ class TensorParallelGroup:
             proc.start()
         self.size = size
         self.closed = False
+        self.tiers: TensorParallelTiers | None = None  # the KV cache tiers, where configured
         device = str(load_kwargs.get("device", "cpu"))
         _init_group(0, size, port, device, self._check_started)
 
@@ -312,6 +333,8 @@ class TensorParallelGroup:
         if dead:
             raise EngineDeadError(f"tensor parallel: worker rank(s) {dead} died")
         message: dict[str, Any] = {"step": (chunks, input_ids.cpu(), padding)}
+        if self.tiers is not None:
+            message["tier_copies"] = self.tiers.copies_sent
         if lora is not None:
             assert lora.slots is not None
             message["lora"] = (lora.slots, lora.placements)

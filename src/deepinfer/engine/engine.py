@@ -117,9 +117,11 @@ class Engine:
             self.lora,
         )
         self.executor = Executor(self.runner, model, config, self.tp)
-        self.tiers = setup.kv_tiers(config, model, self.layout, self.runner, dtype, checkpoint)
+        tiers = setup.tier_setup(config, model, self.runner, dtype, checkpoint)
         if self.tp is not None:  # the worker ranks' caches, alike
-            setup.worker_caches(self.tp, config, self.layout, dtype, size, self.executor.eplb is not None)
+            eplb = self.executor.eplb is not None
+            setup.worker_caches(self.tp, config, self.layout, dtype, size, eplb, tiers)
+        self.tiers = setup.kv_tiers(tiers, self.runner, self.tp)
         if self.runner.graphs is not None:
             # every bucket now, on this thread, before any step (and before the asynchronous
             # worker exists): a capture must never overlap the host preparing another step

@@ -23,6 +23,7 @@ from deepinfer.cache.tiers.codec import BlockCodec
 from deepinfer.cache.tiers.fingerprint import checkpoint_fingerprint, module_fingerprint, namespace
 from deepinfer.config import EngineConfig
 from deepinfer.distributed.tensor_parallel import check_divisible
+from deepinfer.distributed.tiers import TensorParallelTiers, TierSetup, tier_group
 from deepinfer.distributed.workers import CacheSetup, TensorParallelGroup, parallel_mode, shard
 from deepinfer.engine import lora_setup
 from deepinfer.engine.block_pool import BlockPool
@@ -255,9 +256,10 @@ def worker_caches(
     dtype: torch.dtype,
     size: CacheSize,
     eplb: bool,
+    tiers: TierSetup | None,
 ) -> None:
     """Every worker rank allocates the pools rank 0 has (``eplb``: and counts expert load,
-    under data parallel)."""
+    under data parallel; ``tiers``: and makes its own KV cache tiers)."""
     tp.setup(
         CacheSetup(
             config.block_size,
@@ -269,6 +271,7 @@ def worker_caches(
             size.num_window_blocks,
             count_expert_load=eplb and config.data_parallel_size > 1,
             lora=(config.max_loras, config.max_lora_rank) if config.enable_lora else None,
+            tiers=tiers,
         )
     )
 
@@ -410,28 +413,34 @@ def graph_batch_size(config: EngineConfig) -> int:
     return min(config.max_graph_batch_size, config.max_num_seqs)
 
 
-def kv_tiers(
-    config: EngineConfig,
-    model: CausalLM,
-    layout: CacheLayout,
-    runner: ModelRunner,
-    dtype: torch.dtype,
-    checkpoint: Path | None,
-) -> KVTiers | None:
+def tier_setup(
+    config: EngineConfig, model: CausalLM, runner: ModelRunner, dtype: torch.dtype, checkpoint: Path | None
+) -> TierSetup | None:
     """The prefix cache's host and disk tiers, when configured. The disk tier's files are
     bound to the checkpoint's files (or, for a module with none, its parameters), the cache
     layout and its element type."""
     if not config.kv_tiers:
         return None
-    codec = BlockCodec(layout, runner.pools)
     model_id = checkpoint_fingerprint(checkpoint) if checkpoint is not None else module_fingerprint(model)
-    return KVTiers(
-        codec,
-        config.kv_offload_bytes,
-        config.kv_cache_dir,
-        config.kv_disk_bytes,
-        namespace(model_id, layout, dtype, codec.entry_bytes),
-    )
+    disk_dir = None if config.kv_cache_dir is None else str(config.kv_cache_dir)
+    entry_bytes = BlockCodec(runner.layout, runner.pools).entry_bytes
+    name = namespace(model_id, runner.layout, dtype, entry_bytes)
+    return TierSetup(config.kv_offload_bytes, disk_dir, config.kv_disk_bytes, name)
+
+
+def kv_tiers(tiers: TierSetup | None, runner: ModelRunner, tp: TensorParallelGroup | None) -> KVTiers | None:
+    """This process's tiers over its pools; under tensor parallel, rank 0's, which the workers
+    follow (``distributed/tiers.py``: the group is made on every rank after the workers' cache
+    setup)."""
+    if tiers is None:
+        return None
+    codec = BlockCodec(runner.layout, runner.pools)
+    if tp is None:
+        return KVTiers(codec, tiers.host_bytes, tiers.disk_dir, tiers.disk_bytes, tiers.namespace)
+    made = tiers.tiers(codec, 0, tp.size, tier_group())
+    assert isinstance(made, TensorParallelTiers)
+    tp.tiers = made
+    return made
 
 
 @dataclass

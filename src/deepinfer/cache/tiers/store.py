@@ -93,7 +93,7 @@ class KVTiers:
         if self.host is None and self.disk is not None and self.disk.has(key):
             return
         if written:
-            self._copy([(key, block, window_block)])
+            self.copy_blocks([(key, block, window_block)])
         else:
             self._pending.append((key, block, window_block))
 
@@ -118,9 +118,11 @@ class KVTiers:
         ready = self._held + self._pending if complete else self._held
         self._held, self._pending = ([] if complete else self._pending), []
         if ready:
-            self._copy(ready)
+            self.copy_blocks(ready)
 
-    def _copy(self, items: list[tuple[bytes, int, int | None]]) -> None:
+    def copy_blocks(self, items: list[tuple[bytes, int, int | None]]) -> None:
+        """Copy (hash, block, window block) out of the pools now: into the host tier, and to
+        disk on the writer thread. Called where no step writes those blocks."""
         rows = self.codec.gather([b for _, b, _ in items], [w for _, _, w in items])
         keys = [k for k, _, _ in items]
         if self.host is not None:
@@ -143,14 +145,14 @@ class KVTiers:
         """Fill blocks from the tiers on the loader thread: for each (hash, block, window
         block), the main part into ``block`` and the window part into ``window block`` (None:
         not needed). The future's result is whether every entry was found and intact."""
-        return self._loader.submit(self._load, list(items))
+        return self._loader.submit(self.load_blocks, list(items))
 
     # ---- the threads ------------------------------------------------------------------------
 
     def _write(self, disk: DiskTier, keys: list[bytes], rows: torch.Tensor) -> None:
         written = 0
         try:
-            for key, row in zip(reversed(keys), reversed(rows), strict=True):  # heads last (``_copy``)
+            for key, row in zip(reversed(keys), reversed(rows), strict=True):  # heads last (``copy_blocks``)
                 if disk.write(key, row.numpy().tobytes(), self.codec.main_bytes):
                     written += row.numel()
         except Exception:  # a tier never takes the engine down
@@ -159,10 +161,11 @@ class KVTiers:
             self._backlog -= rows.numel()
             self._stats.stored_bytes["disk"] += written
 
-    def _load(self, items: list[tuple[bytes, int | None, int | None]]) -> bool:
+    def load_blocks(self, items: list[tuple[bytes, int | None, int | None]]) -> bool:
+        """Fill the blocks of ``items`` now (``load``'s work); whether every entry was found."""
         start = time.perf_counter()
         rows, sources = [], []
-        for key, _, _ in reversed(items):  # heads touched last (``_copy``)
+        for key, _, _ in reversed(items):  # heads touched last (``copy_blocks``)
             row = self.host.get(key) if self.host is not None else None
             source = "host"
             if row is None and self.disk is not None:
