@@ -147,6 +147,10 @@ class EngineConfig:
     kv_offload_bytes: int = 0
     kv_cache_dir: str | None = None
     kv_disk_bytes: int = 16 << 30
+    # Prefill/decode disaggregation (deepinfer.disagg): "prefill" keeps every prompt's blocks
+    # in its host or disk tier for a decode server to take; "decode" takes blocks its prefill
+    # peer offers through the tiers' remote source. None: neither
+    kv_role: str | None = None
     # torch.compile the model step (compilation.py). None = the platform's default: on for
     # CUDA; on the CPU, for models whose compiled step beats eager (V4, V4.1), the compiled
     # step an earlier run saved, and a step no saved variant covers runs eagerly until such
@@ -216,8 +220,8 @@ class EngineConfig:
 
     @property
     def kv_tiers(self) -> bool:
-        """Whether the prefix cache has a host or disk tier."""
-        return self.kv_offload_bytes > 0 or self.kv_cache_dir is not None
+        """Whether the prefix cache has a host or disk tier, or (a decode server) a remote one."""
+        return self.kv_offload_bytes > 0 or self.kv_cache_dir is not None or self.kv_role == "decode"
 
     def _validate_tiers(self) -> None:
         for name in ("kv_offload_bytes", "kv_disk_bytes"):
@@ -226,6 +230,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an int >= 0 (bytes), got {value!r}")
         if self.kv_cache_dir is not None and not isinstance(self.kv_cache_dir, (str, os.PathLike)):
             raise ValueError(f"kv_cache_dir must be a directory path or None, got {self.kv_cache_dir!r}")
+        self._validate_kv_role()
         if not self.kv_tiers:
             return
         if self.kv_cache_dir is not None and self.kv_disk_bytes == 0:
@@ -238,6 +243,23 @@ class EngineConfig:
             raise ValueError(
                 "kv_offload_bytes / kv_cache_dir with enable_return_routed_experts=True is refused: a tier "
                 "restores K/V but not the routing record of its positions"
+            )
+
+    def _validate_kv_role(self) -> None:
+        if self.kv_role not in (None, "prefill", "decode"):
+            raise ValueError(f"kv_role must be 'prefill', 'decode' or None, got {self.kv_role!r}")
+        if self.kv_role is None:
+            return
+        if self.kv_role == "prefill" and not (self.kv_offload_bytes > 0 or self.kv_cache_dir is not None):
+            raise ValueError(
+                "kv_role='prefill' hands its blocks over from its host or disk tier: set kv_offload_bytes "
+                "(or kv_cache_dir)"
+            )
+        if self.world_size > 1:
+            raise ValueError(f"kv_role={self.kv_role!r}: run on one rank (tensor_parallel_size=1)")
+        if self.enable_lora:
+            raise ValueError(
+                f"kv_role={self.kv_role!r} with enable_lora=True is refused: turn one of them off"
             )
 
     def validate(self) -> None:

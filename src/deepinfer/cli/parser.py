@@ -122,7 +122,34 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     add_engine_arguments(serve_, offline=False)
     add_lora_arguments(serve_)
+    add_kv_role_arguments(serve_)
     serve_.set_defaults(func=serve)
+
+
+def add_kv_role_arguments(parser: argparse.ArgumentParser) -> None:
+    """Prefill/decode disaggregation (``deepinfer.disagg``)."""
+    parser.add_argument(
+        "--kv-role",
+        choices=("prefill", "decode"),
+        default=None,
+        help="prefill: keep every prompt's blocks for a decode server to take (a host tier of 1G "
+        "unless --kv-offload-bytes says otherwise); decode: have --kv-peer prefill every prompt",
+    )
+    parser.add_argument("--kv-peer", default=None, help="the prefill server's URL (with --kv-role decode)")
+    parser.add_argument(
+        "--kv-transfer-host",
+        default="127.0.0.1",
+        help="the address decode servers reach this prefill server's block transfers at",
+    )
+    parser.add_argument(
+        "--kv-transfer-port", type=int, default=0, help="its port for block transfers (0: any free one)"
+    )
+    parser.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a prefill or a block transfer may take before the decode server computes the prompt",
+    )
 
 
 def _add_chat(sub: argparse._SubParsersAction) -> None:

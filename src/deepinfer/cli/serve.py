@@ -6,9 +6,37 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from deepinfer.cli.engine_args import llm_kwargs
 from deepinfer.server.limits import ServerLimits
+
+PREFILL_HOST_BYTES = 1 << 30  # a prefill server's host tier unless --kv-offload-bytes says otherwise
+
+
+def kv_roles(args: argparse.Namespace, kwargs: dict[str, Any]) -> Callable[[Any], Any] | None:
+    """This server's part in a prefill/decode pair (``--kv-role``), made over its ``LLM``; sets
+    the engine options the role needs in ``kwargs``."""
+    from deepinfer.disagg.roles import KVRoles
+
+    if args.kv_role is None:
+        if args.kv_peer is not None:
+            raise ValueError("--kv-peer needs --kv-role decode")
+        return None
+    kwargs["kv_role"] = args.kv_role
+    if args.kv_role == "prefill":
+        if args.kv_peer is not None:
+            raise ValueError("--kv-peer is the decode server's option (its prefill server's URL)")
+        kwargs.setdefault("kv_offload_bytes", PREFILL_HOST_BYTES)
+        return lambda llm: KVRoles.prefill(
+            llm.engine.tiers, llm.engine.config.block_size, args.kv_transfer_host, args.kv_transfer_port
+        )
+    if args.kv_peer is None:
+        raise ValueError("--kv-role decode needs --kv-peer (the prefill server's URL)")
+    return lambda llm: KVRoles.decode(
+        llm.engine.tiers, llm.engine.config.block_size, args.kv_peer, args.kv_transfer_timeout, args.api_key
+    )
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -37,7 +65,9 @@ def serve(args: argparse.Namespace) -> int:
         body_timeout_s=args.body_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
     )
-    llm = LLM(args.model, **llm_kwargs(args))
+    kwargs = llm_kwargs(args)
+    roles = kv_roles(args, kwargs)
+    llm = LLM(args.model, **kwargs)
     # the model's objects live as long as the server: out of the collector's full passes,
     # which would otherwise walk them all while every request waits (gc_heap.py)
     freeze_long_lived()
@@ -53,6 +83,7 @@ def serve(args: argparse.Namespace) -> int:
         ui=not args.no_ui,
         enable_rl_endpoints=args.enable_rl_endpoints,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        kv_roles=roles,
     )
     config = uvicorn.Config(
         app,

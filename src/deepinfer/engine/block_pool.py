@@ -11,21 +11,8 @@ least recently freed first.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-
-
-def block_hash(parent: bytes | None, tokens: Sequence[int], salt: str | None = None) -> bytes:
-    """SHA-256 of the parent hash (or, for a first block, the salt) and the block's tokens."""
-    h = hashlib.sha256()
-    if parent is not None:
-        h.update(b"p" + parent)
-    elif salt is not None:
-        h.update(b"s" + salt.encode())
-    h.update(array("q", tokens).tobytes())
-    return h.digest()
 
 
 class BlockPool:

@@ -41,7 +41,7 @@ def cache_metrics(pools: list[BlockPool], bs: int, tiers: KVTiers | None) -> lis
     if tiers is None:
         return out
     s = tiers.stats()
-    for tier in ("host", "disk"):
+    for tier in ("host", "disk", "remote"):
         labels = {"tier": tier}
         out += [
             Metric(

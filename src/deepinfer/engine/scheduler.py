@@ -20,9 +20,10 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from deepinfer.cache.prefix_hash import block_hash, prompt_block_hashes
 from deepinfer.cache.tiers import KVTiers
 from deepinfer.config import EngineConfig
-from deepinfer.engine.block_pool import BlockPool, block_hash
+from deepinfer.engine.block_pool import BlockPool
 from deepinfer.engine.request import Request, Status
 from deepinfer.engine.tier_hits import TierHits
 
@@ -227,12 +228,7 @@ class Scheduler:
             return
         if request.params.prompt_logprobs is not None:  # needs logits of every prompt token
             return
-        tokens = request.all_token_ids
-        bs = self.block_size
-        hashes, parent = [], None
-        for k in range((len(tokens) - 1) // bs):
-            parent = block_hash(parent, tokens[k * bs : (k + 1) * bs], request.prefix_salt)
-            hashes.append(parent)
+        hashes = prompt_block_hashes(request.all_token_ids, self.block_size, request.prefix_salt)
         hit = self.pool.lookup(hashes)
         if (
             self.tier_hits is not None
@@ -243,7 +239,7 @@ class Scheduler:
         hit = self._window_for_hit(request, hit, hashes)
         request.block_ids = hit
         request.block_hashes = hashes[: len(hit)]
-        request.num_computed_tokens = len(hit) * bs
+        request.num_computed_tokens = len(hit) * self.block_size
         request.restore_overlap = bool(hit)
         if request.num_preemptions == 0:
             request.num_cached_tokens = request.num_computed_tokens

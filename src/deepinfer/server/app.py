@@ -28,12 +28,13 @@ abandoned requests are aborted (``asgi_guards.py``), and slow headers time out
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
 import deepinfer
+from deepinfer.disagg.roles import KVRoles
 from deepinfer.llm import LLM
 from deepinfer.server import routes_admin, routes_lora, routes_openai, routes_rl
 from deepinfer.server.asgi_guards import RequestGuard
@@ -55,6 +56,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     yield
     server.async_llm.stop()
     server.prompts.close()
+    if server.kv_roles is not None:
+        server.kv_roles.close()
 
 
 def build_app(
@@ -68,6 +71,7 @@ def build_app(
     ui: bool = True,
     enable_rl_endpoints: bool = False,
     allow_runtime_lora_updating: bool = False,
+    kv_roles: Callable[[LLM], KVRoles] | None = None,
 ) -> FastAPI:
     """The app over ``llm``. ``engine_thread``: run the engine loop on a background thread
     started with the app; False leaves it to the caller (``AsyncLLM.run_here`` on
@@ -75,12 +79,16 @@ def build_app(
     engine needs ``enable_lora``); one that cannot be served is a ``ValueError`` naming it.
     ``ui``: serve the chat page at ``/`` (``routes_ui.py``). ``enable_rl_endpoints``: serve
     the RL control endpoints (``routes_rl.py``); ``allow_runtime_lora_updating``: serve the
-    adapter load / unload endpoints (``routes_lora.py``). Off, those routes do not exist."""
+    adapter load / unload endpoints (``routes_lora.py``). Off, those routes do not exist.
+    ``kv_roles``: makes this server's part in a prefill/decode pair over ``llm``
+    (``deepinfer.disagg.roles``)."""
     limits = limits or ServerLimits()
     async_llm = AsyncLLM(llm, max_queued_requests)
     client = LocalEngineClient(llm, async_llm)
     state = ServerState(async_llm, client, served_model_name, api_key, limits)
     _load_lora_modules(state, client, lora_modules)
+    if kv_roles is not None:
+        state.kv_roles = kv_roles(llm)
     app = FastAPI(title="deepinfer", version=deepinfer.__version__, lifespan=_lifespan)
     app.state.server = state
     app.state.engine_thread = engine_thread

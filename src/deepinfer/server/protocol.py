@@ -54,6 +54,9 @@ class SamplingFields(BaseModel):
     # and vLLM's extra field (StructuredOutputsParams' fields)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # prefill/decode disaggregation (vLLM's field): {"do_remote_decode": true} asks a prefill
+    # server to keep the prompt's blocks and say where to take them
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):

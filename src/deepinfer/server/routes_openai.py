@@ -122,7 +122,12 @@ async def completions(body: CompletionRequest, request: Request, server: StateDe
         # a one-token prompt has no position to score: its single entry is the null one
         lps = None if body.logprobs is None else [*(f.prompt_logprobs or [None]), *(c.logprobs or [])]
         choices.append(choice(i, c, prompt_text + c.text, [*id_lists[p], *c.token_ids], lps, True, 0))
-    return whole_response(model, rid, "text_completion", created, choices, prompt_tokens, finals)
+    response = whole_response(model, rid, "text_completion", created, choices, prompt_tokens, finals)
+    if server.kv_roles is not None and len(id_lists) == 1:  # a prefill server's handover
+        params = server.kv_roles.answer(body.kv_transfer_params, id_lists[0], body.cache_salt)
+        if params is not None:
+            response["kv_transfer_params"] = params
+    return response
 
 
 def _decode(server: ServerState, ids: list[int]) -> str:

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 
 from deepinfer.chat import ChatOptions
+from deepinfer.disagg.roles import KVRoles
 from deepinfer.lora.request import LoRARequest
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
@@ -50,6 +51,9 @@ class ServerState:
         )
         self.metrics = ServerMetrics(served_model_name, lora=client.lora_enabled)
         client.on_finished(self.metrics.observe_finished)
+        # prefill/decode disaggregation (``deepinfer.disagg``): a prefill server's block sender,
+        # or a decode server's calls to its prefill peer; None otherwise
+        self.kv_roles: KVRoles | None = None
         self.warm_up()
 
     def warm_up(self) -> None:
@@ -177,6 +181,8 @@ class ServerState:
         adapter unloaded before the engine took the request is the 404 of an unknown model."""
         streams: list[AsyncIterator[RequestOutput]] = []
         ids_added: list[str] = []
+        if self.kv_roles is not None and lora is None:  # a decode server: its peer prefills first
+            await self.kv_roles.before_queueing(prompts, salt)
         try:
             for p, ids in enumerate(prompts):
                 for j in range(n):

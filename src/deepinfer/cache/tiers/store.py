@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -33,9 +34,9 @@ _MAX_WRITE_BACKLOG = 256 << 20  # bytes queued for the disk writer; past it new 
 class TierStats:
     """Counters since the engine started; ``hit_blocks`` / ``loaded_bytes`` by tier."""
 
-    hit_blocks: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
-    loaded_bytes: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
-    stored_bytes: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
+    hit_blocks: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0, "remote": 0})
+    loaded_bytes: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0, "remote": 0})
+    stored_bytes: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0, "remote": 0})
     loads: int = 0
     failed_loads: int = 0
     load_seconds: float = 0.0
@@ -49,8 +50,20 @@ class TierStats:
     disk_capacity_bytes: int = 0
 
 
+class RemoteSource(Protocol):
+    """Blocks another server holds (a prefill server's, for a decode server): which it
+    offers, and their rows (``BlockCodec`` rows; None where one did not come, or came
+    damaged)."""
+
+    def has(self, key: bytes) -> bool: ...
+
+    def fetch(self, keys: list[bytes]) -> list[torch.Tensor | None]: ...
+
+
 class KVTiers:
-    """The tiers of one pool set. The scheduler speaks to it in block ids and hashes only."""
+    """The tiers of one pool set. The scheduler speaks to it in block ids and hashes only.
+    ``remote``: a further source after host and disk (``deepinfer.disagg``), set by whoever
+    connects it."""
 
     def __init__(
         self,
@@ -66,6 +79,7 @@ class KVTiers:
         )
         self.disk = DiskTier(Path(disk_dir), namespace, disk_bytes) if disk_dir is not None else None
         self._namespace = namespace
+        self.remote: RemoteSource | None = None
         self._stats = TierStats()
         self._lock = threading.Lock()
         self._pending: list[tuple[bytes, int, int | None]] = []  # published since the last flush
@@ -74,18 +88,28 @@ class KVTiers:
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-kv-load")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-kv-write")
 
+    @property
+    def namespace(self) -> str:
+        """What the kept blocks are bound to (``fingerprint.namespace``): the weights, the
+        cache layout and its element type."""
+        return self._namespace
+
     # ---- the scheduler's side -------------------------------------------------------------
 
     def has(self, key: bytes) -> bool:
         """Whether a tier holds the block (a load may still find it gone or corrupt)."""
-        return (self.host is not None and self.host.has(key)) or (
-            self.disk is not None and self.disk.has(key)
+        return (
+            (self.host is not None and self.host.has(key))
+            or (self.disk is not None and self.disk.has(key))
+            or (self.remote is not None and self.remote.has(key))
         )
 
     def store(self, key: bytes, block: int, window_block: int | None, written: bool = False) -> None:
         """Keep a just-published block (``window_block``: its window-pool block, when the
         window is bounded). ``written``: every row is written already, copy it now; else it is
         queued for ``flush`` (a step scheduled already may still write its last rows)."""
+        if self.host is None and self.disk is None:
+            return  # a remote source only (a decode server's): nothing here keeps blocks
         if self.codec.window and window_block is None:
             return  # a hit needs the window part; a block without it is not kept
         if self.host is not None and self.host.touch(key):
@@ -161,33 +185,50 @@ class KVTiers:
             self._backlog -= rows.numel()
             self._stats.stored_bytes["disk"] += written
 
+    def read_entry(self, key: bytes) -> tuple[torch.Tensor, str] | None:
+        """A kept block's row and the tier it came from (host, else disk: then also put in
+        the host tier), or None."""
+        row = self.host.get(key) if self.host is not None else None
+        if row is not None:
+            return row, "host"
+        if self.disk is None:
+            return None
+        payload = self.disk.read(key, self.codec.main_bytes)
+        if payload is None or len(payload) != self.codec.entry_bytes:
+            return None
+        row = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        if self.host is not None:
+            self.host.put(key, row)
+        return row, "disk"
+
     def load_blocks(self, items: list[tuple[bytes, int | None, int | None]]) -> bool:
-        """Fill the blocks of ``items`` now (``load``'s work); whether every entry was found."""
+        """Fill the blocks of ``items`` now (``load``'s work); whether every entry was found.
+        Entries neither tier holds come from the remote source in one fetch."""
         start = time.perf_counter()
-        rows, sources = [], []
-        for key, _, _ in reversed(items):  # heads touched last (``copy_blocks``)
-            row = self.host.get(key) if self.host is not None else None
-            source = "host"
-            if row is None and self.disk is not None:
-                payload = self.disk.read(key, self.codec.main_bytes)
-                if payload is not None and len(payload) == self.codec.entry_bytes:
-                    row, source = torch.frombuffer(bytearray(payload), dtype=torch.uint8), "disk"
-                    if self.host is not None:
-                        self.host.put(key, row)
-            if row is None:
-                with self._lock:
-                    self._stats.failed_loads += 1
-                return False
-            rows.append(row)
-            sources.append(source)
-        rows.reverse()
+        found: dict[int, tuple[torch.Tensor, str]] = {}
+        for i in reversed(range(len(items))):  # heads touched last (``copy_blocks``)
+            entry = self.read_entry(items[i][0])
+            if entry is not None:
+                found[i] = entry
+        missing = [i for i in range(len(items)) if i not in found]
+        if missing and self.remote is not None:
+            rows = self.remote.fetch([items[i][0] for i in missing])
+            for i, row in zip(missing, rows, strict=True):
+                if row is not None:
+                    found[i] = (row, "remote")
+        if len(found) < len(items):
+            with self._lock:
+                self._stats.failed_loads += 1
+            return False
+        rows = [found[i][0] for i in range(len(items))]
         self.codec.scatter(torch.stack(rows), [b for _, b, _ in items], [w for _, _, w in items])
         if self.codec.device.type == "cuda":
             torch.cuda.current_stream(self.codec.device).synchronize()
         with self._lock:
             self._stats.loads += 1
             self._stats.load_seconds += time.perf_counter() - start
-            for source in sources:
+            for i in range(len(items)):
+                source = found[i][1]
                 self._stats.hit_blocks[source] += 1
                 self._stats.loaded_bytes[source] += self.codec.entry_bytes
         return True
