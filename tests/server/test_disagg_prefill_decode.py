@@ -56,7 +56,7 @@ def prefill_server():
     server.terminate()
 
 
-def _decode_server(peer: str, timeout_s: float = 30.0) -> tuple[LiveServer, LLM, KVRoles]:
+def _decode_server(peer: str | None, timeout_s: float = 30.0) -> tuple[LiveServer, LLM, KVRoles]:
     llm = LLM(MODEL, kv_role="decode", **ENGINE)
     made: list[KVRoles] = []
 
@@ -139,6 +139,44 @@ def test_a_dead_prefill_server_leaves_the_decode_server_serving(expected):
         server.proc.wait(timeout=30)
         assert _replies(live, _prompts(2, 2)) == expected[2][:2]
         assert roles.client is not None and roles.client.failed == 2
+        _check_no_leak(llm)
+    finally:
+        live.stop()
+        llm.close()
+
+
+def test_a_proxy_drives_the_pair_with_kv_transfer_params(prefill_server, expected):
+    """vLLM's proxy form: the proxy sends the prompt to the prefill server with
+    ``do_remote_decode``, then to the decode server (no peer of its own) with the answer's
+    ``kv_transfer_params``. Malformed params leave the decode server computing the prompt."""
+    live, llm, roles = _decode_server(None)
+    prefill = openai.OpenAI(base_url=f"{prefill_server.url}/v1", api_key="none", max_retries=0, timeout=120)
+    decode = openai.OpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=120)
+    try:
+        got = []
+        prompts = _prompts(1, 4)
+        for i, prompt in enumerate(prompts):
+            answer = prefill.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=1,
+                temperature=0.0,
+                extra_body={"kv_transfer_params": {"do_remote_decode": True}},
+            )
+            params = answer.model_extra["kv_transfer_params"]
+            assert params["do_remote_prefill"] and params["block_hashes"]
+            if i == 3:
+                params = {"do_remote_prefill": True, "block_hashes": "not hex"}
+            reply = decode.completions.create(
+                model="smol",
+                prompt=prompt,
+                max_tokens=MAX_TOKENS,
+                temperature=0.0,
+                extra_body={"kv_transfer_params": params},
+            )
+            got.append(reply.choices[0].text)
+        assert got == expected[1]
+        assert llm.engine.tiers.stats().hit_blocks["remote"] > 0
         _check_no_leak(llm)
     finally:
         live.stop()

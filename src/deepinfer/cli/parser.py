@@ -133,7 +133,8 @@ def add_kv_role_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("prefill", "decode"),
         default=None,
         help="prefill: keep every prompt's blocks for a decode server to take (a host tier of 1G "
-        "unless --kv-offload-bytes says otherwise); decode: have --kv-peer prefill every prompt",
+        "unless --kv-offload-bytes says otherwise); decode: take the blocks a request's "
+        "kv_transfer_params names (a proxy prefilled it), or have --kv-peer prefill every prompt",
     )
     parser.add_argument("--kv-peer", default=None, help="the prefill server's URL (with --kv-role decode)")
     parser.add_argument(

@@ -32,8 +32,6 @@ def kv_roles(args: argparse.Namespace, kwargs: dict[str, Any]) -> Callable[[Any]
         return lambda llm: KVRoles.prefill(
             llm.engine.tiers, llm.engine.config.block_size, args.kv_transfer_host, args.kv_transfer_port
         )
-    if args.kv_peer is None:
-        raise ValueError("--kv-role decode needs --kv-peer (the prefill server's URL)")
     return lambda llm: KVRoles.decode(
         llm.engine.tiers, llm.engine.config.block_size, args.kv_peer, args.kv_transfer_timeout, args.api_key
     )

@@ -43,6 +43,23 @@ def handover(
     }
 
 
+def take_offer(remote: RemoteBlocks, params: dict[str, Any]) -> bool:
+    """Offer ``remote`` the blocks a prefill answer's ``kv_transfer_params`` names; False
+    (nothing offered: the prompt is computed here) when they are malformed or of another
+    model or format."""
+    try:
+        keys = [bytes.fromhex(h) for h in params["block_hashes"]]
+        host, port, namespace = (
+            str(params["remote_host"]),
+            int(params["remote_port"]),
+            str(params["namespace"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        logger.warning("kv_transfer_params without a usable block offer (%s); computing the prompt here", exc)
+        return False
+    return remote.offer(keys, host, port, namespace)
+
+
 class PrefillClient:
     """A decode server's calls to its prefill peer (``--kv-peer``)."""
 
@@ -70,11 +87,7 @@ class PrefillClient:
             async with httpx.AsyncClient(timeout=self.timeout_s) as client:
                 response = await client.post(self.url, json=body, headers=self.headers)
             response.raise_for_status()
-            params = response.json()["kv_transfer_params"]
-            keys = [bytes.fromhex(h) for h in params["block_hashes"]]
-            return self.remote.offer(
-                keys, params["remote_host"], int(params["remote_port"]), params["namespace"]
-            )
+            return take_offer(self.remote, response.json()["kv_transfer_params"])
         except Exception as exc:
             self.failed += 1
             logger.warning(

@@ -7,13 +7,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from deepinfer.cache.tiers import KVTiers
-from deepinfer.disagg.handover import PrefillClient, asks_handover, handover
+from deepinfer.disagg.handover import PrefillClient, asks_handover, handover, take_offer
 from deepinfer.disagg.remote_blocks import RemoteBlocks
 from deepinfer.disagg.transfer import BlockSender
 
 
 class KVRoles:
-    """A prefill server's block sender, or a decode server's prefill client."""
+    """A prefill server's block sender, or a decode server's remote blocks (and prefill client)."""
 
     def __init__(
         self,
@@ -21,8 +21,10 @@ class KVRoles:
         block_size: int,
         sender: BlockSender | None = None,
         client: PrefillClient | None = None,
+        remote: RemoteBlocks | None = None,
     ) -> None:
         self.tiers, self.block_size, self.sender, self.client = tiers, block_size, sender, client
+        self.remote = remote
 
     @classmethod
     def prefill(cls, tiers: KVTiers, block_size: int, host: str, port: int) -> KVRoles:
@@ -36,15 +38,29 @@ class KVRoles:
 
     @classmethod
     def decode(
-        cls, tiers: KVTiers, block_size: int, peer: str, timeout_s: float, api_key: str | None = None
+        cls, tiers: KVTiers, block_size: int, peer: str | None, timeout_s: float, api_key: str | None = None
     ) -> KVRoles:
-        """Have ``peer`` prefill every prompt, and take its blocks as a remote tier."""
+        """Take prefill servers' blocks as a remote tier: those a request's own
+        ``kv_transfer_params`` name (a proxy prefilled it), else those ``peer`` offers after
+        prefilling it (None: only the former)."""
         remote = RemoteBlocks(tiers.codec.entry_bytes, tiers.namespace, timeout_s)
         tiers.remote = remote
-        return cls(tiers, block_size, client=PrefillClient(peer, remote, timeout_s, api_key))
+        client = None if peer is None else PrefillClient(peer, remote, timeout_s, api_key)
+        return cls(tiers, block_size, client=client, remote=remote)
 
-    async def before_queueing(self, prompts: Sequence[Sequence[int]], salt: str | None) -> None:
-        if self.client is not None:
+    async def before_queueing(
+        self,
+        prompts: Sequence[Sequence[int]],
+        salt: str | None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> None:
+        """A decode server's step before queueing a request: the blocks a prefill answer's
+        ``kv_transfer_params`` names (vLLM's proxy form), or its peer's prefill."""
+        if self.remote is None:
+            return
+        if kv_transfer_params and kv_transfer_params.get("do_remote_prefill"):
+            take_offer(self.remote, kv_transfer_params)
+        elif self.client is not None:
             await self.client.prefill_all(prompts, salt)
 
     def answer(
@@ -58,5 +74,5 @@ class KVRoles:
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
-        if self.client is not None:
-            self.client.remote.close()
+        if self.remote is not None:
+            self.remote.close()

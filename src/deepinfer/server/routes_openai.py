@@ -85,7 +85,9 @@ async def completions(body: CompletionRequest, request: Request, server: StateDe
         server.check_fits([len(ids) for ids in id_lists], body.max_tokens, "max_tokens", "prompt")
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    streams = await server.add_all(rid, id_lists, body.n, params, body.cache_salt, "prompt", lora)
+    streams = await server.add_all(
+        rid, id_lists, body.n, params, body.cache_salt, "prompt", lora, body.kv_transfer_params
+    )
 
     def choice(
         index: int, c: CompletionOutput, text: str, ids: list[int], lps, finished: bool, start: int | None
@@ -194,7 +196,9 @@ async def chat(body: ChatCompletionRequest, request: Request, server: StateDep):
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     try:
-        streams = await server.add_all(rid, [ids], body.n, params, body.cache_salt, "messages", lora)
+        streams = await server.add_all(
+            rid, [ids], body.n, params, body.cache_salt, "messages", lora, body.kv_transfer_params
+        )
     except RequestError as exc:
         if exc.param == "logprobs":  # the engine's name for what chat calls top_logprobs
             exc.param = "top_logprobs"

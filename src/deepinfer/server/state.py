@@ -173,16 +173,18 @@ class ServerState:
         salt: str | None,
         field: str,
         lora: LoRARequest | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
         """Queue ``n`` siblings of every prompt (seeds offset per sibling, as ``LLM`` does),
-        run with the adapter ``lora`` (None: the base model).
+        run with the adapter ``lora`` (None: the base model); on a decode server, after taking
+        a prefill server's blocks (``kv_transfer_params``, or its peer's prefill).
         All or nothing: if one is refused the others are aborted; add errors become
         ``RequestError`` naming ``field`` for the prompt, or the sampling field, and an
         adapter unloaded before the engine took the request is the 404 of an unknown model."""
         streams: list[AsyncIterator[RequestOutput]] = []
         ids_added: list[str] = []
-        if self.kv_roles is not None and lora is None:  # a decode server: its peer prefills first
-            await self.kv_roles.before_queueing(prompts, salt)
+        if self.kv_roles is not None and lora is None:
+            await self.kv_roles.before_queueing(prompts, salt, kv_transfer_params)
         try:
             for p, ids in enumerate(prompts):
                 for j in range(n):
