@@ -132,11 +132,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, offline: bool) -> N
     parser.add_argument(
         "--enable-return-routed-experts",
         action="store_true",
-        help="each output carries the experts every token was routed to, per MoE layer (eager steps)",
+        help="each output carries the experts every token was routed to, per MoE layer",
     )
     if not offline:
         parser.add_argument("--max-model-len", type=int, default=None)
         parser.add_argument("--max-num-seqs", type=int, default=None)
+        parser.add_argument(
+            "--max-num-batched-tokens",
+            type=int,
+            default=None,
+            help="tokens one step computes at most: longer prompts are prefilled in chunks of this",
+        )
     parser.add_argument(
         "--speculative-config",
         type=json_object,

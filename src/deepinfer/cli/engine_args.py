@@ -28,6 +28,7 @@ _PASSED = (
 _WHEN_GIVEN = (
     "max_model_len",
     "max_num_seqs",
+    "max_num_batched_tokens",
     "max_loras",
     "max_lora_rank",
     "max_cpu_loras",
