@@ -6,9 +6,10 @@ step budget (1,024 tokens) and with prefill chunks of 128 (shorter stalls for th
 the same workload in turn (never both at once): ``--streams`` short prompts stream
 ``--stream-tokens`` tokens each from the start, while ``--long`` long prompts (distinct, no
 prefix shared with anything, so no cache helps either side) arrive one every ``--gap``
-seconds. Reported per form: the decoding streams' inter-token latency p50/p99 (the time
-between streamed chunks after the first, one token per chunk) and the time to first token of
-the streams and of the long prompts (p50/p99), and the run's wall time.
+seconds. Each form serves a warm-up workload, then ``--rounds`` workloads with their own
+prompts, pooled. Reported per form: the decoding streams' inter-token latency p50/p99/max
+(the time between streamed chunks after the first, one token per chunk), the time to first
+token of the streams and of the long prompts, and a workload's mean wall time.
 
 Run: ``python benchmarks/pd_disagg.py [--model smollm2-135m]``; prints a markdown table for
 ``benchmarks/RESULTS.md``.
@@ -113,6 +114,18 @@ async def _workload(url: str, args: argparse.Namespace) -> dict:
     }
 
 
+def _rounds(url: str, args: argparse.Namespace) -> dict:
+    """A warm-up workload, then ``--rounds`` workloads (each its own prompts), figures pooled."""
+    asyncio.run(_workload(url, argparse.Namespace(**{**vars(args), "seed": 10_000})))
+    pooled: dict = {"itl": [], "ttft_streams": [], "ttft_long": [], "wall": 0.0}
+    for r in range(args.rounds):
+        result = asyncio.run(_workload(url, argparse.Namespace(**{**vars(args), "seed": args.seed + r})))
+        for key in ("itl", "ttft_streams", "ttft_long"):
+            pooled[key] += result[key]
+        pooled["wall"] += result["wall"] / args.rounds
+    return pooled
+
+
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] * 1000
@@ -123,9 +136,10 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--stream-tokens", type=int, default=160)
-    parser.add_argument("--long", type=int, default=4)
+    parser.add_argument("--long", type=int, default=12)
     parser.add_argument("--long-words", type=int, default=500)
-    parser.add_argument("--gap", type=float, default=1.5)
+    parser.add_argument("--gap", type=float, default=0.5)
+    parser.add_argument("--rounds", type=int, default=3, help="workloads per form, their figures pooled")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rows = {}
@@ -135,15 +149,13 @@ def main() -> None:
     ):
         colocated = Server(args.model, "0,1", *options)
         try:
-            asyncio.run(_workload(colocated.url, argparse.Namespace(**{**vars(args), "seed": 99})))  # warm-up
-            rows[name] = asyncio.run(_workload(colocated.url, args))
+            rows[name] = _rounds(colocated.url, args)
         finally:
             colocated.stop()
     prefill = Server(args.model, "0", "--kv-role", "prefill")
     decode = Server(args.model, "1", "--kv-role", "decode", "--kv-peer", prefill.url)
     try:
-        asyncio.run(_workload(decode.url, argparse.Namespace(**{**vars(args), "seed": 99})))
-        rows["disaggregated (prefill core 0, decode core 1)"] = asyncio.run(_workload(decode.url, args))
+        rows["disaggregated (prefill core 0, decode core 1)"] = _rounds(decode.url, args)
     finally:
         decode.stop()
         prefill.stop()
@@ -153,7 +165,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
         print(
-            f"| {name} | {_pct(r['itl'], 0.5):.1f} | {_pct(r['itl'], 0.99):.1f} | "
+            f"| {name} | {_pct(r['itl'], 0.5):.1f} | {_pct(r['itl'], 0.99):.1f} | {max(r['itl']) * 1000:.0f} | "
             f"{statistics.median(r['ttft_streams']) * 1000:.0f} | {_pct(r['ttft_long'], 0.5):.0f} | "
             f"{_pct(r['ttft_long'], 0.99):.0f} | {r['wall']:.1f} |"
         )
