@@ -217,7 +217,7 @@ def worker_main(rank: int, size: int, port: int | None, mode: str, load_kwargs: 
         with torch.inference_mode(), running_step(step):
             model.step(input_ids.to(device), positions, batch)
     if follower is not None and tiers is not None:  # rank 0 stopped it before this message
-        follower.join()
+        follower.join(timeout=TIMEOUT_S)
         tiers.close()
     _leave_group()
 
