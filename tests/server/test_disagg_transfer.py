@@ -70,6 +70,8 @@ def test_remote_blocks_take_what_was_offered_and_report_a_gone_sender_as_missing
     remote = RemoteBlocks(ENTRY, "ns", timeout_s=3)
     try:
         assert not remote.offer([_key(1)], sender.host, sender.port, "other-namespace")
+        assert not remote.offer([_key(1)], "10.0.0.99", sender.port, "ns")  # not a trusted host
+        assert not remote.has(_key(1))
         assert remote.offer([_key(1)], sender.host, sender.port, "ns") and remote.has(_key(1))
         assert torch.equal(remote.fetch([_key(1)])[0], rows[_key(1)])
         assert not remote.has(_key(1))  # taken: the block lives in this server now
@@ -78,6 +80,6 @@ def test_remote_blocks_take_what_was_offered_and_report_a_gone_sender_as_missing
             port = unused.getsockname()[1]
         remote.offer([_key(2)], "127.0.0.1", port, "ns")
         assert remote.fetch([_key(2)]) == [None]
-        assert remote.stats.failed == 1 and remote.stats.offers_refused == 1
+        assert remote.stats.failed == 1 and remote.stats.offers_refused == 2
     finally:
         remote.close()

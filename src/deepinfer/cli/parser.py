@@ -146,6 +146,12 @@ def add_kv_role_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-transfer-port", type=int, default=0, help="its port for block transfers (0: any free one)"
     )
     parser.add_argument(
+        "--kv-trusted-hosts",
+        default="127.0.0.1,localhost",
+        help="comma-separated prefill hosts a decode server takes blocks from (an offered block "
+        "enters the shared prefix cache, so offers naming other hosts are refused)",
+    )
+    parser.add_argument(
         "--kv-transfer-timeout",
         type=float,
         default=30.0,

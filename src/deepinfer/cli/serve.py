@@ -8,6 +8,7 @@ import signal
 import threading
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlparse
 
 from deepinfer.cli.engine_args import llm_kwargs
 from deepinfer.server.limits import ServerLimits
@@ -32,8 +33,16 @@ def kv_roles(args: argparse.Namespace, kwargs: dict[str, Any]) -> Callable[[Any]
         return lambda llm: KVRoles.prefill(
             llm.engine.tiers, llm.engine.config.block_size, args.kv_transfer_host, args.kv_transfer_port
         )
+    trusted = [h.strip() for h in args.kv_trusted_hosts.split(",") if h.strip()]
+    if args.kv_peer is not None:  # the peer's own host is trusted
+        trusted.append(urlparse(args.kv_peer).hostname or "")
     return lambda llm: KVRoles.decode(
-        llm.engine.tiers, llm.engine.config.block_size, args.kv_peer, args.kv_transfer_timeout, args.api_key
+        llm.engine.tiers,
+        llm.engine.config.block_size,
+        args.kv_peer,
+        args.kv_transfer_timeout,
+        args.api_key,
+        trusted,
     )
 
 

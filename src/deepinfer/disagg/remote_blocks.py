@@ -31,15 +31,26 @@ class TransferStats:
     blocks: int = 0
     failed: int = 0  # fetches whose peer was gone or stalled
     corrupt: int = 0  # fetches whose rows failed the checksum
-    offers_refused: int = 0  # offers from a peer whose blocks are of another model or format
+    offers_refused: int = 0  # offers from an untrusted host, or of another model or format
 
 
 class RemoteBlocks:
     """Offered block hashes by prefill endpoint (at most ``capacity``, oldest dropped) and one
     connection per endpoint, made on first fetch."""
 
-    def __init__(self, entry_bytes: int, namespace: str, timeout_s: float, capacity: int = 1 << 16) -> None:
+    def __init__(
+        self,
+        entry_bytes: int,
+        namespace: str,
+        timeout_s: float,
+        trusted_hosts: frozenset[str] = frozenset({"127.0.0.1", "localhost"}),
+        capacity: int = 1 << 16,
+    ) -> None:
+        """``trusted_hosts``: the prefill servers whose offers are taken. An offered block
+        enters the prefix cache every request shares, so an offer naming another host, which
+        a client could send with its request, could plant rows under another prompt's hash."""
         self.entry_bytes, self.namespace, self.timeout_s = entry_bytes, namespace, timeout_s
+        self.trusted_hosts = trusted_hosts
         self.capacity = capacity
         self._offered: OrderedDict[bytes, Endpoint] = OrderedDict()
         self._receivers: dict[Endpoint, BlockReceiver] = {}
@@ -49,6 +60,11 @@ class RemoteBlocks:
     def offer(self, keys: list[bytes], host: str, port: int, namespace: str) -> bool:
         """A prefill server holds ``keys``; False (nothing kept) when its blocks are of another
         model, cache layout or element type than this server's (``namespace``)."""
+        if host not in self.trusted_hosts:
+            with self._lock:
+                self.stats.offers_refused += 1
+            logger.warning("KV transfer: an offer from %s, not a trusted prefill host, was refused", host)
+            return False
         if namespace != self.namespace:
             with self._lock:
                 self.stats.offers_refused += 1

@@ -38,12 +38,18 @@ class KVRoles:
 
     @classmethod
     def decode(
-        cls, tiers: KVTiers, block_size: int, peer: str | None, timeout_s: float, api_key: str | None = None
+        cls,
+        tiers: KVTiers,
+        block_size: int,
+        peer: str | None,
+        timeout_s: float,
+        api_key: str | None = None,
+        trusted_hosts: Sequence[str] = ("127.0.0.1", "localhost"),
     ) -> KVRoles:
         """Take prefill servers' blocks as a remote tier: those a request's own
         ``kv_transfer_params`` name (a proxy prefilled it), else those ``peer`` offers after
-        prefilling it (None: only the former)."""
-        remote = RemoteBlocks(tiers.codec.entry_bytes, tiers.namespace, timeout_s)
+        prefilling it (None: only the former); only from ``trusted_hosts``."""
+        remote = RemoteBlocks(tiers.codec.entry_bytes, tiers.namespace, timeout_s, frozenset(trusted_hosts))
         tiers.remote = remote
         client = None if peer is None else PrefillClient(peer, remote, timeout_s, api_key)
         return cls(tiers, block_size, client=client, remote=remote)
