@@ -2,7 +2,9 @@
 
 Disaggregated: a prefill server pinned to core 0 and a decode server (``--kv-peer``) pinned to
 core 1, one thread each. Colocated: one server on both cores, two threads, with its default
-step budget (1,024 tokens) and with prefill chunks of 128 (shorter stalls for the streams). Each form serves
+step budget (1,024 tokens) and with prefill chunks of 128 (shorter stalls for the streams);
+the pair also with ``--kv-remote-min-tokens 128`` (the streams' short prompts prefilled by the
+decode server itself, sparing their round trip). Each form serves
 the same workload in turn (never both at once): ``--streams`` short prompts stream
 ``--stream-tokens`` tokens each from the start, while ``--long`` long prompts (distinct, no
 prefix shared with anything, so no cache helps either side) arrive one every ``--gap``
@@ -152,13 +154,17 @@ def main() -> None:
             rows[name] = _rounds(colocated.url, args)
         finally:
             colocated.stop()
-    prefill = Server(args.model, "0", "--kv-role", "prefill")
-    decode = Server(args.model, "1", "--kv-role", "decode", "--kv-peer", prefill.url)
-    try:
-        rows["disaggregated (prefill core 0, decode core 1)"] = _rounds(decode.url, args)
-    finally:
-        decode.stop()
-        prefill.stop()
+    for name, options in (
+        ("disaggregated (prefill core 0, decode core 1)", ()),
+        ("disaggregated, prompts under 128 tokens prefilled by decode", ("--kv-remote-min-tokens", "128")),
+    ):
+        prefill = Server(args.model, "0", "--kv-role", "prefill")
+        decode = Server(args.model, "1", "--kv-role", "decode", "--kv-peer", prefill.url, *options)
+        try:
+            rows[name] = _rounds(decode.url, args)
+        finally:
+            decode.stop()
+            prefill.stop()
     print(
         "| form | ITL p50 ms | ITL p99 ms | ITL max ms | stream TTFT p50 ms | long TTFT p50 ms "
         "| long TTFT p99 ms | wall s |"

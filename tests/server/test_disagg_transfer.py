@@ -4,6 +4,7 @@ every row, and a sender that is gone fails the fetch."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import socket
 import threading
@@ -14,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepinfer.disagg import transfer
+from deepinfer.disagg.handover import PrefillClient
 from deepinfer.disagg.remote_blocks import RemoteBlocks
 from deepinfer.disagg.transfer import BlockReceiver, BlockSender
 
@@ -83,3 +85,14 @@ def test_remote_blocks_take_what_was_offered_and_report_a_gone_sender_as_missing
         assert remote.stats.failed == 1 and remote.stats.offers_refused == 2
     finally:
         remote.close()
+
+
+def test_prompts_under_the_threshold_are_not_sent_to_the_peer():
+    """``min_tokens``: a short prompt never reaches the peer (here nobody listens, so every
+    prompt that is sent counts as a failed prefill)."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    client = PrefillClient(f"http://127.0.0.1:{port}", RemoteBlocks(ENTRY, "ns", 3), 3, min_tokens=10)
+    asyncio.run(client.prefill_all([[1] * 9, [1] * 10, [1] * 30], None))
+    assert client.failed == 2

@@ -152,6 +152,13 @@ def add_kv_role_arguments(parser: argparse.ArgumentParser) -> None:
         "enters the shared prefix cache, so offers naming other hosts are refused)",
     )
     parser.add_argument(
+        "--kv-remote-min-tokens",
+        type=int,
+        default=0,
+        help="a decode server prefills prompts shorter than this itself (default 0: the peer "
+        "prefills every prompt)",
+    )
+    parser.add_argument(
         "--kv-transfer-timeout",
         type=float,
         default=30.0,

@@ -43,6 +43,7 @@ def kv_roles(args: argparse.Namespace, kwargs: dict[str, Any]) -> Callable[[Any]
         args.kv_transfer_timeout,
         args.api_key,
         trusted,
+        args.kv_remote_min_tokens,
     )
 
 

@@ -63,14 +63,23 @@ def take_offer(remote: RemoteBlocks, params: dict[str, Any]) -> bool:
 class PrefillClient:
     """A decode server's calls to its prefill peer (``--kv-peer``)."""
 
-    def __init__(self, peer: str, remote: RemoteBlocks, timeout_s: float, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        peer: str,
+        remote: RemoteBlocks,
+        timeout_s: float,
+        api_key: str | None = None,
+        min_tokens: int = 0,
+    ) -> None:
+        """``min_tokens``: shorter prompts are prefilled here (the round trip to the peer
+        costs more than their prefill)."""
         self.url = peer.rstrip("/") + "/v1/completions"
-        self.remote, self.timeout_s = remote, timeout_s
+        self.remote, self.timeout_s, self.min_tokens = remote, timeout_s, min_tokens
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.failed = 0  # prefills the peer did not answer: computed here instead
 
     async def prefill_all(self, prompts: Sequence[Sequence[int]], salt: str | None) -> None:
-        await asyncio.gather(*(self.prefill(p, salt) for p in prompts))
+        await asyncio.gather(*(self.prefill(p, salt) for p in prompts if len(p) >= self.min_tokens))
 
     async def prefill(self, ids: Sequence[int], salt: str | None) -> bool:
         """Have the peer prefill ``ids`` and note the blocks it offers; False (nothing offered,

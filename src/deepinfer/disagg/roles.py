@@ -45,13 +45,15 @@ class KVRoles:
         timeout_s: float,
         api_key: str | None = None,
         trusted_hosts: Sequence[str] = ("127.0.0.1", "localhost"),
+        min_remote_tokens: int = 0,
     ) -> KVRoles:
         """Take prefill servers' blocks as a remote tier: those a request's own
         ``kv_transfer_params`` name (a proxy prefilled it), else those ``peer`` offers after
-        prefilling it (None: only the former); only from ``trusted_hosts``."""
+        prefilling it (None: only the former; prompts shorter than ``min_remote_tokens`` are
+        prefilled here); only from ``trusted_hosts``."""
         remote = RemoteBlocks(tiers.codec.entry_bytes, tiers.namespace, timeout_s, frozenset(trusted_hosts))
         tiers.remote = remote
-        client = None if peer is None else PrefillClient(peer, remote, timeout_s, api_key)
+        client = None if peer is None else PrefillClient(peer, remote, timeout_s, api_key, min_remote_tokens)
         return cls(tiers, block_size, client=client, remote=remote)
 
     async def before_queueing(
