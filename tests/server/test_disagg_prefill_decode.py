@@ -90,6 +90,8 @@ def test_a_pair_answers_what_one_server_answers(prefill_server, expected):
             assert _replies(live, _prompts(seed, 4)) == expected[seed]
         stats = llm.engine.tiers.stats()
         assert stats.hit_blocks["remote"] > 0, "no block came from the prefill server"
+        # the second round's shared passage came from this server's own pool, not the peer's
+        assert llm.engine.block_pools[0].hit_blocks > 0
         assert roles.client is not None and roles.client.failed == 0
         assert roles.client.remote.stats.failed == roles.client.remote.stats.corrupt == 0
         _check_no_leak(llm)

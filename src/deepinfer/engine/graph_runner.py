@@ -185,8 +185,8 @@ class DecodeGraphRunner:
         out = static.replay()
         if isinstance(out, tuple):
             logits, routing = out
-            if batch.routing is not None:
-                batch.routing.keep(routing.clone())
+            if batch.routing is not None:  # read (and copied) before the next replay
+                batch.routing.keep(routing)
             return logits.clone()
         return out.clone()
 
